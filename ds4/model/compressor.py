@@ -1,0 +1,112 @@
+"""KV compressor (spec §5.4): ratio-4 overlapped (CSA) and plain ratio-m (HCA), prefill and decode.
+
+Per token t: kv_t = wkv(x_t), z_t = wgate(x_t) + ape[t mod m], both fp32. An entry pools, per
+channel, softmax(z) * kv over its window's slots; CSA entries pool 2m slots: the lower halves
+(dims [0:w]) of the previous window's tokens and the upper halves (dims [w:2w]) of their own.
+Entry w is normed, RoPE'd at position w*m and (qat) FP8/FP4-simulated, and is visible from the
+token that completes it: token t sees entries 0 .. (t+1)//m - 1.
+
+Decode keeps the reference's state machine in preallocated fp32 buffers (spec §5.4): HCA slots
+[m, w]; CSA slots [2m, 2w], 0..m-1 = previous window, m..2m-1 = current. The in-progress entry
+is recomputed and written to cache slot pos//m on every step; it stays invisible until its
+window completes, so no host-side branch is needed.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from ds4.model.args import ModelArgs
+from ds4.model.norm import rms_norm
+from ds4.model.rope import apply_rope, cos_sin
+from ds4.model.weights_module import WeightsModule
+from ds4.quant import act_quant_sim, fp4_act_quant_sim, hadamard
+
+
+class Compressor(WeightsModule):
+    def __init__(self, args: ModelArgs, ratio: int, width: int, overlap: bool, for_indexer: bool):
+        super().__init__()
+        self.args, self.m, self.w, self.overlap, self.for_indexer = args, ratio, width, overlap, for_indexer
+        self.coff = 2 if overlap else 1
+
+    def load(self, t: Mapping[str, Tensor], prefix: str) -> None:
+        self.wkv = self.take("wkv", t, f"{prefix}.wkv.weight")
+        self.wgate = self.take("wgate", t, f"{prefix}.wgate.weight")
+        self.ape = self.take("ape", t, f"{prefix}.ape")
+        self.norm = self.take("norm", t, f"{prefix}.norm.weight")
+
+    # ---- shared pieces ----------------------------------------------------------------------
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [..., dim] -> kv, z [..., coff*w] fp32 (no ape yet). The reference keeps these weights fp32."""
+        xf = x.float()
+        return xf @ self.wkv.float().t(), xf @ self.wgate.float().t()
+
+    def finish(self, pooled: Tensor, positions: Tensor, freqs: Tensor, qat: bool, dtype: torch.dtype) -> Tensor:
+        """pooled [..., w] fp32 -> cache entry [..., w] in `dtype`: norm, RoPE at `positions`, qat simulation."""
+        c = rms_norm(pooled.to(dtype), self.norm, self.args.norm_eps)
+        cos, sin = cos_sin(freqs, positions)
+        c = apply_rope(c, cos, sin)
+        if qat:
+            if self.for_indexer:
+                c = fp4_act_quant_sim(hadamard(c), 32)
+            else:
+                nope = self.w - self.args.rope_head_dim
+                c = torch.cat((act_quant_sim(c[..., :nope], 64), c[..., nope:]), -1)
+        return c
+
+    # ---- prefill: one sequence, positions 0..S-1 ---------------------------------------------
+    def prefill(self, x: Tensor, freqs: Tensor, qat: bool, state: dict[str, Tensor]) -> Tensor:
+        """x [S, dim] -> entries [S//m, w]; fills state['kv'], state['score'] ([slots, coff*w]) for decode."""
+        m, w, S = self.m, self.w, x.shape[0]
+        kv, z = self.project(x)
+        z = z + self.ape[torch.arange(S, device=x.device) % m]
+        n, cut = S // m, (S // m) * m
+        state["kv"].zero_()
+        state["score"].fill_(float("-inf"))
+        off = m if self.overlap else 0
+        rem = S - cut
+        if rem:
+            state["kv"][off:off + rem] = kv[cut:]
+            state["score"][off:off + rem] = z[cut:]
+        if self.overlap and n:
+            state["kv"][:m] = kv[cut - m:cut]
+            state["score"][:m] = z[cut - m:cut]
+        if n == 0:
+            return kv.new_zeros(0, w, dtype=x.dtype)
+        kvw, zw = kv[:cut].view(n, m, -1), z[:cut].view(n, m, -1)
+        if self.overlap:
+            prev_kv = torch.cat((kvw.new_zeros(1, m, w), kvw[:-1, :, :w]), 0)
+            prev_z = torch.cat((zw.new_full((1, m, w), float("-inf")), zw[:-1, :, :w]), 0)
+            kvw = torch.cat((prev_kv, kvw[:, :, w:]), 1)                # [n, 2m, w]
+            zw = torch.cat((prev_z, zw[:, :, w:]), 1)
+        pooled = (kvw * zw.softmax(1)).sum(1)                             # [n, w]
+        pos = torch.arange(n, device=x.device) * m
+        return self.finish(pooled, pos, freqs, qat, x.dtype)
+
+    # ---- decode: one token per row at positions pos [B] --------------------------------------
+    def decode(self, x: Tensor, pos: Tensor, freqs: Tensor, qat: bool, state: dict[str, Tensor],
+               cache: Tensor) -> None:
+        """x [B, dim]; writes the token into the state and the (possibly in-progress) entry
+        into cache[b, pos//m]."""
+        m, w, B = self.m, self.w, x.shape[0]
+        rows = torch.arange(B, device=x.device)
+        kv, z = self.project(x)
+        z = z + self.ape[pos % m]
+        slot = pos % m + (m if self.overlap else 0)
+        skv, ssc = state["kv"], state["score"]                          # [B, slots, coff*w]
+        skv[rows, slot] = kv
+        ssc[rows, slot] = z
+        if self.overlap:
+            kvw = torch.cat((skv[:, :m, :w], skv[:, m:, w:]), 1)          # [B, 2m, w]
+            zw = torch.cat((ssc[:, :m, :w], ssc[:, m:, w:]), 1)
+        else:
+            kvw, zw = skv, ssc
+        pooled = (kvw * zw.softmax(1)).sum(1)                             # [B, w]
+        entry = self.finish(pooled, (pos // m) * m, freqs, qat, cache.dtype)
+        cache[rows, pos // m] = entry
+        if self.overlap:  # window complete: current slots become the previous window
+            done = ((pos + 1) % m == 0).view(B, 1, 1)
+            skv[:, :m] = torch.where(done, skv[:, m:], skv[:, :m])
+            ssc[:, :m] = torch.where(done, ssc[:, m:], ssc[:, :m])

@@ -1,0 +1,55 @@
+"""Lightning indexer of CSA layers (spec §5.5): picks the top-k compressed entries per query.
+
+scores[t, s] = sum_h w[t, h] * ReLU(qI[t, h] . K[s]),  w = weights_proj(x) * (d^-0.5 * H^-0.5)
+`qat` adds the reference's Hadamard rotation + FP4 simulation of q and keys and BF16 scores.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ds4.model.args import ModelArgs
+from ds4.model.compressor import Compressor
+from ds4.model.rope import apply_rope, cos_sin
+from ds4.model.weights_module import WeightsModule, weight_format
+from ds4.quant import fp4_act_quant_sim, hadamard
+
+
+class Indexer(WeightsModule):
+    def __init__(self, args: ModelArgs, layer: int, ops, qat: bool):
+        super().__init__()
+        self.args, self.ops, self.qat = args, ops, qat
+        self.m = args.ratio(layer)
+        self.compressor = Compressor(args, self.m, args.index_head_dim, overlap=True, for_indexer=True)
+
+    def load(self, t: Mapping[str, Tensor], prefix: str) -> None:
+        self.wq_b = self.take_linear("wq_b", t, f"{prefix}.wq_b", weight_format(t[f"{prefix}.wq_b.weight"]))
+        self.weights_proj = self.take("weights_proj", t, f"{prefix}.weights_proj.weight")
+        self.compressor.load(t, f"{prefix}.compressor")
+        self.n_heads = self.weights_proj.shape[0]  # local heads under tensor parallelism
+
+    def query(self, qr: Tensor, x: Tensor, positions: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
+        """qr [..., q_lora], x [..., dim], positions [...] -> qI [..., H, d], head weights [..., H] fp32."""
+        a, d = self.args, self.args.index_head_dim
+        q = self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, d))
+        cos, sin = cos_sin(freqs, positions)
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        if self.qat:
+            q = fp4_act_quant_sim(hadamard(q), 32)
+        w = F.linear(x, self.weights_proj.to(x.dtype)).float() * (d ** -0.5 * a.index_n_heads ** -0.5)
+        return q, w
+
+    def scores(self, q: Tensor, w: Tensor, keys: Tensor) -> Tensor:
+        """q [B, S, H, d], w [B, S, H], keys [B, T, d] -> [B, S, T] (partial sum over local heads)."""
+        return self.ops.indexer.scores(q, w, keys, bf16=self.qat)
+
+    def select(self, scores: Tensor, visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Top-k of the visible entries: scores [B, S, T], visible [B, S, T] bool -> (idx [B, S, k]
+        clamped to valid range, valid [B, S, k])."""
+        scores = scores.float().masked_fill(~visible, float("-inf"))
+        idx = scores.topk(k, dim=-1).indices
+        valid = visible.gather(-1, idx)
+        return idx, valid

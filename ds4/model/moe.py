@@ -1,0 +1,59 @@
+"""Mixture of experts block (spec §6): router, routed experts (local to this rank), shared expert."""
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from ds4.model.args import ModelArgs
+from ds4.model.weights_module import WeightsModule, weight_format
+from ds4.ops.base import MoEWeights
+from ds4.profile import NULL_PROFILER
+
+
+class MoE(WeightsModule):
+    def __init__(self, args: ModelArgs, is_hash: bool, ops, qat: bool, comm, profiler=NULL_PROFILER):
+        super().__init__()
+        self.args, self.is_hash, self.ops, self.qat, self.comm, self.prof = args, is_hash, ops, qat, comm, profiler
+
+    def load(self, t: Mapping[str, Tensor], p: str) -> None:
+        a = self.args
+        gate = self.take("gate", t, f"{p}.gate.weight")
+        bias = tid2eid = None
+        if self.is_hash:
+            # The reference holds tid2eid as int32 (half the bytes of the int64 in the file).
+            tid2eid = t[f"{p}.gate.tid2eid"].to(torch.int32)
+            self.register_buffer("tid2eid", tid2eid, persistent=False)
+        else:
+            bias = self.take("bias", t, f"{p}.gate.bias")
+        pat = re.compile(re.escape(p) + r"\.experts\.(\d+)\.w1\.weight$")
+        local = sorted(int(m.group(1)) for k in t if (m := pat.match(k)))
+        if not local or local != list(range(local[0], local[0] + len(local))):
+            raise KeyError(f"{p}: routed experts must be a non-empty contiguous id range, found {local[:8]}...")
+        names = lambda w: [f"{p}.experts.{e}.{w}" for e in local]  # noqa: E731
+        efmt = weight_format(t[f"{names('w1')[0]}.weight"])
+        sfmt = weight_format(t[f"{p}.shared_experts.w1.weight"])
+        self.mw = MoEWeights(
+            gate=gate, bias=bias, tid2eid=tid2eid,
+            w1=self.take_stacked("w1", t, names("w1"), efmt),
+            w2=self.take_stacked("w2", t, names("w2"), efmt),
+            w3=self.take_stacked("w3", t, names("w3"), efmt),
+            shared_w1=self.take_linear("shared_w1", t, f"{p}.shared_experts.w1", sfmt),
+            shared_w2=self.take_linear("shared_w2", t, f"{p}.shared_experts.w2", sfmt),
+            shared_w3=self.take_linear("shared_w3", t, f"{p}.shared_experts.w3", sfmt),
+            n_experts=a.n_routed_experts, expert_offset=local[0], topk=a.n_activated_experts,
+            route_scale=a.route_scale, swiglu_limit=a.swiglu_limit)
+
+    def forward(self, x: Tensor, token_ids: Tensor) -> Tensor:
+        """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert."""
+        moe = self.ops.moe
+        with self.prof("moe.gate"):
+            w, ids = moe.route(x, token_ids, self.mw)
+        with self.prof("moe.routed"):
+            y = moe.routed(x, w, ids, self.mw, act_quant=self.qat)
+        y = self.comm.all_reduce(y, "moe")
+        with self.prof("moe.shared"):
+            y = y + moe.shared(x, self.mw, act_quant=self.qat).float()
+        return y.to(x.dtype)

@@ -1,0 +1,52 @@
+"""Interleaved partial RoPE on the last `rope_head_dim` dims, with YaRN on compressed layers (spec §5.3)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ds4.model.args import ModelArgs
+
+
+def _correction_dim(rotations: float, dim: int, base: float, max_seq_len: int) -> float:
+    return dim * math.log(max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def inv_freq(args: ModelArgs, layer: int, device=None) -> Tensor:
+    """Per-pair frequencies f_i [rope_head_dim/2] fp32 for layer `layer`.
+
+    Pure sliding-window layers use rope_theta without YaRN; layers with a compressor use
+    compress_rope_theta with YaRN for every rotation in the layer. No mscale anywhere."""
+    dim = args.rope_head_dim
+    compressed = args.ratio(layer) != 0
+    base = args.compress_rope_theta if compressed else args.rope_theta
+    f = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if compressed and args.rope_factor != 1.0:
+        low = max(math.floor(_correction_dim(args.beta_fast, dim, base, args.original_seq_len)), 0)
+        high = min(math.ceil(_correction_dim(args.beta_slow, dim, base, args.original_seq_len)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+        f = f / args.rope_factor * ramp + f * (1 - ramp)
+    return f
+
+
+def cos_sin(freqs: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """positions [...] (int, device tensor) -> cos, sin [..., rope_head_dim/2] fp32."""
+    ang = positions.to(torch.float32).unsqueeze(-1) * freqs
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """Rotate the last 2*cos.shape[-1] dims of x as interleaved pairs (x[2i], x[2i+1]).
+
+    cos/sin broadcast against x[..., :R/2] (insert head dims at the caller). Rotation in fp32,
+    result written back in x.dtype; `inverse` applies the conjugate (output de-rotation)."""
+    r = 2 * cos.shape[-1]
+    rope = x[..., -r:].float().unflatten(-1, (-1, 2))
+    even, odd = rope[..., 0], rope[..., 1]
+    if inverse:
+        sin = -sin
+    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)

@@ -1,0 +1,245 @@
+"""The DeepSeek-V4 stack (spec §3): embedding, hyper-connected blocks, hc_head, norm, LM head, MTP.
+
+The model is built from plain dataclasses (ModelArgs, registry.Ops) and filled with tensors in
+the official naming by `load_weights`. `prefill` runs one sequence into one row of the decode
+state; `decode` advances every row by one token at the positions held in the state (device
+tensors), with no host synchronisation, so a whole step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from ds4.dist import SingleProcess
+from ds4.model.args import ModelArgs
+from ds4.model.attention import Attention
+from ds4.model.moe import MoE
+from ds4.model.norm import rms_norm
+from ds4.model.weights_module import WeightsModule, weight_format
+from ds4.profile import NULL_PROFILER, Profiler
+
+
+@dataclass
+class DecodeState:
+    """Everything decode reads and writes, preallocated for (max_batch, max_seq_len) (spec §9)."""
+    layers: list[dict[str, Tensor]]
+    pos: Tensor            # [B] int64: position of the next token of each row
+    max_seq_len: int
+
+    def reset_row(self, row: int) -> None:
+        """Fresh sequence in `row`: zero caches, kv state 0, score state -inf (the reference forgets this)."""
+        for st in self.layers:
+            for k, v in st.items():
+                v[row].fill_(float("-inf") if k.endswith("_score") else 0)
+        self.pos[row] = 0
+
+
+class Block(WeightsModule):
+    def __init__(self, args: ModelArgs, layer: int, is_hash: bool, ops, qat: bool, comm, prof: Profiler):
+        super().__init__()
+        self.args, self.ops, self.prof = args, ops, prof
+        self.attn = Attention(args, layer, ops, qat, comm, prof)
+        self.ffn = MoE(args, is_hash, ops, qat, comm, prof)
+
+    def load(self, t: Mapping[str, Tensor], p: str) -> None:
+        for site in ("attn", "ffn"):
+            for part in ("fn", "base", "scale"):
+                self.take(f"hc_{site}_{part}", t, f"{p}.hc_{site}_{part}")
+        self.attn_norm = self.take("attn_norm", t, f"{p}.attn_norm.weight")
+        self.ffn_norm = self.take("ffn_norm", t, f"{p}.ffn_norm.weight")
+        self.attn.load(t, f"{p}.attn")
+        self.ffn.load(t, f"{p}.ffn")
+
+    def forward(self, h: Tensor, token_ids: Tensor, attend: Callable[[Attention, Tensor], Tensor]) -> Tensor:
+        """h [N, hc, dim] residual streams; `attend(attn, x)` runs prefill or decode attention."""
+        a, hc = self.args, self.ops.hc
+        with self.prof("hc.pre"):
+            x, post, comb = hc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
+                                   a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        x = attend(self.attn, rms_norm(x, self.attn_norm, a.norm_eps))
+        with self.prof("hc.post"):
+            h = hc.post(x, h, post, comb)
+        with self.prof("hc.pre"):
+            x, post, comb = hc.pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
+                                   a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        x = self.ffn(rms_norm(x, self.ffn_norm, a.norm_eps), token_ids)
+        with self.prof("hc.post"):
+            return hc.post(x, h, post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token-prediction block (spec §8): combines the main model's last hidden streams at
+    position i with the embedding of token i+1 and predicts token i+2. Shares embed and head."""
+
+    def load(self, t: Mapping[str, Tensor], p: str) -> None:
+        super().load(t, p)
+        fmt = weight_format(t[f"{p}.e_proj.weight"])
+        self.e_proj = self.take_linear("e_proj", t, f"{p}.e_proj", fmt)
+        self.h_proj = self.take_linear("h_proj", t, f"{p}.h_proj", fmt)
+        for n in ("enorm", "hnorm", "norm"):
+            self.take(n, t, f"{p}.{n}.weight")
+        for part in ("fn", "base", "scale"):
+            self.take(f"hc_head_{part}", t, f"{p}.hc_head_{part}")
+
+
+class Transformer(WeightsModule):
+    def __init__(self, args: ModelArgs, ops, numerics: str = "plain", dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
+                 profiler: Profiler | None = None, comm=None):
+        super().__init__()
+        if numerics not in ("plain", "qat"):
+            raise ValueError(f"numerics must be plain|qat, got {numerics!r}")
+        self.args, self.ops, self.numerics, self.dtype = args, ops, numerics, dtype
+        self.device, self.rank, self.world = torch.device(device), rank, world
+        self.prof = profiler or NULL_PROFILER
+        self.comm = comm or SingleProcess()
+        qat = numerics == "qat"
+        self.layers = torch.nn.ModuleList(
+            Block(args, i, args.is_hash(i), ops, qat, self.comm, self.prof) for i in range(args.n_layers))
+        self.mtp = torch.nn.ModuleList(
+            MTPBlock(args, args.n_layers + j, False, ops, qat, self.comm, self.prof) for j in range(args.n_mtp_layers))
+        self.has_mtp = False
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
+        """Take tensors (official naming, native formats, this rank's slices). Tensors already on
+        the model's device are used as they are (no copy); others are moved."""
+        t = {k: (v if v.device == self.device else v.to(self.device)) for k, v in tensors.items()}
+        self.embed = self.take("embed", t, "embed.weight")
+        self.head = self.take("head", t, "head.weight")
+        self.norm = self.take("norm", t, "norm.weight")
+        for part in ("fn", "base", "scale"):
+            self.take(f"hc_head_{part}", t, f"hc_head_{part}")
+        for i, blk in enumerate(self.layers):
+            blk.load(t, f"layers.{i}")
+        self.has_mtp = all(f"mtp.{j}.e_proj.weight" in t for j in range(len(self.mtp))) and len(self.mtp) > 0
+        if self.has_mtp:
+            for j, blk in enumerate(self.mtp):
+                blk.load(t, f"mtp.{j}")
+
+    def alloc_state(self, max_batch: int, max_seq_len: int) -> DecodeState:
+        layers = [b.attn.alloc_state(max_batch, max_seq_len, self.dtype, self.device) for b in self.layers]
+        return DecodeState(layers, torch.zeros(max_batch, dtype=torch.long, device=self.device), max_seq_len)
+
+    # ---- pieces -----------------------------------------------------------------------------
+    def _embed(self, ids: Tensor) -> Tensor:
+        """ids [N] -> residual streams [N, hc, dim] (the embedding copied into every stream)."""
+        with self.prof("embed"):
+            vocab_local = self.embed.shape[0]
+            if self.world > 1:  # vocab-parallel: ids outside this rank's slice contribute zero
+                local = ids - self.rank * vocab_local
+                ok = (local >= 0) & (local < vocab_local)
+                e = self.embed[local.clamp(0, vocab_local - 1)] * ok.unsqueeze(-1)
+                e = self.comm.all_reduce(e.float(), "embed")
+            else:
+                e = self.embed[ids]
+            return e.to(self.dtype).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+
+    def logits(self, h: Tensor, fn=None, scale=None, base=None, norm=None) -> Tensor:
+        """h [N, hc, dim] -> fp32 logits [N, vocab]: hc_head, final norm, LM head (fp32 accumulate)."""
+        a = self.args
+        with self.prof("head"):
+            y = self.ops.hc.head(h, self.hc_head_fn if fn is None else fn, self.hc_head_scale if scale is None else scale,
+                                 self.hc_head_base if base is None else base, a.hc_eps, a.norm_eps)
+            y = rms_norm(y, self.norm if norm is None else norm, a.norm_eps)
+            return self.comm.gather_vocab(_head_matmul(y, self.head))
+
+    # ---- prefill / decode ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: Tensor, state: DecodeState, row: int, return_hidden: bool = False):
+        """ids [S] of one sequence -> logits [vocab] fp32 for its last position; fills `row` of the
+        state (which must have been reset) and sets its position to S."""
+        S = ids.shape[0]
+        if S > state.max_seq_len:
+            raise ValueError(f"prompt of {S} tokens is longer than max_seq_len={state.max_seq_len}")
+        h = self._embed(ids)
+        for blk, st in zip(self.layers, state.layers):
+            h = blk(h, ids, lambda attn, x, st=st: attn.prefill(x, st, row))
+        state.pos[row] = S
+        out = self.logits(h[-1:])[0]
+        return (out, h) if return_hidden else out
+
+    @torch.inference_mode()
+    def decode(self, ids: Tensor, state: DecodeState) -> Tensor:
+        """ids [B] (next token of every row) at positions state.pos -> logits [B, vocab] fp32; advances pos."""
+        pos = state.pos[: ids.shape[0]]
+        h = self._embed(ids)
+        for blk, st in zip(self.layers, state.layers):
+            h = blk(h, ids, lambda attn, x, st=st: attn.decode(x, pos, st))
+        pos.add_(1)
+        return self.logits(h)
+
+    @torch.inference_mode()
+    def mtp_logits(self, h: Tensor, next_ids: Tensor) -> Tensor:
+        """MTP forward over one sequence (stateless): h [S, hc, dim] main hidden streams before hc_head
+        at positions 0..S-1, next_ids [S] = tokens 1..S -> logits [S, vocab] predicting tokens 2..S+1."""
+        if not self.has_mtp:
+            raise RuntimeError("this model was loaded without MTP weights")
+        blk: MTPBlock = self.mtp[0]
+        a, S = self.args, h.shape[0]
+        e = rms_norm(self.embed[next_ids].to(self.dtype), blk.enorm, a.norm_eps)
+        hh = rms_norm(h, blk.hnorm, a.norm_eps)
+        x = self.ops.linear(e, blk.e_proj).unsqueeze(1) + self.ops.linear(hh, blk.h_proj)
+        st = blk.attn.alloc_state(1, S, self.dtype, self.device)
+        x = blk(x, next_ids, lambda attn, xx: attn.prefill(xx, st, 0))
+        return self.logits(x, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, blk.norm)
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def param_count(self, include_mtp: bool = False) -> int:
+        """Logical parameters held (FP4 counts one per value; scales and tid2eid not counted)."""
+        n = 0
+        for name, b in self.named_buffers():
+            if b.dtype == torch.float8_e8m0fnu or name.endswith("tid2eid") or name.endswith("freqs"):
+                continue
+            if name.startswith("mtp.") and not include_mtp:
+                continue
+            n += b.numel() * (2 if b.dtype in (torch.int8, torch.uint8) else 1)
+        return n
+
+    def bytes_per_token(self, context_len: int = 0) -> int:
+        """Bytes one decode step (batch 1) must read at `context_len` tokens of context: the
+        weights (`weight_bytes_per_token`) plus the KV cache reads (spec §9)."""
+        return self.weight_bytes_per_token() + self.kv_bytes_per_token(context_len)
+
+    def weight_bytes_per_token(self) -> int:
+        """Every weight once, except: one embedding row, one tid2eid row, the k selected of the
+        routed experts (k*E_local/E on average on this rank), and no MTP (spec §13.2)."""
+        a, total = self.args, 0
+        for name, b in self.named_buffers():
+            if name.startswith("mtp.") or name.endswith("freqs"):
+                continue
+            nb = b.numel() * b.element_size()
+            if name == "embed":
+                nb = b.shape[1] * b.element_size()
+            elif name.endswith("tid2eid"):
+                nb = b.shape[1] * b.element_size()
+            elif ".ffn." in name and name.split(".")[-1].split("_")[0] in ("w1", "w2", "w3"):
+                nb = nb * a.n_activated_experts // a.n_routed_experts
+            total += nb
+        return total
+
+    def kv_bytes_per_token(self, context_len: int) -> int:
+        """KV reads of one decode step: window ring, HCA entries, CSA indexer keys + selected entries."""
+        a, total = self.args, 0
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        for i in range(a.n_layers):
+            total += a.window_size * a.head_dim * elt
+            m, kind = a.ratio(i), a.layer_type(i)
+            n = context_len // m if m else 0
+            if kind == "hca":
+                total += n * a.head_dim * elt
+            elif kind == "csa":
+                total += n * a.index_head_dim * elt + min(a.index_topk, n) * a.head_dim * elt
+        return total
+
+
+def _head_matmul(y: Tensor, head: Tensor) -> Tensor:
+    """fp32 logits of y [N, dim] against the BF16 head [V, dim] without an fp32 copy of the head
+    on CUDA (bf16 inputs, fp32 accumulate and output); upcast in chunks elsewhere."""
+    if y.is_cuda and head.dtype == torch.bfloat16:
+        return torch.mm(y.to(torch.bfloat16), head.t(), out_dtype=torch.float32)
+    yf = y.float()
+    return torch.cat([yf @ head[i:i + 16384].float().t() for i in range(0, head.shape[0], 16384)], -1)

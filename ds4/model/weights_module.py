@@ -1,0 +1,60 @@
+"""A module whose weights are stored tensors in checkpoint-native formats.
+
+Weights are registered as (non-persistent) buffers so `named_buffers()` sees every byte the
+model holds (for bytes/token and parameter counts); QWeight views group a linear layer's
+stored weight and scale. Nothing is copied or converted here: the loader creates tensors on
+the right device in the right format, and this module only files them.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from ds4.ops.base import QWeight
+
+
+class WeightsModule(nn.Module):
+    def take(self, attr: str, tensors: Mapping[str, Tensor], name: str) -> Tensor:
+        t = _get(tensors, name)
+        self.register_buffer(attr, t, persistent=False)
+        return t
+
+    def take_linear(self, attr: str, tensors: Mapping[str, Tensor], name: str, fmt: str) -> QWeight:
+        w = _get(tensors, f"{name}.weight")
+        s = tensors.get(f"{name}.scale") if fmt != "bf16" else None
+        if fmt != "bf16" and s is None:
+            raise KeyError(f"missing tensor {name}.scale (format {fmt})")
+        self.register_buffer(f"{attr}_weight", w, persistent=False)
+        if s is not None:
+            self.register_buffer(f"{attr}_scale", s, persistent=False)
+        q = QWeight(fmt, w, s)
+        setattr(self, attr, q)  # plain attribute (not a buffer)
+        return q
+
+    def take_stacked(self, attr: str, tensors: Mapping[str, Tensor], names: list[str], fmt: str) -> QWeight:
+        """Stack per-expert linear layers into one [E, ...] QWeight (one copy at load time, same bytes)."""
+        w = torch.stack([_get(tensors, f"{n}.weight") for n in names])
+        s = torch.stack([_get(tensors, f"{n}.scale") for n in names]) if fmt != "bf16" else None
+        self.register_buffer(f"{attr}_weight", w, persistent=False)
+        if s is not None:
+            self.register_buffer(f"{attr}_scale", s, persistent=False)
+        q = QWeight(fmt, w, s)
+        setattr(self, attr, q)
+        return q
+
+
+def _get(tensors: Mapping[str, Tensor], name: str) -> Tensor:
+    if name not in tensors:
+        raise KeyError(f"missing tensor {name}")
+    return tensors[name]
+
+
+def weight_format(t: Tensor) -> str:
+    """The storage format of a linear weight tensor, from its dtype."""
+    if t.dtype == torch.float8_e4m3fn:
+        return "fp8"
+    if t.dtype in (torch.int8, torch.uint8):
+        return "fp4"
+    return "bf16"

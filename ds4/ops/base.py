@@ -1,0 +1,96 @@
+"""What an implementation of a swappable component must provide.
+
+The model math (ds4/model) calls these interfaces; `ds4.registry` maps config names to
+objects implementing them. Every fast implementation has the torch reference as its twin
+(vLLM's forward_native idea) and is tested against it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class QWeight:
+    """One linear layer's weight in its storage format (spec §10.3).
+
+    fmt "fp8":  weight float8_e4m3fn [..., O, I], scale float8_e8m0fnu [..., ceil(O/128), ceil(I/128)]
+    fmt "fp4":  weight int8 [..., O, I/2] (low nibble = even element), scale e8m0 [..., O, I/32]
+    fmt "bf16": weight bfloat16 or float32 [..., O, I], scale None
+    A leading dim, when present, stacks experts: [E, O, ...].
+    """
+    fmt: str
+    weight: Tensor
+    scale: Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[-1] * (2 if self.fmt == "fp4" else 1)
+
+    def dequant(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        from ds4.quant import dequant_fp4, dequant_fp8
+        if self.fmt == "fp8":
+            return dequant_fp8(self.weight, self.scale, dtype)
+        if self.fmt == "fp4":
+            return dequant_fp4(self.weight, self.scale, dtype)
+        return self.weight.to(dtype)
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (self.scale.nbytes if self.scale is not None else 0)
+
+    def __getitem__(self, idx) -> "QWeight":
+        """Select experts along the leading dim (e.g. a device tensor of expert ids)."""
+        return QWeight(self.fmt, self.weight[idx], None if self.scale is None else self.scale[idx])
+
+
+class LinearImpl(Protocol):
+    """Dense projection y = x @ W^T for one QWeight (no leading expert dim).
+
+    `act_quant` is the `qat` numerics mode: FP8-quantise the activation per 128 input
+    channels (power-of-two scale) before an FP8/FP4 GEMM, like the official reference."""
+    name: str
+
+    def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False) -> Tensor:  # [..., I] -> [..., O], x.dtype
+        ...
+
+
+@dataclass
+class MoEWeights:
+    """One layer's MoE (spec §6). Routed experts are stacked: w1/w3 [E_local, inter, dim], w2 [E_local, dim, inter]."""
+    gate: Tensor                 # bf16 [E, dim] (all experts: every rank routes the same way)
+    bias: Tensor | None          # f32 [E] for learned layers
+    tid2eid: Tensor | None       # int32 [vocab, topk] for hash layers
+    w1: QWeight
+    w2: QWeight
+    w3: QWeight
+    shared_w1: QWeight
+    shared_w2: QWeight
+    shared_w3: QWeight
+    n_experts: int               # global number of routed experts
+    expert_offset: int           # global id of local expert 0 (expert parallel)
+    topk: int
+    route_scale: float
+    swiglu_limit: float
+
+
+class MoEImpl(Protocol):
+    name: str
+
+    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
+        """x [N, dim], token_ids [N] -> (weights f32 [N, k], global expert ids int64 [N, k])."""
+        ...
+
+    def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+        """Sum over the k selected experts held on this rank (others contribute 0): f32 [N, dim]."""
+        ...
+
+    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+        """Shared expert with the SwiGLU clamp: [N, dim] in x.dtype."""
+        ...

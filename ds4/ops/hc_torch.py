@@ -1,0 +1,51 @@
+"""Reference manifold-constrained hyper-connections (spec §4), fp32 throughout."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """[..., n, n] -> approximately doubly stochastic, in the reference's exact op order:
+    row softmax + eps, column normalise, then (iters-1) x (row, column) normalisations."""
+    c = logits.softmax(-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def _mixes(h: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
+    """h [N, hc, D] -> (fn . vec(h)) * rsqrt(mean(vec(h)^2) + eps)  [N, mix] fp32."""
+    v = h.flatten(-2).float()
+    r = torch.rsqrt(v.square().mean(-1, keepdim=True) + norm_eps)
+    return (v @ fn.float().t()) * r
+
+
+class TorchHC:
+    name = "torch"
+
+    def pre(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float,
+            norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        """h [N, hc, D] -> x [N, D] (h.dtype), post [N, hc] f32, comb [N, hc, hc] f32."""
+        n = h.shape[-2]
+        m = _mixes(h, fn, norm_eps)
+        base, scale = base.float(), scale.float()
+        pre = torch.sigmoid(m[:, :n] * scale[0] + base[:n]) + hc_eps
+        post = 2 * torch.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n])
+        comb = (m[:, 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+        comb = sinkhorn(comb, iters, hc_eps)
+        x = (pre.unsqueeze(-1) * h.float()).sum(-2)
+        return x.to(h.dtype), post, comb
+
+    def post(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+        """out[k] = post[k] * x + sum_j comb[j, k] * res[j]  (comb used transposed): [N, hc, D]."""
+        out = post.unsqueeze(-1) * x.float().unsqueeze(-2) + torch.einsum("njk,njd->nkd", comb, res.float())
+        return out.to(res.dtype)
+
+    def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
+        """Final collapse (spec §4.4): h [N, hc, D] -> [N, D]."""
+        m = _mixes(h, fn, norm_eps)
+        pre = torch.sigmoid(m * scale.float() + base.float()) + hc_eps
+        return (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)

@@ -1,0 +1,25 @@
+"""Reference dense projection: dequantise the stored weight, then a torch matmul (seed phase 1)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ds4.ops.base import QWeight
+from ds4.quant import act_quant_sim
+
+
+class DequantLinear:
+    name = "dequant"
+
+    def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False) -> Tensor:
+        if act_quant and w.fmt in ("fp8", "fp4"):
+            x = act_quant_sim(x, 128)
+        return F.linear(x, w.dequant(x.dtype))
+
+    def grouped(self, x: Tensor, w: QWeight, groups: int) -> Tensor:
+        """Block-diagonal projection (wo_a, spec §5.8): x [N, G, I], w [G*R, I] -> [N, G, R].
+
+        The reference dequantises wo_a to BF16 and runs this einsum without activation quant."""
+        wd = w.dequant(x.dtype).view(groups, -1, x.shape[-1])  # [G, R, I]
+        return torch.einsum("ngi,gri->ngr", x, wd)

@@ -1,0 +1,85 @@
+"""Reference MoE (spec §6): router on the device, selected experts dequantised, torch matmuls.
+
+Decode (few tokens) gathers the selected experts' stored bytes by the device id tensor and
+dequantises only those: no host sync. Many tokens (prefill) loop over local experts instead;
+the choice depends on the shape only, never on tensor values."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ds4.ops.base import MoEWeights, QWeight
+from ds4.quant import act_quant_sim
+
+GATHER_MAX_ROWS = 64  # N*k up to this: gather experts; above: loop over local experts
+
+
+def route(x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
+    logits = x.float() @ mw.gate.float().t()                       # [N, E]
+    scores = F.softplus(logits).sqrt()
+    if mw.tid2eid is not None:
+        ids = mw.tid2eid[token_ids].long()                         # hash layers: no bias
+    else:
+        ids = (scores + mw.bias.float()).topk(mw.topk, dim=-1).indices
+    w = scores.gather(-1, ids)
+    w = w / w.sum(-1, keepdim=True) * mw.route_scale
+    return w, ids
+
+
+def swiglu(g: Tensor, u: Tensor, limit: float) -> Tensor:
+    """fp32 SiLU(min(g, limit)) * clamp(u, +-limit) (spec §6.2)."""
+    return F.silu(g.float().clamp(max=limit)) * u.float().clamp(-limit, limit)
+
+
+def _mm(x: Tensor, w: Tensor) -> Tensor:
+    """x [M, I] @ w[M, O, I]^T per row -> [M, O]."""
+    return torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+
+
+class DequantMoE:
+    name = "dequant"
+
+    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
+        return route(x, token_ids, mw)
+
+    def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+        n, k = ids.shape
+        e_local = mw.w1.weight.shape[0]
+        local = ids - mw.expert_offset
+        owned = (local >= 0) & (local < e_local)
+        weights = weights.float() * owned
+        local = local.clamp(0, e_local - 1)
+        xq = act_quant_sim(x, 128) if act_quant else x
+        if n * k <= GATHER_MAX_ROWS:
+            flat = local.reshape(-1)
+            xs = xq.repeat_interleave(k, dim=0)                              # [N*k, D]
+            a = swiglu(_mm(xs, mw.w1[flat].dequant(x.dtype)), _mm(xs, mw.w3[flat].dequant(x.dtype)), mw.swiglu_limit)
+            a = (a * weights.reshape(-1, 1)).to(x.dtype)                     # route weight before w2
+            if act_quant:
+                a = act_quant_sim(a, 128)
+            y = _mm(a, mw.w2[flat].dequant(x.dtype)).float()                 # [N*k, D]
+            return y.view(n, k, -1).sum(1)
+        y = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
+        for e in range(e_local):
+            rows, slot = torch.nonzero((local == e) & owned, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            xe = xq[rows]
+            a = swiglu(F.linear(xe, mw.w1[e].dequant(x.dtype)), F.linear(xe, mw.w3[e].dequant(x.dtype)), mw.swiglu_limit)
+            a = (a * weights[rows, slot].unsqueeze(-1)).to(x.dtype)
+            if act_quant:
+                a = act_quant_sim(a, 128)
+            y.index_add_(0, rows, F.linear(a, mw.w2[e].dequant(x.dtype)).float())
+        return y
+
+    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+        return shared_expert(x, mw.shared_w1, mw.shared_w2, mw.shared_w3, mw.swiglu_limit, act_quant)
+
+
+def shared_expert(x: Tensor, w1: QWeight, w2: QWeight, w3: QWeight, limit: float, act_quant: bool) -> Tensor:
+    xq = act_quant_sim(x, 128) if act_quant and w1.fmt != "bf16" else x
+    a = swiglu(F.linear(xq, w1.dequant(x.dtype)), F.linear(xq, w3.dequant(x.dtype)), limit).to(x.dtype)
+    if act_quant and w2.fmt != "bf16":
+        a = act_quant_sim(a, 128)
+    return F.linear(a, w2.dequant(x.dtype))

@@ -1,0 +1,310 @@
+"""Checkpoint number formats of DeepSeek-V4-Flash (spec §10.3) in pure torch.
+
+Formats
+-------
+* E4M3FN (OCP FP8): 1 sign, 4 exponent (bias 7), 3 mantissa bits; max ±448, no inf,
+  NaN = 0x7F / 0xFF; subnormals m * 2^-9.
+* E2M1 (OCP FP4): nibble ``s e1 e0 m``; codes 0..7 -> 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
+  codes 8..15 the same values negated (code 8 is -0).
+* E8M0 (UE8M0): unsigned byte ``b`` -> 2^(b-127); 0xFF = NaN; byte 0 = 2^-127 (an fp32
+  subnormal).
+* FP8 weights: ``[..., O, I]`` E4M3 with one E8M0 scale per 128x128 block
+  (``[..., ceil(O/128), ceil(I/128)]``).
+* FP4 weights: ``[..., O, I/2]`` bytes packed along I (low nibble = even element, high nibble
+  = odd element) with one E8M0 scale per 1x32 block along I (``[..., O, I/32]``).
+
+Functions marked [hot] are used inside decode steps: they perform no host synchronisation
+(no ``.item()``, ``.tolist()``, no Python branching on tensor values, no host->device copies)
+and are CUDA-graph friendly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "E4M3_MAX",
+    "E2M1_MAX",
+    "e8m0_to_float",
+    "float_to_e8m0",
+    "fp8_e4m3_decode",
+    "fp8_e4m3_encode",
+    "fp4_e2m1_decode",
+    "fp4_e2m1_encode",
+    "pack_fp4",
+    "unpack_fp4",
+    "dequant_fp8",
+    "dequant_fp4",
+    "quant_fp8",
+    "quant_fp4",
+    "random_fp8",
+    "random_fp4",
+]
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+_E8M0 = torch.float8_e8m0fnu
+_E4M3 = torch.float8_e4m3fn
+_FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def _as_uint8(t: Tensor) -> Tensor:
+    """Reinterpret a 1-byte tensor (uint8/int8/float8_*/float4_x2) as uint8 (no copy)."""
+    if t.dtype == torch.uint8:
+        return t
+    if t.element_size() != 1:
+        raise TypeError(f"expected a 1-byte dtype, got {t.dtype}")
+    return t.view(torch.uint8)
+
+
+def _pow2_f64(k: Tensor) -> Tensor:
+    """Exact float64 2^k for integer tensor k in [-1022, 1023]."""
+    return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------
+# E8M0
+# ----------------------------------------------------------------------------------------------
+
+def e8m0_to_float(s: Tensor) -> Tensor:
+    """[hot] E8M0 (float8_e8m0fnu or uint8/int8 view) -> float32 2^(byte-127), exactly.
+
+    Byte 255 -> NaN, byte 0 -> 2^-127 (fp32 subnormal, bits 0x00400000).
+    """
+    b = _as_uint8(s).to(torch.int32)
+    bits = b << 23
+    bits = torch.where(b == 0, torch.full_like(bits, 0x00400000), bits)
+    bits = torch.where(b == 255, torch.full_like(bits, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def float_to_e8m0(x: Tensor) -> Tensor:
+    """Exact powers of two 2^-127..2^127 (any float dtype) -> float8_e8m0fnu.
+
+    Raises ValueError if any element is not an exact power of two in that range
+    (NaN, inf, zero, negatives and non-powers included). Not hot (validates on the host).
+    """
+    x64 = x.to(torch.float64)
+    mant, exp = torch.frexp(x64)  # x = mant * 2^exp, mant in [0.5, 1)
+    ok = (mant == 0.5) & (exp - 1 >= -127) & (exp - 1 <= 127)
+    if not bool(ok.all()):
+        raise ValueError("float_to_e8m0: input contains values that are not powers of two "
+                         "in [2^-127, 2^127]")
+    byte = (exp - 1 + 127).to(torch.uint8)
+    return byte.view(_E8M0)
+
+
+# ----------------------------------------------------------------------------------------------
+# E4M3
+# ----------------------------------------------------------------------------------------------
+
+def fp8_e4m3_decode(b: Tensor) -> Tensor:
+    """[hot] E4M3FN codes (uint8/int8 view or float8_e4m3fn) -> float32. 0x7F/0xFF -> NaN."""
+    return _as_uint8(b).view(_E4M3).to(torch.float32)
+
+
+def fp8_e4m3_encode(x: Tensor) -> Tensor:
+    """float tensor -> E4M3FN codes (uint8).
+
+    Round-to-nearest-even on the float32 value (inputs are converted to float32 first),
+    saturating to ±448 (also ±inf -> ±448), NaN -> 0x7F, subnormals (m * 2^-9) handled.
+    """
+    xf = x.to(torch.float32)
+    q = xf.clamp(-E4M3_MAX, E4M3_MAX).to(_E4M3).view(torch.uint8)
+    return torch.where(torch.isnan(xf), torch.full_like(q, 0x7F), q)
+
+
+# ----------------------------------------------------------------------------------------------
+# E2M1
+# ----------------------------------------------------------------------------------------------
+
+def fp4_e2m1_decode(codes: Tensor) -> Tensor:
+    """[hot] E2M1 codes 0..15 (uint8; only the low nibble is used) -> float32.
+
+    Bit construction: mag = e1 e0 m; e = e1e0; value = m*0.5 if e == 0 else 2^(e-1)*(1+m/2).
+    """
+    c = _as_uint8(codes).to(torch.int32)
+    sign = ((c >> 3) & 1) * (-(2 ** 31))  # bit 3 -> bit 31 (0x80000000)
+    e = (c >> 1) & 3
+    m = c & 1
+    normal = ((e + 126) << 23) | (m << 22)
+    sub = m * 0x3F000000  # 0.5 or 0.0
+    bits = torch.where(e == 0, sub, normal) | sign
+    return bits.view(torch.float32)
+
+
+def fp4_e2m1_encode(x: Tensor) -> Tensor:
+    """float tensor -> E2M1 codes (uint8, 0..15).
+
+    Round to nearest; a tie goes to the code with an even mantissa bit (= the even code),
+    exactly like the hardware ``cvt.rn.satfinite.e2m1x2.f32``:
+    0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2.0, 2.5->2.0, 3.5->4.0, 5.0->4.0.
+    Magnitudes above 6 (including inf) saturate to ±6. The sign is kept (negative values
+    rounding to zero give code 8 = -0). NaN encodes as code 0 (E2M1 has no NaN).
+    Computed in float32 (inputs converted first).
+    """
+    xf = x.to(torch.float32)
+    a = xf.abs()
+    # thresholds between consecutive magnitudes; '>' where the lower code is even
+    # (tie goes down), '>=' where the upper code is even (tie goes up).
+    mag = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8)
+           + (a > 1.25).to(torch.uint8) + (a >= 1.75).to(torch.uint8)
+           + (a > 2.5).to(torch.uint8) + (a >= 3.5).to(torch.uint8)
+           + (a > 5.0).to(torch.uint8))
+    sign = (torch.signbit(xf) & ~torch.isnan(xf)).to(torch.uint8) << 3
+    return mag | sign
+
+
+def pack_fp4(codes: Tensor) -> Tensor:
+    """E2M1 codes [..., K] (uint8, 0..15, K even) -> packed int8 [..., K/2].
+
+    Byte k holds element 2k in its low nibble and element 2k+1 in its high nibble.
+    Raises ValueError for odd K or codes > 15 (not hot: validates on the host).
+    """
+    c = _as_uint8(codes)
+    if c.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dim must be even, got {c.shape[-1]}")
+    if bool((c > 15).any()):
+        raise ValueError("pack_fp4: codes must be in 0..15")
+    lo = c[..., 0::2]
+    hi = c[..., 1::2]
+    return (lo | (hi << 4)).view(torch.int8)
+
+
+def unpack_fp4(packed: Tensor) -> Tensor:
+    """[hot] packed bytes [..., K/2] (int8/uint8/float4_e2m1fn_x2) -> codes uint8 [..., K]."""
+    p = _as_uint8(packed)
+    lo = p & 0xF
+    hi = p >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# block dequantisation
+# ----------------------------------------------------------------------------------------------
+
+def dequant_fp8(w: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32,
+                block: int = 128) -> Tensor:
+    """[hot] FP8 block-scaled weight -> dense.
+
+    w: float8_e4m3fn (or uint8 view) [..., O, I]; scale: E8M0 [..., ceil(O/block),
+    ceil(I/block)] (leading dims must match w's). Partial last blocks are supported.
+    W[..., i, j] = e4m3(w[..., i, j]) * 2^(scale[..., i//block, j//block] - 127), computed in
+    float32 and cast to ``dtype``.
+    """
+    wf = fp8_e4m3_decode(w)
+    s = e8m0_to_float(scale)
+    *lead, O, I = wf.shape
+    nbo, nbi = -(-O // block), -(-I // block)
+    if tuple(s.shape) != (*lead, nbo, nbi):
+        raise ValueError(f"dequant_fp8: scale shape {tuple(s.shape)} does not match weight "
+                         f"{tuple(wf.shape)} with block {block}")
+    if O % block == 0 and I % block == 0:
+        out = wf.view(*lead, nbo, block, nbi, block) * s[..., :, None, :, None]
+        out = out.view(*lead, O, I)
+    else:
+        sf = s[..., :, None, :, None].expand(*lead, nbo, block, nbi, block)
+        sf = sf.reshape(*lead, nbo * block, nbi * block)[..., :O, :I]
+        out = wf * sf
+    return out.to(dtype)
+
+
+def dequant_fp4(w: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """[hot] MXFP4 weight -> dense.
+
+    w: packed int8/uint8/float4_e2m1fn_x2 [..., O, I/2]; scale: E8M0 [..., O, I/32].
+    W[..., i, j] = e2m1(nibble(i, j)) * 2^(scale[..., i, j//32] - 127), computed in float32 and
+    cast to ``dtype``.
+    """
+    codes = unpack_fp4(w)
+    *lead, O, I = codes.shape
+    if I % 32 or tuple(scale.shape) != (*lead, O, I // 32):
+        raise ValueError(f"dequant_fp4: scale shape {tuple(scale.shape)} does not match "
+                         f"weight [{', '.join(map(str, (*lead, O, I)))}] (blocks of 32)")
+    v = fp4_e2m1_decode(codes).view(*lead, O, I // 32, 32)
+    out = v * e8m0_to_float(scale)[..., None]
+    return out.view(*lead, O, I).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# quantisation (weights; not hot but sync-free apart from nothing)
+# ----------------------------------------------------------------------------------------------
+
+def _smallest_pow2_exponent(amax: Tensor, qmax: float) -> Tensor:
+    """Smallest integer k in [-127, 127] with amax <= qmax * 2^k (exact, float64 math)."""
+    a = amax.to(torch.float64).clamp(min=2.0 ** -1000)
+    k = torch.ceil(torch.log2(a / qmax)).clamp(-1000, 1000).to(torch.int64)
+    # correct possible off-by-one of the approximate log2
+    k = torch.where(a > qmax * _pow2_f64(k), k + 1, k)
+    k = torch.where(a <= qmax * _pow2_f64(k - 1), k - 1, k)
+    return k.clamp(-127, 127)
+
+
+def quant_fp8(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
+    """float weight [..., O, I] -> (float8_e4m3fn [..., O, I], E8M0 [..., ceil(O/b), ceil(I/b)]).
+
+    Per block x block tile: scale = smallest power of two s (2^-127..2^127) with
+    amax/s <= 448 (all-zero tiles get 2^-127); q = e4m3(w/s) round-to-nearest-even.
+    Round trip is exact for inputs that are already block-FP8 representable.
+    Inputs are converted to float32 first.
+    """
+    wf = w.to(torch.float32)
+    *lead, O, I = wf.shape
+    nbo, nbi = -(-O // block), -(-I // block)
+    pad = torch.nn.functional.pad(wf, (0, nbi * block - I, 0, nbo * block - O))
+    tiles = pad.view(*lead, nbo, block, nbi, block)
+    amax = tiles.abs().amax(dim=(-3, -1))  # [..., nbo, nbi]
+    k = _smallest_pow2_exponent(amax, E4M3_MAX)
+    inv = _pow2_f64(-k)[..., :, None, :, None]
+    scaled = (tiles.to(torch.float64) * inv).to(torch.float32)  # exact (pow2 scaling)
+    scaled = scaled.view(*lead, nbo * block, nbi * block)[..., :O, :I]
+    q = fp8_e4m3_encode(scaled).view(_E4M3).contiguous()
+    s = (k + 127).to(torch.uint8).view(_E8M0)
+    return q, s
+
+
+def quant_fp4(w: Tensor) -> tuple[Tensor, Tensor]:
+    """float weight [..., O, I] (I % 32 == 0) -> (packed int8 [..., O, I/2], E8M0 [..., O, I/32]).
+
+    Per 1x32 block along I: scale = smallest power of two s with amax/s <= 6 (all-zero blocks
+    get 2^-127); codes = fp4_e2m1_encode(w/s) (ties to even). Inputs converted to float32.
+    """
+    wf = w.to(torch.float32)
+    *lead, O, I = wf.shape
+    if I % 32:
+        raise ValueError(f"quant_fp4: last dim must be a multiple of 32, got {I}")
+    blocks = wf.view(*lead, O, I // 32, 32)
+    amax = blocks.abs().amax(dim=-1)
+    k = _smallest_pow2_exponent(amax, E2M1_MAX)
+    scaled = (blocks.to(torch.float64) * _pow2_f64(-k)[..., None]).to(torch.float32)
+    codes = fp4_e2m1_encode(scaled.view(*lead, O, I))
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
+    s = (k + 127).to(torch.uint8).view(_E8M0)
+    return packed, s
+
+
+def random_fp8(shape, generator: torch.Generator | None = None, std: float = 0.02,
+               device=None) -> tuple[Tensor, Tensor]:
+    """Random block-FP8 weight: normal(0, std) drawn on ``device`` with ``generator``, then
+    quant_fp8. Returns (float8_e4m3fn [..., O, I], E8M0 scale). Deterministic given the
+    generator state (the generator must live on ``device``)."""
+    if device is None and generator is not None:
+        device = generator.device
+    w = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
+    return quant_fp8(w * std)
+
+
+def random_fp4(shape, generator: torch.Generator | None = None, std: float = 0.02,
+               device=None) -> tuple[Tensor, Tensor]:
+    """Random MXFP4 weight of logical shape [..., O, I]: normal(0, std) on ``device`` with
+    ``generator``, then quant_fp4. Returns (packed int8 [..., O, I/2], E8M0 [..., O, I/32])."""
+    if device is None and generator is not None:
+        device = generator.device
+    w = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
+    return quant_fp4(w * std)

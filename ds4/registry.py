@@ -1,0 +1,156 @@
+"""(component, name) -> implementation. The only place where config names become code.
+
+Each entry has a factory (builds the implementation object), a check (returns None when it can
+run on a device, else the reason), and a priority used by `auto` (highest available wins).
+An explicit choice that cannot run raises `ImplUnavailable` before any weights are loaded;
+only `auto` falls back, and it reports what it chose and why.
+
+Nothing here is mutated at run time: the table is filled once at import by `_builtin()`.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+
+COMPONENTS = ("attn", "indexer", "hc", "moe", "linear")
+
+
+class ImplUnavailable(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Entry:
+    component: str
+    name: str
+    target: str                      # "module:attr" of a zero-argument factory
+    check: Callable[[torch.device], str | None]
+    priority: int = 0
+    description: str = ""
+
+    def build(self):
+        mod, attr = self.target.split(":")
+        return getattr(importlib.import_module(mod), attr)()
+
+
+def _always(_device: torch.device) -> str | None:
+    return None
+
+
+def _cuda_ext(_device: torch.device) -> str | None:
+    """The compiled ds4 CUDA extension must be loadable and the device a CUDA GPU."""
+    if _device.type != "cuda":
+        return f"needs a CUDA device (device is {_device.type})"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    from ds4 import kernels
+    return kernels.unavailable_reason()
+
+
+# name -> Entry, per component; aliases map an alternative spelling to a canonical name.
+_ENTRIES: dict[str, dict[str, Entry]] = {}
+_ALIASES: dict[str, dict[str, str]] = {c: {} for c in COMPONENTS}
+
+
+def _add(e: Entry, aliases: tuple[str, ...] = ()) -> None:
+    _ENTRIES.setdefault(e.component, {})[e.name] = e
+    for a in aliases:
+        _ALIASES[e.component][a] = e.name
+
+
+def _builtin() -> None:
+    _add(Entry("attn", "torch", "ds4.ops.attn_torch:TorchAttention", _always, 0,
+               "plain PyTorch attention (q path, window KV, compressor, sparse attention, o-proj)"))
+    _add(Entry("indexer", "torch", "ds4.ops.attn_torch:TorchIndexer", _always, 0, "plain PyTorch lightning indexer"))
+    _add(Entry("hc", "torch", "ds4.ops.hc_torch:TorchHC", _always, 0, "plain PyTorch mHC pre/post/head + Sinkhorn"))
+    _add(Entry("moe", "dequant", "ds4.ops.moe_torch:DequantMoE", _always, 0,
+               "seed phase 1: dequantise the selected experts, torch matmuls"))
+    _add(Entry("linear", "dequant", "ds4.ops.linear_torch:DequantLinear", _always, 0,
+               "seed phase 1: dequantise FP8 weights, torch matmul"))
+    try:  # CUDA options are registered by their own module (kept beside their kernels)
+        from ds4.ops import cuda_registry
+    except ImportError:
+        return
+    for e, aliases in cuda_registry.entries(_cuda_ext):
+        _add(e, aliases)
+
+
+_builtin()
+
+
+def names(component: str) -> list[str]:
+    """Canonical names of a component's implementations (without 'auto' and aliases)."""
+    return sorted(_ENTRIES[component])
+
+
+def aliases(component: str) -> dict[str, str]:
+    return dict(_ALIASES[component])
+
+
+def entry(component: str, name: str) -> Entry:
+    if component not in _ENTRIES:
+        raise KeyError(f"unknown component {component!r}; components are {COMPONENTS}")
+    name = _ALIASES[component].get(name, name)
+    if name not in _ENTRIES[component]:
+        valid = names(component) + sorted(_ALIASES[component]) + ["auto"]
+        raise ImplUnavailable(f"{component}={name}: unknown implementation; choose one of {valid}")
+    return _ENTRIES[component][name]
+
+
+def resolve(component: str, name: str, device: torch.device) -> tuple[Entry, str]:
+    """The entry to use and a one-line note saying why. Raises ImplUnavailable for an explicit
+    choice that cannot run here."""
+    if name == "auto":
+        tried = []
+        for e in sorted(_ENTRIES[component].values(), key=lambda e: -e.priority):
+            why = e.check(device)
+            if why is None:
+                skipped = "; ".join(tried)
+                return e, f"auto -> {e.name}" + (f" (skipped {skipped})" if skipped else "")
+            tried.append(f"{e.name}: {why}")
+        raise ImplUnavailable(f"{component}=auto: nothing can run here ({'; '.join(tried)})")
+    e = entry(component, name)
+    why = e.check(device)
+    if why is not None:
+        raise ImplUnavailable(f"{component}={name} cannot run here: {why}")
+    return e, name if e.name == name else f"{name} -> {e.name} (alias)"
+
+
+@dataclass(frozen=True)
+class Impls:
+    """One implementation choice per component (names as on the command line)."""
+    attn: str = "torch"
+    indexer: str = "torch"
+    hc: str = "torch"
+    moe: str = "dequant"
+    linear: str = "dequant"
+
+
+@dataclass
+class Ops:
+    """Resolved implementation objects, handed to the model."""
+    attn: object
+    indexer: object
+    hc: object
+    moe: object
+    linear: object
+    chosen: dict[str, str]   # component -> canonical name actually used
+    notes: dict[str, str]    # component -> how it was resolved
+
+
+def build_ops(impls: Impls, device: torch.device | str) -> Ops:
+    device = torch.device(device)
+    objs, chosen, notes = {}, {}, {}
+    for f in fields(Impls):
+        e, note = resolve(f.name, getattr(impls, f.name), device)
+        objs[f.name] = e.build()
+        chosen[f.name] = e.name
+        notes[f.name] = note
+    return Ops(**objs, chosen=chosen, notes=notes)
+
+
+def torch_reference_ops() -> Ops:
+    return build_ops(Impls(), "cpu")

@@ -1,0 +1,122 @@
+"""Generation loop: per-row prefill into the preallocated state, then batched one-token decode.
+
+Each prompt is prefilled into its own row (no padding, no teacher forcing of longer prompts),
+so rows sit at different positions; `decode` advances all rows together. The only host
+synchronisations are between steps: the EOS check every `eos_check_every` steps, and the end.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ds4.model.transformer import DecodeState, Transformer
+from ds4.runtime.sampling import Sampling, sample
+
+
+@dataclass
+class GenerateOutput:
+    tokens: list[list[int]]        # generated ids per prompt, truncated after the first EOS (kept)
+    prompt_lens: list[int]
+    ttft_s: float                  # prefill of all prompts + first token
+    prefill_s: float
+    step_s: list[float] = field(default_factory=list)  # per decode step
+    total_s: float = 0.0           # whole call, prefill included (the seed's end-to-end clock)
+    truncated: bool = False        # max_new_tokens was cut to fit max_seq_len
+
+    @property
+    def n_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+class Generator:
+    def __init__(self, model: Transformer, max_batch: int, max_seq_len: int):
+        self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
+        self.state: DecodeState = model.alloc_state(max_batch, max_seq_len)
+        self.batch = 0
+
+    def _check(self, prompts: list[list[int]]) -> None:
+        if not prompts:
+            raise ValueError("no prompts given")
+        if len(prompts) > self.max_batch:
+            raise ValueError(f"{len(prompts)} prompts but the decode state holds max_batch={self.max_batch}")
+        for p in prompts:
+            if not p:
+                raise ValueError("empty prompt")
+            if len(p) >= self.max_seq_len:
+                raise ValueError(f"prompt of {len(p)} tokens does not fit max_seq_len={self.max_seq_len} "
+                                 "(it needs room for at least one generated token)")
+
+    def prefill(self, prompts: list[list[int]]) -> Tensor:
+        """Reset and prefill one row per prompt -> logits [B, V] for each prompt's last position."""
+        self._check(prompts)
+        dev = self.model.device
+        out = []
+        for row, p in enumerate(prompts):
+            self.state.reset_row(row)
+            out.append(self.model.prefill(torch.tensor(p, dtype=torch.long, device=dev), self.state, row))
+        self.batch = len(prompts)
+        return torch.stack(out)
+
+    def decode(self, tokens: Tensor) -> Tensor:
+        """tokens [B] (device) -> logits [B, V]; every row advances one position."""
+        return self.model.decode(tokens, self.state)
+
+    def teacher_forced_logits(self, prompt: list[int], continuation: list[int]) -> Tensor:
+        """Logits predicting continuation[i] at step i, feeding the given tokens through decode."""
+        logits = [self.prefill([prompt])[0]]
+        dev = self.model.device
+        for t in continuation[:-1]:
+            logits.append(self.decode(torch.tensor([t], device=dev))[0])
+        return torch.stack(logits)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+                 stop_at_eos: bool = True, eos_check_every: int = 8) -> GenerateOutput:
+        dev = self.model.device
+        cuda = dev.type == "cuda"
+        gen = torch.Generator(device=dev).manual_seed(sampling.seed) if not sampling.greedy else None
+        steps = min(max_new_tokens, self.max_seq_len - max(len(p) for p in prompts))
+        truncated = steps < max_new_tokens
+        eos = self.model.args.eos_token_id
+        if cuda:
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        logits = self.prefill(prompts)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        prefill_s = time.perf_counter() - t0
+        tok = sample(logits, sampling, gen)
+        out = [tok]
+        if cuda:
+            torch.cuda.synchronize(dev)
+        ttft = time.perf_counter() - t0
+        done = tok == eos
+        events, host_steps = [], []
+        for i in range(1, steps):
+            if stop_at_eos and i % eos_check_every == 0 and bool(done.all()):
+                break
+            if cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            ts = time.perf_counter()
+            tok = sample(self.decode(tok), sampling, gen)
+            if cuda:
+                ev[1].record()
+                events.append(ev)
+            else:
+                host_steps.append(time.perf_counter() - ts)
+            out.append(tok)
+            done = done | (tok == eos)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        total = time.perf_counter() - t0
+        step_s = [a.elapsed_time(b) / 1e3 for a, b in events] if cuda else host_steps
+        ids = torch.stack(out, 1).tolist()
+        tokens = []
+        for row in ids:
+            if stop_at_eos and eos in row:
+                row = row[: row.index(eos) + 1]
+            tokens.append(row)
+        return GenerateOutput(tokens, [len(p) for p in prompts], ttft, prefill_s, step_s, total, truncated)

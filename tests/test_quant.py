@@ -1,0 +1,571 @@
+"""Tests for ds4.quant (formats + QAT simulations). CPU only, fast.
+
+References used here are independent of the implementation: hand-written tables, pure-Python
+per-element math (struct for float32 rounding), explicit Sylvester matrices.
+"""
+
+import math
+import struct
+
+import pytest
+import torch
+
+from ds4.quant import (
+    E2M1_MAX,
+    E4M3_MAX,
+    act_quant,
+    act_quant_sim,
+    dequant_fp4,
+    dequant_fp8,
+    e8m0_to_float,
+    float_to_e8m0,
+    fp4_act_quant_sim,
+    fp4_e2m1_decode,
+    fp4_e2m1_encode,
+    fp8_e4m3_decode,
+    fp8_e4m3_encode,
+    hadamard,
+    pack_fp4,
+    quant_fp4,
+    quant_fp8,
+    random_fp4,
+    random_fp8,
+    unpack_fp4,
+)
+
+E4M3 = torch.float8_e4m3fn
+E8M0 = torch.float8_e8m0fnu
+NAN = float("nan")
+INF = float("inf")
+
+
+def f32(v: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", v))[0]
+
+
+def f32_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def exact(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# pure-Python references
+# ---------------------------------------------------------------------------------------------
+
+FP4_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def py_e4m3(byte: int) -> float:
+    s = -1.0 if byte & 0x80 else 1.0
+    e = (byte >> 3) & 0xF
+    m = byte & 7
+    if e == 15 and m == 7:
+        return NAN
+    if e == 0:
+        return s * m * 2.0 ** -9
+    return s * (1 + m / 8) * 2.0 ** (e - 7)
+
+
+def py_nearest_even(v: float, table: list[float]) -> int:
+    """Index into a sorted, non-negative magnitude table: nearest, ties to even index."""
+    a = abs(v)
+    best = min(range(len(table)), key=lambda i: (abs(table[i] - a), i % 2))
+    return best
+
+
+E4M3_POS = [py_e4m3(b) for b in range(0x7F)]  # 0x00..0x7E, ascending
+
+
+def py_e4m3_encode(v: float) -> int:
+    if math.isnan(v):
+        return 0x7F
+    a = min(abs(v), 448.0)
+    code = py_nearest_even(a, E4M3_POS)
+    return code | (0x80 if math.copysign(1.0, v) < 0 else 0)
+
+
+def py_e2m1_encode(v: float) -> int:
+    a = min(abs(v), 6.0)
+    code = py_nearest_even(a, FP4_TABLE[:8])
+    return code | (8 if math.copysign(1.0, v) < 0 else 0)
+
+
+def py_pow2_ceil_bits(amax: float, inv: float) -> float:
+    """The reference bit trick on the fp32 product amax * fp32(inv)."""
+    p = f32(f32(amax) * f32(inv))
+    bits = f32_bits(p)
+    e, m = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    k = e - 127 + (1 if m else 0)
+    return 2.0 ** k
+
+
+# ---------------------------------------------------------------------------------------------
+# FP4 E2M1
+# ---------------------------------------------------------------------------------------------
+
+def test_fp4_decode_all_codes():
+    got = fp4_e2m1_decode(torch.arange(16, dtype=torch.uint8))
+    want = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    exact(got, want)
+    assert got.dtype == torch.float32
+    assert torch.signbit(got[8]) and not torch.signbit(got[0])
+
+
+def test_fp4_encode_representable_and_ties():
+    vals = torch.tensor(FP4_TABLE)
+    exact(fp4_e2m1_encode(vals), torch.arange(16, dtype=torch.uint8))
+    # ties go to the even code (even mantissa bit)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    exact(fp4_e2m1_decode(fp4_e2m1_encode(ties)), torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]))
+    exact(fp4_e2m1_decode(fp4_e2m1_encode(-ties)),
+          -torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]))
+    # just off the ties, saturation, negative-to-zero, nan
+    x = torch.tensor([0.2500001, 0.7499999, 1.2500001, 5.0000005, 6.5, 100.0, INF, -INF, -0.1, NAN])
+    exact(fp4_e2m1_encode(x), torch.tensor([1, 1, 3, 7, 7, 7, 7, 15, 8, 0], dtype=torch.uint8))
+
+
+def test_fp4_encode_matches_python_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(2000, generator=g) * 3,
+                   torch.arange(-28, 29, dtype=torch.float32) * 0.25])  # all quarter points
+    got = fp4_e2m1_encode(x).tolist()
+    want = [py_e2m1_encode(v) for v in x.tolist()]
+    assert got == want
+
+
+def test_pack_unpack_order():
+    codes = torch.tensor([[0x1, 0x2, 0xF, 0x0, 0x7, 0x9]], dtype=torch.uint8)
+    packed = pack_fp4(codes)
+    assert packed.dtype == torch.int8
+    assert packed.view(torch.uint8).tolist() == [[0x21, 0x0F, 0x97]]
+    byte = torch.tensor([0xA3, 0x5C], dtype=torch.uint8)
+    assert unpack_fp4(byte).tolist() == [0x3, 0xA, 0xC, 0x5]
+    assert unpack_fp4(byte.view(torch.int8)).tolist() == [0x3, 0xA, 0xC, 0x5]
+    g = torch.Generator().manual_seed(1)
+    c = torch.randint(0, 16, (3, 5, 64), generator=g, dtype=torch.uint8)
+    exact(unpack_fp4(pack_fp4(c)), c)
+    with pytest.raises(ValueError):
+        pack_fp4(torch.tensor([16, 0], dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        pack_fp4(torch.tensor([1, 2, 3], dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 E4M3
+# ---------------------------------------------------------------------------------------------
+
+def test_e4m3_decode_hand_values():
+    b = torch.tensor([0x00, 0x80, 0x01, 0x07, 0x08, 0x38, 0x3C, 0x40, 0x7E, 0xFE, 0x7F, 0xFF],
+                     dtype=torch.uint8)
+    want = torch.tensor([0.0, -0.0, 2.0 ** -9, 7 * 2.0 ** -9, 2.0 ** -6, 1.0, 1.5, 2.0,
+                         448.0, -448.0, NAN, NAN])
+    got = fp8_e4m3_decode(b)
+    exact(got, want)
+    assert torch.signbit(got[1])
+    all_codes = fp8_e4m3_decode(torch.arange(256, dtype=torch.uint8))
+    exact(all_codes, torch.tensor([py_e4m3(i) for i in range(256)]))
+    assert int(torch.isnan(all_codes).sum()) == 2
+
+
+def test_e4m3_encode_hand_values():
+    x = torch.tensor([1.0, 448.0, -448.0, 449.0, 470.0, 1e6, -1e6, INF, -INF, NAN, -NAN,
+                      2.0 ** -9, 7 * 2.0 ** -9, 2.0 ** -10, 1.5 * 2.0 ** -10, 3 * 2.0 ** -10,
+                      5 * 2.0 ** -10, 1.0625, 1.1875, 1.0625001, -0.0, 1e-30])
+    want = [0x38, 0x7E, 0xFE, 0x7E, 0x7E, 0x7E, 0xFE, 0x7E, 0xFE, 0x7F, 0x7F,
+            0x01, 0x07, 0x00, 0x01, 0x02,
+            0x02, 0x38, 0x3A, 0x39, 0x80, 0x00]
+    assert fp8_e4m3_encode(x).tolist() == want
+
+
+def test_e4m3_encode_matches_python_reference():
+    g = torch.Generator().manual_seed(2)
+    x = torch.cat([torch.randn(1500, generator=g) * 50,
+                   torch.randn(500, generator=g) * 2.0 ** -7,
+                   fp8_e4m3_decode(torch.arange(256, dtype=torch.uint8)).nan_to_num(0.0)])
+    got = fp8_e4m3_encode(x).tolist()
+    want = [py_e4m3_encode(v) for v in x.tolist()]
+    assert got == want
+    # decode(encode(v)) == v for every representable value
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    exact(fp8_e4m3_encode(fp8_e4m3_decode(codes)), codes)
+
+
+# ---------------------------------------------------------------------------------------------
+# E8M0
+# ---------------------------------------------------------------------------------------------
+
+def test_e8m0_decode():
+    b = torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8)
+    want = torch.tensor([2.0 ** -127, 2.0 ** -126, 0.5, 1.0, 2.0, 2.0 ** 127, NAN])
+    assert want[0].item() == 2.0 ** -127  # the fp32 subnormal is exact
+    for t in (b, b.view(torch.int8), b.view(E8M0)):
+        got = e8m0_to_float(t)
+        assert got.dtype == torch.float32
+        exact(got, want)
+    all_b = e8m0_to_float(torch.arange(255, dtype=torch.uint8))
+    assert all_b.tolist() == [2.0 ** (i - 127) for i in range(255)]
+
+
+def test_float_to_e8m0():
+    b = torch.arange(255, dtype=torch.uint8)
+    vals = torch.tensor([2.0 ** (i - 127) for i in range(255)], dtype=torch.float32)
+    out = float_to_e8m0(vals)
+    assert out.dtype == E8M0
+    exact(out.view(torch.uint8), b)
+    for bad in ([3.0], [0.0], [-2.0], [NAN], [INF], [1.5]):
+        with pytest.raises(ValueError):
+            float_to_e8m0(torch.tensor(bad))
+    with pytest.raises(ValueError):
+        float_to_e8m0(torch.tensor([2.0 ** 128], dtype=torch.float64))
+    with pytest.raises(ValueError):
+        float_to_e8m0(torch.tensor([2.0 ** -128], dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------
+# block dequant against slow loops
+# ---------------------------------------------------------------------------------------------
+
+def _rand_fp8(shape, g):
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    codes[codes == 0x7F] = 0x7E
+    codes[codes == 0xFF] = 0xFE
+    return codes
+
+
+def slow_dequant_fp8(codes, sbytes, block=128):
+    *lead, O, I = codes.shape
+    out = torch.empty(codes.shape, dtype=torch.float64)
+    cf = codes.reshape(-1, O, I)
+    sf = sbytes.reshape(-1, *sbytes.shape[-2:])
+    of = out.view(-1, O, I)
+    for e in range(cf.shape[0]):
+        for i in range(O):
+            for bj in range(sf.shape[-1]):
+                scale = 2.0 ** (int(sf[e, i // block, bj]) - 127)
+                row = cf[e, i, bj * block:(bj + 1) * block].tolist()
+                of[e, i, bj * block:bj * block + len(row)] = torch.tensor(
+                    [py_e4m3(c) * scale for c in row], dtype=torch.float64)
+    return out.to(torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (3, 130, 260), (2, 1, 1)])
+def test_dequant_fp8_vs_loop(shape):
+    g = torch.Generator().manual_seed(3)
+    codes = _rand_fp8(shape, g)
+    *lead, O, I = shape
+    sshape = (*lead, -(-O // 128), -(-I // 128))
+    sbytes = torch.randint(112, 142, sshape, generator=g, dtype=torch.uint8)
+    sbytes.view(-1)[0] = 0  # 2^-127 (fp32 subnormal path)
+    want = slow_dequant_fp8(codes, sbytes)
+    got = dequant_fp8(codes.view(E4M3), sbytes.view(E8M0))
+    exact(got, want)
+    got_bf16 = dequant_fp8(codes.view(E4M3), sbytes.view(E8M0), dtype=torch.bfloat16)
+    assert got_bf16.dtype == torch.bfloat16
+    exact(got_bf16, want.to(torch.bfloat16))
+    bad = torch.zeros(*sshape[:-1], sshape[-1] + 1, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        dequant_fp8(codes.view(E4M3), bad.view(E8M0))
+
+
+def slow_dequant_fp4(packed, sbytes):
+    pb = packed.view(torch.uint8)
+    *lead, O, Ih = pb.shape
+    I = Ih * 2
+    pf = pb.reshape(-1, O, Ih).tolist()
+    sf = sbytes.reshape(-1, O, I // 32).tolist()
+    out = []
+    for e in range(len(pf)):
+        rows = []
+        for i in range(O):
+            row = []
+            for j in range(I):
+                byte = pf[e][i][j // 2]
+                nib = byte & 0xF if j % 2 == 0 else byte >> 4
+                row.append(FP4_TABLE[nib] * 2.0 ** (sf[e][i][j // 32] - 127))
+            rows.append(row)
+        out.append(rows)
+    return torch.tensor(out, dtype=torch.float64).reshape(*lead, O, I).to(torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (2, 3, 96), (1, 32)])
+def test_dequant_fp4_vs_loop(shape):
+    g = torch.Generator().manual_seed(4)
+    *lead, O, I = shape
+    packed = torch.randint(0, 256, (*lead, O, I // 2), generator=g, dtype=torch.uint8)
+    sbytes = torch.randint(100, 150, (*lead, O, I // 32), generator=g, dtype=torch.uint8)
+    sbytes.view(-1)[-1] = 0
+    want = slow_dequant_fp4(packed, sbytes)
+    exact(dequant_fp4(packed.view(torch.int8), sbytes.view(E8M0)), want)
+    exact(dequant_fp4(packed, sbytes.view(E8M0), dtype=torch.bfloat16), want.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------
+# quant -> dequant
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(256, 256), (130, 300), (2, 129, 128)])
+def test_quant_fp8_round_trip_exact(shape):
+    g = torch.Generator().manual_seed(5)
+    codes = _rand_fp8(shape, g)
+    *lead, O, I = shape
+    sbytes = torch.randint(100, 140, (*lead, -(-O // 128), -(-I // 128)), generator=g,
+                           dtype=torch.uint8)
+    w = dequant_fp8(codes.view(E4M3), sbytes.view(E8M0))
+    q, s = quant_fp8(w)
+    assert q.dtype == E4M3 and s.dtype == E8M0
+    assert q.shape == w.shape and s.shape == sbytes.shape
+    exact(dequant_fp8(q, s), w)
+    # the scale is the smallest power of two with amax / s <= 448
+    nbo, nbi = s.shape[-2:]
+    pad = torch.nn.functional.pad(w, (0, nbi * 128 - I, 0, nbo * 128 - O))
+    amax = pad.reshape(*lead, nbo, 128, nbi, 128).abs().amax(dim=(-3, -1)).double()
+    ratio = amax / e8m0_to_float(s).double()
+    assert torch.all(ratio <= 448) and torch.all(ratio > 224)
+
+
+def test_quant_fp8_general_and_zero_blocks():
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(256, 200, generator=g) * 0.02
+    w[:128, :128] = 0
+    q, s = quant_fp8(w)
+    assert s.view(torch.uint8)[0, 0].item() == 0  # zero block -> 2^-127, valid
+    assert not torch.isnan(e8m0_to_float(s)).any()
+    d = dequant_fp8(q, s)
+    assert torch.all(d[:128, :128] == 0)
+    # relative error of e4m3 RNE (normal range) <= 2^-4, subnormal <= s*2^-10
+    sfull = e8m0_to_float(s).repeat_interleave(128, 0).repeat_interleave(128, 1)[:256, :200]
+    bound = torch.maximum(w.abs() * 2.0 ** -4, sfull * 2.0 ** -10)
+    assert torch.all((d - w).abs() <= bound)
+    # bf16 input accepted
+    q2, s2 = quant_fp8(w.to(torch.bfloat16))
+    assert q2.shape == w.shape
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (2, 3, 128)])
+def test_quant_fp4_round_trip_exact(shape):
+    g = torch.Generator().manual_seed(7)
+    *lead, O, I = shape
+    packed = torch.randint(0, 256, (*lead, O, I // 2), generator=g, dtype=torch.uint8)
+    sbytes = torch.randint(100, 140, (*lead, O, I // 32), generator=g, dtype=torch.uint8)
+    w = dequant_fp4(packed, sbytes.view(E8M0))
+    q, s = quant_fp4(w)
+    assert q.dtype == torch.int8 and s.dtype == E8M0
+    assert q.shape == packed.shape and s.shape == sbytes.shape
+    exact(dequant_fp4(q, s), w)
+    amax = w.reshape(*lead, O, I // 32, 32).abs().amax(-1).double()
+    ratio = amax / e8m0_to_float(s).double()
+    nz = amax > 0
+    assert torch.all(ratio[nz] <= 6) and torch.all(ratio[nz] > 3)
+
+
+def test_quant_fp4_general():
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(8, 128, generator=g)
+    w[0, :32] = 0
+    q, s = quant_fp4(w)
+    assert s.view(torch.uint8)[0, 0].item() == 0
+    d = dequant_fp4(q, s)
+    sfull = e8m0_to_float(s).repeat_interleave(32, -1)
+    assert torch.all((d - w).abs() <= torch.maximum(w.abs() / 4, sfull / 4))
+    # must equal per-element nearest-even rounding of w / s
+    want = torch.tensor([FP4_TABLE[py_e2m1_encode(v)] for v in (w / sfull).reshape(-1).tolist()])
+    exact(d, want.view(8, 128) * sfull)
+
+
+def test_random_weights_deterministic():
+    a = random_fp8((256, 384), torch.Generator().manual_seed(9), std=0.02, device="cpu")
+    b = random_fp8((256, 384), torch.Generator().manual_seed(9), std=0.02, device="cpu")
+    c = random_fp8((256, 384), torch.Generator().manual_seed(10), std=0.02, device="cpu")
+    assert a[0].dtype == E4M3 and a[1].dtype == E8M0 and a[1].shape == (2, 3)
+    exact(a[0].view(torch.uint8), b[0].view(torch.uint8))
+    exact(a[1].view(torch.uint8), b[1].view(torch.uint8))
+    assert not torch.equal(a[0].view(torch.uint8), c[0].view(torch.uint8))
+    std = dequant_fp8(*a).std().item()
+    assert 0.018 < std < 0.022
+    p = random_fp4((64, 256), torch.Generator().manual_seed(9), std=0.05, device="cpu")
+    p2 = random_fp4((64, 256), torch.Generator().manual_seed(9), std=0.05, device="cpu")
+    assert p[0].dtype == torch.int8 and p[0].shape == (64, 128) and p[1].shape == (64, 8)
+    exact(p[0], p2[0])
+    exact(p[1].view(torch.uint8), p2[1].view(torch.uint8))
+    std = dequant_fp4(*p).std().item()
+    assert 0.04 < std < 0.06
+
+
+# ---------------------------------------------------------------------------------------------
+# QAT simulations
+# ---------------------------------------------------------------------------------------------
+
+def test_act_quant_scale_hand_values():
+    # one block of 4 per row; amax per row chosen
+    x = torch.tensor([[448.0, 1.0, -3.0, 0.0],
+                      [449.0, 0.5, 0.0, 0.0],
+                      [1e-5, -1e-6, 0.0, 0.0],
+                      [0.0, 0.0, 0.0, 0.0],
+                      [-224.0, 1.0, 0.0, 0.0],
+                      [0.0, 896.0, 0.0, 1.0]])
+    q, s = act_quant(x, block=4)
+    assert q.dtype == E4M3 and s.dtype == torch.float32 and s.shape == (6, 1)
+    assert s[:, 0].tolist() == [1.0, 2.0, 2.0 ** -22, 2.0 ** -22, 0.5, 2.0]
+    assert q[0].float().tolist() == [448.0, 1.0, -3.0, 0.0]
+    assert q[1].float().tolist() == [224.0, 0.25, 0.0, 0.0]  # 224.5 -> 224 (RNE)
+    assert q[4].float().tolist() == [-448.0, 2.0, 0.0, 0.0]
+
+
+def test_act_quant_matches_bit_trick_reference():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(16, 512, generator=g) * torch.logspace(-6, 3, 16).unsqueeze(1)
+    x[3, 128:256] *= 448.0 / x[3, 128:256].abs().max()  # amax exactly 448 -> s 1
+    x[4, :128] = 0
+    x = x.to(torch.bfloat16)
+    q, s = act_quant(x)
+    assert s.shape == (16, 4) and q.shape == (16, 512)
+    xs = x.float()
+    for r in range(16):
+        for b in range(4):
+            blk = xs[r, b * 128:(b + 1) * 128]
+            amax = max(blk.abs().max().item(), 1e-4)
+            sc = py_pow2_ceil_bits(amax, 1 / 448)
+            assert s[r, b].item() == sc
+            want = [py_e4m3_encode(max(-448.0, min(448.0, v / sc))) for v in blk.tolist()]
+            assert q[r, b * 128:(b + 1) * 128].view(torch.uint8).tolist() == want
+    assert s[3, 1].item() == 1.0
+    # partial last block: K = 200, block 128 -> 2 scales
+    q2, s2 = act_quant(xs[:, :200])
+    assert s2.shape == (16, 2) and q2.shape == (16, 200)
+    exact(s2[:, 0], s[:, 0])
+
+
+def test_act_quant_sim_bounds_and_idempotence():
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(8, 4, 448, generator=g) * 3).to(torch.bfloat16)
+    y = act_quant_sim(x, block=64)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    q, s = act_quant(x, block=64)
+    exact(y, (q.float() * s.repeat_interleave(64, -1)).to(torch.bfloat16))
+    xf, yf = x.float(), y.float()
+    sfull = s.repeat_interleave(64, -1)
+    assert torch.all((yf - xf).abs() <= torch.maximum(xf.abs() * 2.0 ** -4, sfull * 2.0 ** -10))
+    assert not torch.equal(y, x)  # it really rounds (bf16 has more mantissa than e4m3)
+    exact(act_quant_sim(y, block=64), y)
+    xf32 = torch.randn(3, 256, generator=g)
+    y32 = act_quant_sim(xf32)
+    assert y32.dtype == torch.float32
+    exact(act_quant_sim(y32), y32)
+
+
+def test_fp4_act_quant_sim_reference_bounds_idempotence():
+    # hand case: amax 6 -> s = 1, values round with ties to even
+    x = torch.zeros(1, 32)
+    x[0, :8] = torch.tensor([6.0, 5.0, 2.5, 0.25, 0.75, 1.25, 1.75, -3.5])
+    exact(fp4_act_quant_sim(x)[0, :8], torch.tensor([6.0, 4.0, 2.0, 0.0, 1.0, 1.0, 2.0, -4.0]))
+    g = torch.Generator().manual_seed(13)
+    x = (torch.randn(6, 128, generator=g) * torch.logspace(-3, 2, 6).unsqueeze(1))
+    x[2, :32] = 0
+    x = x.to(torch.bfloat16)
+    y = fp4_act_quant_sim(x)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    xf = x.float()
+    want = torch.empty_like(xf)
+    sfull = torch.empty_like(xf)
+    for r in range(6):
+        for b in range(4):
+            blk = xf[r, b * 32:(b + 1) * 32]
+            sc = py_pow2_ceil_bits(max(blk.abs().max().item(), 6 * 2.0 ** -126), 1 / 6)
+            sfull[r, b * 32:(b + 1) * 32] = sc
+            want[r, b * 32:(b + 1) * 32] = torch.tensor(
+                [FP4_TABLE[py_e2m1_encode(max(-6.0, min(6.0, v / sc)))] * sc for v in blk.tolist()])
+    exact(y.float(), want)
+    assert torch.all((y.float() - xf).abs() <= torch.maximum(xf.abs() / 4, sfull / 4))
+    assert torch.all(y[2, :32] == 0)
+    exact(fp4_act_quant_sim(y), y)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hadamard
+# ---------------------------------------------------------------------------------------------
+
+def sylvester(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def test_hadamard_vs_matrix():
+    h4 = torch.tensor([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]],
+                      dtype=torch.float64)
+    exact(sylvester(4), h4)  # scipy.linalg.hadamard ordering
+    g = torch.Generator().manual_seed(14)
+    for n in (2, 4, 8, 16, 32, 64, 128):
+        x = torch.randn(3, 5, n, generator=g)
+        want = (x.double() @ sylvester(n) * n ** -0.5).float()
+        torch.testing.assert_close(hadamard(x), want, rtol=0, atol=2e-6)
+    # a non-symmetric probe: basis vector e_1 -> row 1 of H / sqrt(n)
+    e = torch.zeros(8)
+    e[1] = 1
+    exact(hadamard(e), (h4.new_tensor(sylvester(8)[1].tolist()) * 8 ** -0.5).float())
+
+
+def test_hadamard_involution_and_dtype():
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(4, 128, generator=g)
+    torch.testing.assert_close(hadamard(hadamard(x)), x, rtol=0, atol=2e-6)
+    xb = x.to(torch.bfloat16)
+    yb = hadamard(xb)
+    assert yb.dtype == torch.bfloat16
+    exact(yb, (xb.double() @ sylvester(128) * 128 ** -0.5).float().to(torch.bfloat16))
+    with pytest.raises(ValueError):
+        hadamard(torch.randn(2, 12))
+
+
+# ---------------------------------------------------------------------------------------------
+# hot functions must not sync: they run on the meta device (any .item()/.tolist()/bool() fails)
+# ---------------------------------------------------------------------------------------------
+
+def test_hot_functions_have_no_host_sync():
+    m = dict(device="meta")
+    e8 = torch.empty(3, 4, dtype=E8M0, **m)
+    assert e8m0_to_float(e8).shape == (3, 4)
+    assert fp8_e4m3_decode(torch.empty(7, dtype=torch.uint8, **m)).dtype == torch.float32
+    assert fp4_e2m1_decode(torch.empty(7, dtype=torch.uint8, **m)).dtype == torch.float32
+    assert fp4_e2m1_encode(torch.empty(7, **m)).dtype == torch.uint8
+    assert unpack_fp4(torch.empty(2, 8, dtype=torch.int8, **m)).shape == (2, 16)
+    assert dequant_fp8(torch.empty(2, 256, 300, dtype=E4M3, **m),
+                       torch.empty(2, 2, 3, dtype=E8M0, **m), torch.bfloat16).shape == (2, 256, 300)
+    assert dequant_fp8(torch.empty(256, 256, dtype=E4M3, **m),
+                       torch.empty(2, 2, dtype=E8M0, **m)).shape == (256, 256)
+    assert dequant_fp4(torch.empty(2, 16, 64, dtype=torch.int8, **m),
+                       torch.empty(2, 16, 4, dtype=E8M0, **m)).shape == (2, 16, 128)
+    x = torch.empty(2, 3, 512, dtype=torch.bfloat16, **m)
+    q, s = act_quant(x)
+    assert q.shape == x.shape and s.shape == (2, 3, 4)
+    assert act_quant_sim(x, 64).shape == x.shape
+    assert fp4_act_quant_sim(x).dtype == torch.bfloat16
+    assert hadamard(x[..., :128]).shape == (2, 3, 128)
+
+
+def test_constants():
+    assert E4M3_MAX == 448.0 and E2M1_MAX == 6.0
+
+
+def test_quant_scale_edges():
+    # amax exactly qmax * 2^k -> scale 2^k; the next float32 above -> 2^(k+1)
+    for k in (-20, -1, 0, 3, 40):
+        for qmax, quant, rows, width in ((448.0, quant_fp8, 128, 128), (6.0, quant_fp4, 1, 32)):
+            top = qmax * 2.0 ** k
+            above = torch.nextafter(torch.tensor(top), torch.tensor(INF)).item()
+            for amax, want in ((top, 2.0 ** k), (-above, 2.0 ** (k + 1))):
+                w = torch.zeros(rows, width)
+                w[0, 5] = amax
+                _, sc = quant(w)
+                assert e8m0_to_float(sc).reshape(-1)[0].item() == want
+    # extreme range: scales clamp to / stay inside the E8M0 range
+    _, sc = quant_fp8(torch.full((128, 128), 1e-40))
+    assert sc.view(torch.uint8).item() == 0
+    _, sc = quant_fp4(torch.full((1, 32), 3e38))
+    assert e8m0_to_float(sc).item() == 2.0 ** 126
