@@ -70,12 +70,16 @@ def _builtin() -> None:
                "seed phase 1: dequantise the selected experts, torch matmuls"))
     _add(Entry("linear", "dequant", "ds4.ops.linear_torch:DequantLinear", _always, 0,
                "seed phase 1: dequantise FP8 weights, torch matmul"))
-    try:  # CUDA options are registered by their own module (kept beside their kernels)
-        from ds4.ops import cuda_registry
-    except ImportError:
-        return
-    for e, aliases in cuda_registry.entries(_cuda_ext):
-        _add(e, aliases)
+    # CUDA options are listed by modules kept beside their kernels; each has entries(check).
+    for mod in ("ds4.ops.cuda_registry", "ds4.ops.attn_cuda_registry"):
+        try:
+            listing = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        for e, aliases in listing.entries(_cuda_ext):
+            _add(e, aliases)
 
 
 _builtin()

@@ -82,3 +82,38 @@ def test_parity_with_transformers(seed, over):
         err = (logits[row] - hl).abs().max()
         assert err <= 1e-3 * hl.abs().max(), f"row {row}: max |logit diff| {err:.3g} vs max |logit| {hl.abs().max():.3g}"
         assert toks[row] == ht, f"row {row}: greedy tokens differ at step {next(i for i, (a, b) in enumerate(zip(toks[row], ht)) if a != b)}"
+
+
+def test_transformers_checkpoint_through_loader(tmp_path):
+    """save_pretrained -> ds4's loader (transformers naming, dense F32) -> the same greedy tokens."""
+    from ds4.weights.checkpoint import load_checkpoint
+    args = tiny()
+    w = random_weights(args, seed=5, include_mtp=False)
+    hf = hf_model(args, w)
+    hf.save_pretrained(tmp_path)
+    largs, lw = load_checkpoint(tmp_path, progress=False)
+    assert largs.weight_dtype == "bf16" and lw["layers.0.attn.wq_a.weight"].dtype == torch.float32
+    model = Transformer(largs, torch_reference_ops(), "plain", torch.float32)
+    model.load_weights(lw)
+    prompt = [5, 9, 100, 3, 77, 12, 40]
+    toks, _ = ds4_greedy(model, [prompt], 80)
+    ht, _ = hf_greedy(hf, prompt, 80)
+    assert toks[0] == ht
+
+
+def test_official_checkpoint_generates_like_memory(tmp_path):
+    """write_checkpoint -> load_checkpoint -> the same tokens as the in-memory synthetic model."""
+    from ds4.runtime.generate import Generator
+    from ds4.weights.checkpoint import load_checkpoint
+    from ds4.weights.writer import write_checkpoint
+    args = tiny()
+    w = random_weights(args, seed=6)
+    write_checkpoint(tmp_path, args, w, max_shard_bytes=1 << 20)
+    largs, lw = load_checkpoint(tmp_path, progress=False)
+    assert largs == args
+    outs = []
+    for tensors in (w, lw):
+        m = Transformer(args, torch_reference_ops(), "plain", torch.float32)
+        m.load_weights(tensors)
+        outs.append(Generator(m, 1, 128).generate([[4, 5, 6, 7]], 40).tokens)
+    assert outs[0] == outs[1]

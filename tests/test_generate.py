@@ -1,0 +1,81 @@
+"""Generation loop and sampling: batching of different lengths, seeds, top-k/top-p, EOS, limits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4.model.args import tiny
+from ds4.model.transformer import Transformer
+from ds4.registry import torch_reference_ops
+from ds4.runtime.generate import Generator
+from ds4.runtime.sampling import Sampling, sample
+from ds4.weights.synthetic import random_weights
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(tiny(), seed=0, include_mtp=False)
+
+
+def model(weights, **over):
+    a = tiny().replace(**over)
+    m = Transformer(a, torch_reference_ops(), "plain", torch.float32)
+    m.load_weights(weights)
+    return m
+
+
+def test_batch_equals_single_rows(weights):
+    m = model(weights)
+    p1, p2 = [5, 6, 7, 8, 9, 10, 11], [100, 3]
+    both = Generator(m, 2, 96).generate([p1, p2], 30, stop_at_eos=False).tokens
+    assert both[0] == Generator(m, 1, 96).generate([p1], 30, stop_at_eos=False).tokens[0]
+    assert both[1] == Generator(m, 1, 96).generate([p2], 30, stop_at_eos=False).tokens[0]
+
+
+def test_sampling_seeded_and_filters():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 3
+    s = Sampling(temperature=0.8, top_k=5, top_p=0.9, seed=1)
+    a = sample(logits, s, torch.Generator().manual_seed(1))
+    b = sample(logits, s, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    top5 = logits.topk(5, -1).indices
+    draws = torch.stack([sample(logits, Sampling(1.0, top_k=5), torch.Generator().manual_seed(i)) for i in range(200)])
+    assert all(int(d) in top5[r].tolist() for r in range(3) for d in draws[:, r])
+    assert len(set(draws[:, 0].tolist())) > 1   # really samples
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample(logits, Sampling(1.0, top_p=1e-6), torch.Generator().manual_seed(3)), greedy)
+    assert torch.equal(sample(logits, Sampling(1.0, top_k=1), torch.Generator().manual_seed(3)), greedy)
+    # distribution: a two-token logit gap of log(3) gives ~3:1 frequencies
+    two = torch.tensor([[0.0, float(torch.log(torch.tensor(3.0)))]])
+    n1 = sum(int(sample(two, Sampling(1.0), torch.Generator().manual_seed(i))) for i in range(2000))
+    assert 1350 < n1 < 1650
+
+
+def test_generate_with_seed_is_reproducible(weights):
+    m = model(weights)
+    s = Sampling(temperature=1.0, top_p=0.95, seed=7)
+    a = Generator(m, 1, 96).generate([[1, 2, 3]], 20, s).tokens
+    b = Generator(m, 1, 96).generate([[1, 2, 3]], 20, s).tokens
+    c = Generator(m, 1, 96).generate([[1, 2, 3]], 20, Sampling(temperature=1.0, top_p=0.95, seed=8)).tokens
+    assert a == b and a != c
+
+
+def test_stops_at_eos(weights):
+    base = Generator(model(weights), 1, 96).generate([[9, 9, 9]], 30, stop_at_eos=False).tokens[0]
+    eos = base[5]
+    first = base.index(eos)
+    out = Generator(model(weights, eos_token_id=eos), 1, 96).generate([[9, 9, 9]], 30, eos_check_every=1)
+    assert out.tokens[0] == base[: first + 1]
+    assert len(out.step_s) <= first + 1
+
+
+def test_limits(weights):
+    m = model(weights)
+    g = Generator(m, 1, 16)
+    with pytest.raises(ValueError, match="max_batch"):
+        g.generate([[1], [2]], 4)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        g.generate([list(range(2, 20))], 4)
+    out = g.generate([list(range(2, 12))], 50, stop_at_eos=False)
+    assert out.truncated and len(out.tokens[0]) == 16 - 10
