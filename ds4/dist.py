@@ -1,17 +1,125 @@
-"""Collectives the model calls. `SingleProcess` is the world-size-1 identity; the
-tensor-parallel implementation (torch.distributed) plugs in behind the same two methods."""
+"""Collectives the model calls, and process-group setup under torchrun.
+
+`SingleProcess` is the world-size-1 identity. `TensorParallel` sums partial results over the
+ranks of one group in the configured precision (`reduce=fp32|bf16`) through either NCCL/gloo
+(`comm=nccl`) or PyTorch's symmetric-memory one-shot all-reduce over NVLink P2P
+(`comm=symm_mem`, CUDA only; graph-capturable). Greedy decoding can use the seed's
+distributed argmax instead of gathering the whole vocabulary.
+"""
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 from torch import Tensor
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class SingleProcess:
     rank, world = 0, 1
 
     def all_reduce(self, x: Tensor, site: str) -> Tensor:
-        """Sum partial results over ranks (site: 'attn', 'moe', 'indexer' for profiling/precision)."""
+        """Sum partial results over ranks (site: 'attn', 'moe', 'indexer', 'embed')."""
         return x
 
     def gather_vocab(self, logits: Tensor) -> Tensor:
         """Concatenate vocab-parallel logits [..., V/W] over ranks -> [..., V]."""
         return logits
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        """Global argmax of vocab-parallel logits [N, V/W] -> global ids [N]."""
+        return logits.argmax(-1)
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world: int
+    local_rank: int
+
+
+def env() -> DistEnv:
+    """Rank layout from torchrun's environment (1 process when unset)."""
+    return DistEnv(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init(device_type: str, expected_world: int) -> DistEnv:
+    """Join the process group torchrun set up (NCCL on CUDA, gloo on CPU) and pin the GPU.
+    Fails clearly when the launch does not match the configured tensor-parallel size."""
+    e = env()
+    if e.world != expected_world:
+        raise ValueError(f"parallel.tp={expected_world} but {e.world} process(es) were launched; "
+                         f"use `torchrun --nproc-per-node {expected_world} -m ds4 parallel.tp={expected_world} ...`")
+    if e.world == 1:
+        return e
+    if device_type == "cuda":
+        n = torch.cuda.device_count()
+        if n < e.world:
+            raise ValueError(f"parallel.tp={e.world} needs {e.world} visible GPUs, found {n}")
+        torch.cuda.set_device(e.local_rank)
+    # Lent multi-GPU machines must not use NVLink multicast (NVLS); harmless elsewhere.
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                device_id=torch.device("cuda", e.local_rank) if device_type == "cuda" else None)
+    return e
+
+
+class TensorParallel:
+    def __init__(self, reduce: str = "fp32", comm: str = "nccl", group=None, device: torch.device | None = None,
+                 max_numel: int = 1 << 16):
+        if reduce not in REDUCE_DTYPES:
+            raise ValueError(f"reduce must be one of {sorted(REDUCE_DTYPES)}, got {reduce!r}")
+        if comm not in ("nccl", "symm_mem"):
+            raise ValueError(f"comm must be nccl|symm_mem, got {comm!r}")
+        self.group = group or dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.reduce_dtype, self.comm = REDUCE_DTYPES[reduce], comm
+        self._bufs: dict[torch.dtype, Tensor] = {}
+        if comm == "symm_mem":
+            if device is None or device.type != "cuda":
+                raise ValueError("comm=symm_mem needs CUDA devices")
+            import torch.distributed._symmetric_memory as symm_mem
+            self._group_name = self.group.group_name
+            # One symmetric buffer per reduce dtype, allocated and exchanged once (never per step).
+            for dt in {self.reduce_dtype, torch.float32}:
+                buf = symm_mem.empty(max_numel, dtype=dt, device=device)
+                symm_mem.rendezvous(buf, self._group_name)
+                self._bufs[dt] = buf
+
+    def _sum(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        y = x.to(dtype).contiguous()
+        if self.comm == "symm_mem" and y.numel() <= self._bufs[dtype].numel():
+            flat = torch.ops.symm_mem.one_shot_all_reduce_copy(self._bufs[dtype][: y.numel()], y.view(-1),
+                                                                "sum", self._group_name)
+            return flat.view(y.shape)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+    def all_reduce(self, x: Tensor, site: str) -> Tensor:
+        # Index scores decide a top-k: keep them in fp32 whatever the activation reduce precision.
+        dtype = torch.float32 if site in ("indexer", "embed") else self.reduce_dtype
+        return self._sum(x, dtype).to(x.dtype)
+
+    def gather_vocab(self, logits: Tensor) -> Tensor:
+        parts = [torch.empty_like(logits) for _ in range(self.world)]
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, -1)
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        """The seed's distributed argmax: each rank offers (local max, global index); the largest
+        value wins, ties go to the lowest global index. Sends 2 values per row per rank."""
+        v_local = logits.shape[-1]
+        val, idx = logits.float().max(-1)
+        mine = torch.stack((val, (idx + self.rank * v_local).float()), -1)           # [N, 2]
+        allp = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(allp, mine.contiguous(), group=self.group)
+        allp = torch.stack(allp, 0)                                                    # [W, N, 2]
+        best = allp[..., 0].max(0).values
+        cand = torch.where(allp[..., 0] == best, allp[..., 1], torch.full_like(allp[..., 1], float("inf")))
+        return cand.min(0).values.long()

@@ -138,18 +138,24 @@ class Transformer(WeightsModule):
                 e = self.embed[ids]
             return e.to(self.dtype).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
 
-    def logits(self, h: Tensor, fn=None, scale=None, base=None, norm=None) -> Tensor:
-        """h [N, hc, dim] -> fp32 logits [N, vocab]: hc_head, final norm, LM head (fp32 accumulate)."""
+    def logits(self, h: Tensor, fn=None, scale=None, base=None, norm=None, full_vocab: bool = True) -> Tensor:
+        """h [N, hc, dim] -> fp32 logits [N, vocab]: hc_head, final norm, LM head (fp32 accumulate).
+        Under tensor parallelism `full_vocab=False` returns this rank's vocab slice only."""
         a = self.args
         with self.prof("head"):
             y = self.ops.hc.head(h, self.hc_head_fn if fn is None else fn, self.hc_head_scale if scale is None else scale,
                                  self.hc_head_base if base is None else base, a.hc_eps, a.norm_eps)
             y = rms_norm(y, self.norm if norm is None else norm, a.norm_eps)
-            return self.comm.gather_vocab(_head_matmul(y, self.head))
+            out = _head_matmul(y, self.head)
+        if not full_vocab:
+            return out
+        with self.prof("comm.head"):
+            return self.comm.gather_vocab(out)
 
     # ---- prefill / decode ---------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: Tensor, state: DecodeState, row: int, return_hidden: bool = False):
+    def prefill(self, ids: Tensor, state: DecodeState, row: int, return_hidden: bool = False,
+                full_vocab: bool = True):
         """ids [S] of one sequence -> logits [vocab] fp32 for its last position; fills `row` of the
         state (which must have been reset) and sets its position to S."""
         S = ids.shape[0]
@@ -159,18 +165,18 @@ class Transformer(WeightsModule):
         for blk, st in zip(self.layers, state.layers):
             h = blk(h, ids, lambda attn, x, st=st: attn.prefill(x, st, row))
         state.pos[row] = S
-        out = self.logits(h[-1:])[0]
+        out = self.logits(h[-1:], full_vocab=full_vocab)[0]
         return (out, h) if return_hidden else out
 
     @torch.inference_mode()
-    def decode(self, ids: Tensor, state: DecodeState) -> Tensor:
+    def decode(self, ids: Tensor, state: DecodeState, full_vocab: bool = True) -> Tensor:
         """ids [B] (next token of every row) at positions state.pos -> logits [B, vocab] fp32; advances pos."""
         pos = state.pos[: ids.shape[0]]
         h = self._embed(ids)
         for blk, st in zip(self.layers, state.layers):
             h = blk(h, ids, lambda attn, x, st=st: attn.decode(x, pos, st))
         pos.add_(1)
-        return self.logits(h)
+        return self.logits(h, full_vocab=full_vocab)
 
     @torch.inference_mode()
     def mtp_logits(self, h: Tensor, next_ids: Tensor) -> Tensor:
@@ -240,6 +246,9 @@ def _head_matmul(y: Tensor, head: Tensor) -> Tensor:
     """fp32 logits of y [N, dim] against the BF16 head [V, dim] without an fp32 copy of the head
     on CUDA (bf16 inputs, fp32 accumulate and output); upcast in chunks elsewhere."""
     if y.is_cuda and head.dtype == torch.bfloat16:
-        return torch.mm(y.to(torch.bfloat16), head.t(), out_dtype=torch.float32)
+        try:
+            return torch.mm(y.to(torch.bfloat16), head.t(), out_dtype=torch.float32)
+        except TypeError:  # torch without mm(out_dtype=): same numerics via chunked upcast below
+            pass
     yf = y.float()
     return torch.cat([yf @ head[i:i + 16384].float().t() for i in range(0, head.shape[0], 16384)], -1)

@@ -32,10 +32,23 @@ class GenerateOutput:
 
 
 class Generator:
-    def __init__(self, model: Transformer, max_batch: int, max_seq_len: int):
-        self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
+    def __init__(self, model: Transformer, max_batch: int, max_seq_len: int, runtime: str = "eager"):
+        if runtime not in ("eager", "cuda_graph"):
+            raise ValueError(f"runtime must be eager|cuda_graph, got {runtime!r}")
+        if runtime == "cuda_graph" and model.device.type != "cuda":
+            raise ValueError("runtime=cuda_graph needs a CUDA device")
+        self.model, self.max_batch, self.max_seq_len, self.runtime = model, max_batch, max_seq_len, runtime
         self.state: DecodeState = model.alloc_state(max_batch, max_seq_len)
         self.batch = 0
+        self.graphs: dict[tuple[int, str], "CudaGraphStep"] = {}  # (batch, mode) -> captured step
+
+    def graph_step(self, batch: int, mode: str):
+        """The captured decode step for this batch size and selection mode (captured on first use)."""
+        from ds4.runtime.cuda_graph import CudaGraphStep
+        key = (batch, mode)
+        if key not in self.graphs:
+            self.graphs[key] = CudaGraphStep(self.model, self.state, batch, mode)
+        return self.graphs[key]
 
     def _check(self, prompts: list[list[int]]) -> None:
         if not prompts:
@@ -49,20 +62,28 @@ class Generator:
                 raise ValueError(f"prompt of {len(p)} tokens does not fit max_seq_len={self.max_seq_len} "
                                  "(it needs room for at least one generated token)")
 
-    def prefill(self, prompts: list[list[int]]) -> Tensor:
+    def prefill(self, prompts: list[list[int]], full_vocab: bool = True) -> Tensor:
         """Reset and prefill one row per prompt -> logits [B, V] for each prompt's last position."""
         self._check(prompts)
         dev = self.model.device
         out = []
         for row, p in enumerate(prompts):
             self.state.reset_row(row)
-            out.append(self.model.prefill(torch.tensor(p, dtype=torch.long, device=dev), self.state, row))
+            out.append(self.model.prefill(torch.tensor(p, dtype=torch.long, device=dev), self.state, row,
+                                          full_vocab=full_vocab))
         self.batch = len(prompts)
         return torch.stack(out)
 
-    def decode(self, tokens: Tensor) -> Tensor:
+    def decode(self, tokens: Tensor, full_vocab: bool = True) -> Tensor:
         """tokens [B] (device) -> logits [B, V]; every row advances one position."""
-        return self.model.decode(tokens, self.state)
+        return self.model.decode(tokens, self.state, full_vocab)
+
+    def next_token(self, logits: Tensor, sampling: Sampling, gen) -> Tensor:
+        """Greedy under tensor parallelism takes the distributed argmax of vocab slices;
+        everything else samples the full logits (every rank draws the same token: same seed)."""
+        if sampling.greedy and self.model.comm.world > 1:
+            return self.model.comm.argmax(logits)
+        return sample(logits, sampling, gen)
 
     def teacher_forced_logits(self, prompt: list[int], continuation: list[int]) -> Tensor:
         """Logits predicting continuation[i] at step i, feeding the given tokens through decode."""
@@ -80,14 +101,19 @@ class Generator:
         steps = min(max_new_tokens, self.max_seq_len - max(len(p) for p in prompts))
         truncated = steps < max_new_tokens
         eos = self.model.args.eos_token_id
+        step = None
+        if self.runtime == "cuda_graph":  # captured before the clock starts; its cost is reported separately
+            mode = ("dist_argmax" if self.model.comm.world > 1 else "argmax") if sampling.greedy else "logits"
+            step = self.graph_step(len(prompts), mode)
         if cuda:
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        logits = self.prefill(prompts)
+        local = sampling.greedy and self.model.comm.world > 1  # distributed argmax on vocab slices
+        logits = self.prefill(prompts, full_vocab=not local)
         if cuda:
             torch.cuda.synchronize(dev)
         prefill_s = time.perf_counter() - t0
-        tok = sample(logits, sampling, gen)
+        tok = self.next_token(logits, sampling, gen)
         out = [tok]
         if cuda:
             torch.cuda.synchronize(dev)
@@ -101,7 +127,12 @@ class Generator:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
             ts = time.perf_counter()
-            tok = sample(self.decode(tok), sampling, gen)
+            if step is None:
+                tok = self.next_token(self.decode(tok, full_vocab=not local), sampling, gen)
+            elif sampling.greedy:
+                tok = step(tok).clone()
+            else:
+                tok = sample(step(tok), sampling, gen)
             if cuda:
                 ev[1].record()
                 events.append(ev)
