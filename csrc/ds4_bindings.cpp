@@ -1,0 +1,289 @@
+// The one binding file: checks tensors, takes the current CUDA stream, calls the launchers of the
+// .cu files (which include CUDA headers only) and registers the ops as torch.ops.ds4.*.
+// Fake (meta) implementations are registered in Python (ds4/kernels/_ops.py).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+
+#include "ds4_launch.h"
+
+namespace {
+
+constexpr int64_t FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2;
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "ds4: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), "ds4: ", name, " must be contiguous");
+}
+
+void check_launch(cudaError_t e, const char* what) {
+  TORCH_CHECK(e == cudaSuccess, "ds4: ", what, " launch failed: ", cudaGetErrorString(e),
+              (e == cudaErrorInvalidValue ? " (shape not supported by this kernel)" : ""));
+}
+
+void check_weight(const at::Tensor& w, int64_t fmt, const char* name) {
+  if (fmt == FMT_BF16) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "ds4: ", name, " must be bfloat16 for fmt bf16");
+  } else {
+    TORCH_CHECK(w.element_size() == 1, "ds4: ", name, " must have 1-byte elements for fp8/fp4");
+  }
+}
+
+int64_t logical_in(const at::Tensor& w, int64_t fmt) { return w.size(-1) * (fmt == FMT_FP4 ? 2 : 1); }
+
+int64_t scale_ld(const std::optional<at::Tensor>& s, int64_t fmt, const char* name) {
+  if (fmt == FMT_BF16) return 0;
+  TORCH_CHECK(s.has_value(), "ds4: ", name, " scale is required for fp8/fp4");
+  check_cuda(*s, name);
+  TORCH_CHECK(s->element_size() == 1, "ds4: ", name, " scale must be E8M0 (1 byte)");
+  return s->size(-1);
+}
+
+const void* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
+                int64_t groups, int64_t rows_per_warp, bool out_f32) {
+  check_cuda(x, "x");
+  check_cuda(w, "w");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "ds4.gemv: x must be bf16 [N, K]");
+  TORCH_CHECK(w.dim() == 2, "ds4.gemv: w must be 2-D");
+  check_weight(w, fmt, "w");
+  const int64_t O = w.size(0), K = logical_in(w, fmt), N = x.size(0);
+  TORCH_CHECK(groups >= 1 && O % groups == 0, "ds4.gemv: rows must split into groups");
+  TORCH_CHECK(x.size(1) == K * groups, "ds4.gemv: x has ", x.size(1), " columns, expected ", K * groups);
+  const int64_t vals = fmt == FMT_BF16 ? 8 : (fmt == FMT_FP8 ? 16 : 32);
+  TORCH_CHECK(K % vals == 0, "ds4.gemv: in_features must be a multiple of ", vals);
+  const int64_t s_ld = scale_ld(scale, fmt, "w");
+  if (fmt == FMT_FP8)
+    TORCH_CHECK(scale->size(0) == (O + 127) / 128 && s_ld == (K + 127) / 128, "ds4.gemv: fp8 scale shape");
+  if (fmt == FMT_FP4) TORCH_CHECK(scale->size(0) == O && s_ld == K / 32, "ds4.gemv: fp4 scale shape");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({N, O}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
+  if (N == 0) return out;
+  const int step = ds4::gemv_max_tokens((int)fmt, (int)K);
+  TORCH_CHECK(step >= 1, "ds4.gemv: in_features ", K, " too large for the shared-memory activation tile");
+  cudaStream_t st = at::cuda::getCurrentCUDAStream();
+  const int64_t esz = out_f32 ? 4 : 2;
+  for (int64_t t0 = 0; t0 < N; t0 += step) {
+    const int nt = (int)std::min<int64_t>(step, N - t0);
+    check_launch(ds4::launch_gemv((int)fmt, (int)rows_per_warp,
+                                  static_cast<const at::BFloat16*>(x.data_ptr()) + t0 * x.size(1), x.size(1), nt,
+                                  w.data_ptr(), opt_ptr(scale), (int)s_ld,
+                                  static_cast<char*>(out.data_ptr()) + t0 * O * esz, out_f32, O, (int)O, (int)K,
+                                  groups > 1 ? (int)(O / groups) : 0, st),
+                 "gemv");
+  }
+  return out;
+}
+
+// Fills the weight part of MoEArgs from stacked [E, O, I] (or single [O, I]) tensors.
+void fill_moe(ds4::MoEArgs& a, int64_t fmt, const at::Tensor& w1, const std::optional<at::Tensor>& s1,
+              const at::Tensor& w3, const std::optional<at::Tensor>& s3, const at::Tensor& w2,
+              const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& ptrs, int64_t expert_offset,
+              int64_t n_local) {
+  a.fmt = (int)fmt;
+  a.expert_offset = (int)expert_offset;
+  a.n_local = (int)n_local;
+  if (ptrs.has_value()) {
+    TORCH_CHECK(fmt == FMT_BF16, "ds4.moe: pointer tables are for bf16 (cached) experts only");
+    check_cuda(*ptrs, "ptrs");
+    TORCH_CHECK(ptrs->scalar_type() == at::kLong && ptrs->dim() == 2 && ptrs->size(1) == 3 &&
+                    ptrs->size(0) == n_local, "ds4.moe: ptrs must be int64 [n_local, 3]");
+    a.ptrs = reinterpret_cast<const uint64_t*>(ptrs->data_ptr());
+  }
+}
+
+at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids,
+                       const std::optional<at::Tensor>& route_w, const at::Tensor& w1,
+                       const std::optional<at::Tensor>& s1, const at::Tensor& w3, const std::optional<at::Tensor>& s3,
+                       const std::optional<at::Tensor>& ptrs, int64_t fmt, int64_t expert_offset, int64_t n_local,
+                       double limit) {
+  check_cuda(x, "x");
+  check_cuda(w1, "w1");
+  check_cuda(w3, "w3");
+  check_weight(w1, fmt, "w1");
+  check_weight(w3, fmt, "w3");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "ds4.moe_gate_up: x must be bf16 [N, dim]");
+  TORCH_CHECK(w1.sizes() == w3.sizes() && (w1.dim() == 2 || w1.dim() == 3), "ds4.moe_gate_up: w1/w3 shapes");
+  const int64_t N = x.size(0), dim = x.size(1), inter = w1.size(-2);
+  TORCH_CHECK(logical_in(w1, fmt) == dim, "ds4.moe_gate_up: w1 in_features != dim");
+  ds4::MoEArgs a;
+  int64_t k = 1;
+  if (ids.has_value()) {
+    check_cuda(*ids, "ids");
+    TORCH_CHECK(ids->scalar_type() == at::kLong && ids->dim() == 2 && ids->size(0) == N,
+                "ds4.moe_gate_up: ids must be int64 [N, k]");
+    k = ids->size(1);
+  } else {
+    TORCH_CHECK(w1.dim() == 2 || ptrs.has_value() || w1.size(0) == 1, "ds4.moe_gate_up: ids=None needs one expert");
+  }
+  if (route_w.has_value()) {
+    check_cuda(*route_w, "route_w");
+    TORCH_CHECK(route_w->scalar_type() == at::kFloat && route_w->numel() == N * k,
+                "ds4.moe_gate_up: route weights must be f32 [N, k]");
+  }
+  fill_moe(a, fmt, w1, s1, w3, s3, w1, std::nullopt, ptrs, expert_offset, n_local);
+  if (!ptrs.has_value()) {
+    const int64_t s_ld = scale_ld(s1, fmt, "w1");
+    if (fmt != FMT_BF16) {
+      TORCH_CHECK(s3.has_value() && s3->sizes() == s1->sizes(), "ds4.moe_gate_up: s1/s3 shapes");
+      if (fmt == FMT_FP8) TORCH_CHECK(s_ld == (dim + 127) / 128 && s1->size(-2) == (inter + 127) / 128, "fp8 scale shape");
+      if (fmt == FMT_FP4) TORCH_CHECK(s_ld == dim / 32 && s1->size(-2) == inter, "fp4 scale shape");
+      check_cuda(*s3, "s3");
+    }
+    a.W1 = w1.data_ptr();
+    a.W3 = w3.data_ptr();
+    a.S1 = opt_ptr(s1);
+    a.S3 = opt_ptr(s3);
+    a.w13_estride = w1.dim() == 3 ? w1.stride(0) * w1.element_size() : 0;
+    a.s13_estride = (fmt != FMT_BF16 && s1->dim() == 3) ? s1->stride(0) : 0;
+    a.s13_ld = (int)s_ld;
+    if (!ids.has_value()) a.n_local = 1;
+  }
+  a.topk = (int)k;
+  a.dim = (int)dim;
+  a.inter = (int)inter;
+  a.limit = (float)limit;
+  c10::cuda::CUDAGuard guard(x.device());
+  auto h = at::empty({N * k, inter}, x.options());
+  if (N == 0) return h;
+  const int step = ds4::moe_max_tokens((int)fmt, (int)k, (int)dim, (int)inter);
+  TORCH_CHECK(step >= 1, "ds4.moe_gate_up: shape too large for the shared-memory tiles");
+  cudaStream_t st = at::cuda::getCurrentCUDAStream();
+  for (int64_t t0 = 0; t0 < N; t0 += step) {
+    ds4::MoEArgs c = a;
+    c.n_tok = (int)std::min<int64_t>(step, N - t0);
+    c.ids = ids.has_value() ? static_cast<const int64_t*>(ids->data_ptr()) + t0 * k : nullptr;
+    c.rw = route_w.has_value() ? static_cast<const float*>(route_w->data_ptr()) + t0 * k : nullptr;
+    check_launch(ds4::launch_moe_gate_up(c, static_cast<const at::BFloat16*>(x.data_ptr()) + t0 * dim,
+                                         static_cast<at::BFloat16*>(h.data_ptr()) + t0 * k * inter, st),
+                 "moe_gate_up");
+  }
+  return h;
+}
+
+at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, int64_t topk, const at::Tensor& w2,
+                    const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& ptrs, int64_t fmt,
+                    int64_t expert_offset, int64_t n_local, const std::optional<at::Tensor>& add, bool out_f32,
+                    int64_t rows_per_warp) {
+  check_cuda(h, "h");
+  check_cuda(w2, "w2");
+  check_weight(w2, fmt, "w2");
+  TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && topk >= 1 && h.size(0) % topk == 0,
+              "ds4.moe_down: h must be bf16 [N*topk, inter]");
+  TORCH_CHECK(w2.dim() == 2 || w2.dim() == 3, "ds4.moe_down: w2 shape");
+  const int64_t N = h.size(0) / topk, inter = h.size(1), dim = w2.size(-2);
+  TORCH_CHECK(logical_in(w2, fmt) == inter, "ds4.moe_down: w2 in_features != inter");
+  ds4::MoEArgs a;
+  if (ids.has_value()) {
+    check_cuda(*ids, "ids");
+    TORCH_CHECK(ids->scalar_type() == at::kLong && ids->dim() == 2 && ids->size(0) == N && ids->size(1) == topk,
+                "ds4.moe_down: ids must be int64 [N, topk]");
+  } else {
+    TORCH_CHECK(topk == 1, "ds4.moe_down: ids=None needs topk 1");
+  }
+  if (add.has_value()) {
+    check_cuda(*add, "add");
+    TORCH_CHECK(add->scalar_type() == at::kFloat && add->numel() == N * dim, "ds4.moe_down: add must be f32 [N, dim]");
+  }
+  fill_moe(a, fmt, w2, std::nullopt, w2, std::nullopt, w2, s2, ptrs, expert_offset, n_local);
+  if (!ptrs.has_value()) {
+    const int64_t s_ld = scale_ld(s2, fmt, "w2");
+    if (fmt == FMT_FP8) TORCH_CHECK(s_ld == (inter + 127) / 128 && s2->size(-2) == (dim + 127) / 128, "fp8 scale shape");
+    if (fmt == FMT_FP4) TORCH_CHECK(s_ld == inter / 32 && s2->size(-2) == dim, "fp4 scale shape");
+    a.W2 = w2.data_ptr();
+    a.S2 = opt_ptr(s2);
+    a.w2_estride = w2.dim() == 3 ? w2.stride(0) * w2.element_size() : 0;
+    a.s2_estride = (fmt != FMT_BF16 && s2->dim() == 3) ? s2->stride(0) : 0;
+    a.s2_ld = (int)s_ld;
+    if (!ids.has_value()) a.n_local = 1;
+  }
+  a.topk = (int)topk;
+  a.dim = (int)dim;
+  a.inter = (int)inter;
+  a.rows_per_warp = (int)rows_per_warp;
+  c10::cuda::CUDAGuard guard(h.device());
+  auto out = at::empty({N, dim}, h.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
+  if (N == 0) return out;
+  const int step = ds4::moe_max_tokens((int)fmt, (int)topk, (int)dim, (int)inter);
+  TORCH_CHECK(step >= 1, "ds4.moe_down: shape too large for the shared-memory tiles");
+  cudaStream_t st = at::cuda::getCurrentCUDAStream();
+  const int64_t esz = out_f32 ? 4 : 2;
+  for (int64_t t0 = 0; t0 < N; t0 += step) {
+    ds4::MoEArgs c = a;
+    c.n_tok = (int)std::min<int64_t>(step, N - t0);
+    c.ids = ids.has_value() ? static_cast<const int64_t*>(ids->data_ptr()) + t0 * topk : nullptr;
+    check_launch(ds4::launch_moe_down(c, static_cast<const at::BFloat16*>(h.data_ptr()) + t0 * topk * inter,
+                                      add.has_value() ? static_cast<const float*>(add->data_ptr()) + t0 * dim : nullptr,
+                                      static_cast<char*>(out.data_ptr()) + t0 * dim * esz, out_f32, st),
+                 "moe_down");
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor& gate,
+                                          const std::optional<at::Tensor>& bias,
+                                          const std::optional<at::Tensor>& tid2eid,
+                                          const std::optional<at::Tensor>& token_ids, int64_t topk,
+                                          double route_scale) {
+  check_cuda(gate, "gate");
+  TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && gate.dim() == 2, "ds4.router: gate must be bf16 [E, dim]");
+  const int64_t N = x.size(0), E = gate.size(0);
+  at::Tensor logits = gemv(x, gate, std::nullopt, FMT_BF16, 1, 0, true);
+  const float* b = nullptr;
+  if (bias.has_value() && !tid2eid.has_value()) {
+    check_cuda(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == E, "ds4.router: bias must be f32 [E]");
+    b = static_cast<const float*>(bias->data_ptr());
+  }
+  const void* tid = nullptr;
+  bool tid64 = false;
+  const int64_t* tok = nullptr;
+  if (tid2eid.has_value()) {
+    check_cuda(*tid2eid, "tid2eid");
+    TORCH_CHECK(token_ids.has_value(), "ds4.router: hash routing needs token_ids");
+    check_cuda(*token_ids, "token_ids");
+    TORCH_CHECK(token_ids->scalar_type() == at::kLong && token_ids->numel() == N, "ds4.router: token_ids int64 [N]");
+    TORCH_CHECK(tid2eid->dim() == 2 && tid2eid->size(1) == topk &&
+                    (tid2eid->scalar_type() == at::kLong || tid2eid->scalar_type() == at::kInt),
+                "ds4.router: tid2eid must be int32/int64 [vocab, topk]");
+    tid = tid2eid->data_ptr();
+    tid64 = tid2eid->scalar_type() == at::kLong;
+    tok = static_cast<const int64_t*>(token_ids->data_ptr());
+  } else {
+    TORCH_CHECK(bias.has_value(), "ds4.router: learned routing needs the bias");
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  auto w = at::empty({N, topk}, x.options().dtype(at::kFloat));
+  auto ids = at::empty({N, topk}, x.options().dtype(at::kLong));
+  if (N == 0) return {w, ids};
+  check_launch(ds4::launch_router_topk(static_cast<const float*>(logits.data_ptr()), (int)N, (int)E, b, tid, tid64,
+                                       tok, (int)topk, (float)route_scale, static_cast<float*>(w.data_ptr()),
+                                       static_cast<int64_t*>(ids.data_ptr()), at::cuda::getCurrentCUDAStream()),
+               "router_topk");
+  return {w, ids};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ds4, m) {
+  m.def("gemv(Tensor x, Tensor w, Tensor? scale, int fmt, int groups=1, int rows_per_warp=0, bool out_f32=False) -> Tensor");
+  m.def("moe_gate_up(Tensor x, Tensor? ids, Tensor? route_w, Tensor w1, Tensor? s1, Tensor w3, Tensor? s3, "
+        "Tensor? ptrs, int fmt, int expert_offset, int n_local, float limit) -> Tensor");
+  m.def("moe_down(Tensor h, Tensor? ids, int topk, Tensor w2, Tensor? s2, Tensor? ptrs, int fmt, "
+        "int expert_offset, int n_local, Tensor? add, bool out_f32, int rows_per_warp=0) -> Tensor");
+  m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
+        "float route_scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
+  m.impl("gemv", &gemv);
+  m.impl("moe_gate_up", &moe_gate_up);
+  m.impl("moe_down", &moe_down);
+  m.impl("router", &router);
+}

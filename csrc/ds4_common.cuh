@@ -1,0 +1,178 @@
+// Shared device helpers for the ds4 kernels. CUDA headers only (no torch): CI compiles every .cu
+// with plain nvcc for sm_80 and sm_90. Nothing here needs sm_89+ (no FP8/FP4 MMA).
+//
+// Numerics of every weight-times-activation kernel:
+//  * activations are converted once to fp32 and pre-scaled by 2^40 (DS4_XS);
+//  * weights are decoded by bit tricks straight to fp32 values that are the true element times
+//    2^-120 (E4M3) or 2^-126 (E2M1) — both exact, subnormals included (the spec's E4M3/E2M1
+//    subnormals land on fp32 subnormals/normals, never rounded);
+//  * products are therefore ~2^-80 / 2^-86 times the true product: far from fp32 underflow for any
+//    activation above ~2^-40 and far from overflow for any activation below 2^88;
+//  * each 16-byte chunk of a row lies in one scale block: its partial dot product (fp32) is
+//    multiplied by the E8M0 scale (byte b -> fp32 with exponent field b; b = 0 -> 2^-127) and
+//    accumulated in fp32; the constant 2^80 / 2^86 / 2^-40 is applied once at the end.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace ds4 {
+
+enum Fmt : int { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2 };
+
+// values per 16-byte chunk
+template <int FMT> struct FmtInfo;
+template <> struct FmtInfo<FMT_BF16> { static constexpr int VALS = 8;  };
+template <> struct FmtInfo<FMT_FP8>  { static constexpr int VALS = 16; };
+template <> struct FmtInfo<FMT_FP4>  { static constexpr int VALS = 32; };
+
+__host__ __device__ constexpr float pow2f(int e) {
+  // exact powers of two in the normal fp32 range (compile-time friendly)
+  return e >= 0 ? (e == 0 ? 1.0f : 2.0f * pow2f(e - 1)) : 0.5f * pow2f(e + 1);
+}
+
+constexpr float DS4_XS = 1099511627776.0f;  // 2^40 activation pre-scale
+
+template <int FMT> __device__ __forceinline__ float post_factor();
+template <> __device__ __forceinline__ float post_factor<FMT_BF16>() { return 9.094947017729282e-13f; }  // 2^-40
+template <> __device__ __forceinline__ float post_factor<FMT_FP8>()  { return 1.2089258196146292e24f; }  // 2^80
+template <> __device__ __forceinline__ float post_factor<FMT_FP4>()  { return 7.737125245533627e25f; }   // 2^86
+
+__device__ __forceinline__ float e8m0_to_f32(uint32_t b) {
+  return __uint_as_float(b ? (b << 23) : 0x00400000u);
+}
+
+// 16-byte streaming load of weights (read once: do not allocate in L1).
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ float4 ld_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+
+// Decode one 32-bit word of a chunk into fp32 values (raw: true value x 2^-120 / 2^-126).
+template <int FMT> struct Dec;
+template <> struct Dec<FMT_BF16> {
+  static constexpr int PER_WORD = 2;
+  __device__ __forceinline__ static void word(uint32_t q, float* v) {
+    v[0] = __uint_as_float(q << 16);
+    v[1] = __uint_as_float(q & 0xffff0000u);
+  }
+};
+template <> struct Dec<FMT_FP8> {
+  static constexpr int PER_WORD = 4;
+  __device__ __forceinline__ static void word(uint32_t q, float* v) {
+    // byte j moved to the top and shifted right arithmetically by 4: bit 31 = s (replicated over
+    // 31..28), bits 26..20 = eeee mmm; mask -> E4M3 value x 2^-120 as fp32 (exact, subnormals too)
+    v[0] = __uint_as_float((uint32_t)((int32_t)(q << 24) >> 4) & 0x87f00000u);
+    v[1] = __uint_as_float((uint32_t)((int32_t)(q << 16) >> 4) & 0x87f00000u);
+    v[2] = __uint_as_float((uint32_t)((int32_t)(q << 8) >> 4) & 0x87f00000u);
+    v[3] = __uint_as_float((uint32_t)((int32_t)q >> 4) & 0x87f00000u);
+  }
+};
+template <> struct Dec<FMT_FP4> {
+  static constexpr int PER_WORD = 8;
+  __device__ __forceinline__ static void word(uint32_t q, float* v) {
+    // nibble j (element j; low nibble = even element) s e1 e0 m -> fp32 bit 31 = s,
+    // bits 24..22 = e1 e0 m (value x 2^-126, exact, 0.5 as an fp32 subnormal)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      v[j] = __uint_as_float((uint32_t)((int32_t)(q << (28 - 4 * j)) >> 6) & 0x81c00000u);
+  }
+};
+
+// Row byte length and scale byte of chunk c of row r.
+template <int FMT> __host__ __device__ __forceinline__ long row_bytes(int K) {
+  return FMT == FMT_BF16 ? 2L * K : (FMT == FMT_FP8 ? (long)K : (long)K / 2);
+}
+template <int FMT>
+__device__ __forceinline__ float chunk_scale(const uint8_t* __restrict__ S, int r, int c, int s_ld) {
+  if (FMT == FMT_BF16) return 1.0f;
+  if (FMT == FMT_FP8) return e8m0_to_f32(__ldg(S + (long)(r >> 7) * s_ld + (c >> 3)));
+  return e8m0_to_f32(__ldg(S + (long)r * s_ld + c));
+}
+
+// acc[j][t] += scale_j * dot(chunk_j, x_t[k0 .. k0+VALS)) for R rows and NT tokens.
+// xp[t] points at token t's (pre-scaled fp32) activation at k0; nullptr = skip token (warp-uniform).
+template <int FMT, int R, int NT>
+__device__ __forceinline__ void chunk_fma(const uint4 (&w)[R], const float (&sc)[R],
+                                          const float* const (&xp)[NT], float (&acc)[R][NT]) {
+  constexpr int PW = Dec<FMT>::PER_WORD;
+  float p[R][NT];
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) p[j][t] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float v[R][PW];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const uint32_t q = i == 0 ? w[j].x : (i == 1 ? w[j].y : (i == 2 ? w[j].z : w[j].w));
+      Dec<FMT>::word(q, v[j]);
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (xp[t] == nullptr) continue;
+#pragma unroll
+      for (int q4 = 0; q4 < PW; q4 += (PW >= 4 ? 4 : 2)) {
+        if (PW >= 4) {
+          const float4 xv = ld_f4(xp[t] + i * PW + q4);
+#pragma unroll
+          for (int j = 0; j < R; ++j) {
+            p[j][t] = fmaf(v[j][q4 + 0], xv.x, p[j][t]);
+            p[j][t] = fmaf(v[j][q4 + 1], xv.y, p[j][t]);
+            p[j][t] = fmaf(v[j][q4 + 2], xv.z, p[j][t]);
+            p[j][t] = fmaf(v[j][q4 + 3], xv.w, p[j][t]);
+          }
+        } else {
+          const float2 xv = *reinterpret_cast<const float2*>(xp[t] + i * PW + q4);
+#pragma unroll
+          for (int j = 0; j < R; ++j) {
+            p[j][t] = fmaf(v[j][q4 + 0], xv.x, p[j][t]);
+            p[j][t] = fmaf(v[j][q4 + 1], xv.y, p[j][t]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[j][t] = fmaf(p[j][t], sc[j], acc[j][t]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Shared-memory layout of an activation row: chunk c (VALS values) at float offset c * CS, with
+// CS = VALS + pad so that 8 (16) consecutive lanes reading the same word of consecutive chunks hit
+// distinct banks (FP8: stride 20 floats, FP4: 36, BF16: 10 with 8-byte loads).
+template <int FMT> struct Smem {
+  static constexpr int VALS = FmtInfo<FMT>::VALS;
+  static constexpr int CS = VALS + (FMT == FMT_BF16 ? 2 : 4);
+  __host__ __device__ static constexpr long row_floats(int K) { return (long)(K / VALS) * CS; }
+};
+
+// bf16 [K] (16-byte aligned, K % 8 == 0) -> fp32 x 2^40 into the padded smem row.
+template <int FMT>
+__device__ __forceinline__ void load_row_smem(float* dst, const __nv_bfloat16* __restrict__ src, int K) {
+  constexpr int VALS = Smem<FMT>::VALS, CS = Smem<FMT>::CS;
+  for (int m = threadIdx.x * 8; m < K; m += blockDim.x * 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(src + m);
+    const int c = m / VALS, w = m - c * VALS;
+    float* d = dst + (long)c * CS + w;
+    const uint32_t ws[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      *reinterpret_cast<float2*>(d + 2 * k) =
+          make_float2(__uint_as_float(ws[k] << 16) * DS4_XS, __uint_as_float(ws[k] & 0xffff0000u) * DS4_XS);
+  }
+}
+
+}  // namespace ds4

@@ -1,0 +1,51 @@
+// Launchers over raw pointers + a cudaStream_t (no torch types): implemented in the .cu files,
+// called by the one binding file ds4_bindings.cpp. Each returns the launch's cudaError_t.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace ds4 {
+
+// Largest token count one launch handles (activations of all tokens sit in shared memory).
+int gemv_max_tokens(int fmt, int K);
+int moe_max_tokens(int fmt, int topk, int dim, int inter);
+
+// out[t, o] = sum_k x[t, xoff(o) + k] * W[o, k]   (t < n_tok <= 8)
+// fmt 0 bf16 / 1 fp8 (E4M3 + E8M0 128x128) / 2 fp4 (E2M1 pairs + E8M0 per 32).
+// group_rows > 0: row o reads x columns [(o / group_rows) * K, +K) (grouped wo_a); else xoff = 0.
+// rows_per_warp in {1, 2, 4} (0 = default).
+cudaError_t launch_gemv(int fmt, int rows_per_warp, const void* x, long x_ld, int n_tok,
+                        const void* W, const void* S, int s_ld, void* out, bool out_f32, long out_ld,
+                        int O, int K, int group_rows, cudaStream_t st);
+
+// Routed / shared expert gate+up: for every distinct local expert of ids [n_tok, topk] and every
+// token that selected it: h[t*topk + j, :] = bf16(silu(min(g, lim)) * clamp(u, +-lim) * rw[t, j]).
+// ids == nullptr: one expert (the shared one), topk must be 1, rw may be nullptr (weight 1).
+// ptrs != nullptr (bf16 only): weights of local expert e at ptrs[3e+0] (w1), ptrs[3e+1] (w3).
+struct MoEArgs {
+  int fmt = 2;
+  int n_tok = 1, topk = 1;
+  const int64_t* ids = nullptr;     // [n_tok, topk] global ids
+  const float* rw = nullptr;        // [n_tok, topk] route weights
+  int expert_offset = 0, n_local = 1;
+  const uint64_t* ptrs = nullptr;   // [n_local, 3]
+  const void *W1 = nullptr, *S1 = nullptr, *W3 = nullptr, *S3 = nullptr, *W2 = nullptr, *S2 = nullptr;
+  long w13_estride = 0, s13_estride = 0, w2_estride = 0, s2_estride = 0;  // bytes per expert
+  int s13_ld = 0, s2_ld = 0;       // scale row length (bytes)
+  int dim = 0, inter = 0;
+  float limit = 10.f;
+  int rows_per_warp = 0;           // 0 = default
+};
+cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, dim]*/,
+                               void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st);
+// out[t, :] = (add ? add[t, :] : 0) + sum over the local (token, slot) pairs of h[t*topk+j] @ w2[e]^T
+cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const float* add, void* out, bool out_f32,
+                            cudaStream_t st);
+
+// Router tail: logits f32 [n_tok, E] -> scores sqrt(softplus); ids (top-k of score + bias, or
+// tid2eid[token_ids]); weights = renormalised scores * route_scale.
+cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias,
+                               const void* tid2eid, bool tid64, const int64_t* token_ids, int topk,
+                               float route_scale, float* w_out, int64_t* ids_out, cudaStream_t st);
+
+}  // namespace ds4

@@ -1,0 +1,357 @@
+// Routed experts (MXFP4), the shared expert (FP8) and cached BF16 experts, all top-k experts of a
+// layer in two launches, expert ids read from the device tensor (no host sync):
+//   launch 1 (gate+up): grid (row blocks of `inter`, distinct-expert entry). Each block derives the
+//     distinct local experts of ids [n_tok, topk] itself (a few shared-memory passes over <= 64
+//     ids), reads the w1 and w3 rows of its entry once for every token that chose that expert, and
+//     writes h[t*topk+j] = bf16(silu(min(g,lim)) * clamp(u,+-lim) * route_weight).
+//   launch 2 (down): grid over output rows of `dim`; each block stages the h rows in shared memory
+//     and loops over the distinct experts, accumulating every token's output in fp32 registers.
+//     No atomics, no per-expert temporaries; slots whose expert is not local contribute nothing.
+// A token choosing one expert twice gets two entries (same weights, read twice), matching the
+// per-slot semantics of the reference.
+#include "ds4_common.cuh"
+#include "ds4_launch.h"
+
+namespace ds4 {
+
+constexpr int MOE_THREADS = 256;
+constexpr int MOE_WARPS = MOE_THREADS / 32;
+constexpr int MAX_SLOTS = 64;  // n_tok * topk per launch
+constexpr long MOE_SMEM_CAP = 150 * 1024;
+
+// Distinct (expert, occurrence-in-token) entries of the slots. s_e[u] = local expert of entry u,
+// s_slot[u*NT + t] = slot (t*topk + j) of token t for entry u, or -1. Returns the entry count.
+template <int NT>
+__device__ int moe_entries(const int64_t* __restrict__ ids, int n_tok, int topk, int off, int nloc,
+                           int* s_e, int* s_slot, int* s_key, int* s_rank, int* s_first) {
+  const int P = n_tok * topk;
+  const int tid = threadIdx.x;
+  for (int i = tid; i < MAX_SLOTS * NT; i += blockDim.x) s_slot[i] = -1;
+  if (tid < P) {
+    const long e = ids ? ids[tid] - off : 0;
+    s_key[tid] = (e >= 0 && e < nloc) ? (int)e : -1;
+  }
+  __syncthreads();
+  if (tid < P) {
+    const int e = s_key[tid];
+    int r = 0;
+    if (e >= 0)
+      for (int q = (tid / topk) * topk; q < tid; ++q) r += (s_key[q] == e);
+    s_rank[tid] = r;
+  }
+  __syncthreads();
+  if (tid < P) {
+    const int e = s_key[tid], r = s_rank[tid];
+    int first = e >= 0;
+    for (int q = 0; q < tid && first; ++q)
+      if (s_key[q] == e && s_rank[q] == r) first = 0;
+    s_first[tid] = first;
+  }
+  __syncthreads();
+  int nU = 0;
+  for (int q = 0; q < P; ++q) nU += s_first[q];
+  if (tid < P && s_key[tid] >= 0) {
+    const int e = s_key[tid], r = s_rank[tid];
+    int ord = 0, q = 0;
+    for (; q < P; ++q) {
+      if (s_key[q] == e && s_rank[q] == r) break;
+      ord += s_first[q];
+    }
+    if (q == tid) s_e[ord] = e;
+    s_slot[ord * NT + tid / topk] = tid;
+  }
+  __syncthreads();
+  return nU;
+}
+
+template <int FMT>
+__device__ __forceinline__ void expert_base(const MoEArgs& a, int e, int which, const uint8_t*& W,
+                                            const uint8_t*& S) {
+  // which: 0 = w1, 1 = w3, 2 = w2
+  if (a.ptrs) {
+    W = reinterpret_cast<const uint8_t*>(a.ptrs[3 * e + which]);
+    S = nullptr;
+    return;
+  }
+  if (which == 2) {
+    W = reinterpret_cast<const uint8_t*>(a.W2) + (long)e * a.w2_estride;
+    S = a.S2 ? reinterpret_cast<const uint8_t*>(a.S2) + (long)e * a.s2_estride : nullptr;
+  } else {
+    W = reinterpret_cast<const uint8_t*>(which ? a.W3 : a.W1) + (long)e * a.w13_estride;
+    const void* s = which ? a.S3 : a.S1;
+    S = s ? reinterpret_cast<const uint8_t*>(s) + (long)e * a.s13_estride : nullptr;
+  }
+}
+
+template <int FMT, int NT, int R, int U>
+__global__ void __launch_bounds__(MOE_THREADS)
+moe_gate_up_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
+  __shared__ int s_e[MAX_SLOTS], s_slot[MAX_SLOTS * NT], s_key[MAX_SLOTS], s_rank[MAX_SLOTS], s_first[MAX_SLOTS];
+  const int nU = moe_entries<NT>(a.ids, a.n_tok, a.topk, a.expert_offset, a.n_local, s_e, s_slot, s_key,
+                                 s_rank, s_first);
+  const int u = blockIdx.y;
+  if (u >= nU) return;  // block-uniform
+  constexpr int VALS = FmtInfo<FMT>::VALS, CS = Smem<FMT>::CS;
+  const int K = a.dim;
+  const long xrow = Smem<FMT>::row_floats(K);
+  int slot[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) slot[t] = s_slot[u * NT + t];
+
+  const int e = s_e[u];
+  const uint8_t *W1, *S1, *W3, *S3;
+  expert_base<FMT>(a, e, 0, W1, S1);
+  expert_base<FMT>(a, e, 1, W3, S3);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rbase = blockIdx.x * (MOE_WARPS * R) + warp * R;
+  const long rb = row_bytes<FMT>(K);
+  const int nch = K / VALS;
+  const uint8_t* wr[2 * R];
+  const uint8_t* sr[2 * R];
+  int rr[2 * R];
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int r = min(rbase + j, a.inter - 1);
+    rr[j] = rr[R + j] = r;
+    wr[j] = W1 + r * rb;
+    wr[R + j] = W3 + r * rb;
+    sr[j] = S1;
+    sr[R + j] = S3;
+  }
+  float acc[2 * R][NT];
+#pragma unroll
+  for (int j = 0; j < 2 * R; ++j)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[j][t] = 0.f;
+  uint4 wv[U][2 * R];
+  float sc[U][2 * R];
+  auto load = [&](int c0) {
+#pragma unroll
+    for (int uu = 0; uu < U; ++uu) {
+      const int c = c0 + 32 * uu;
+      if (c < nch) {
+#pragma unroll
+        for (int j = 0; j < 2 * R; ++j) {
+          wv[uu][j] = ld_stream16(wr[j] + (long)c * 16);
+          sc[uu][j] = chunk_scale<FMT>(sr[j], rr[j], c, a.s13_ld);
+        }
+      }
+    }
+  };
+  load(lane);  // start the weight loads before staging the activations
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    if (slot[t] >= 0) load_row_smem<FMT>(xs + t * xrow, x + (long)t * K, K);
+  __syncthreads();
+
+  for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+#pragma unroll
+    for (int uu = 0; uu < U; ++uu) {
+      const int c = c0 + 32 * uu;
+      if (c < nch) {
+        const float* xp[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) xp[t] = slot[t] >= 0 ? xs + t * xrow + (long)c * CS : nullptr;
+        chunk_fma<FMT, 2 * R, NT>(wv[uu], sc[uu], xp, acc);
+      }
+    }
+    if (c0 + 32 * U < nch) load(c0 + 32 * U);
+  }
+  const float post = post_factor<FMT>();
+  const float lim = a.limit;
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (slot[t] < 0) continue;  // warp-uniform
+      const float g = fminf(warp_sum(acc[j][t]) * post, lim);
+      const float up = fminf(fmaxf(warp_sum(acc[R + j][t]) * post, -lim), lim);
+      if (lane == 0 && rbase + j < a.inter) {
+        const float w = a.rw ? a.rw[slot[t]] : 1.0f;
+        const float act = g / (1.0f + expf(-g)) * up * w;
+        h[(long)slot[t] * a.inter + rbase + j] = __float2bfloat16(act);
+      }
+    }
+}
+
+template <int FMT, int NT, int R, int U, bool OUT_F32>
+__global__ void __launch_bounds__(MOE_THREADS)
+moe_down_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const float* __restrict__ add,
+                void* __restrict__ out) {
+  extern __shared__ float4 smem4[];
+  float* hs = reinterpret_cast<float*>(smem4);
+  __shared__ int s_e[MAX_SLOTS], s_slot[MAX_SLOTS * NT], s_key[MAX_SLOTS], s_rank[MAX_SLOTS], s_first[MAX_SLOTS];
+  const int nU = moe_entries<NT>(a.ids, a.n_tok, a.topk, a.expert_offset, a.n_local, s_e, s_slot, s_key,
+                                 s_rank, s_first);
+  constexpr int VALS = FmtInfo<FMT>::VALS, CS = Smem<FMT>::CS;
+  const int K = a.inter;
+  const long hrow = Smem<FMT>::row_floats(K);
+  const int P = a.n_tok * a.topk;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rbase = blockIdx.x * (MOE_WARPS * R) + warp * R;
+  const long rb = row_bytes<FMT>(K);
+  const int nch = K / VALS;
+  int rr[R];
+#pragma unroll
+  for (int j = 0; j < R; ++j) rr[j] = min(rbase + j, a.dim - 1);
+  float acc[R][NT];
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[j][t] = 0.f;
+
+  // iterate over (entry, chunk) pairs, U per lane in flight
+  const long total = (long)nU * nch;
+  int u0 = 0, c0 = lane;
+  while (c0 >= nch && u0 < nU) { c0 -= nch; ++u0; }
+  uint4 wv[U][R];
+  float sc[U][R];
+  int cu[U], uu_e[U];
+  auto load = [&]() {
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      int u = u0, c = c0 + 32 * k;
+      while (c >= nch) { c -= nch; ++u; }
+      cu[k] = c;
+      uu_e[k] = u;
+      if (u < nU) {
+        const uint8_t *W, *S;
+        expert_base<FMT>(a, s_e[u], 2, W, S);
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          wv[k][j] = ld_stream16(W + rr[j] * rb + (long)c * 16);
+          sc[k][j] = chunk_scale<FMT>(S, rr[j], c, a.s2_ld);
+        }
+      }
+    }
+  };
+  load();  // start the weight loads before staging h
+  for (int p = 0; p < P; ++p)
+    if (s_key[p] >= 0) load_row_smem<FMT>(hs + p * hrow, h + (long)p * K, K);
+  __syncthreads();
+
+  for (long it0 = lane; it0 < total; it0 += 32 * U) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = uu_e[k];
+      if (u < nU) {
+        const float* xp[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const int s = s_slot[u * NT + t];
+          xp[t] = s >= 0 ? hs + s * hrow + (long)cu[k] * CS : nullptr;
+        }
+        chunk_fma<FMT, R, NT>(wv[k], sc[k], xp, acc);
+      }
+    }
+    c0 += 32 * U;
+    while (c0 >= nch && u0 < nU) { c0 -= nch; ++u0; }
+    if (it0 + 32 * U < total) load();
+  }
+  const float post = post_factor<FMT>();
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float v = warp_sum(acc[j][t]) * post;
+      if (lane == 0 && rbase + j < a.dim && t < a.n_tok) {
+        const long o = (long)t * a.dim + rbase + j;
+        const float y = add ? add[o] + v : v;
+        if (OUT_F32) reinterpret_cast<float*>(out)[o] = y;
+        else reinterpret_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(y);
+      }
+    }
+}
+
+template <typename KernelT>
+static cudaError_t moe_set_smem(KernelT k, long bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
+static long moe_row_bytes(int fmt, int K) {
+  return 4 * (fmt == FMT_BF16 ? Smem<FMT_BF16>::row_floats(K)
+              : fmt == FMT_FP8 ? Smem<FMT_FP8>::row_floats(K) : Smem<FMT_FP4>::row_floats(K));
+}
+
+int moe_max_tokens(int fmt, int topk, int dim, int inter) {
+  const long gu = moe_row_bytes(fmt, dim), dn = moe_row_bytes(fmt, inter) * topk;
+  long n = MOE_SMEM_CAP / (gu > dn ? gu : dn);
+  if (n * topk > MAX_SLOTS) n = MAX_SLOTS / topk;
+  return (int)(n > 8 ? 8 : n);
+}
+
+static bool moe_shape_ok(const MoEArgs& a) {
+  const int v = a.fmt == FMT_BF16 ? 8 : (a.fmt == FMT_FP8 ? 16 : 32);
+  if (a.n_tok < 1 || a.n_tok > 8 || a.topk < 1 || a.n_tok * a.topk > MAX_SLOTS) return false;
+  if (a.dim % v || a.inter % v || a.dim % 8 || a.inter % 8) return false;
+  if (a.n_tok > moe_max_tokens(a.fmt, a.topk, a.dim, a.inter)) return false;
+  if (!a.ids && a.topk != 1) return false;
+  return true;
+}
+
+template <int FMT, int NT>
+static cudaError_t gate_up_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
+  constexpr int R = 2, U = 2;
+  const long smem = (long)a.n_tok * moe_row_bytes(FMT, a.dim);
+  auto kern = moe_gate_up_kernel<FMT, NT, R, U>;
+  cudaError_t e = moe_set_smem(kern, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid((a.inter + MOE_WARPS * R - 1) / (MOE_WARPS * R), a.n_tok * a.topk);
+  kern<<<grid, MOE_THREADS, smem, st>>>(a, reinterpret_cast<const __nv_bfloat16*>(x),
+                                        reinterpret_cast<__nv_bfloat16*>(h));
+  return cudaGetLastError();
+}
+
+template <int FMT>
+static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
+  if (a.n_tok <= 1) return gate_up_go<FMT, 1>(a, x, h, st);
+  if (a.n_tok <= 2) return gate_up_go<FMT, 2>(a, x, h, st);
+  if (a.n_tok <= 4) return gate_up_go<FMT, 4>(a, x, h, st);
+  return gate_up_go<FMT, 8>(a, x, h, st);
+}
+
+cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
+  if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
+  if (a.fmt == FMT_FP4) return gate_up_nt<FMT_FP4>(a, x, h, st);
+  if (a.fmt == FMT_FP8) return gate_up_nt<FMT_FP8>(a, x, h, st);
+  if (a.fmt == FMT_BF16) return gate_up_nt<FMT_BF16>(a, x, h, st);
+  return cudaErrorInvalidValue;
+}
+
+template <int FMT, int NT, int R, bool F32>
+static cudaError_t down_go(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
+  constexpr int U = 4;
+  const long smem = (long)a.n_tok * a.topk * moe_row_bytes(FMT, a.inter);
+  auto kern = moe_down_kernel<FMT, NT, R, U, F32>;
+  cudaError_t e = moe_set_smem(kern, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid((a.dim + MOE_WARPS * R - 1) / (MOE_WARPS * R));
+  kern<<<grid, MOE_THREADS, smem, st>>>(a, reinterpret_cast<const __nv_bfloat16*>(h), add, out);
+  return cudaGetLastError();
+}
+
+template <int FMT, bool F32>
+static cudaError_t down_nt(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
+  if (a.n_tok <= 1) {
+    if (a.rows_per_warp == 4) return down_go<FMT, 1, 4, F32>(a, h, add, out, st);
+    if (a.rows_per_warp == 1) return down_go<FMT, 1, 1, F32>(a, h, add, out, st);
+    return down_go<FMT, 1, 2, F32>(a, h, add, out, st);
+  }
+  if (a.n_tok <= 2) return down_go<FMT, 2, 2, F32>(a, h, add, out, st);
+  if (a.n_tok <= 4) return down_go<FMT, 4, 2, F32>(a, h, add, out, st);
+  return down_go<FMT, 8, 2, F32>(a, h, add, out, st);
+}
+
+cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const float* add, void* out, bool out_f32,
+                            cudaStream_t st) {
+  if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
+  if (a.fmt == FMT_FP4) return out_f32 ? down_nt<FMT_FP4, true>(a, h, add, out, st) : down_nt<FMT_FP4, false>(a, h, add, out, st);
+  if (a.fmt == FMT_FP8) return out_f32 ? down_nt<FMT_FP8, true>(a, h, add, out, st) : down_nt<FMT_FP8, false>(a, h, add, out, st);
+  if (a.fmt == FMT_BF16) return out_f32 ? down_nt<FMT_BF16, true>(a, h, add, out, st) : down_nt<FMT_BF16, false>(a, h, add, out, st);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace ds4

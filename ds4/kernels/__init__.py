@@ -1,0 +1,107 @@
+"""The ds4 CUDA extension: build / JIT load and thin typed wrappers.
+
+Sources live in ``csrc/`` (one .cu per kernel family over raw pointers, one binding .cpp that
+registers ``torch.ops.ds4.*`` with TORCH_LIBRARY). The extension is built with ninja through
+``torch.utils.cpp_extension.load`` into ``<repo>/.ext_build`` (override with
+``DS4_EXT_BUILD_DIR``), for the architectures in ``TORCH_CUDA_ARCH_LIST`` (default "8.0;9.0").
+Build it explicitly once with ``python scripts/build_ext.py`` so parallel jobs never compile at the
+same time; a later ``load()`` then only loads the built library.
+
+Nothing here is needed on a CPU machine: ``unavailable_reason()`` says why the kernels cannot run
+and the package's CPU paths never import the extension.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from ds4.kernels.ops import gemv, moe_down, moe_gate_up, router  # noqa: F401  (typed wrappers)
+
+REPO = Path(__file__).resolve().parents[2]
+CSRC = REPO / "csrc"
+SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "router.cu")
+EXT_NAME = "ds4_ext"
+DEFAULT_ARCHS = "8.0;9.0"
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("DS4_EXT_BUILD_DIR", REPO / ".ext_build"))
+
+
+@functools.lru_cache(maxsize=None)
+def load(verbose: bool = False) -> None:
+    """Build (if needed) and load the extension; registers the ops and their fake implementations.
+
+    Raises RuntimeError with the reason when it cannot be built or loaded."""
+    if torch.version.cuda is None:
+        raise RuntimeError("torch is a CPU-only build (torch.version.cuda is None)")
+    from torch.utils.cpp_extension import load as _load
+
+    missing = [s for s in SOURCES if not (CSRC / s).exists()]
+    if missing:
+        raise RuntimeError(f"CUDA sources missing under {CSRC}: {missing}")
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    # TORCH_CUDA_ARCH_LIST would make torch add its own -gencode flags too; ours are explicit.
+    old = os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+    try:
+        _load(
+            name=EXT_NAME,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=_cuda_flags_for(old),
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(d),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    finally:
+        if old is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = old
+    from ds4.kernels import _fake  # noqa: F401  registers fake impls once the ops exist
+
+
+def _cuda_flags_for(archs: str | None) -> list[str]:
+    flags = ["-O3", "-lineinfo"]
+    for a in (archs or DEFAULT_ARCHS).replace(",", ";").replace(" ", ";").split(";"):
+        a = a.strip().replace("+PTX", "")
+        if a:
+            num = a.replace(".", "")
+            flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+    return flags
+
+
+def is_loaded() -> bool:
+    return hasattr(torch.ops, "ds4") and hasattr(torch.ops.ds4, "gemv") and _has_op()
+
+
+def _has_op() -> bool:
+    try:
+        torch.ops.ds4.gemv.default  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels can run here, else why not (no CUDA, CPU torch, build failure...)."""
+    if torch.version.cuda is None:
+        return "torch is a CPU-only build"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"needs compute capability >= 8.0 (found {major}.x)"
+    if os.environ.get("DS4_NO_JIT") == "1" and not (build_dir() / f"{EXT_NAME}.so").exists():
+        return f"extension not built (DS4_NO_JIT=1; run python scripts/build_ext.py)"
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001  report any build/load failure as the reason
+        return f"ds4 CUDA extension failed to build/load: {type(e).__name__}: {str(e).strip()[-500:]}"
+    return None
+
+
+__all__ = ["load", "unavailable_reason", "is_loaded", "build_dir", "gemv", "moe_gate_up", "moe_down", "router"]

@@ -1,0 +1,28 @@
+"""Fake (meta) implementations of torch.ops.ds4.* for torch.compile / FakeTensor tracing.
+Imported by ds4.kernels.load() once the library has registered the op schemas."""
+from __future__ import annotations
+
+import torch
+from torch.library import register_fake
+
+
+@register_fake("ds4::gemv")
+def _gemv(x, w, scale, fmt, groups=1, rows_per_warp=0, out_f32=False):
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if out_f32 else torch.bfloat16)
+
+
+@register_fake("ds4::moe_gate_up")
+def _gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, fmt, expert_offset, n_local, limit):
+    k = 1 if ids is None else ids.shape[1]
+    return x.new_empty((x.shape[0] * k, w1.shape[-2]), dtype=torch.bfloat16)
+
+
+@register_fake("ds4::moe_down")
+def _down(h, ids, topk, w2, s2, ptrs, fmt, expert_offset, n_local, add, out_f32, rows_per_warp=0):
+    return h.new_empty((h.shape[0] // topk, w2.shape[-2]), dtype=torch.float32 if out_f32 else torch.bfloat16)
+
+
+@register_fake("ds4::router")
+def _router(x, gate, bias, tid2eid, token_ids, topk, route_scale):
+    n = x.shape[0]
+    return x.new_empty((n, topk), dtype=torch.float32), x.new_empty((n, topk), dtype=torch.int64)

@@ -1,0 +1,55 @@
+"""Thin typed wrappers over torch.ops.ds4.* (the extension is loaded on first use).
+
+fmt codes: "bf16" -> 0, "fp8" -> 1 (E4M3 + E8M0 128x128), "fp4" -> 2 (E2M1 pairs + E8M0 per 32).
+All kernels take BF16 activations and accumulate in fp32; they handle 1..8 tokens per launch and
+loop over token chunks beyond that (callers send prefill-sized batches elsewhere).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FMT = {"bf16": 0, "fp8": 1, "fp4": 2}
+
+
+def _ops():
+    from ds4 import kernels
+    kernels.load()
+    return torch.ops.ds4
+
+
+def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, groups: int = 1,
+         rows_per_warp: int = 0, out_f32: bool = False) -> Tensor:
+    """y[N, O] = x[N, groups*I] @ W^T (group g of the rows reads x columns g*I..(g+1)*I).
+
+    x bf16 contiguous; weight [O, I] (fp8/bf16) or [O, I/2] (fp4) as stored; scale E8M0."""
+    return _ops().gemv(x, weight, scale, FMT[fmt], groups, rows_per_warp, out_f32)
+
+
+def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tensor, s1: Tensor | None,
+                w3: Tensor, s3: Tensor | None, fmt: str, expert_offset: int = 0, n_local: int | None = None,
+                limit: float = 10.0, ptrs: Tensor | None = None) -> Tensor:
+    """h [N*k, inter] bf16 = silu(min(x@w1[e]^T, lim)) * clamp(x@w3[e]^T, +-lim) * route_w, per slot.
+
+    ids int64 [N, k] (global expert ids; slots outside [offset, offset+n_local) are skipped and
+    their h rows left unwritten), or None for one (shared) expert. ptrs: int64 [n_local, 3] device
+    addresses of bf16 (w1, w3, w2) per expert (then w1/w3 only give the shapes)."""
+    if n_local is None:
+        n_local = w1.shape[0] if w1.dim() == 3 else 1
+    return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, FMT[fmt], expert_offset, n_local, limit)
+
+
+def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | None, fmt: str,
+             expert_offset: int = 0, n_local: int | None = None, add: Tensor | None = None,
+             out_f32: bool = True, ptrs: Tensor | None = None, rows_per_warp: int = 0) -> Tensor:
+    """y [N, dim] = add + sum over local slots (t, j) of h[t*k+j] @ w2[ids[t, j]]^T, fp32 accumulation."""
+    if n_local is None:
+        n_local = w2.shape[0] if w2.dim() == 3 else 1
+    return _ops().moe_down(h, ids, topk, w2, s2, ptrs, FMT[fmt], expert_offset, n_local, add, out_f32, rows_per_warp)
+
+
+def router(x: Tensor, gate: Tensor, bias: Tensor | None, tid2eid: Tensor | None, token_ids: Tensor | None,
+           topk: int, route_scale: float) -> tuple[Tensor, Tensor]:
+    """(weights f32 [N, k], ids int64 [N, k]): gate GEMV, sqrt(softplus), top-k of score+bias (or
+    tid2eid[token_ids]), renormalised x route_scale."""
+    return _ops().router(x, gate, bias, tid2eid, token_ids, topk, route_scale)

@@ -1,0 +1,42 @@
+"""linear=gemv_cuda: FP8 / MXFP4 GEMV kernels reading the stored bytes and E8M0 scales.
+
+Decode (<= PREFILL_TOKENS tokens): one launch of the CUDA GEMV (fp32 accumulation, BF16 out).
+Prefill (more tokens) and BF16 weights: dequantise + torch matmul (cuBLAS) — part of this
+implementation, chosen by shape only, never by tensor values.
+qat (act_quant=True): the activation is FP8-simulated per 128 channels (ds4.quant.act_quant_sim,
+extra torch ops) before the same kernel, as the reference does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ds4 import kernels
+from ds4.ops.base import QWeight
+
+PREFILL_TOKENS = 16
+
+
+class GemvCudaLinear:
+    name = "gemv_cuda"
+
+    def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False) -> Tensor:
+        if act_quant and w.fmt in ("fp8", "fp4"):
+            from ds4.quant import act_quant_sim
+            x = act_quant_sim(x, 128)
+        lead, n_in = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, n_in)
+        if w.fmt == "bf16" or x2.shape[0] > PREFILL_TOKENS or x2.shape[0] == 0:
+            return F.linear(x, w.dequant(x.dtype))
+        y = kernels.gemv(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt)
+        return y.view(*lead, w.out_features).to(x.dtype)
+
+    def grouped(self, x: Tensor, w: QWeight, groups: int) -> Tensor:
+        """Block-diagonal projection (wo_a): x [N, G, I], w [G*R, I] -> [N, G, R], one launch."""
+        n = x.shape[0]
+        if w.fmt == "bf16" or n > PREFILL_TOKENS or n == 0:
+            wd = w.dequant(x.dtype).view(groups, -1, x.shape[-1])
+            return torch.einsum("ngi,gri->ngr", x, wd)
+        y = kernels.gemv(x.reshape(n, -1).to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, groups=groups)
+        return y.view(n, groups, -1).to(x.dtype)

@@ -1,0 +1,172 @@
+"""MoE on the CUDA kernels (spec §6).
+
+moe=fp4_topk
+  route:  device router (BF16 gate GEMV -> sqrt(softplus) -> bias-corrected top-k or tid2eid hash
+          lookup -> renormalise x route_scale); no host sync.
+  routed: all top-k experts of the layer in two launches reading the expert ids from the device
+          tensor: gate+up (+clamp, SiLU, route weight, BF16 h) and down (fp32 accumulation over the
+          experts in registers, no atomics). Slots whose expert is not held locally add 0.
+  shared: the FP8 shared expert through the same two kernels (one expert, no route weight).
+  Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; larger batches (prefill) use the torch
+  reference path (ds4.ops.moe_torch) — chosen by shape only.
+  qat (act_quant=True): supported by FP8-simulating x and h with ds4.quant.act_quant_sim between
+  the two launches (extra torch ops; the fused path is the plain-numerics one).
+
+moe=bf16_cache (seed phase 5, an ablation): like fp4_topk, but experts that were selected keep a
+  dequantised BF16 copy (LRU, size cap, free-memory guard, frozen after warm-up); cached experts run
+  through the BF16 variants of the same kernels, the rest through the FP4 ones. Cache bookkeeping
+  needs the ids on the host: one device->host sync per layer call (that is the point of comparison).
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from ds4 import kernels
+from ds4.ops.base import MoEWeights, QWeight
+
+PREFILL_TOKENS = 8
+
+
+def _act_quant_sim(t: Tensor) -> Tensor:
+    from ds4.quant import act_quant_sim
+    return act_quant_sim(t, 128)
+
+
+def _bf16(x: Tensor) -> Tensor:
+    return x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
+
+
+class Fp4TopkMoE:
+    name = "fp4_topk"
+
+    def _reference(self):
+        from ds4.ops.moe_torch import DequantMoE
+        return DequantMoE()
+
+    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
+        x2 = _bf16(x.reshape(-1, x.shape[-1]))
+        gate = _bf16(mw.gate)
+        if mw.tid2eid is not None:
+            tok = token_ids.reshape(-1).to(torch.int64).contiguous()
+            return kernels.router(x2, gate, None, mw.tid2eid.contiguous(), tok, mw.topk, mw.route_scale)
+        return kernels.router(x2, gate, mw.bias.float().contiguous(), None, None, mw.topk, mw.route_scale)
+
+    def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool) -> Tensor:
+        fmt = mw.w1.fmt
+        xq = _act_quant_sim(x) if act_quant else x
+        h = kernels.moe_gate_up(_bf16(xq), ids, weights.float().contiguous(), mw.w1.weight, mw.w1.scale,
+                                mw.w3.weight, mw.w3.scale, fmt, mw.expert_offset, mw.w1.weight.shape[0],
+                                mw.swiglu_limit)
+        if act_quant:
+            h = _act_quant_sim(h)
+        return kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt, mw.expert_offset,
+                                mw.w2.weight.shape[0], None, True)
+
+    def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+        if x.shape[0] > PREFILL_TOKENS or x.shape[0] == 0:
+            return self._reference().routed(x, weights, ids, mw, act_quant)
+        return self._routed_launches(x, weights, ids.to(torch.int64).contiguous(), mw, act_quant)
+
+    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+        w1, w2, w3 = mw.shared_w1, mw.shared_w2, mw.shared_w3
+        if x.shape[0] > PREFILL_TOKENS or x.shape[0] == 0:
+            return self._reference().shared(x, mw, act_quant)
+        aq = act_quant and w1.fmt != "bf16"
+        xq = _act_quant_sim(x) if aq else x
+        h = kernels.moe_gate_up(_bf16(xq), None, None, w1.weight, w1.scale, w3.weight, w3.scale, w1.fmt, 0, 1,
+                                mw.swiglu_limit)
+        if act_quant and w2.fmt != "bf16":
+            h = _act_quant_sim(h)
+        y = kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, None, False)
+        return y.to(x.dtype)
+
+
+class _LayerCache:
+    def __init__(self) -> None:
+        self.experts: OrderedDict[int, tuple[Tensor, Tensor, Tensor]] = OrderedDict()
+        self.calls = 0
+        self.frozen = False
+
+
+class Bf16CacheMoE(Fp4TopkMoE):
+    """Hot-expert BF16 cache (per layer, keyed by the layer's w1 storage)."""
+    name = "bf16_cache"
+
+    def __init__(self, cap_bytes: int | None = None, min_free_bytes: int | None = None,
+                 warmup_calls: int | None = None) -> None:
+        env = os.environ.get
+        self.cap_bytes = int(cap_bytes if cap_bytes is not None else env("DS4_BF16_CACHE_BYTES", 16 << 30))
+        self.min_free_bytes = int(min_free_bytes if min_free_bytes is not None else env("DS4_BF16_CACHE_MIN_FREE", 4 << 30))
+        self.warmup_calls = int(warmup_calls if warmup_calls is not None else env("DS4_BF16_CACHE_WARMUP", 64))
+        self.layers: dict[int, _LayerCache] = {}
+        self.bytes = 0
+
+    def stats(self) -> dict:
+        return {"bytes": self.bytes, "experts": sum(len(c.experts) for c in self.layers.values()),
+                "frozen_layers": sum(c.frozen for c in self.layers.values())}
+
+    def _insert(self, cache: _LayerCache, mw: MoEWeights, e: int) -> None:
+        local = e - mw.expert_offset
+        need = 3 * mw.w1.out_features * mw.w1.in_features * 2
+        while self.bytes + need > self.cap_bytes and cache.experts:
+            _, old = cache.experts.popitem(last=False)  # LRU eviction inside the layer
+            self.bytes -= sum(t.nbytes for t in old)
+        if self.bytes + need > self.cap_bytes:
+            return
+        if torch.cuda.mem_get_info(mw.w1.weight.device)[0] < self.min_free_bytes + need:
+            return  # free-memory guard
+        w1, w3, w2 = (q[local].dequant(torch.bfloat16).contiguous() for q in (mw.w1, mw.w3, mw.w2))
+        cache.experts[e] = (w1, w3, w2)
+        self.bytes += need
+
+    def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+        if x.shape[0] > PREFILL_TOKENS or x.shape[0] == 0:
+            return self._reference().routed(x, weights, ids, mw, act_quant)
+        ids = ids.to(torch.int64).contiguous()
+        key = mw.w1.weight.data_ptr()
+        cache = self.layers.setdefault(key, _LayerCache())
+        host = ids.tolist()  # the host sync this option pays for its cache bookkeeping
+        e_local = mw.w1.weight.shape[0]
+        selected = []
+        for row in host:
+            for e in row:
+                if mw.expert_offset <= e < mw.expert_offset + e_local and e not in selected:
+                    selected.append(e)
+        for e in selected:
+            if e in cache.experts:
+                cache.experts.move_to_end(e)
+            elif not cache.frozen:
+                self._insert(cache, mw, e)
+        cache.calls += 1
+        if cache.calls >= self.warmup_calls:
+            cache.frozen = True
+        hot = [e for e in selected if e in cache.experts]
+        if not hot:
+            return self._routed_launches(x, weights, ids, mw, act_quant)
+        slot_of = {e: i for i, e in enumerate(hot)}
+        ids_q = torch.tensor([[(-1 if e in slot_of else e) for e in row] for row in host], dtype=torch.int64)
+        ids_b = torch.tensor([[slot_of.get(e, -1) for e in row] for row in host], dtype=torch.int64)
+        ptrs = torch.tensor([[t.data_ptr() for t in cache.experts[e]] for e in hot], dtype=torch.int64)
+        dev = x.device
+        ids_q, ids_b, ptrs = (t.to(dev, non_blocking=True) for t in (ids_q, ids_b, ptrs))
+        xq = _bf16(_act_quant_sim(x) if act_quant else x)
+        wts = weights.float().contiguous()
+        w1b, w3b, w2b = cache.experts[hot[0]]
+        k = ids.shape[1]
+        y = None
+        if len(hot) < len(selected):  # some selected experts are not cached: FP4 kernels for them
+            h = kernels.moe_gate_up(xq, ids_q, wts, mw.w1.weight, mw.w1.scale, mw.w3.weight, mw.w3.scale,
+                                    mw.w1.fmt, mw.expert_offset, e_local, mw.swiglu_limit)
+            if act_quant:
+                h = _act_quant_sim(h)
+            y = kernels.moe_down(h, ids_q, k, mw.w2.weight, mw.w2.scale, mw.w2.fmt, mw.expert_offset, e_local,
+                                 None, True)
+        h = kernels.moe_gate_up(xq, ids_b, wts, w1b, None, w3b, None, "bf16", 0, len(hot), mw.swiglu_limit,
+                                ptrs=ptrs)
+        if act_quant:
+            h = _act_quant_sim(h)
+        return kernels.moe_down(h, ids_b, k, w2b, None, "bf16", 0, len(hot), y, True, ptrs=ptrs)

@@ -1,0 +1,241 @@
+#!/usr/bin/env python
+"""Micro-benchmark of the ds4 CUDA kernels at V4-Flash shapes, batch 1 (one GPU).
+
+    python scripts/bench_kernels.py --out experiments/kernels.json
+
+Copy bandwidth is measured first in the same process (a 2 GiB device-to-device copy, bytes read +
+written). Each kernel is timed by CUDA-graph replay: one graph holds `--calls` launches over
+rotating input sets (weights copies / expert ids, so the working set is several times the 60 MB L2),
+the graph is replayed `--reps` times, each replay timed with CUDA events; µs = median replay / calls.
+Graph replay removes host launch overhead but keeps the GPU's own inter-kernel gaps. An eager column
+(events around `--calls` plain launches) is printed too. bytes = weights + scales + activations in
+and out; GB/s = bytes / µs; %copy = GB/s / copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds4 import kernels  # noqa: E402
+
+DEV = torch.device("cuda")
+L2_ROTATE_BYTES = 400 << 20
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    a = torch.empty(nbytes // 4, device=DEV, dtype=torch.float32).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    times.sort()
+    t = times[len(times) // 2]
+    del a, b
+    return 2 * nbytes / t / 1e9  # GB/s
+
+
+def time_fn(fns, calls: int, reps: int) -> tuple[float, float]:
+    """fns: list of zero-arg callables (rotating inputs). Returns (graph µs/call, eager µs/call)."""
+    seq = [fns[i % len(fns)] for i in range(calls)]
+    for f in fns:  # warm-up (and any lazy init) outside capture
+        f()
+    torch.cuda.synchronize()
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        for f in seq[:3]:
+            f()
+    torch.cuda.current_stream().wait_stream(st)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in seq:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3 / calls)
+    ts.sort()
+    eager = []
+    for _ in range(max(3, reps // 3)):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for f in seq:
+            f()
+        e.record()
+        e.synchronize()
+        eager.append(s.elapsed_time(e) * 1e3 / calls)
+    eager.sort()
+    del graph
+    return ts[len(ts) // 2], eager[len(eager) // 2]
+
+
+def rand_fp8(o, i, g):
+    b = torch.randint(0, 256, (o, i), device=DEV, dtype=torch.uint8, generator=g)
+    b = torch.where((b & 0x7F) == 0x7F, b - 1, b).view(torch.float8_e4m3fn)
+    s = torch.randint(116, 124, (-(-o // 128), -(-i // 128)), device=DEV, dtype=torch.uint8, generator=g)
+    return b, s.view(torch.float8_e8m0fnu)
+
+
+def rand_fp4(lead, o, i, g):
+    w = torch.randint(-128, 128, (*lead, o, i // 2), device=DEV, dtype=torch.int8, generator=g)
+    s = torch.randint(116, 124, (*lead, o, i // 32), device=DEV, dtype=torch.uint8, generator=g)
+    return w, s.view(torch.float8_e8m0fnu)
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="skip the rows-per-warp variants")
+    args = ap.parse_args()
+    kernels.load()
+    n = args.tokens
+    g = torch.Generator(device=DEV).manual_seed(0)
+    bw = copy_bandwidth()
+    rows = []
+
+    def record(name, bts, fns, target_us=None):
+        us, eager = time_fn(fns, args.calls, args.reps)
+        gbs = bts / us / 1e3
+        rows.append({"kernel": name, "tokens": n, "us": us, "us_eager": eager, "bytes": bts, "GB_s": gbs,
+                     "pct_copy": 100 * gbs / bw, "target_us": target_us,
+                     "meets_75pct": gbs >= 0.75 * bw})
+        print(f"  {name:<34} {us:8.2f} us  {gbs:7.0f} GB/s  {100 * gbs / bw:5.1f}%", flush=True)
+
+    def gemv_case(name, o, i, groups=1, rpw=0, target=None):
+        one = rand_fp8(o, i, g)
+        bts = nbytes(*one) + n * i * groups * 2 + n * o * 2
+        sets = max(2, min(64, math.ceil(L2_ROTATE_BYTES / bts)))
+        ws = [one] + [rand_fp8(o, i, g) for _ in range(sets - 1)]
+        x = torch.randn(n, i * groups, device=DEV).to(torch.bfloat16)
+        fns = [(lambda w=w, s=s: kernels.gemv(x, w, s, "fp8", groups=groups, rows_per_warp=rpw)) for w, s in ws]
+        record(name, bts, fns, target)
+        del ws
+
+    print(f"GPU {torch.cuda.get_device_name()} | copy bandwidth {bw:.0f} GB/s | tokens {n}", flush=True)
+    # FP8 dense projections (V4-Flash)
+    gemv_case("fp8 wq_a 1024x4096", 1024, 4096)
+    gemv_case("fp8 wq_b 32768x1024", 32768, 1024, target=10.5)
+    gemv_case("fp8 wkv 512x4096", 512, 4096)
+    gemv_case("fp8 wo_a 8x(1024x4096) grouped", 8192, 4096, groups=8)
+    gemv_case("fp8 wo_b 4096x8192", 4096, 8192)
+    gemv_case("fp8 idx_wq_b 8192x1024", 8192, 1024)
+    if not args.quick and n == 1:
+        for r in (1, 4):
+            gemv_case(f"fp8 wq_b rows/warp={r}", 32768, 1024, rpw=r)
+            gemv_case(f"fp8 wo_b rows/warp={r}", 4096, 8192, rpw=r)
+
+    # one MXFP4 GEMV (one expert's w1)
+    one = rand_fp4((), 2048, 4096, g)
+    bts = nbytes(*one) + n * 4096 * 2 + n * 2048 * 2
+    ws = [one] + [rand_fp4((), 2048, 4096, g) for _ in range(max(1, math.ceil(L2_ROTATE_BYTES / bts)) - 1)][:63]
+    x = torch.randn(n, 4096, device=DEV).to(torch.bfloat16)
+    record("fp4 gemv 2048x4096", bts, [(lambda w=w, s=s: kernels.gemv(x, w, s, "fp4")) for w, s in ws])
+    del ws
+
+    # routed MoE: 256 stacked FP4 experts, top-6, rotating distinct ids
+    E, dim, inter, k = 256, 4096, 2048, 6
+    w1, s1 = rand_fp4((E,), inter, dim, g)
+    w3, s3 = rand_fp4((E,), inter, dim, g)
+    w2, s2 = rand_fp4((E,), dim, inter, g)
+    per_expert = (nbytes(w1, s1, w3, s3, w2, s2)) // E
+    x = torch.randn(n, dim, device=DEV).to(torch.bfloat16)
+    idsets = [torch.stack([torch.randperm(E, device=DEV, generator=g)[:k] for _ in range(n)]) for _ in range(16)]
+    rw = torch.rand(n, k, device=DEV) + 0.1
+    distinct = [len(set(i.flatten().tolist())) for i in idsets]
+    avg_exp = sum(distinct) / len(distinct)
+    h_bytes = n * k * inter * 2
+    b_gu = int(avg_exp * per_expert * 2 / 3) + n * dim * 2 + h_bytes
+    b_dn = int(avg_exp * per_expert / 3) + h_bytes + n * dim * 4
+    hs = [kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0) for ids in idsets]
+    record("moe fp4 gate+up (6 experts)", b_gu,
+           [(lambda ids=ids: kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0)) for ids in idsets])
+    record("moe fp4 down (6 experts)", b_dn,
+           [(lambda ids=ids, h=h: kernels.moe_down(h, ids, k, w2, s2, "fp4", 0, E, None, True))
+            for ids, h in zip(idsets, hs)])
+    if not args.quick and n == 1:
+        for r in (1, 4):
+            record(f"moe fp4 down rows/warp={r}", b_dn,
+                   [(lambda ids=ids, h=h, r=r: kernels.moe_down(h, ids, k, w2, s2, "fp4", 0, E, None, True,
+                                                                rows_per_warp=r)) for ids, h in zip(idsets, hs)])
+
+    def routed(ids):
+        h = kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0)
+        return kernels.moe_down(h, ids, k, w2, s2, "fp4", 0, E, None, True)
+    record("moe fp4 routed top-6 (2 launches)", b_gu + b_dn - 2 * h_bytes, [(lambda ids=ids: routed(ids)) for ids in idsets],
+           target_us=25.0)
+    del w1, w3, w2, s1, s3, s2, hs
+
+    # shared expert FP8 (2 launches), rotating weight copies
+    def shared_set():
+        a1, b1 = rand_fp8(inter, dim, g)
+        a3, b3 = rand_fp8(inter, dim, g)
+        a2, b2 = rand_fp8(dim, inter, g)
+        return a1, b1, a3, b3, a2, b2
+    sets = [shared_set() for _ in range(16)]
+    bts = nbytes(*sets[0]) + n * dim * 2 * 2
+
+    def shared(p):
+        h = kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0)
+        return kernels.moe_down(h, None, 1, p[4], p[5], "fp8", 0, 1, None, False)
+    record("shared expert fp8 (2 launches)", bts, [(lambda p=p: shared(p)) for p in sets], target_us=8.0)
+    del sets
+
+    # router (learned): bf16 gate GEMV + top-k kernel
+    gates = [(torch.randn(E, dim, device=DEV) * 0.05).to(torch.bfloat16) for _ in range(64)]
+    bias = torch.randn(E, device=DEV) * 0.1
+    record("router gate+topk (2 launches)", nbytes(gates[0]) + n * dim * 2 + n * k * 12,
+           [(lambda gt=gt: kernels.router(x, gt, bias, None, None, k, 1.5)) for gt in gates])
+
+    print()
+    hdr = f"{'kernel':<36}{'tok':>4}{'us(graph)':>11}{'us(eager)':>11}{'bytes':>13}{'GB/s':>8}{'%copy':>7}{'target':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        tgt = f"{r['target_us']:.1f}" if r["target_us"] else "-"
+        print(f"{r['kernel']:<36}{r['tokens']:>4}{r['us']:>11.2f}{r['us_eager']:>11.2f}{r['bytes']:>13,}"
+              f"{r['GB_s']:>8.0f}{r['pct_copy']:>7.1f}{tgt:>8}")
+    print(f"copy bandwidth {bw:.0f} GB/s (2 GiB D2D, read+write) on {torch.cuda.get_device_name()}")
+    if args.out:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except Exception:  # noqa: BLE001
+            commit = "?"
+        meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "commit": commit, "torch": torch.__version__, "cuda": torch.version.cuda,
+                "copy_GB_s": bw, "command": " ".join(sys.argv), "timing": "CUDA-graph replay median / calls",
+                "rows": rows}
+        Path(args.out).write_text(json.dumps(meta, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""CPU-side checks of the CUDA options: clear failure of an explicit CUDA choice without CUDA,
+`auto` falling back (and saying so), and an nvcc compile of csrc/*.cu for sm_80 (skipped
+without nvcc) so an sm_80 break is caught without a GPU."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4 import kernels, registry
+from ds4.registry import ImplUnavailable
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+NO_CUDA = not torch.cuda.is_available()
+
+
+def test_cuda_options_registered():
+    assert "gemv_cuda" in registry.names("linear")
+    assert {"fp4_topk", "bf16_cache"} <= set(registry.names("moe"))
+    assert registry.entry("moe", "fp4_topk").priority > registry.entry("moe", "bf16_cache").priority
+    assert registry.entry("linear", "gemv_cuda").priority > registry.entry("linear", "dequant").priority
+
+
+@pytest.mark.parametrize("component,name", [("linear", "gemv_cuda"), ("moe", "fp4_topk"), ("moe", "bf16_cache")])
+def test_explicit_cuda_choice_on_cpu_fails_clearly(component, name):
+    with pytest.raises(ImplUnavailable, match=rf"{component}={name} cannot run here: needs a CUDA device"):
+        registry.resolve(component, name, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
+@pytest.mark.parametrize("component,name", [("linear", "gemv_cuda"), ("moe", "fp4_topk")])
+def test_explicit_cuda_choice_without_cuda_fails_clearly(component, name):
+    with pytest.raises(ImplUnavailable, match="CUDA is not available"):
+        registry.resolve(component, name, torch.device("cuda"))
+
+
+def test_explicit_choice_fails_in_build_ops():
+    with pytest.raises(ImplUnavailable, match="moe=fp4_topk cannot run here"):
+        registry.build_ops(registry.Impls(moe="fp4_topk"), "cpu")
+
+
+@pytest.mark.parametrize("component,fallback,skipped", [("linear", "dequant", "gemv_cuda"), ("moe", "dequant", "fp4_topk")])
+def test_auto_falls_back_and_says_so(component, fallback, skipped):
+    e, note = registry.resolve(component, "auto", torch.device("cpu"))
+    assert e.name == fallback
+    assert note.startswith(f"auto -> {fallback}")
+    assert f"{skipped}: needs a CUDA device" in note
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
+def test_unavailable_reason_without_cuda():
+    why = kernels.unavailable_reason()
+    assert why is not None and ("CPU-only" in why or "CUDA is not available" in why)
+
+
+def test_cuda_impls_construct_without_extension():
+    # building the objects never compiles or loads anything
+    from ds4.ops.linear_cuda import GemvCudaLinear
+    from ds4.ops.moe_cuda import Bf16CacheMoE, Fp4TopkMoE
+    assert GemvCudaLinear().name == "gemv_cuda"
+    assert Fp4TopkMoE().name == "fp4_topk"
+    assert Bf16CacheMoE().name == "bf16_cache"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_csrc_compiles_for_sm80(tmp_path):
+    """Every kernel source compiles for sm_80 with plain nvcc (no torch headers needed)."""
+    sources = sorted(CSRC.glob("*.cu"))
+    assert sources, "no CUDA sources"
+
+    def build(src: Path):
+        cmd = ["nvcc", "-std=c++17", "-O3", "-gencode", "arch=compute_80,code=sm_80", "-c", str(src),
+               "-o", str(tmp_path / (src.stem + ".o"))]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        return src.name, r.returncode, r.stderr[-3000:]
+
+    with ThreadPoolExecutor(max_workers=3) as ex:
+        results = list(ex.map(build, sources))
+    failed = [(n, err) for n, rc, err in results if rc != 0]
+    assert not failed, failed
