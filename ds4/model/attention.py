@@ -30,13 +30,14 @@ class Attention(WeightsModule):
         self.args, self.layer, self.ops, self.qat, self.comm, self.prof = args, layer, ops, qat, comm, profiler
         self.kind = args.layer_type(layer)
         self.m = args.ratio(layer)
-        self.register_buffer("freqs", inv_freq(args, layer), persistent=False)
         self.compressor = None if self.kind == SWA else Compressor(args, self.m, args.head_dim, self.kind == CSA, False)
         self.indexer = Indexer(args, layer, ops, qat) if self.kind == CSA else None
         self.scale = args.head_dim ** -0.5
 
     def load(self, t: Mapping[str, Tensor], p: str) -> None:
         fmt = weight_format(t[f"{p}.wq_a.weight"])
+        # RoPE frequencies live where the weights live (fp32, computed, never loaded)
+        self.register_buffer("freqs", inv_freq(self.args, self.layer, t[f"{p}.wq_a.weight"].device), persistent=False)
         self.wq_a = self.take_linear("wq_a", t, f"{p}.wq_a", fmt)
         self.q_norm = self.take("q_norm", t, f"{p}.q_norm.weight")
         self.wq_b = self.take_linear("wq_b", t, f"{p}.wq_b", fmt)

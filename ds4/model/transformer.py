@@ -103,11 +103,23 @@ class Transformer(WeightsModule):
             MTPBlock(args, args.n_layers + j, False, ops, qat, self.comm, self.prof) for j in range(args.n_mtp_layers))
         self.has_mtp = False
 
+    def configure(self, ops=None, comm=None) -> None:
+        """Swap implementations (or the communicator) on a loaded model: ablations in one process
+        share the weights. Every submodule that holds them is updated."""
+        for mod in self.modules():
+            if ops is not None and hasattr(mod, "ops"):
+                mod.ops = ops
+            if comm is not None and hasattr(mod, "comm"):
+                mod.comm = comm
+
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         """Take tensors (official naming, native formats, this rank's slices). Tensors already on
-        the model's device are used as they are (no copy); others are moved."""
+        the model's device are used as they are (no copy); others are moved. Routed experts are
+        stacked per layer (one copy); when the caller keeps no reference to `tensors`, each
+        layer's per-expert originals are freed as soon as they are stacked."""
         t = {k: (v if v.device == self.device else v.to(self.device)) for k, v in tensors.items()}
+        del tensors  # only `t` (and the caller, if it kept one) references the originals now
         self.embed = self.take("embed", t, "embed.weight")
         self.head = self.take("head", t, "head.weight")
         self.norm = self.take("norm", t, "norm.weight")

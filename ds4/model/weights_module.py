@@ -37,6 +37,10 @@ class WeightsModule(nn.Module):
         """Stack per-expert linear layers into one [E, ...] QWeight (one copy at load time, same bytes)."""
         w = torch.stack([_get(tensors, f"{n}.weight") for n in names])
         s = torch.stack([_get(tensors, f"{n}.scale") for n in names]) if fmt != "bf16" else None
+        if isinstance(tensors, dict):  # the per-expert originals are no longer needed by the model
+            for n in names:
+                tensors.pop(f"{n}.weight", None)
+                tensors.pop(f"{n}.scale", None)
         self.register_buffer(f"{attr}_weight", w, persistent=False)
         if s is not None:
             self.register_buffer(f"{attr}_scale", s, persistent=False)

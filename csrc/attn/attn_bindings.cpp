@@ -1,0 +1,227 @@
+// The one binding file of the ds4_attn extension: checks tensors, takes the current CUDA stream,
+// allocates outputs / workspaces through the caching allocator (no host sync), calls the launchers
+// of the .cu files beside it and registers torch.ops.ds4_attn.*. Fake (meta) implementations are
+// registered in Python (ds4/kernels_attn/_fake.py).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+
+#include "attn_launch.h"
+
+namespace {
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "ds4_attn: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), "ds4_attn: ", name, " must be contiguous");
+}
+
+void check_launch(cudaError_t e, const char* what) {
+  TORCH_CHECK(e == cudaSuccess, "ds4_attn: ", what, " launch failed: ", cudaGetErrorString(e),
+              (e == cudaErrorInvalidValue ? " (shape not supported by this kernel)" : ""));
+}
+
+bool is_f32_act(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, "ds4_attn: ", name,
+              " must be bfloat16 or float32");
+  return t.scalar_type() == at::kFloat;
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  check_cuda(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "ds4_attn: ", name, " must be float32");
+}
+
+// ---- mHC -------------------------------------------------------------------------------------------
+at::Tensor hc_mixes_partials(const at::Tensor& h, const at::Tensor& fn, int64_t& nsplit) {
+  const bool f32 = is_f32_act(h, "h");
+  const int64_t N = h.size(0), K = h.size(1) * h.size(2), mix = fn.size(0);
+  TORCH_CHECK(fn.dim() == 2 && fn.size(1) == K, "ds4_attn.hc: fn must be [mix, hc*D]");
+  nsplit = ds4_attn::hc_nsplit((int)K);
+  auto part = at::empty({N, nsplit, mix + 1}, h.options().dtype(at::kFloat));
+  check_launch(ds4_attn::launch_hc_partials(h.data_ptr(), f32, fn.data_ptr<float>(), (int)N, (int)K, (int)mix,
+                                            (int)nsplit, part.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream()),
+               "hc_partials");
+  return part;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const at::Tensor& fn,
+                                                      const at::Tensor& scale, const at::Tensor& base, int64_t iters,
+                                                      double hc_eps, double norm_eps) {
+  check_cuda(h, "h");
+  check_f32(fn, "fn");
+  check_f32(scale, "scale");
+  check_f32(base, "base");
+  TORCH_CHECK(h.dim() == 3, "ds4_attn.hc_pre: h must be [N, hc, D]");
+  const int64_t N = h.size(0), n = h.size(1), D = h.size(2);
+  TORCH_CHECK(fn.size(0) == (2 + n) * n && base.numel() == (2 + n) * n && scale.numel() >= 3,
+              "ds4_attn.hc_pre: fn/base/scale shapes");
+  TORCH_CHECK(iters >= 1, "ds4_attn.hc_pre: iters must be >= 1");
+  c10::cuda::CUDAGuard guard(h.device());
+  auto x = at::empty({N, D}, h.options());
+  auto post = at::empty({N, n}, h.options().dtype(at::kFloat));
+  auto comb = at::empty({N, n, n}, h.options().dtype(at::kFloat));
+  if (N == 0) return {x, post, comb};
+  int64_t nsplit = 0;
+  auto part = hc_mixes_partials(h, fn, nsplit);
+  check_launch(ds4_attn::launch_hc_finish(h.data_ptr(), h.scalar_type() == at::kFloat, part.data_ptr<float>(), (int)N,
+                                          (int)n, (int)D, (int)fn.size(0), (int)nsplit, scale.data_ptr<float>(),
+                                          base.data_ptr<float>(), (int)iters, (float)hc_eps, (float)norm_eps, false,
+                                          x.data_ptr(), post.data_ptr<float>(), comb.data_ptr<float>(),
+                                          c10::cuda::getCurrentCUDAStream().stream()),
+               "hc_finish");
+  return {x, post, comb};
+}
+
+at::Tensor hc_head(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,
+                   double hc_eps, double norm_eps) {
+  check_cuda(h, "h");
+  check_f32(fn, "fn");
+  check_f32(scale, "scale");
+  check_f32(base, "base");
+  TORCH_CHECK(h.dim() == 3, "ds4_attn.hc_head: h must be [N, hc, D]");
+  const int64_t N = h.size(0), n = h.size(1), D = h.size(2);
+  TORCH_CHECK(fn.size(0) == n && base.numel() == n && scale.numel() >= 1, "ds4_attn.hc_head: fn/base/scale shapes");
+  c10::cuda::CUDAGuard guard(h.device());
+  auto x = at::empty({N, D}, h.options());
+  if (N == 0) return x;
+  int64_t nsplit = 0;
+  auto part = hc_mixes_partials(h, fn, nsplit);
+  check_launch(ds4_attn::launch_hc_finish(h.data_ptr(), h.scalar_type() == at::kFloat, part.data_ptr<float>(), (int)N,
+                                          (int)n, (int)D, (int)n, (int)nsplit, scale.data_ptr<float>(),
+                                          base.data_ptr<float>(), 1, (float)hc_eps, (float)norm_eps, true,
+                                          x.data_ptr(), nullptr, nullptr, c10::cuda::getCurrentCUDAStream().stream()),
+               "hc_finish(head)");
+  return x;
+}
+
+at::Tensor hc_post(const at::Tensor& x, const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb) {
+  check_cuda(x, "x");
+  check_cuda(res, "res");
+  check_f32(post, "post");
+  check_f32(comb, "comb");
+  const bool xf = is_f32_act(x, "x"), rf = is_f32_act(res, "res");
+  TORCH_CHECK(res.dim() == 3 && x.dim() == 2, "ds4_attn.hc_post: x [N, D], res [N, hc, D]");
+  const int64_t N = res.size(0), n = res.size(1), D = res.size(2);
+  TORCH_CHECK(x.size(0) == N && x.size(1) == D, "ds4_attn.hc_post: x shape");
+  TORCH_CHECK(post.numel() == N * n && comb.numel() == N * n * n, "ds4_attn.hc_post: post/comb shapes");
+  c10::cuda::CUDAGuard guard(res.device());
+  auto out = at::empty_like(res);
+  if (N == 0) return out;
+  check_launch(ds4_attn::launch_hc_post(x.data_ptr(), xf, res.data_ptr(), rf, post.data_ptr<float>(),
+                                        comb.data_ptr<float>(), (int)N, (int)n, (int)D, out.data_ptr(),
+                                        c10::cuda::getCurrentCUDAStream().stream()),
+               "hc_post");
+  return out;
+}
+
+// ---- sparse attention --------------------------------------------------------------------------------
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "ds4_attn: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "ds4_attn.sparse: ", name, " must be bfloat16");
+  TORCH_CHECK(t.stride(-1) == 1, "ds4_attn.sparse: ", name, " must have a contiguous last dim");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "ds4_attn.sparse: ", name,
+              " must be 16-byte aligned");
+  for (int i = 0; i < t.dim() - 1; ++i)
+    TORCH_CHECK(t.stride(i) % 8 == 0 || t.size(i) == 1, "ds4_attn.sparse: ", name, " row strides must be multiples of 8");
+}
+
+at::Tensor sparse_attn(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& valid,
+                       const std::optional<at::Tensor>& sel_kv, const std::optional<at::Tensor>& sel_valid,
+                       const at::Tensor& sink, double scale) {
+  check_cuda(q, "q");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4, "ds4_attn.sparse: q must be bf16 [B, S, H, D]");
+  check_rows(kv, "kv");
+  TORCH_CHECK(kv.dim() == 3, "ds4_attn.sparse: kv must be [B, K, D]");
+  check_f32(sink, "sink");
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3), K = kv.size(1);
+  TORCH_CHECK(kv.size(0) == B && kv.size(2) == D, "ds4_attn.sparse: kv shape");
+  TORCH_CHECK(sink.numel() == H, "ds4_attn.sparse: sink must be [H]");
+  TORCH_CHECK(valid.is_cuda() && valid.scalar_type() == at::kBool && valid.dim() == 3 && valid.size(0) == B &&
+                  valid.size(1) == S && valid.size(2) == K && valid.stride(2) == 1,
+              "ds4_attn.sparse: valid must be bool [B, S, K] with a contiguous last dim");
+  ds4_attn::SparseArgs a;
+  a.q = q.data_ptr();
+  a.kv = kv.data_ptr();
+  a.kv_b = kv.stride(0);
+  a.kv_r = kv.stride(1);
+  a.valid = reinterpret_cast<const uint8_t*>(valid.data_ptr());
+  a.valid_b = valid.stride(0);
+  a.valid_s = valid.stride(1);
+  a.sink = sink.data_ptr<float>();
+  a.B = (int)B; a.S = (int)S; a.H = (int)H; a.D = (int)D; a.K = (int)K;
+  a.scale = (float)scale;
+  if (sel_kv.has_value()) {
+    TORCH_CHECK(sel_valid.has_value(), "ds4_attn.sparse: sel_valid is required with sel_kv");
+    const at::Tensor& s = *sel_kv;
+    const at::Tensor& sv = *sel_valid;
+    check_rows(s, "sel_kv");
+    TORCH_CHECK(s.dim() == 4 && s.size(0) == B && s.size(1) == S && s.size(3) == D, "ds4_attn.sparse: sel_kv shape");
+    TORCH_CHECK(sv.is_cuda() && sv.scalar_type() == at::kBool && sv.dim() == 3 && sv.size(0) == B &&
+                    sv.size(1) == S && sv.size(2) == s.size(2) && sv.stride(2) == 1,
+                "ds4_attn.sparse: sel_valid must be bool [B, S, P] with a contiguous last dim");
+    a.sel = s.data_ptr();
+    a.sel_b = s.stride(0); a.sel_s = s.stride(1); a.sel_r = s.stride(2);
+    a.sel_valid = reinterpret_cast<const uint8_t*>(sv.data_ptr());
+    a.sv_b = sv.stride(0); a.sv_s = sv.stride(1);
+    a.P = (int)s.size(2);
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  auto out = at::empty({B, S, H, D}, q.options());
+  if (B * S == 0) return out;
+  const int64_t kc = ds4_attn::sparse_keys_per_block();
+  const int64_t nsplit = std::max<int64_t>(1, (K + a.P + kc - 1) / kc);
+  auto opart = at::empty({B * S, nsplit, H, D}, q.options().dtype(at::kFloat));
+  auto ml = at::empty({B * S, nsplit, H, 2}, q.options().dtype(at::kFloat));
+  check_launch(ds4_attn::launch_sparse_attn(a, (int)nsplit, opart.data_ptr<float>(), ml.data_ptr<float>(),
+                                            out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
+               "sparse_attn");
+  return out;
+}
+
+// ---- indexer -----------------------------------------------------------------------------------------
+at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, bool bf16) {
+  check_cuda(q, "q");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4, "ds4_attn.indexer: q must be bf16 [B, S, H, d]");
+  check_f32(w, "w");
+  TORCH_CHECK(keys.is_cuda() && keys.scalar_type() == at::kBFloat16 && keys.dim() == 3 && keys.stride(2) == 1,
+              "ds4_attn.indexer: keys must be bf16 [B, T, d] with a contiguous last dim");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(keys.data_ptr()) % 16 == 0 && keys.stride(1) % 8 == 0 &&
+                  (keys.stride(0) % 8 == 0 || keys.size(0) == 1),
+              "ds4_attn.indexer: keys must be 16-byte aligned with row strides multiple of 8");
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), d = q.size(3), T = keys.size(1);
+  TORCH_CHECK(w.dim() == 3 && w.size(0) == B && w.size(1) == S && w.size(2) == H, "ds4_attn.indexer: w shape");
+  TORCH_CHECK(keys.size(0) == B && keys.size(2) == d, "ds4_attn.indexer: keys shape");
+  c10::cuda::CUDAGuard guard(q.device());
+  auto out = at::empty({B, S, T}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  if (B * S == 0 || T == 0) return out;
+  check_launch(ds4_attn::launch_indexer_scores(q.data_ptr(), w.data_ptr<float>(), keys.data_ptr(), keys.stride(0),
+                                               keys.stride(1), (int)B, (int)S, (int)H, (int)d, (int)T, bf16,
+                                               out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
+               "indexer_scores");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ds4_attn, m) {
+  m.def("hc_pre(Tensor h, Tensor fn, Tensor scale, Tensor base, int iters, float hc_eps, float norm_eps) -> "
+        "(Tensor, Tensor, Tensor)");
+  m.def("hc_head(Tensor h, Tensor fn, Tensor scale, Tensor base, float hc_eps, float norm_eps) -> Tensor");
+  m.def("hc_post(Tensor x, Tensor res, Tensor post, Tensor comb) -> Tensor");
+  m.def("sparse_attn(Tensor q, Tensor kv, Tensor valid, Tensor? sel_kv, Tensor? sel_valid, Tensor sink, "
+        "float scale) -> Tensor");
+  m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
+  m.impl("hc_pre", &hc_pre);
+  m.impl("hc_head", &hc_head);
+  m.impl("hc_post", &hc_post);
+  m.impl("sparse_attn", &sparse_attn);
+  m.impl("indexer_scores", &indexer_scores);
+}

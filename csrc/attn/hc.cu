@@ -1,0 +1,198 @@
+// mHC pre / post / head (spec §4) in three small launches per call site:
+//   hc_partials: the (2+hc)*hc x hc*D fp32 matvec and the sum of squares, K split over ~128 blocks
+//                per token (partials in a small fp32 workspace);
+//   hc_finish:   reduce the partials, RMS factor, sigmoids, Sinkhorn (exact op order of
+//                ds4.ops.hc_torch.sinkhorn), weighted sum of the streams (D split over blocks, each
+//                block redoes the tiny Sinkhorn so no third launch is needed);
+//   hc_post:     out[k] = post[k] x + sum_j comb[j, k] res[j], elementwise.
+#include "attn_common.cuh"
+#include "attn_launch.h"
+
+namespace ds4_attn {
+
+constexpr int HC_THREADS = 128;
+constexpr int HC_MAX_MIX = 80;   // hc <= 8
+constexpr int HC_MAX_N = 8;
+
+int hc_nsplit(int K) {
+  // ~128 blocks per token at K = 16384 (one element per thread), at least one block
+  int chunk = HC_THREADS;
+  while ((K + chunk - 1) / chunk > 128) chunk += HC_THREADS;
+  return (K + chunk - 1) / chunk;
+}
+
+template <int MAXM>
+__global__ void __launch_bounds__(HC_THREADS) hc_partials_kernel(const void* __restrict__ h, bool h_f32,
+                                                                  const float* __restrict__ fn, int K, int mix,
+                                                                  int nsplit, float* __restrict__ part) {
+  const int split = blockIdx.x, t = blockIdx.y;
+  const int chunk = (K + nsplit - 1) / nsplit;
+  const int k0 = split * chunk, k1 = min(K, k0 + chunk);
+  float acc[MAXM + 1];
+#pragma unroll
+  for (int m = 0; m <= MAXM; ++m) acc[m] = 0.f;
+  const long hoff = (long)t * K;
+  for (int k = k0 + threadIdx.x; k < k1; k += HC_THREADS) {
+    const float v = ld_as_float(h, hoff + k, h_f32);
+    acc[MAXM] += v * v;
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m)
+      if (m < mix) acc[m] += __ldg(fn + (long)m * K + k) * v;
+  }
+  __shared__ float red[HC_THREADS / 32][MAXM + 1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int m = 0; m <= MAXM; ++m) {
+    float v = acc[m];
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) red[warp][m] = v;
+  }
+  __syncthreads();
+  for (int m = threadIdx.x; m <= mix; m += HC_THREADS) {
+    const int src = m == mix ? MAXM : m;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < HC_THREADS / 32; ++w) v += red[w][src];
+    part[((long)t * nsplit + split) * (mix + 1) + m] = v;
+  }
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+
+__global__ void __launch_bounds__(HC_THREADS) hc_finish_kernel(const void* __restrict__ h, bool h_f32,
+                                                                const float* __restrict__ part, int n, int D, int mix,
+                                                                int nsplit, const float* __restrict__ scale,
+                                                                const float* __restrict__ base, int iters,
+                                                                float hc_eps, float norm_eps, bool head, void* x,
+                                                                float* __restrict__ post, float* __restrict__ comb) {
+  const int t = blockIdx.y;
+  __shared__ float tot[HC_MAX_MIX + 1];
+  __shared__ float pre[HC_MAX_N];
+  __shared__ float cm[HC_MAX_N * HC_MAX_N];
+  for (int m = threadIdx.x; m <= mix; m += HC_THREADS) {
+    float v = 0.f;
+    for (int s = 0; s < nsplit; ++s) v += part[((long)t * nsplit + s) * (mix + 1) + m];
+    tot[m] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const float r = rsqrtf(tot[mix] / (float)(n * D) + norm_eps);
+    const float s0 = scale[0];
+    for (int j = 0; j < n; ++j) pre[j] = sigmoidf_(tot[j] * r * s0 + base[j]) + hc_eps;
+    if (!head) {
+      const bool w = blockIdx.x == 0;
+      const float s1 = scale[1], s2 = scale[2];
+      if (w)
+        for (int j = 0; j < n; ++j) post[(long)t * n + j] = 2.f * sigmoidf_(tot[n + j] * r * s1 + base[n + j]);
+      for (int i = 0; i < n * n; ++i) cm[i] = tot[2 * n + i] * r * s2 + base[2 * n + i];
+      // row softmax + eps
+      for (int j = 0; j < n; ++j) {
+        float mx = -INFINITY;
+        for (int k = 0; k < n; ++k) mx = fmaxf(mx, cm[j * n + k]);
+        float sum = 0.f;
+        for (int k = 0; k < n; ++k) {
+          const float e = expf(cm[j * n + k] - mx);
+          cm[j * n + k] = e;
+          sum += e;
+        }
+        for (int k = 0; k < n; ++k) cm[j * n + k] = cm[j * n + k] / sum + hc_eps;
+      }
+      // column normalise
+      for (int k = 0; k < n; ++k) {
+        float sum = 0.f;
+        for (int j = 0; j < n; ++j) sum += cm[j * n + k];
+        for (int j = 0; j < n; ++j) cm[j * n + k] = cm[j * n + k] / (sum + hc_eps);
+      }
+      for (int it = 1; it < iters; ++it) {
+        for (int j = 0; j < n; ++j) {
+          float sum = 0.f;
+          for (int k = 0; k < n; ++k) sum += cm[j * n + k];
+          for (int k = 0; k < n; ++k) cm[j * n + k] = cm[j * n + k] / (sum + hc_eps);
+        }
+        for (int k = 0; k < n; ++k) {
+          float sum = 0.f;
+          for (int j = 0; j < n; ++j) sum += cm[j * n + k];
+          for (int j = 0; j < n; ++j) cm[j * n + k] = cm[j * n + k] / (sum + hc_eps);
+        }
+      }
+      if (w)
+        for (int i = 0; i < n * n; ++i) comb[(long)t * n * n + i] = cm[i];
+    }
+  }
+  __syncthreads();
+  const long hoff = (long)t * n * D;
+  for (int d = blockIdx.x * HC_THREADS + threadIdx.x; d < D; d += gridDim.x * HC_THREADS) {
+    float acc = 0.f;
+    for (int j = 0; j < n; ++j) acc += pre[j] * ld_as_float(h, hoff + (long)j * D + d, h_f32);
+    if (h_f32)
+      static_cast<float*>(x)[(long)t * D + d] = acc;
+    else
+      static_cast<__nv_bfloat16*>(x)[(long)t * D + d] = __float2bfloat16(acc);
+  }
+}
+
+__global__ void hc_post_kernel(const void* __restrict__ x, bool x_f32, const void* __restrict__ res, bool res_f32,
+                               const float* __restrict__ post, const float* __restrict__ comb, int N, int n, int D,
+                               void* out) {
+  const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long)N * D) return;
+  const int t = (int)(i / D), d = (int)(i % D);
+  const float xv = ld_as_float(x, i, x_f32);
+  float r[HC_MAX_N];
+#pragma unroll
+  for (int j = 0; j < HC_MAX_N; ++j) r[j] = j < n ? ld_as_float(res, ((long)t * n + j) * D + d, res_f32) : 0.f;
+  const float* cb = comb + (long)t * n * n;
+  for (int k = 0; k < n; ++k) {
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < HC_MAX_N; ++j)
+      if (j < n) acc += cb[j * n + k] * r[j];
+    const float v = post[(long)t * n + k] * xv + acc;
+    const long o = ((long)t * n + k) * D + d;
+    if (res_f32)
+      static_cast<float*>(out)[o] = v;
+    else
+      static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(v);
+  }
+}
+
+cudaError_t launch_hc_partials(const void* h, bool h_f32, const float* fn, int N, int K, int mix, int nsplit,
+                               float* part, cudaStream_t st) {
+  if (mix < 1 || mix > HC_MAX_MIX || N < 1 || K < 1 || nsplit < 1 || N > 65535) return cudaErrorInvalidValue;
+  dim3 grid(nsplit, N);
+  if (mix <= 4)
+    hc_partials_kernel<4><<<grid, HC_THREADS, 0, st>>>(h, h_f32, fn, K, mix, nsplit, part);
+  else if (mix <= 24)
+    hc_partials_kernel<24><<<grid, HC_THREADS, 0, st>>>(h, h_f32, fn, K, mix, nsplit, part);
+  else if (mix <= 48)
+    hc_partials_kernel<48><<<grid, HC_THREADS, 0, st>>>(h, h_f32, fn, K, mix, nsplit, part);
+  else
+    hc_partials_kernel<80><<<grid, HC_THREADS, 0, st>>>(h, h_f32, fn, K, mix, nsplit, part);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N, int n, int D, int mix, int nsplit,
+                             const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
+                             bool head, void* x, float* post, float* comb, cudaStream_t st) {
+  if (n < 1 || n > HC_MAX_N || mix > HC_MAX_MIX || N < 1 || N > 65535) return cudaErrorInvalidValue;
+  if (head ? mix != n : mix != (2 + n) * n) return cudaErrorInvalidValue;
+  const int per_block = HC_THREADS * 4;
+  dim3 grid((D + per_block - 1) / per_block, N);
+  hc_finish_kernel<<<grid, HC_THREADS, 0, st>>>(h, h_f32, part, n, D, mix, nsplit, scale, base, iters, hc_eps,
+                                                norm_eps, head, x, post, comb);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,
+                           const float* comb, int N, int n, int D, void* out, cudaStream_t st) {
+  if (n < 1 || n > HC_MAX_N) return cudaErrorInvalidValue;
+  const long total = (long)N * D;
+  if (total == 0) return cudaSuccess;
+  const int threads = 256;
+  hc_post_kernel<<<(unsigned)((total + threads - 1) / threads), threads, 0, st>>>(x, x_f32, res, res_f32, post, comb,
+                                                                                  N, n, D, out);
+  return cudaGetLastError();
+}
+
+}  // namespace ds4_attn

@@ -1,0 +1,113 @@
+// Lightning-indexer scores for decode (spec §5.5): out[r, t] = sum_h w[r, h] ReLU(q[r, h] . k[t]).
+// Block (chunk of IX_KC = 64 keys, row r): the chunk's keys are loaded once into shared memory and
+// serve all H heads through BF16 mma.sync m16n8k16 (one warp per 16-head tile, fp32 accumulation);
+// ReLU, the head weight and the sum over the tile's 16 heads happen in registers + quad shuffles,
+// the sum over tiles in a fixed order through shared memory (deterministic). Keys are split over
+// blocks so a long cache spreads over the whole GPU.
+#include "attn_common.cuh"
+#include "attn_launch.h"
+
+namespace ds4_attn {
+
+constexpr int IX_KC = 64;
+constexpr int IX_WARPS = 4;
+constexpr int IX_THREADS = IX_WARPS * 32;
+
+__global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __restrict__ q,
+                                                             const float* __restrict__ w,
+                                                             const uint16_t* __restrict__ keys, long k_b, long k_r,
+                                                             int S, int H, int d, int T, bool bf16, void* out) {
+  extern __shared__ __align__(16) uint16_t ks[];   // [IX_KC][d + 8]
+  __shared__ float red[IX_WARPS][IX_KC];
+  const int chunk = blockIdx.x, r = blockIdx.y;
+  const int b = r / S;
+  const int LD = d + 8, t0 = chunk * IX_KC;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int vpr = d / 8;
+  for (int i = threadIdx.x; i < IX_KC * vpr; i += IX_THREADS) {
+    const int j = i / vpr, v = i % vpr;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (t0 + j < T) val = *reinterpret_cast<const uint4*>(keys + (long)b * k_b + (long)(t0 + j) * k_r + v * 8);
+    *reinterpret_cast<uint4*>(ks + j * LD + v * 8) = val;
+  }
+  for (int i = threadIdx.x; i < IX_WARPS * IX_KC; i += IX_THREADS) (&red[0][0])[i] = 0.f;
+  __syncthreads();
+
+  const uint16_t* qr = q + (long)r * H * d;
+  const float* wr = w + (long)r * H;
+  const int mtiles = (H + 15) / 16;
+  float part[IX_KC / 8][2];
+#pragma unroll
+  for (int nt = 0; nt < IX_KC / 8; ++nt) part[nt][0] = part[nt][1] = 0.f;
+  for (int mt = warp; mt < mtiles; mt += IX_WARPS) {
+    float sc[IX_KC / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < IX_KC / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+    for (int k0 = 0; k0 < d; k0 += 16) {
+      uint32_t af[4];
+      load_a_rows(af, qr, d, mt * 16, H, k0, lane);
+#pragma unroll
+      for (int nt = 0; nt < IX_KC / 8; ++nt) {
+        const uint16_t* kr = ks + (nt * 8 + g) * LD + k0 + 2 * c;
+        mma16816(sc[nt], af, *reinterpret_cast<const uint32_t*>(kr), *reinterpret_cast<const uint32_t*>(kr + 8));
+      }
+    }
+    const int h0 = mt * 16 + g, h1 = h0 + 8;
+    float w0 = h0 < H ? wr[h0] : 0.f, w1 = h1 < H ? wr[h1] : 0.f;
+    if (bf16) { w0 = bf16r(w0); w1 = bf16r(w1); }
+#pragma unroll
+    for (int nt = 0; nt < IX_KC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float s0 = sc[nt][e], s1 = sc[nt][2 + e];
+        float v;
+        if (bf16)
+          v = bf16r(fmaxf(bf16r(s0), 0.f) * w0) + bf16r(fmaxf(bf16r(s1), 0.f) * w1);
+        else
+          v = fmaxf(s0, 0.f) * w0 + fmaxf(s1, 0.f) * w1;
+        // sum over the 8 row groups g (lanes c, c+4, ..., c+28)
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        part[nt][e] += v;
+      }
+    }
+  }
+  if (g == 0) {
+#pragma unroll
+    for (int nt = 0; nt < IX_KC / 8; ++nt) {
+      red[warp][nt * 8 + 2 * c] = part[nt][0];
+      red[warp][nt * 8 + 2 * c + 1] = part[nt][1];
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < IX_KC; j += IX_THREADS) {
+    if (t0 + j >= T) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < IX_WARPS; ++w2) v += red[w2][j];
+    const long o = (long)r * T + t0 + j;
+    if (bf16)
+      static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(v);
+    else
+      static_cast<float*>(out)[o] = v;
+  }
+}
+
+cudaError_t launch_indexer_scores(const void* q, const float* w, const void* keys, long k_b, long k_r, int B, int S,
+                                  int H, int d, int T, bool bf16, void* out, cudaStream_t st) {
+  if (d < 16 || d % 16 || H < 1 || B < 1 || S < 1 || (long)B * S > 65535) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  const size_t smem = (size_t)IX_KC * (d + 8) * sizeof(uint16_t);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(indexer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  dim3 grid((T + IX_KC - 1) / IX_KC, B * S);
+  indexer_kernel<<<grid, IX_THREADS, smem, st>>>(static_cast<const uint16_t*>(q), w,
+                                                 static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, out);
+  return cudaGetLastError();
+}
+
+}  // namespace ds4_attn

@@ -1,0 +1,206 @@
+// Sparse MQA attention for decode (spec §5.7), flash-decoding style:
+//   sparse_chunk_kernel: block (split, row) loads KC = 32 key rows (window/HCA keys then the row's
+//     selected keys) ONCE into shared memory (invalid keys zeroed) and serves all H heads with BF16
+//     mma.sync m16n8k16 (one warp per 16-head tile): S = q K^T (fp32), scale, mask, chunk max,
+//     p = exp(s - max) (fp32 sum for the denominator, p rounded to bf16 for P.V like the reference),
+//     O_c = P V (fp32) -> workspace, with (max, sum) per head. Chunks with no valid key write
+//     max = -inf and nothing else.
+//   sparse_combine_kernel: per (row, head): M = max(sink, max_c), L = exp(sink - M) + sum_c l_c
+//     exp(m_c - M), o = sum_c exp(m_c - M) O_c / L  -> bf16. The sink enters only the denominator.
+#include "attn_common.cuh"
+#include "attn_launch.h"
+
+namespace ds4_attn {
+
+constexpr int SP_KC = 32;        // keys per block
+constexpr int SP_WARPS = 4;
+constexpr int SP_THREADS = SP_WARPS * 32;
+constexpr int SP_DB = 64;        // output dims per P.V pass (8 n-tiles)
+
+int sparse_keys_per_block() { return SP_KC; }
+
+__global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
+                                                                  float* __restrict__ ml) {
+  extern __shared__ __align__(16) uint16_t ks[];   // [SP_KC][D + 8] bf16 keys (= values)
+  __shared__ uint8_t kval[SP_KC];
+  const int split = blockIdx.x, r = blockIdx.y;
+  const int b = r / a.S, s = r % a.S;
+  const int D = a.D, H = a.H, LD = D + 8;
+  const int total = a.K + a.P;
+  const int key0 = split * SP_KC;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+
+  // ---- load the chunk's keys (16 B per access), zeros for invalid / missing keys
+  const int vec_per_row = D / 8;
+  int any = 0;
+  for (int i = threadIdx.x; i < SP_KC * vec_per_row; i += SP_THREADS) {
+    const int j = i / vec_per_row, v = i % vec_per_row;
+    const int idx = key0 + j;
+    const uint16_t* src = nullptr;
+    bool ok = false;
+    if (idx < a.K) {
+      ok = a.valid[(long)b * a.valid_b + (long)s * a.valid_s + idx] != 0;
+      src = static_cast<const uint16_t*>(a.kv) + (long)b * a.kv_b + (long)idx * a.kv_r;
+    } else if (idx < total) {
+      const int p = idx - a.K;
+      ok = a.sel_valid[(long)b * a.sv_b + (long)s * a.sv_s + p] != 0;
+      src = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (long)s * a.sel_s + (long)p * a.sel_r;
+    }
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) val = *reinterpret_cast<const uint4*>(src + v * 8);
+    *reinterpret_cast<uint4*>(ks + j * LD + v * 8) = val;
+    if (v == 0) kval[j] = ok ? 1 : 0;
+    any |= ok ? 1 : 0;
+  }
+  any = __syncthreads_or(any);
+  const long mlbase = ((long)r * nsplit + split) * H;
+  if (!any) {
+    for (int h = threadIdx.x; h < H; h += SP_THREADS) {
+      ml[(mlbase + h) * 2 + 0] = -INFINITY;
+      ml[(mlbase + h) * 2 + 1] = 0.f;
+    }
+    return;
+  }
+
+  const uint16_t* q = static_cast<const uint16_t*>(a.q) + (long)r * H * D;
+  const int mtiles = (H + 15) / 16;
+  for (int mt = warp; mt < mtiles; mt += SP_WARPS) {
+    // ---- S = q K^T for 16 heads x 32 keys
+    float sc[SP_KC / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < SP_KC / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+    for (int k0 = 0; k0 < D; k0 += 16) {
+      uint32_t af[4];
+      load_a_rows(af, q, D, mt * 16, H, k0, lane);
+#pragma unroll
+      for (int nt = 0; nt < SP_KC / 8; ++nt) {
+        const uint16_t* kr = ks + (nt * 8 + g) * LD + k0 + 2 * c;
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+        mma16816(sc[nt], af, b0, b1);
+      }
+    }
+    // ---- scale, mask, chunk max / sum per head row (g and g + 8)
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < SP_KC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = nt * 8 + 2 * c + (e & 1);
+        const float v = kval[j] ? sc[nt][e] * a.scale : -INFINITY;
+        sc[nt][e] = v;
+        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+    }
+    const float ref0 = mx0 == -INFINITY ? 0.f : mx0, ref1 = mx1 == -INFINITY ? 0.f : mx1;
+    float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < SP_KC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = expf(sc[nt][e] - (e < 2 ? ref0 : ref1));
+        sc[nt][e] = p;
+        if (e < 2) l0 += p; else l1 += p;
+      }
+    }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+    }
+    const int h0 = mt * 16 + g, h1 = h0 + 8;
+    if (c == 0) {
+      if (h0 < H) { ml[(mlbase + h0) * 2] = mx0; ml[(mlbase + h0) * 2 + 1] = l0; }
+      if (h1 < H) { ml[(mlbase + h1) * 2] = mx1; ml[(mlbase + h1) * 2 + 1] = l1; }
+    }
+    // ---- P (bf16) as A fragments: k-step kk covers keys 16kk .. 16kk+15 = n-tiles 2kk, 2kk+1
+    uint32_t pa[SP_KC / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < SP_KC / 16; ++kk) {
+      pa[kk][0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
+      pa[kk][1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
+      pa[kk][2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      pa[kk][3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+    }
+    // ---- O_c = P V, SP_DB dims at a time
+    float* o0 = opart + (mlbase + h0) * D;
+    float* o1 = opart + (mlbase + h1) * D;
+    for (int db = 0; db < D; db += SP_DB) {
+      float acc[SP_DB / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < SP_DB / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < SP_KC / 16; ++kk) {
+        const uint16_t* v0 = ks + (kk * 16 + 2 * c) * LD + db + g;
+#pragma unroll
+        for (int nt = 0; nt < SP_DB / 8; ++nt) {
+          const uint16_t* vp = v0 + nt * 8;
+          const uint32_t b0 = pack_u16(vp[0], vp[LD]);
+          const uint32_t b1 = pack_u16(vp[8 * LD], vp[9 * LD]);
+          mma16816(acc[nt], pa[kk], b0, b1);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < SP_DB / 8; ++nt) {
+        const int d = db + nt * 8 + 2 * c;
+        if (h0 < H) *reinterpret_cast<float2*>(o0 + d) = make_float2(acc[nt][0], acc[nt][1]);
+        if (h1 < H) *reinterpret_cast<float2*>(o1 + d) = make_float2(acc[nt][2], acc[nt][3]);
+      }
+    }
+  }
+}
+
+__global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
+                                      const float* __restrict__ sink, int nsplit, int H, int D,
+                                      __nv_bfloat16* __restrict__ out) {
+  const int h = blockIdx.x, r = blockIdx.y;
+  const float sk = sink[h];
+  float M = sk;
+  for (int c = 0; c < nsplit; ++c) M = fmaxf(M, ml[(((long)r * nsplit + c) * H + h) * 2]);
+  float L = expf(sk - M);
+  for (int c = 0; c < nsplit; ++c) {
+    const float m = ml[(((long)r * nsplit + c) * H + h) * 2];
+    if (m != -INFINITY) L += ml[(((long)r * nsplit + c) * H + h) * 2 + 1] * expf(m - M);
+  }
+  const float inv = 1.f / L;
+  for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c = 0; c < nsplit; ++c) {
+      const long base = ((long)r * nsplit + c) * H + h;
+      const float m = ml[base * 2];
+      if (m == -INFINITY) continue;
+      const float w = expf(m - M);
+      const float4 v = *reinterpret_cast<const float4*>(opart + base * D + d);
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    }
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((long)r * H + h) * D + d);
+    o[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+    o[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  }
+}
+
+cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st) {
+  if (a.D < 64 || a.D % 64 || a.H < 1 || a.B < 1 || a.S < 1 || nsplit < 1) return cudaErrorInvalidValue;
+  if ((long)a.B * a.S > 65535 || a.H > 65535) return cudaErrorInvalidValue;
+  if (a.P > 0 && (a.sel == nullptr || a.sel_valid == nullptr)) return cudaErrorInvalidValue;
+  const size_t smem = (size_t)SP_KC * (a.D + 8) * sizeof(uint16_t);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  sparse_chunk_kernel<<<dim3(nsplit, a.B * a.S), SP_THREADS, smem, st>>>(a, nsplit, opart, ml);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  const int threads = a.D / 4 < 128 ? a.D / 4 : 128;
+  sparse_combine_kernel<<<dim3(a.H, a.B * a.S), threads, 0, st>>>(opart, ml, a.sink, nsplit, a.H, a.D,
+                                                                  static_cast<__nv_bfloat16*>(out));
+  return cudaGetLastError();
+}
+
+}  // namespace ds4_attn

@@ -1,0 +1,127 @@
+"""The ds4_attn CUDA extension (mHC pre/post/head, sparse MQA decode attention, indexer scores).
+
+Kept apart from ``ds4.kernels`` (the GEMV/MoE extension) so the two build and load independently.
+Sources: ``csrc/attn/*.cu`` (launchers over raw pointers, CUDA headers only) + one binding file
+``csrc/attn/attn_bindings.cpp`` registering ``torch.ops.ds4_attn.*`` with TORCH_LIBRARY. Built with
+ninja through ``torch.utils.cpp_extension.load`` into ``<repo>/.ext_build/attn`` (override with
+``DS4_ATTN_EXT_BUILD_DIR``) for ``TORCH_CUDA_ARCH_LIST`` (default "8.0;9.0"). Nothing here is needed
+or imported on a CPU machine unless a CUDA option is chosen; ``unavailable_reason()`` says why not.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+REPO = Path(__file__).resolve().parents[2]
+CSRC = REPO / "csrc" / "attn"
+SOURCES = ("attn_bindings.cpp", "hc.cu", "sparse_attn.cu", "indexer.cu")
+EXT_NAME = "ds4_attn_ext"
+DEFAULT_ARCHS = "8.0;9.0"
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("DS4_ATTN_EXT_BUILD_DIR", REPO / ".ext_build" / "attn"))
+
+
+def cuda_flags(archs: str | None = None) -> list[str]:
+    flags = ["-O3", "-lineinfo"]
+    for a in (archs or DEFAULT_ARCHS).replace(",", ";").replace(" ", ";").split(";"):
+        a = a.strip().replace("+PTX", "")
+        if a:
+            num = a.replace(".", "")
+            flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+    return flags
+
+
+@functools.lru_cache(maxsize=None)
+def load(verbose: bool = False) -> None:
+    """Build (if needed) and load the extension; registers the ops and their fake implementations."""
+    if torch.version.cuda is None:
+        raise RuntimeError("torch is a CPU-only build (torch.version.cuda is None)")
+    from torch.utils.cpp_extension import load as _load
+
+    missing = [s for s in SOURCES if not (CSRC / s).exists()]
+    if missing:
+        raise RuntimeError(f"CUDA sources missing under {CSRC}: {missing}")
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    old = os.environ.pop("TORCH_CUDA_ARCH_LIST", None)   # our -gencode flags are explicit
+    try:
+        _load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3"],
+              extra_cuda_cflags=cuda_flags(old), extra_include_paths=[str(CSRC)], build_directory=str(d),
+              is_python_module=False, verbose=verbose)
+    finally:
+        if old is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = old
+    from ds4.kernels_attn import _fake  # noqa: F401  fake impls once the schemas exist
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels can run here, else why not."""
+    if torch.version.cuda is None:
+        return "torch is a CPU-only build"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"needs compute capability >= 8.0 (found {major}.x)"
+    if os.environ.get("DS4_NO_JIT") == "1" and not (build_dir() / f"{EXT_NAME}.so").exists():
+        return "ds4_attn extension not built (DS4_NO_JIT=1; run python scripts/build_ext.py)"
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001  any build/load failure is the reason
+        return f"ds4_attn CUDA extension failed to build/load: {type(e).__name__}: {str(e).strip()[-500:]}"
+    return None
+
+
+def _ops():
+    load()
+    return torch.ops.ds4_attn
+
+
+# ---- typed wrappers -----------------------------------------------------------------------------------
+def hc_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float,
+           norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """h [N, hc, D] bf16|f32 -> (x [N, D] h.dtype, post [N, hc] f32, comb [N, hc, hc] f32). Two launches."""
+    return _ops().hc_pre(h.contiguous(), fn.float().contiguous(), scale.float().contiguous(),
+                         base.float().contiguous(), int(iters), float(hc_eps), float(norm_eps))
+
+
+def hc_head(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
+    return _ops().hc_head(h.contiguous(), fn.float().contiguous(), scale.float().contiguous(),
+                          base.float().contiguous(), float(hc_eps), float(norm_eps))
+
+
+def hc_post(x: Tensor, res: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    return _ops().hc_post(x.contiguous(), res.contiguous(), post.float().contiguous(), comb.float().contiguous())
+
+
+def _rows_ok(t: Tensor) -> Tensor:
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
+        t.stride(i) % 8 == 0 or t.shape[i] == 1 for i in range(t.dim() - 1))
+    return t if ok else t.contiguous()
+
+
+def sparse_attn(q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel_valid: Tensor | None,
+                sink: Tensor, scale: float) -> Tensor:
+    """bf16 q [B, S, H, D], kv [B, K, D], valid bool [B, S, K], sel_kv [B, S, P, D], sel_valid [B, S, P],
+    sink f32 [H] -> bf16 [B, S, H, D]. Two launches (chunks, combine)."""
+    if valid.stride(-1) != 1:
+        valid = valid.contiguous()
+    if sel_valid is not None and sel_valid.stride(-1) != 1:
+        sel_valid = sel_valid.contiguous()
+    return _ops().sparse_attn(q.contiguous(), _rows_ok(kv), valid, None if sel_kv is None else _rows_ok(sel_kv),
+                              sel_valid, sink.float().contiguous(), float(scale))
+
+
+def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False) -> Tensor:
+    """bf16 q [B, S, H, d], f32 w [B, S, H], bf16 keys [B, T, d] -> [B, S, T] (f32, or bf16 when bf16)."""
+    return _ops().indexer_scores(q.contiguous(), w.float().contiguous(), _rows_ok(keys), bool(bf16))
+
+
+__all__ = ["load", "unavailable_reason", "build_dir", "cuda_flags", "hc_pre", "hc_head", "hc_post", "sparse_attn",
+           "indexer_scores"]

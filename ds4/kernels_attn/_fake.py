@@ -1,0 +1,34 @@
+"""Fake (meta) implementations of torch.ops.ds4_attn.* for FakeTensor tracing / torch.compile.
+Imported by ds4.kernels_attn.load() once the library has registered the op schemas."""
+from __future__ import annotations
+
+import torch
+from torch.library import register_fake
+
+
+@register_fake("ds4_attn::hc_pre")
+def _hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps):
+    n_tok, n, d = h.shape
+    return (h.new_empty((n_tok, d)), h.new_empty((n_tok, n), dtype=torch.float32),
+            h.new_empty((n_tok, n, n), dtype=torch.float32))
+
+
+@register_fake("ds4_attn::hc_head")
+def _hc_head(h, fn, scale, base, hc_eps, norm_eps):
+    return h.new_empty((h.shape[0], h.shape[2]))
+
+
+@register_fake("ds4_attn::hc_post")
+def _hc_post(x, res, post, comb):
+    return torch.empty_like(res)
+
+
+@register_fake("ds4_attn::sparse_attn")
+def _sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale):
+    return torch.empty_like(q)
+
+
+@register_fake("ds4_attn::indexer_scores")
+def _indexer_scores(q, w, keys, bf16):
+    b, s = q.shape[:2]
+    return q.new_empty((b, s, keys.shape[1]), dtype=torch.bfloat16 if bf16 else torch.float32)

@@ -1,0 +1,31 @@
+"""Registry entries of the ds4_attn CUDA implementations (imported by ds4.registry when present).
+
+They use their own availability check (the ds4_attn extension), not the GEMV/MoE extension's."""
+from __future__ import annotations
+
+import torch
+
+from ds4.registry import Entry
+
+
+def check(device: torch.device) -> str | None:
+    """None when the ds4_attn extension can run on `device`, else the reason."""
+    if device.type != "cuda":
+        return f"needs a CUDA device (device is {device.type})"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    from ds4 import kernels_attn
+    return kernels_attn.unavailable_reason()
+
+
+def entries(_shared_check=None):
+    return [
+        (Entry("attn", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaAttention", check, 10,
+               "CUDA MQA flash-decoding sparse attention (keys loaded once for all heads, BF16 MMA, sink in the "
+               "combine); prefill uses the torch reference"), ("fused",)),
+        (Entry("indexer", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaIndexer", check, 10,
+               "CUDA indexer scores over the whole GPU (keys split over blocks, BF16 MMA, fused ReLU-weighted "
+               "head sum); prefill uses the torch reference"), ()),
+        (Entry("hc", "fused_cuda", "ds4.ops.hc_cuda:FusedCudaHC", check, 10,
+               "CUDA mHC: split fp32 matvec + finishing kernel (Sinkhorn, weighted sum), fused post"), ()),
+    ]

@@ -1,0 +1,45 @@
+"""hc=fused_cuda: mHC pre / post / head (spec §4) as CUDA kernels of the ds4_attn extension.
+
+pre:  2 launches (RMS + the (2+hc)*hc x hc*D fp32 matvec split over ~128 blocks per token into
+      partials; a finishing kernel doing sigmoids, Sinkhorn in ds4.ops.hc_torch.sinkhorn's exact op
+      order, and the weighted sum of the streams).
+head: the same 2 launches without post/comb/Sinkhorn.  post: 1 elementwise launch.
+Same arguments, outputs and dtypes as TorchHC. Inputs other than bf16/fp32 or hc > 8 streams go to
+TorchHC (chosen by dtype/shape only, never by values) — part of this implementation.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ds4 import kernels_attn
+from ds4.ops.hc_torch import TorchHC
+
+_ACT = (torch.bfloat16, torch.float32)
+
+
+def _ok(h: Tensor) -> bool:
+    return h.is_cuda and h.dtype in _ACT and h.dim() == 3 and 1 <= h.shape[-2] <= 8
+
+
+class FusedCudaHC:
+    name = "fused_cuda"
+
+    def __init__(self):
+        self._ref = TorchHC()
+
+    def pre(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float,
+            norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        if not _ok(h):
+            return self._ref.pre(h, fn, scale, base, iters, hc_eps, norm_eps)
+        return kernels_attn.hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps)
+
+    def post(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+        if not (_ok(res) and x.dtype in _ACT):
+            return self._ref.post(x, res, post, comb)
+        return kernels_attn.hc_post(x, res, post, comb)
+
+    def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
+        if not _ok(h):
+            return self._ref.head(h, fn, scale, base, hc_eps, norm_eps)
+        return kernels_attn.hc_head(h, fn, scale, base, hc_eps, norm_eps)

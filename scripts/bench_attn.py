@@ -1,0 +1,201 @@
+#!/usr/bin/env python
+"""Micro-benchmark of the ds4_attn kernels (hc / attn / indexer = fused_cuda) at V4-Flash decode shapes.
+
+For each op: µs per call (median over trials of a CUDA graph replaying `reps` calls that rotate over
+enough input sets to exceed the L2), the fewest bytes it must move (inputs once, outputs once), GB/s,
+and % of the device-to-device copy bandwidth measured in this process; the torch reference timed the
+same way. Prints a table; --out writes JSON.
+
+    python scripts/bench_attn.py [--out bench.json] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+L2_ROTATE_BYTES = 160 << 20
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    return 2 * n / statistics.median(ts) / 1e9
+
+
+def time_graph(fn, sets, reps=20, trials=7) -> tuple[float, str]:
+    """µs per call: a CUDA graph of `reps` calls rotating over input sets; eager fallback."""
+    for s in sets[:3]:
+        fn(*s)
+    torch.cuda.synchronize()
+    mode = "graph"
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for s in sets[:2]:
+                fn(*s)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(reps):
+                fn(*sets[i % len(sets)])
+        run = graph.replay
+    except Exception as e:  # noqa: BLE001
+        mode = f"eager ({type(e).__name__})"
+        torch.cuda.synchronize()
+
+        def run():
+            for i in range(reps):
+                fn(*sets[i % len(sets)])
+    run()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(trials):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        run()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / reps)
+    return statistics.median(ts), mode
+
+
+def n_sets(nbytes: int, cap: int = 64) -> int:
+    return max(2, min(cap, L2_ROTATE_BYTES // max(1, nbytes) + 1))
+
+
+def g():
+    return torch.Generator(device=DEV).manual_seed(0)
+
+
+def cases(quick: bool):
+    from ds4 import kernels_attn as K
+    from ds4.ops.attn_torch import TorchAttention, TorchIndexer
+    from ds4.ops.hc_torch import TorchHC
+    ref_hc, ref_at, ref_ix = TorchHC(), TorchAttention(), TorchIndexer()
+    gg = g()
+    out = []
+
+    # mHC pre / head / post at dim 4096, hc 4 (per call site; 2 pre + 2 post per layer)
+    for N in (1, 4):
+        n, D, mix = 4, 4096, 24
+        nbytes = mix * n * D * 4 + N * n * D * 2 + N * D * 2 + N * (n + n * n) * 4
+        k = n_sets(nbytes)
+        sets = [(torch.randn(N, n, D, device=DEV, generator=gg).to(BF16),
+                 torch.randn(mix, n * D, device=DEV, generator=gg) * 0.004, 1 + 0.1 * torch.randn(3, device=DEV),
+                 torch.randn(mix, device=DEV) * 0.5) for _ in range(k)]
+        out.append((f"hc.pre N={N}", nbytes, lambda h, f, s, b: K.hc_pre(h, f, s, b, 20, 1e-6, 1e-6),
+                    lambda h, f, s, b: ref_hc.pre(h, f, s, b, 20, 1e-6, 1e-6), sets))
+        nbytes = N * n * D * 2 * 2 + N * D * 2 + N * (n + n * n) * 4
+        sets = [(torch.randn(N, D, device=DEV).to(BF16), s[0], torch.rand(N, n, device=DEV),
+                 torch.rand(N, n, n, device=DEV)) for s in sets]
+        out.append((f"hc.post N={N}", nbytes, K.hc_post, ref_hc.post, sets))
+    n, D = 4, 4096
+    nbytes = n * n * D * 4 + n * D * 2 + D * 2
+    sets = [(torch.randn(1, n, D, device=DEV).to(BF16), torch.randn(n, n * D, device=DEV) * 0.004,
+             torch.ones(1, device=DEV), torch.zeros(n, device=DEV)) for _ in range(n_sets(nbytes))]
+    out.append(("hc.head N=1", nbytes, lambda h, f, s, b: K.hc_head(h, f, s, b, 1e-6, 1e-6),
+                lambda h, f, s, b: ref_hc.head(h, f, s, b, 1e-6, 1e-6), sets))
+
+    # sparse attention: CSA (128 window + 512 selected), HCA at 64K / 1M context, SWA; H=64, D=512
+    H, D = 64, 512
+    attn_cfgs = [("attn CSA B=1", 1, 128, 512), ("attn CSA B=4", 4, 128, 512), ("attn HCA 64K B=1", 1, 128 + 512, 0),
+                 ("attn HCA 1M B=1", 1, 128 + 8192, 0), ("attn SWA B=1", 1, 128, 0)]
+    if quick:
+        attn_cfgs = attn_cfgs[:2]
+    for name, B, Kn, P in attn_cfgs:
+        nbytes = B * (H * D * 2 * 2 + (Kn + P) * (D * 2 + 1)) + H * 4
+        sets = []
+        for _ in range(n_sets(nbytes)):
+            q = torch.randn(B, 1, H, D, device=DEV, generator=gg).to(BF16)
+            kv = torch.randn(B, Kn, D, device=DEV, generator=gg).to(BF16)
+            valid = torch.ones(B, 1, Kn, dtype=torch.bool, device=DEV)
+            sel = torch.randn(B, 1, P, D, device=DEV, generator=gg).to(BF16) if P else None
+            sv = torch.ones(B, 1, P, dtype=torch.bool, device=DEV) if P else None
+            sets.append((q, kv, valid, sel, sv, torch.randn(H, device=DEV)))
+        out.append((name, nbytes, lambda *a: K.sparse_attn(*a, 512 ** -0.5),
+                    lambda *a: ref_at.sparse(*a, 512 ** -0.5), sets))
+
+    # indexer scores: H=64, d=128, T = context/4
+    ix_cfgs = [("indexer 8K ctx B=1", 1, 2048), ("indexer 64K ctx B=1", 1, 16384), ("indexer 64K ctx B=4", 4, 16384),
+               ("indexer 1M ctx B=1", 1, 262144)]
+    if quick:
+        ix_cfgs = ix_cfgs[:2]
+    for name, B, T in ix_cfgs:
+        nbytes = B * (64 * 128 * 2 + 64 * 4 + T * 128 * 2 + T * 4)
+        sets = [(torch.randn(B, 1, 64, 128, device=DEV, generator=gg).to(BF16),
+                 torch.rand(B, 1, 64, device=DEV) * 0.01,
+                 torch.randn(B, T, 128, device=DEV, generator=gg).to(BF16)) for _ in range(n_sets(nbytes, 16))]
+        out.append((name, nbytes, lambda q, w, k: K.indexer_scores(q, w, k, False),
+                    lambda q, w, k: ref_ix.scores(q, w, k, False), sets))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-ref", action="store_true", help="skip timing the torch references")
+    args = ap.parse_args()
+    from ds4 import kernels_attn
+    t0 = time.time()
+    why = kernels_attn.unavailable_reason()
+    if why:
+        print("ds4_attn extension unavailable:", why)
+        return 1
+    build_s = time.time() - t0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth()
+    rows = []
+    for name, nbytes, fn, ref, sets in cases(args.quick):
+        us, mode = time_graph(fn, sets)
+        ref_us = None
+        if not args.no_ref:
+            try:
+                ref_us, _ = time_graph(ref, sets[:4], reps=5, trials=3)
+            except Exception as e:  # noqa: BLE001
+                print(f"  ({name}: reference timing failed: {type(e).__name__})")
+        gbs = nbytes / (us * 1e-6) / 1e9
+        rows.append(dict(op=name, us=us, bytes=nbytes, gbps=gbs, pct_copy=100 * gbs / bw, ref_us=ref_us, mode=mode,
+                         sets=len(sets)))
+        del sets
+        torch.cuda.empty_cache()
+    dev = torch.cuda.get_device_name()
+    print(f"\n{dev}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s (read+write), load/build {build_s:.1f} s")
+    print(f"{'op':<22}{'us':>9}{'bytes':>12}{'GB/s':>9}{'%copy':>7}{'ref us':>10}{'speedup':>9}")
+    for r in rows:
+        ref = f"{r['ref_us']:.1f}" if r["ref_us"] else "-"
+        sp = f"{r['ref_us'] / r['us']:.1f}x" if r["ref_us"] else "-"
+        print(f"{r['op']:<22}{r['us']:>9.2f}{r['bytes']:>12,}{r['gbps']:>9.0f}{r['pct_copy']:>7.1f}{ref:>10}{sp:>9}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=dev, torch=torch.__version__, copy_gbps=bw, rows=rows,
+                                                  date=time.strftime("%Y-%m-%d %H:%M:%S")), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""Batch-1 decode benchmark of whole models, several implementation variants on ONE set of weights.
+
+    python scripts/bench_decode.py --layers 4,12 --variants ref,kernels,kernels+graph
+    torchrun --nproc-per-node 2 scripts/bench_decode.py --layers 43 --variants kernels+graph,kernels+graph+bf16
+
+Per variant: TPOT median/p90 (CUDA events per decode step, after warm-up), decode and end-to-end
+tok/s, bytes/token per GPU from the actual tensors, achieved GB/s and the ratio to the copy
+bandwidth measured in this process, peak memory per GPU, CUDA-graph warm-up/capture time. With
+two --layers values the per-layer time is the TPOT slope. Writes JSON (rank 0) to --out.
+
+Variants are '+'-joined tokens: ref (torch/dequant everywhere), kernels (linear=gemv_cuda,
+moe=fp4_topk), fused (attn/indexer/hc=fused_cuda), graph (runtime=cuda_graph), bf16 (reduce=bf16),
+symm (comm=symm_mem). On a machine without CUDA it runs on the CPU (a dry run of the script).
+This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
+it exists so a short device lease measures many variants without regenerating 145 GB of weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from ds4 import dist as ddist
+from ds4.model.args import preset
+from ds4.model.transformer import Transformer
+from ds4.registry import Impls, ImplUnavailable, build_ops
+from ds4.runtime.generate import Generator
+from ds4.weights.synthetic import random_weights
+
+
+def impls_of(tokens: set[str]) -> Impls:
+    kw = {}
+    if "kernels" in tokens:
+        kw.update(linear="gemv_cuda", moe="fp4_topk")
+    if "fused" in tokens:
+        kw.update(attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
+    return Impls(**kw)
+
+
+def copy_bw(dev, nbytes=1 << 31, iters=10) -> float:
+    if dev.type != "cuda":
+        a = torch.empty(1 << 26, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        a.clone()
+        return 2 * a.numel() / (time.perf_counter() - t0) / 1e9
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(dev)
+    s.record()
+    for _ in range(iters):
+        b.copy_(a)
+    e.record()
+    torch.cuda.synchronize(dev)
+    return 2 * nbytes * iters / (s.elapsed_time(e) / 1e3) / 1e9
+
+
+def run_variant(model, name, prompt, new_tokens, bw, world):
+    toks = set(name.split("+"))
+    ops = build_ops(impls_of(toks), model.device)
+    comm = None
+    if world > 1:
+        comm = ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", "symm_mem" if "symm" in toks else "nccl",
+                                    device=model.device)
+    model.configure(ops=ops, comm=comm)
+    runtime = "cuda_graph" if "graph" in toks else "eager"
+    g = Generator(model, 1, len(prompt) + new_tokens + 8, runtime=runtime)
+    t0 = time.perf_counter()
+    g.generate([prompt], 4, stop_at_eos=False)  # warm-up (and graph capture)
+    warm = time.perf_counter() - t0
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(model.device)
+    out = g.generate([prompt], new_tokens, stop_at_eos=False)
+    steps = out.step_s[2:]  # first steps still warm caches
+    tpot = statistics.median(steps)
+    p90 = sorted(steps)[int(0.9 * (len(steps) - 1))]
+    bpt = model.bytes_per_token(len(prompt) + new_tokens // 2)
+    graph = next(iter(g.graphs.values()), None)
+    return {
+        "variant": name, "impls": ops.chosen, "runtime": runtime, "tpot_ms": 1e3 * tpot, "tpot_p90_ms": 1e3 * p90,
+        "decode_tok_s": 1 / tpot, "e2e_tok_s": len(out.tokens[0]) / out.total_s, "ttft_ms": 1e3 * out.ttft_s,
+        "bytes_per_token": bpt, "achieved_gb_s": bpt / tpot / 1e9, "bw_ratio": bpt / tpot / 1e9 / bw,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(model.device) / 2**30 if cuda else 0.0,
+        "warmup_s": warm, "graph_capture_s": graph.capture_s if graph else None,
+        "graph_pool_mib": graph.pool_bytes / 2**20 if graph else None, "tokens": out.tokens[0][:16],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="v4_flash")
+    ap.add_argument("--layers", default="4,12", help="comma list of n_layers (per-layer slope from two)")
+    ap.add_argument("--variants", default="ref,kernels,kernels+graph")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    e = ddist.init(kind, int(os.environ.get("WORLD_SIZE", 1)))
+    dev = torch.device("cuda", e.local_rank) if kind == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+    bw = copy_bw(dev)
+    rows = []
+    for n in [int(x) for x in a.layers.split(",")]:
+        args = preset(a.model)
+        args = args.with_layers(n) if n < args.n_layers else args
+        t0 = time.perf_counter()
+        model = Transformer(args, build_ops(Impls(), dev), "plain", dtype, dev, e.rank, e.world)
+        model.load_weights(random_weights(args, seed=0, device=dev, rank=e.rank, world=e.world, include_mtp=False))
+        load_s = time.perf_counter() - t0
+        prompt = [(13 * i + 7) % args.vocab_size for i in range(a.prompt_len)]
+        for v in a.variants.split(","):
+            try:
+                r = run_variant(model, v, prompt, a.new_tokens, bw, e.world)
+            except (ImplUnavailable, RuntimeError, ValueError) as err:
+                r = {"variant": v, "error": f"{type(err).__name__}: {err}"}
+            r.update(n_layers=n, world=e.world, weights_s=load_s)
+            rows.append(r)
+            if e.rank == 0:
+                print(json.dumps(r), flush=True)
+        del model
+        if kind == "cuda":
+            torch.cuda.empty_cache()
+    if e.rank == 0:
+        gpu = torch.cuda.get_device_name(dev) if kind == "cuda" else "cpu"
+        print(f"\n{gpu} x{e.world}, copy bandwidth {bw:.0f} GB/s")
+        print(f"{'layers':>6} {'variant':<24}{'TPOT ms':>9}{'p90':>8}{'tok/s':>8}{'e2e':>7}{'GB/tok':>8}{'GB/s':>7}{'bw%':>6}{'memGiB':>8}")
+        for r in rows:
+            if "error" in r:
+                print(f"{r['n_layers']:>6} {r['variant']:<24} {r['error'][:90]}")
+                continue
+            print(f"{r['n_layers']:>6} {r['variant']:<24}{r['tpot_ms']:>9.3f}{r['tpot_p90_ms']:>8.3f}{r['decode_tok_s']:>8.1f}"
+                  f"{r['e2e_tok_s']:>7.1f}{r['bytes_per_token'] / 1e9:>8.3f}{r['achieved_gb_s']:>7.0f}"
+                  f"{100 * r['bw_ratio']:>6.1f}{r['peak_mem_gib']:>8.1f}")
+        ns = sorted({r["n_layers"] for r in rows})
+        if len(ns) == 2:
+            for v in a.variants.split(","):
+                t = {r["n_layers"]: r["tpot_ms"] for r in rows if r["variant"] == v and "tpot_ms" in r}
+                if len(t) == 2:
+                    print(f"per-layer {v}: {1e3 * (t[ns[1]] - t[ns[0]]) / (ns[1] - ns[0]):.1f} us/layer")
+        if a.out:
+            json.dump({"gpu": gpu, "world": e.world, "copy_gb_s": bw, "rows": rows},
+                      open(a.out, "w"), indent=1)
+    if e.world > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
