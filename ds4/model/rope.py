@@ -32,21 +32,19 @@ def inv_freq(args: ModelArgs, layer: int, device=None) -> Tensor:
     return f
 
 
-def cos_sin(freqs: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """positions [...] (int, device tensor) -> cos, sin [..., rope_head_dim/2] fp32."""
+def rotations(freqs: Tensor, positions: Tensor) -> Tensor:
+    """positions [...] (int, device tensor) -> rotations exp(i * pos * f) [..., rope_head_dim/2]
+    complex64, angles in fp32 (the reference's torch.polar)."""
     ang = positions.to(torch.float32).unsqueeze(-1) * freqs
-    return ang.cos(), ang.sin()
+    return torch.polar(torch.ones_like(ang), ang)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
-    """Rotate the last 2*cos.shape[-1] dims of x as interleaved pairs (x[2i], x[2i+1]).
+def apply_rope(x: Tensor, cis: Tensor, inverse: bool = False) -> Tensor:
+    """Rotate the last 2*cis.shape[-1] dims of x as interleaved pairs (x[2i] + i x[2i+1]).
 
-    cos/sin broadcast against x[..., :R/2] (insert head dims at the caller). Rotation in fp32,
-    result written back in x.dtype; `inverse` applies the conjugate (output de-rotation)."""
-    r = 2 * cos.shape[-1]
-    rope = x[..., -r:].float().unflatten(-1, (-1, 2))
-    even, odd = rope[..., 0], rope[..., 1]
-    if inverse:
-        sin = -sin
-    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    cis broadcasts against x[..., :R/2] (insert head dims at the caller). One complex multiply
+    in fp32, result written back in x.dtype; `inverse` applies the conjugate (de-rotation)."""
+    r = 2 * cis.shape[-1]
+    rope = torch.view_as_complex(x[..., -r:].float().unflatten(-1, (-1, 2)).contiguous())
+    out = torch.view_as_real(rope * (cis.conj() if inverse else cis)).flatten(-2)
     return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)

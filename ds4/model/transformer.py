@@ -7,6 +7,7 @@ tensors), with no host synchronisation, so a whole step can be captured in a CUD
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -103,14 +104,30 @@ class Transformer(WeightsModule):
             MTPBlock(args, args.n_layers + j, False, ops, qat, self.comm, self.prof) for j in range(args.n_mtp_layers))
         self.has_mtp = False
 
-    def configure(self, ops=None, comm=None) -> None:
-        """Swap implementations (or the communicator) on a loaded model: ablations in one process
-        share the weights. Every submodule that holds them is updated."""
+    def configure(self, ops=None, comm=None, numerics: str | None = None) -> None:
+        """Swap implementations, communicator or numerics mode on a loaded model, so ablations
+        and the fidelity reference share one copy of the weights. Every submodule is updated."""
+        if numerics is not None and numerics not in ("plain", "qat"):
+            raise ValueError(f"numerics must be plain|qat, got {numerics!r}")
         for mod in self.modules():
             if ops is not None and hasattr(mod, "ops"):
                 mod.ops = ops
             if comm is not None and hasattr(mod, "comm"):
                 mod.comm = comm
+            if numerics is not None and hasattr(mod, "qat"):
+                mod.qat = numerics == "qat"
+        if numerics is not None:
+            self.numerics = numerics
+
+    @contextlib.contextmanager
+    def configured(self, ops=None, numerics: str | None = None):
+        """Temporarily run with other implementations / numerics (e.g. the torch reference)."""
+        saved = (self.ops, self.numerics)
+        self.configure(ops=ops, numerics=numerics)
+        try:
+            yield self
+        finally:
+            self.configure(ops=saved[0], numerics=saved[1])
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:

@@ -1,0 +1,354 @@
+"""A composed config -> (ModelArgs, Impls, task) -> a finished job (metrics.json + wandb run).
+
+Order matters: the config is checked and every implementation is resolved (registry.build_ops)
+before any weights load, so an explicit choice that cannot run here fails in a second, naming
+component, choice and reason. Bad input ends with one clear line and a non-zero exit; in a
+multirun the failing job is recorded (metrics.json status=failed) and the sweep goes on.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ds4 import dist as ddist
+from ds4 import tracking
+from ds4.model.args import ModelArgs, preset
+from ds4.registry import COMPONENTS, Impls, ImplUnavailable, build_ops
+from ds4.tasks.common import Context, RunSpec, format_figures, reset_memory
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+CHOICES = {"numerics": ("plain", "qat"), "reduce": ("fp32", "bf16"), "runtime": ("eager", "cuda_graph"),
+           "task": ("generate", "bench", "eval"), "tracking": ("wandb", "none"),
+           "weights": ("synthetic", "checkpoint")}
+
+
+class UserError(ValueError):
+    """Bad input: printed as one line, non-zero exit (never a traceback)."""
+
+
+# Errors that are the user's input or this machine, not a bug: one line, no traceback.
+CLEAN_ERRORS = (UserError, ImplUnavailable, ValueError, OSError, OmegaConfBaseException, torch.OutOfMemoryError)
+
+
+# ---- config -> plain data ----------------------------------------------------------------------
+def _get(cfg: DictConfig, key: str):
+    try:
+        return OmegaConf.select(cfg, key, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        if "Missing mandatory value" in str(e):
+            hint = " (weights=checkpoint weights.path=DIR)" if key == "weights.path" else ""
+            raise UserError(f"{key} is required{hint}") from None
+        raise UserError(f"{key}: {e}") from None
+
+
+def _int(cfg, key: str, lo: int | None = None, optional: bool = False) -> int | None:
+    v = _get(cfg, key)
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise UserError(f"{key} must be an integer, got {v!r}")
+    if lo is not None and v < lo:
+        raise UserError(f"{key} must be >= {lo}, got {v}")
+    return v
+
+
+def _bool(cfg, key: str) -> bool:
+    v = _get(cfg, key)
+    if not isinstance(v, bool):
+        raise UserError(f"{key} must be true or false, got {v!r}")
+    return v
+
+
+def _choice(cfg, key: str) -> str:
+    v = str(_get(cfg, f"{key}.name"))
+    if v not in CHOICES[key]:
+        raise UserError(f"{key}={v} is not available; choose one of {list(CHOICES[key])}")
+    return v
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        d = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if d.type not in ("cpu", "cuda"):
+        raise UserError(f"device={name}: only cpu and cuda are supported")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device={name}: CUDA is not available on this machine (use device=cpu or device=auto)")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise UserError(f"device={name}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return d
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise UserError(f"dtype={name!r}: choose one of auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES[name]
+
+
+def build_spec(cfg: DictConfig) -> RunSpec:
+    device = pick_device(str(_get(cfg, "device")))
+    tp = _int(cfg, "parallel.tp", 1)
+    rank = 0
+    if tp > 1 or ddist.env().world > 1:  # launched by torchrun: join the group, one GPU per rank
+        try:
+            e = ddist.init(device.type, tp)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        rank = e.rank
+        if device.type == "cuda":
+            device = torch.device("cuda", e.local_rank)
+    prompt = _get(cfg, "prompt")
+    if not isinstance(prompt, str):
+        prompt = str(prompt)
+    batch = _int(cfg, "batch", 1)
+    max_batch = _int(cfg, "max_batch", 1)
+    if batch > max_batch:
+        raise UserError(f"batch={batch} is larger than the allocated max_batch={max_batch}")
+    overrides = _get(cfg, "model.overrides") or {}
+    if not isinstance(overrides, DictConfig) and not isinstance(overrides, dict):
+        raise UserError("model.overrides must be a mapping of ModelArgs fields")
+    impls = {}
+    for c in COMPONENTS:
+        impls[c] = str(_get(cfg, f"{c}.name"))
+    kind = str(_get(cfg, "weights.kind"))
+    if kind not in CHOICES["weights"]:
+        raise UserError(f"weights.kind={kind}: choose one of {list(CHOICES['weights'])}")
+    task_opts = OmegaConf.to_container(_get(cfg, "task"), resolve=True)
+    task = str(task_opts.get("name"))
+    if task not in CHOICES["task"]:
+        raise UserError(f"task={task}: choose one of {list(CHOICES['task'])}")
+    _choice(cfg, "tracking")
+    return RunSpec(
+        device=device, dtype=pick_dtype(str(_get(cfg, "dtype")), device), seed=_int(cfg, "seed"),
+        prompt=prompt, max_new_tokens=_int(cfg, "max_new_tokens", 1), max_seq_len=_int(cfg, "max_seq_len", 2),
+        batch=batch, max_batch=max_batch, profile=_bool(cfg, "profile"),
+        model=str(_get(cfg, "model.preset")), n_layers=_int(cfg, "model.n_layers", 1, optional=True),
+        model_overrides=OmegaConf.to_container(overrides) if isinstance(overrides, DictConfig) else dict(overrides),
+        weights_kind=kind, weights_path=_get(cfg, "weights.path") if kind == "checkpoint" else None,
+        weights_seed=_int(cfg, "weights.seed") if kind == "synthetic" else 0,
+        tokenizer=_get(cfg, "weights.tokenizer"), impls=Impls(**impls),
+        numerics=_choice(cfg, "numerics"), reduce=_choice(cfg, "reduce"), runtime=_choice(cfg, "runtime"),
+        task=task, task_opts=task_opts, tp=tp, comm=_comm(cfg), rank=rank)
+
+
+def _comm(cfg) -> str:
+    v = str(_get(cfg, "parallel.comm"))
+    if v not in ("nccl", "symm_mem"):
+        raise UserError(f"parallel.comm={v}: choose nccl or symm_mem")
+    return v
+
+
+def check_parallel(spec: RunSpec, args: ModelArgs) -> None:
+    """Bad tensor-parallel setups fail before any weights load."""
+    from ds4.weights.schema import local_tensors
+    if spec.tp > 1:
+        try:
+            local_tensors(args, 0, spec.tp, include_mtp=False)
+        except ValueError as e:
+            raise UserError(f"parallel.tp={spec.tp} does not fit this model: {e}") from None
+    if spec.comm == "symm_mem" and spec.device.type != "cuda":
+        raise UserError("parallel.comm=symm_mem needs CUDA devices")
+    if spec.runtime == "cuda_graph":
+        if spec.device.type != "cuda":
+            raise UserError("runtime=cuda_graph needs a CUDA device")
+        if spec.impls.moe == "bf16_cache":
+            raise UserError("runtime=cuda_graph cannot capture moe=bf16_cache (its cache bookkeeping syncs "
+                            "with the host every layer); use moe=fp4_topk or runtime=eager")
+
+
+def model_args(spec: RunSpec) -> ModelArgs:
+    """From the preset, or from the checkpoint's config.json (checked before anything loads)."""
+    try:
+        if spec.weights_kind == "checkpoint":
+            p = Path(str(spec.weights_path)).expanduser()
+            if not p.is_dir():
+                raise UserError(f"weights.path={spec.weights_path}: no such directory")
+            if not (p / "config.json").is_file():
+                raise UserError(f"weights.path={spec.weights_path}: no config.json there (not a HF checkpoint)")
+            args = ModelArgs.from_hf_config(json.loads((p / "config.json").read_text()))
+        else:
+            args = preset(spec.model)
+        if spec.model_overrides:
+            args = args.replace(**spec.model_overrides)
+        if spec.n_layers is not None:
+            args = args.with_layers(spec.n_layers)
+    except UserError:
+        raise
+    except TypeError as e:
+        raise UserError(f"model.overrides: {e}") from None
+    except (KeyError, ValueError) as e:
+        raise UserError(f"model: {e}") from None
+    return args
+
+
+# ---- one job -----------------------------------------------------------------------------------
+def _task_module(name: str):
+    from ds4.tasks import bench, eval as eval_, generate
+    return {"generate": generate, "bench": bench, "eval": eval_}[name]
+
+
+def load_weights(spec: RunSpec, args: ModelArgs) -> tuple[ModelArgs, dict]:
+    """This rank's tensors only (slices and owned experts); MTP is not used by decode."""
+    if spec.weights_kind == "checkpoint":
+        from ds4.weights.checkpoint import load_checkpoint
+        return load_checkpoint(str(Path(str(spec.weights_path)).expanduser()), args=args, device=spec.device,
+                               rank=spec.rank, world=spec.tp, include_mtp=False, progress=spec.rank == 0)
+    from ds4.weights.synthetic import random_weights
+    return args, random_weights(args, seed=spec.weights_seed, device=spec.device, rank=spec.rank, world=spec.tp,
+                                include_mtp=False)
+
+
+def execute(spec: RunSpec, record: dict, log=print) -> dict:
+    from ds4.profile import Profiler
+    from ds4.tokenizer import load_tokenizer
+    reset_memory(spec.device)
+    torch.manual_seed(spec.seed)
+    args = model_args(spec)
+    if spec.max_seq_len > args.max_position_embeddings:
+        raise UserError(f"max_seq_len={spec.max_seq_len} exceeds the model's max_position_embeddings="
+                        f"{args.max_position_embeddings}")
+    check_parallel(spec, args)
+    ops = build_ops(spec.impls, spec.device)          # raises before any weights load
+    record["resolved"] = dict(ops.chosen)
+    record["notes"] = {c: ops.notes[c] for c in ops.notes}
+    log(f"ds4 {spec.task}: model={spec.model if spec.weights_kind == 'synthetic' else spec.weights_path} "
+        f"({args.n_layers} layers, dim {args.dim}), weights={spec.weights_kind}, device={spec.device}, "
+        f"dtype={str(spec.dtype).removeprefix('torch.')}")
+    log("implementations:")
+    for c in COMPONENTS:
+        note = ops.notes[c]
+        log(f"  {c:<9}{ops.chosen[c]:<12}" + (f"({note})" if note != ops.chosen[c] else ""))
+    reduce = f"reduce {spec.reduce}, comm {spec.comm}" if spec.tp > 1 else "reduce (world 1: no reduction)"
+    log(f"  numerics {spec.numerics}, {reduce}, runtime {spec.runtime}, tp {spec.tp}")
+
+    tok = load_tokenizer(spec.tokenizer, args.vocab_size)
+    task = _task_module(spec.task)
+    plan = task.prepare(spec, args, tok)              # input checks, still before the weights
+    t0 = time.perf_counter()
+    args, weights = load_weights(spec, args)
+    from ds4.model.transformer import Transformer
+    profiler = Profiler(spec.profile, spec.device)
+    comm = None
+    if spec.tp > 1:
+        from ds4.dist import TensorParallel
+        comm = TensorParallel(spec.reduce, spec.comm, device=spec.device)
+    model = Transformer(args, ops, numerics=spec.numerics, dtype=spec.dtype, device=spec.device, profiler=profiler,
+                        rank=spec.rank, world=spec.tp, comm=comm)
+    model.load_weights(weights)
+    del weights  # the model holds every tensor it needs; per-expert originals can be freed
+    record["load_s"] = time.perf_counter() - t0
+    ctx = Context(spec=spec, args=args, ops=ops, model=model, tokenizer=tok, weights=None, profiler=profiler)
+    result = task.run(ctx, plan)
+    if spec.tp > 1 and spec.device.type == "cuda":  # every rank's peak, reported by rank 0
+        import torch.distributed as dist
+        peaks = [None] * spec.tp
+        dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(spec.device) / 2**30)
+        result.setdefault("figures", {})["peak_mem_gib_per_rank"] = peaks
+    return result
+
+
+def report(result: dict, log=print) -> None:
+    if result.get("text") is not None:
+        log("--- generated ---")
+        log(result["text"])
+        log("-----------------")
+    for n in result.get("notes") or []:
+        log(f"note: {n}")
+    log("figures:")
+    log(format_figures(result.get("figures", {})))
+    rows = result.get("profile") or []
+    log("stage profile:")
+    if rows:
+        log(f"  {'stage':<16}{'calls':>8}{'total ms':>12}{'mean us':>12}")
+        for r in rows:
+            log(f"  {r['stage']:<16}{r['calls']:>8}{r['total_ms']:>12.3f}{r['mean_us']:>12.1f}")
+    else:
+        log("  (profiling off: run with profile=true)")
+
+
+def _quiet(*_args, **_kw) -> None:
+    pass
+
+
+def _failure_tracker(cfg: DictConfig, job: tracking.JobInfo):
+    try:
+        return tracking.Tracker(OmegaConf.to_container(cfg.tracking, resolve=True), job, tracking.config_dict(cfg),
+                                str(OmegaConf.select(cfg, "task.name", default="unknown")))
+    except Exception:
+        return None
+
+
+def run(cfg: DictConfig) -> dict:
+    """One Hydra job. Returns the record written to metrics.json."""
+    job = tracking.job_info()
+    t_start = time.time()
+    record = {"status": "failed", "error": None, "task": None, "output_dir": job.output_dir,
+              "override_dirname": job.override_dirname, "overrides": job.overrides, "choices": job.choices,
+              "resolved": {}, "notes": {}, "figures": {}, "profile": [], "prompt_ids": [], "generated_ids": [],
+              "torch": torch.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start))}
+    tracker, error, unexpected, main = None, None, False, ddist.env().rank == 0
+    try:
+        spec = build_spec(cfg)
+        main = spec.rank == 0  # under torchrun only rank 0 prints, writes metrics.json and logs to wandb
+        record.update(task=spec.task, device=str(spec.device), dtype=str(spec.dtype).removeprefix("torch."),
+                      gpu=torch.cuda.get_device_name(spec.device) if spec.device.type == "cuda" else None,
+                      tp=spec.tp)
+        if main:
+            tracker = tracking.Tracker(OmegaConf.to_container(cfg.tracking, resolve=True), job,
+                                       tracking.config_dict(cfg), spec.task)
+        result = execute(spec, record, log=print if main else _quiet)
+        record.update(status="ok", figures=result.get("figures", {}), profile=result.get("profile", []),
+                      prompt_ids=result.get("prompt_ids", []), generated_ids=result.get("generated_ids", []),
+                      text=result.get("text"), task_notes=result.get("notes", []))
+        if main:
+            report(result)
+    except CLEAN_ERRORS as e:
+        error = f"{e}"
+        record.update(error=error, error_type=type(e).__name__)
+    except Exception as e:   # a bug: keep the traceback (printed in a single run, recorded in a sweep)
+        error, unexpected = f"{type(e).__name__}: {e}", True
+        record.update(error=error, error_type=type(e).__name__, traceback=traceback.format_exc())
+        if not job.multirun:
+            raise
+    finally:
+        record["wall_s"] = time.time() - t_start
+        record["config"] = tracking.config_dict(cfg)
+        # under torchrun other ranks leave the output directory and wandb to rank 0
+        path = tracking.write_metrics(job.output_dir, record) if main else None
+        if main and tracker is None and job.multirun and error is not None:
+            tracker = _failure_tracker(cfg, job)      # a sweep shows its failed jobs in wandb too
+        if tracker is not None:
+            try:
+                tracker.log(record)
+            finally:
+                tracker.finish(record["status"] == "ok")
+    if error is None:
+        if main:
+            print(f"metrics: {path}")
+        return record
+    if unexpected:
+        sys.stderr.write(record.get("traceback", ""))
+    sys.stderr.write(f"ds4: error: {error}\n")
+    sys.stderr.flush()
+    if not job.multirun:
+        sys.exit(2)
+    print(f"job {job.num} failed (recorded in {path}); the sweep goes on")
+    return record

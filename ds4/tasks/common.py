@@ -1,0 +1,237 @@
+"""What the tasks share: the job context, timing figures, copy bandwidth, memory, fidelity.
+
+Definitions follow docs BENCHMARKING.md. Nothing here knows about Hydra or wandb.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import gc
+import math
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ds4.model.args import ModelArgs
+from ds4.profile import Profiler
+from ds4.registry import Impls, Ops
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a job needs, as plain data (built from the Hydra config by ds4.app)."""
+    device: torch.device
+    dtype: torch.dtype
+    seed: int = 0
+    prompt: str = ""
+    max_new_tokens: int = 32
+    max_seq_len: int = 512
+    batch: int = 1
+    max_batch: int = 1
+    profile: bool = False
+    model: str = "tiny"
+    n_layers: int | None = None
+    model_overrides: dict = field(default_factory=dict)
+    weights_kind: str = "synthetic"
+    weights_path: str | None = None
+    weights_seed: int = 0
+    tokenizer: str | None = None
+    impls: Impls = field(default_factory=Impls)
+    numerics: str = "plain"
+    reduce: str = "fp32"
+    runtime: str = "eager"
+    task: str = "generate"
+    task_opts: dict = field(default_factory=dict)
+    tp: int = 1                     # tensor-parallel size (torchrun processes)
+    comm: str = "nccl"
+    rank: int = 0
+
+
+@dataclass
+class Context:
+    """A loaded job: the model built from resolved implementations, plus what tasks reuse."""
+    spec: RunSpec
+    args: ModelArgs
+    ops: Ops
+    model: Any            # ds4.model.transformer.Transformer
+    tokenizer: Any
+    weights: dict | None  # not kept: the model holds the tensors (the reference swaps implementations)
+    profiler: Profiler
+    generator: Any = None
+
+    def gen(self):
+        if self.generator is None:
+            from ds4.runtime.generate import Generator
+            self.generator = Generator(self.model, max_batch=self.spec.max_batch, max_seq_len=self.spec.max_seq_len,
+                                       runtime=self.spec.runtime)
+        return self.generator
+
+
+# ---- timing ----------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def decode_figures(out, batch: int, warmup: int = 0) -> dict[str, float]:
+    """TTFT, TPOT median/p90, decode and end-to-end tok/s from one GenerateOutput."""
+    steps = list(out.step_s)
+    timed = steps[warmup:] if len(steps) > warmup else steps
+    new_tokens = sum(len(t) for t in out.tokens)
+    prompt_tokens = sum(out.prompt_lens)
+    f = {"prompt_tokens": out.prompt_lens[0], "new_tokens": new_tokens, "batch": batch,
+         "ttft_ms": 1e3 * out.ttft_s,
+         "prefill_tok_s": prompt_tokens / out.prefill_s if out.prefill_s > 0 else float("nan"),
+         "e2e_tok_s": new_tokens / out.total_s if out.total_s > 0 else float("nan"),
+         "decode_steps_timed": len(timed)}
+    if timed:
+        tpot = 1e3 * statistics.median(timed)
+        f.update(tpot_ms=tpot, tpot_ms_p90=1e3 * percentile(timed, 90),
+                 decode_tok_s=1000.0 / tpot * batch if tpot > 0 else float("nan"))
+    return f
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Copy bandwidth in GB/s (bytes read + written) measured here, now: a large device-to-device
+    copy timed with CUDA events; on CPU a memcpy of nbytes/8 timed with the host clock (best of)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        n = max(1 << 20, min(nbytes, free // 4))
+        src = torch.empty(n, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize(device)
+        secs = start.elapsed_time(end) / 1e3
+        del src, dst
+        return 2 * n * iters / secs / 1e9
+    n = max(1 << 20, nbytes // 8)
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(max(3, iters // 2)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n / best / 1e9
+
+
+def reset_memory(device: torch.device) -> None:
+    """Called at job start: multirun jobs share a process, so free the last job and reset peaks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    # ru_maxrss is KiB on Linux and covers the whole process (not reset between multirun jobs).
+    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+# ---- fidelity --------------------------------------------------------------------------------
+def compare_logits(test: torch.Tensor, ref: torch.Tensor, margin: float) -> dict[str, float]:
+    """Teacher-forced comparison [T, V] vs [T, V]: top-1 agreement (all steps, and steps whose
+    reference top-2 margin exceeds `margin`), max/mean abs logit difference, mean KL(ref || test)."""
+    a, b = test.float().cpu(), ref.float().cpu()
+    agree = a.argmax(-1) == b.argmax(-1)
+    top2 = b.topk(2, dim=-1).values
+    confident = (top2[:, 0] - top2[:, 1]) > margin
+    diff = (a - b).abs()
+    kl = F.kl_div(F.log_softmax(a, -1), F.log_softmax(b, -1), log_target=True, reduction="none").sum(-1)
+    n_conf = int(confident.sum())
+    return {"fid_steps": int(agree.numel()), "fid_top1": float(agree.float().mean()),
+            "fid_confident_steps": n_conf,
+            "fid_top1_confident": float(agree[confident].float().mean()) if n_conf else float("nan"),
+            "fid_max_abs": float(diff.max()), "fid_mean_abs": float(diff.mean()), "fid_kl": float(kl.mean())}
+
+
+def reference_impls() -> dict[str, str]:
+    d = Impls()
+    return {f.name: getattr(d, f.name) for f in fields(Impls)}
+
+
+def is_reference(ctx: Context, ref_numerics: str) -> bool:
+    return dict(ctx.ops.chosen) == reference_impls() and ctx.spec.numerics == ref_numerics
+
+
+@contextlib.contextmanager
+def reference_generator(ctx: Context, ref_numerics: str):
+    """The torch reference on the same loaded weights: inside the block the model runs with the
+    torch implementations (and `ref_numerics`), then its own are restored. Nothing is copied, so
+    fidelity costs no extra weight memory (and works under tensor parallelism with the same ranks)."""
+    from ds4.registry import torch_reference_ops
+    from ds4.runtime.generate import Generator
+    with ctx.model.configured(ops=torch_reference_ops(), numerics=ref_numerics):
+        yield Generator(ctx.model, max_batch=1, max_seq_len=ctx.spec.max_seq_len)
+
+
+def greedy_fidelity(ctx: Context, prompt: list[int], n_tokens: int, margin: float, ref_numerics: str) -> dict:
+    """Both models fed the reference's greedy continuation (teacher forcing), logits compared."""
+    from ds4.runtime.sampling import Sampling
+    n_tokens = max(1, min(n_tokens, ctx.spec.max_seq_len - len(prompt) - 1))
+    with reference_generator(ctx, ref_numerics) as rgen:
+        cont = rgen.generate([prompt], n_tokens, Sampling(), stop_at_eos=False).tokens[0]
+        ref_logits = rgen.teacher_forced_logits(prompt, cont)
+    test_logits = ctx.gen().teacher_forced_logits(prompt, cont)
+    return compare_logits(test_logits, ref_logits, margin)
+
+
+# ---- printing --------------------------------------------------------------------------------
+FIGURES = [  # key, label, format
+    ("prompt_tokens", "prompt tokens", "{:.0f}"), ("new_tokens", "new tokens", "{:.0f}"),
+    ("batch", "batch", "{:.0f}"),
+    ("ttft_ms", "TTFT", "{:.2f} ms"), ("prefill_tok_s", "prefill", "{:.1f} tok/s"),
+    ("tpot_ms", "TPOT median", "{:.3f} ms"), ("tpot_ms_p90", "TPOT p90", "{:.3f} ms"),
+    ("decode_tok_s", "decode", "{:.2f} tok/s"),
+    ("e2e_tok_s", "end-to-end (seed's count)", "{:.2f} tok/s"),
+    ("bytes_per_token", "bytes/token", "{:,.0f} B"), ("achieved_gb_s", "achieved", "{:.3g} GB/s"),
+    ("copy_gb_s", "copy bandwidth (this run)", "{:.2f} GB/s"), ("bw_ratio", "bw_ratio", "{:.4g}"),
+    ("peak_mem_gib", "peak memory", "{:.3f} GiB"),
+    ("peak_reserved_gib", "peak reserved", "{:.3f} GiB"), ("peak_rss_gib", "peak RSS (process)", "{:.3f} GiB"),
+    ("ppl", "perplexity", "{:.3f}"), ("ref_ppl", "reference perplexity", "{:.3f}"),
+    ("eval_tokens", "tokens scored", "{:.0f}"),
+    ("fid_top1", "fidelity top-1 agreement", "{:.4f}"),
+    ("fid_top1_confident", "  on confident steps", "{:.4f}"), ("fid_confident_steps", "  confident steps", "{:.0f}"),
+    ("fid_max_abs", "  max |dlogit|", "{:.4g}"), ("fid_mean_abs", "  mean |dlogit|", "{:.4g}"),
+    ("fid_kl", "  KL(ref||run)", "{:.4g}"),
+]
+
+
+def format_figures(fig: dict) -> str:
+    lines, seen = [], set()
+    for key, label, fmt in FIGURES:
+        if key in fig and isinstance(fig[key], (int, float)):
+            lines.append(f"  {label:<28}{fmt.format(fig[key])}")
+            seen.add(key)
+        if key == "prefill_tok_s":   # the prefill points of task=bench, by prompt length
+            pts = sorted((int(k[len("prefill_tok_s_L"):]), k) for k in fig if k.startswith("prefill_tok_s_L"))
+            for n, k in pts:
+                lines.append(f"  {'prefill @' + str(n) + ' tokens':<28}{fig[k]:.1f} tok/s")
+                seen.add(k)
+    for key in sorted(set(fig) - seen - {"decode_steps_timed", "fid_steps", "bytes_context"}):
+        lines.append(f"  {key:<28}{fig[key]}")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""task=eval: perplexity of a text file through the decode path (teacher-forced), and agreement
+with the torch reference on the same tokens."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.nn.functional as F
+
+from ds4.tasks.common import Context, RunSpec, compare_logits, is_reference, peak_memory, reference_generator, sync
+from ds4.tasks.generate import InputError
+
+BUILTIN_TEXT = (
+    "The history of computing is a story of machines that learned to do more with less. Early "
+    "computers filled rooms and consumed enormous amounts of power, yet they performed only a few "
+    "thousand operations per second. Over the following decades, transistors replaced vacuum tubes, "
+    "integrated circuits replaced individual transistors, and the number of components on a chip "
+    "doubled again and again. Today a single graphics processor performs trillions of operations "
+    "per second, and the limit is often not arithmetic but the rate at which data can be moved "
+    "from memory to the processor."
+)
+
+
+@dataclass
+class Plan:
+    ids: list[int]
+    source: str
+
+
+def prepare(spec: RunSpec, args, tokenizer) -> Plan:
+    o = spec.task_opts
+    path = o.get("text_file")
+    if path:
+        p = Path(str(path)).expanduser()
+        if not p.is_file():
+            raise InputError(f"task.text_file={path}: no such file")
+        text, source = p.read_text(encoding="utf-8", errors="replace"), str(p)
+    else:
+        text, source = BUILTIN_TEXT, "built-in paragraph"
+    limit = min(int(o.get("max_tokens", 256)), spec.max_seq_len)
+    ids = tokenizer.encode(text, add_bos=True)[:limit]
+    if len(ids) < 2:
+        raise InputError(f"{source} encodes to {len(ids)} token(s); perplexity needs at least 2")
+    return Plan(ids, source)
+
+
+def _nll(logits, targets) -> float:
+    import torch
+    return float(F.cross_entropy(logits.float().cpu(), torch.tensor(targets, dtype=torch.long)))
+
+
+def run(ctx: Context, plan: Plan) -> dict:
+    o = ctx.spec.task_opts
+    prompt, cont = plan.ids[:1], plan.ids[1:]
+    sync(ctx.spec.device)
+    t0 = time.perf_counter()
+    logits = ctx.gen().teacher_forced_logits(prompt, cont)
+    sync(ctx.spec.device)
+    secs = time.perf_counter() - t0
+    nll = _nll(logits, cont)
+    fig = {"eval_tokens": len(cont), "nll": nll, "ppl": math.exp(nll), "eval_tok_s": len(cont) / secs}
+    notes = [f"text: {plan.source}"]
+    ref_numerics = str(o.get("reference_numerics", "plain"))
+    if not o.get("fidelity", True):
+        notes.append("fidelity off (task.fidelity=false)")
+    elif is_reference(ctx, ref_numerics):
+        notes.append("fidelity skipped: this run is the torch reference")
+    else:
+        with reference_generator(ctx, ref_numerics) as rgen:
+            ref_logits = rgen.teacher_forced_logits(prompt, cont)
+        fig["ref_ppl"] = math.exp(_nll(ref_logits, cont))
+        fig.update(compare_logits(logits, ref_logits, float(o.get("margin", 0.5))))
+    fig.update(peak_memory(ctx.spec.device))
+    return {"figures": fig, "prompt_ids": plan.ids, "generated_ids": [], "text": None,
+            "profile": ctx.profiler.summary(), "notes": notes}

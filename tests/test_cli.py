@@ -1,0 +1,176 @@
+"""The product as users run it: `python -m ds4` in a subprocess, multirun, compare, bad input.
+
+The tiny model on CPU; few tokens; tracking=none except where wandb itself is under test.
+The bench/eval tasks run in-process (same code after Hydra) to keep the suite short.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from ds4 import app
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["device=cpu", "prompt=Hi there", "max_new_tokens=3"]
+
+
+def ds4(*args: str, cwd: Path, wandb: bool = False, module: str = "ds4") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["WANDB_SILENT"] = "true"
+    if wandb:
+        env["WANDB_MODE"] = "offline"
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def metrics(root: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(root.rglob("metrics.json"))]
+
+
+def offline_runs(root: Path) -> list[Path]:
+    return sorted(root.rglob("offline-run-*"))
+
+
+def test_default_run(tmp_path):
+    """No arguments at all, on a fresh directory: generates, prints the figures, leaves metrics.json
+    and one offline wandb run."""
+    r = ds4(cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for what in ("implementations:", "attn", "TTFT", "TPOT median", "decode", "tok/s", "end-to-end",
+                 "stage profile:", "--- generated ---"):
+        assert what in r.stdout, what
+    (rec,) = metrics(tmp_path / "outputs")
+    assert rec["status"] == "ok" and rec["task"] == "generate"
+    assert rec["resolved"] == {"attn": "torch", "indexer": "torch", "hc": "torch", "moe": "dequant", "linear": "dequant"}
+    assert rec["choices"]["model"] == "tiny" and rec["choices"]["tracking"] == "wandb"
+    assert rec["figures"]["decode_tok_s"] > 0 and rec["figures"]["e2e_tok_s"] > 0
+    assert len(rec["generated_ids"][0]) >= 1 and len(rec["prompt_ids"]) > 1
+    assert rec["profile"], "profile=true by default: the stage table is recorded"
+    assert len(offline_runs(tmp_path / "outputs")) == 1
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sweep")
+    r = ds4("--multirun", "numerics=plain,qat", "attn=torch,auto", *FAST, f"hydra.sweep.dir={d / 'mr'}",
+            cwd=d, wandb=True)
+    return d / "mr", r
+
+
+def test_multirun_2x2(sweep):
+    mr, r = sweep
+    assert r.returncode == 0, r.stdout + r.stderr
+    recs = metrics(mr)
+    assert len(recs) == 4 and all(x["status"] == "ok" for x in recs), [x.get("error") for x in recs]
+    combos = {(x["choices"]["numerics"], x["choices"]["attn"]) for x in recs}
+    assert combos == {("plain", "torch"), ("plain", "auto"), ("qat", "torch"), ("qat", "auto")}
+    assert len(offline_runs(mr)) == 4
+    assert "ds4 sweep: 4 jobs" in r.stdout and "0 failed" in r.stdout
+
+
+def test_compare_on_sweep(sweep, tmp_path):
+    mr, _ = sweep
+    png = tmp_path / "chart.png"
+    r = ds4(str(mr), "--out", str(png), cwd=tmp_path, module="ds4.compare")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "decode tok/s" in lines[0] and "top-1" in lines[0]
+    assert sum(line.startswith(("numerics=", "attn=")) for line in lines) == 4
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_failing_job_is_recorded_and_sweep_goes_on(tmp_path):
+    r = ds4("--multirun", "moe=fp4_topk,dequant", "tracking=none", *FAST, f"hydra.sweep.dir={tmp_path / 'mr'}",
+            cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    recs = {x["choices"]["moe"]: x for x in metrics(tmp_path / "mr")}
+    assert recs["dequant"]["status"] == "ok"
+    assert recs["fp4_topk"]["status"] == "failed" and "moe=fp4_topk" in recs["fp4_topk"]["error"]
+    assert "1 failed" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["attn=nope"], "Could not find 'attn/nope'"),
+    (["max_new_tokens=many"], "max_new_tokens must be an integer"),
+    (["weights=checkpoint"], "weights.path is required"),
+    (["weights=checkpoint", "weights.path=/no/such/dir"], "no such directory"),
+    (["max_seq_len=8"], "longer than max_seq_len=8"),
+    (["batch=2", "max_batch=1"], "larger than the allocated max_batch=1"),
+    (["moe=fp4_topk"], "moe=fp4_topk"),
+    (["parallel.tp=2"], "torchrun --nproc-per-node 2"),           # tp asked, one process launched
+    (["runtime=cuda_graph"], "runtime=cuda_graph needs a CUDA device"),
+    (["parallel.comm=ring"], "parallel.comm=ring"),
+])
+def test_bad_input_is_one_clear_error(tmp_path, args, message):
+    r = ds4(*args, "tracking=none", "device=cpu", cwd=tmp_path)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+# ---- tasks, in-process (the same path as the CLI after Hydra composed the config) ---------------
+def _spec(*overrides: str):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "ds4" / "conf")):
+        cfg = compose("config", overrides=["tracking=none", "device=cpu", "dtype=float32", *overrides])
+    return app.build_spec(cfg)
+
+
+def test_bench_figures():
+    spec = _spec("task=bench", "numerics=qat", "max_new_tokens=5", "task.warmup=1", "task.prompt_len=8",
+                 "task.prefill_lens=[8,600]", "task.fidelity_tokens=3", "profile=true", "task.copy_bytes=67108864")
+    rec = {}
+    res = app.execute(spec, rec, log=lambda *_: None)
+    f = res["figures"]
+    for k in ("tpot_ms", "tpot_ms_p90", "decode_tok_s", "e2e_tok_s", "ttft_ms", "prefill_tok_s_L8", "bytes_per_token",
+              "copy_gb_s", "achieved_gb_s", "bw_ratio", "peak_rss_gib", "fid_top1", "fid_max_abs", "fid_mean_abs", "fid_kl"):
+        assert k in f, k
+    assert "prefill_tok_s_L600" not in f and any("600" in n for n in res["notes"])
+    assert f["tpot_ms_p90"] >= f["tpot_ms"] > 0 and f["bytes_per_token"] > 0
+    assert f["bw_ratio"] == pytest.approx(f["achieved_gb_s"] / f["copy_gb_s"])
+    assert 0 <= f["fid_top1"] <= 1 and f["fid_steps"] == 3
+    assert [r["stage"] for r in res["profile"]], "profiled pass recorded"
+    assert rec["resolved"]["moe"] == "dequant"
+
+
+def test_bench_reference_skips_fidelity_and_eval_ppl(tmp_path):
+    res = app.execute(_spec("task=bench", "max_new_tokens=3", "task.prefill_lens=[]", "task.prompt_len=4",
+                            "profile=false", "task.copy_bytes=67108864"), {}, log=lambda *_: None)
+    assert "fid_top1" not in res["figures"] and any("is the torch reference" in n for n in res["notes"])
+    assert res["profile"] == []
+    text = tmp_path / "t.txt"
+    text.write_text("Hello world, this is a small text to score.")
+    res = app.execute(_spec("task=eval", f"task.text_file={text}", "task.max_tokens=12", "numerics=qat"), {},
+                      log=lambda *_: None)
+    f = res["figures"]
+    assert f["eval_tokens"] == 11 and f["ppl"] > 1 and f["ref_ppl"] > 1 and 0 <= f["fid_top1"] <= 1
+    assert torch.isfinite(torch.tensor(f["nll"]))
+
+
+def test_torchrun_tp2_on_cpu(tmp_path):
+    """`torchrun --nproc-per-node 2 -m ds4 parallel.tp=2` on gloo: rank 0 alone writes metrics.json,
+    and the greedy tokens equal the single-process run's."""
+    common = ["tracking=none", "device=cpu", "dtype=float32", "max_new_tokens=6", "profile=false"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ds4",
+                        "parallel.tp=2", *common, f"hydra.run.dir={tmp_path}/tp2"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r1 = ds4(*common, f"hydra.run.dir={tmp_path}/tp1", cwd=tmp_path)
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    m2 = json.loads((tmp_path / "tp2" / "metrics.json").read_text())
+    m1 = json.loads((tmp_path / "tp1" / "metrics.json").read_text())
+    assert m2["tp"] == 2 and m2["status"] == "ok"
+    assert m2["generated_ids"] == m1["generated_ids"]
+    assert r.stdout.count("metrics:") == 1  # only rank 0 reports

@@ -1,0 +1,137 @@
+"""Every config option composes; defaults are what the README says; bad values are caught early."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from ds4 import app, compare
+from ds4.model.args import ModelArgs
+from ds4.registry import COMPONENTS
+
+CONF = Path(__file__).resolve().parents[1] / "ds4" / "conf"
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+
+
+def _compose(overrides=(), hydra_cfg=False):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+def test_groups_are_the_documented_ones():
+    assert set(GROUPS) == {"model", "weights", "attn", "indexer", "hc", "moe", "linear", "reduce", "numerics",
+                           "runtime", "parallel", "task", "tracking", "experiment", "ablation"}
+
+
+def test_defaults():
+    cfg = _compose()
+    assert (cfg.device, cfg.dtype, cfg.seed, cfg.max_new_tokens, cfg.max_seq_len, cfg.batch) == ("auto", "auto", 0, 32, 512, 1)
+    assert (cfg.model.preset, cfg.weights.kind, cfg.task.name, cfg.tracking.name, cfg.tracking.mode) == \
+        ("tiny", "synthetic", "generate", "wandb", "offline")
+    assert (cfg.numerics.name, cfg.reduce.name, cfg.runtime.name) == ("plain", "fp32", "eager")
+    spec = app.build_spec(cfg)
+    cuda = torch.cuda.is_available()
+    assert spec.device.type == ("cuda" if cuda else "cpu")
+    assert spec.dtype == (torch.bfloat16 if cuda else torch.float32)
+    assert spec.impls.attn == "torch" and spec.impls.moe == "dequant"
+
+
+@pytest.mark.parametrize("group,option", [o for o in OPTIONS if o[0] not in ("experiment", "ablation")])
+def test_every_option_composes(group, option):
+    over = [f"{group}={option}", "device=cpu"]
+    if group == "weights" and option == "checkpoint":
+        with pytest.raises(app.UserError, match="weights.path is required"):
+            app.build_spec(_compose(over))
+        return
+    cfg = _compose(over)
+    spec = app.build_spec(cfg)
+    if group in COMPONENTS:
+        assert getattr(spec.impls, group) == option   # registry coverage: tests/test_registry.py
+    if group == "model":
+        assert isinstance(app.model_args(spec), ModelArgs)
+
+
+@pytest.mark.parametrize("name", [o for g, o in OPTIONS if g == "experiment"])
+def test_experiments_compose(name):
+    spec = app.build_spec(_compose([f"experiment={name}", "device=cpu"]))
+    assert isinstance(app.model_args(spec), ModelArgs)
+
+
+@pytest.mark.parametrize("name", [o for g, o in OPTIONS if g == "ablation"])
+def test_ablations_are_sweeps(name):
+    cfg = _compose([f"ablation={name}", "device=cpu"], hydra_cfg=True)
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    params = cfg.hydra.sweeper.params
+    assert params, f"ablation/{name}.yaml sweeps nothing"
+    for key, values in params.items():
+        for v in str(values).split(","):
+            over = [f"{key}={v}", "device=cpu"]
+            if key in GROUPS:
+                assert (CONF / key / f"{v}.yaml").is_file(), f"ablation/{name}: no option {key}/{v}"
+            app.build_spec(_compose([f"ablation={name}"] + over))
+
+
+def test_model_n_layers_trims():
+    spec = app.build_spec(_compose(["model=v4_flash", "model.n_layers=4", "device=cpu"]))
+    assert app.model_args(spec).n_layers == 4
+    assert app.build_spec(_compose(["model=v4_flash", "device=cpu"])).max_seq_len == 8192
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["max_new_tokens=abc"], "max_new_tokens must be an integer"),
+    (["max_new_tokens=0"], "max_new_tokens must be >= 1"),
+    (["batch=1.5"], "batch must be an integer"),
+    (["batch=4", "max_batch=2"], "larger than the allocated max_batch=2"),
+    (["profile=maybe"], "profile must be true or false"),
+    (["dtype=int3"], "dtype='int3'"),
+    (["device=tpu"], "device="),
+    (["numerics.name=fp2"], "numerics=fp2 is not available"),
+    (["weights=checkpoint"], "weights.path is required"),
+])
+def test_bad_values_are_user_errors(overrides, message):
+    with pytest.raises(app.UserError, match=message):
+        app.build_spec(_compose(overrides + (["device=cpu"] if not any(o.startswith("device") for o in overrides) else [])))
+
+
+def test_bad_model_and_checkpoint_path(tmp_path):
+    with pytest.raises(app.UserError, match="no such directory"):
+        app.model_args(app.build_spec(_compose(["weights=checkpoint", f"weights.path={tmp_path}/nope", "device=cpu"])))
+    with pytest.raises(app.UserError, match="no config.json"):
+        app.model_args(app.build_spec(_compose(["weights=checkpoint", f"weights.path={tmp_path}", "device=cpu"])))
+    with pytest.raises(app.UserError, match="model.*n_layers"):
+        app.model_args(app.build_spec(_compose(["model.n_layers=99", "device=cpu"])))
+    with pytest.raises(app.UserError, match="model.overrides"):
+        app.model_args(app.build_spec(_compose(["+model.overrides.nope=1", "device=cpu"])))
+
+
+def test_no_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(app.UserError, match="CUDA is not available"):
+        app.build_spec(_compose(["device=cuda"]))
+
+
+def test_compare_reads_records(tmp_path):
+    base = {"task": "bench", "overrides": ["device=cpu"], "figures": {}}
+    for i, (moe, status, fig) in enumerate([
+            ("dequant", "ok", {"decode_tok_s": 10.0, "e2e_tok_s": 8.0, "tpot_ms": 100.0}),
+            ("bf16_cache", "ok", {"decode_tok_s": 20.0, "e2e_tok_s": 15.0, "tpot_ms": 50.0, "fid_top1": 0.98}),
+            ("fp4_topk", "failed", {})]):
+        d = tmp_path / str(i)
+        d.mkdir()
+        rec = {**base, "status": status, "overrides": base["overrides"] + [f"moe={moe}"], "figures": fig,
+               "error": None if status == "ok" else "moe=fp4_topk cannot run here: needs a CUDA device"}
+        (d / "metrics.json").write_text(json.dumps(rec))
+    recs = compare.load(tmp_path)
+    assert [r["_label"] for r in recs] == ["moe=dequant", "moe=bf16_cache", "moe=fp4_topk"]
+    text = compare.table(recs)
+    assert "20.00" in text and "0.980" in text and "cannot run here" in text
+    png = compare.chart(recs, tmp_path / "c.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert compare.main([str(tmp_path / "missing")]) == 2

@@ -1,0 +1,87 @@
+"""Option files <-> registered implementations, one to one; resolution rules (no silent fallback)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ds4 import registry
+from ds4.registry import COMPONENTS, ImplUnavailable
+
+CONF = Path(__file__).resolve().parents[1] / "ds4" / "conf"
+
+
+def option_files(group: str) -> dict[str, dict]:
+    return {p.stem: yaml.safe_load(p.read_text()) or {} for p in sorted((CONF / group).glob("*.yaml"))}
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_option_files_match_registry(component):
+    files = option_files(component)
+    registered = set(registry.names(component))
+    aliases = registry.aliases(component)
+    assert "auto" in files, f"{component}/auto.yaml missing"
+    for stem, body in files.items():
+        assert body.get("name") == stem, f"{component}/{stem}.yaml must say name: {stem}"
+    unknown = set(files) - registered - set(aliases) - {"auto"}
+    assert not unknown, f"option files without a registered implementation: {component}/{sorted(unknown)}"
+    missing = (registered | set(aliases)) - set(files)
+    assert not missing, f"registered {component} implementations without an option file: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_every_option_resolves_or_says_why(component):
+    cpu = torch.device("cpu")
+    for name in option_files(component):
+        try:
+            entry, note = registry.resolve(component, name, cpu)
+        except ImplUnavailable as e:      # an explicit choice that cannot run here names itself and why
+            assert f"{component}={name}" in str(e) and "cannot run here" in str(e)
+            continue
+        assert entry.name in registry.names(component)
+        assert note
+        if name == "auto":
+            assert note.startswith("auto -> ")
+
+
+def test_reference_options_run_on_cpu():
+    ops = registry.build_ops(registry.Impls(), "cpu")
+    assert ops.chosen == {"attn": "torch", "indexer": "torch", "hc": "torch", "moe": "dequant", "linear": "dequant"}
+
+
+def test_unknown_choice_names_component_and_options():
+    with pytest.raises(ImplUnavailable, match=r"moe=nope: unknown implementation.*dequant"):
+        registry.resolve("moe", "nope", torch.device("cpu"))
+
+
+def test_alias_resolves_generically(monkeypatch):
+    # An alias is a registry entry plus a one-line option file (e.g. attn/fused.yaml: `name: fused`).
+    monkeypatch.setitem(registry._ALIASES["attn"], "reference", "torch")
+    entry, note = registry.resolve("attn", "reference", torch.device("cpu"))
+    assert entry.name == "torch" and "alias" in note
+    for c in COMPONENTS:
+        for alias, target in registry.aliases(c).items():
+            assert registry.entry(c, alias).name == target
+
+
+def test_auto_logs_skipped_options():
+    # auto never fails silently: on CPU it lands on something runnable and the note says what it skipped.
+    for c in COMPONENTS:
+        entry, note = registry.resolve(c, "auto", torch.device("cpu"))
+        assert entry.check(torch.device("cpu")) is None
+        skipped = [e for e in registry.names(c) if registry.entry(c, e).check(torch.device("cpu")) is not None]
+        for s in skipped:
+            if registry.entry(c, s).priority > entry.priority:
+                assert s in note
+
+
+@pytest.mark.parametrize("group", ["numerics", "reduce", "runtime", "task", "tracking", "weights"])
+def test_other_groups_match_what_the_app_runs(group):
+    from ds4.app import CHOICES
+    files = option_files(group)
+    assert set(files) == set(CHOICES[group]), f"{group}: option files {sorted(files)} vs app {CHOICES[group]}"
+    key = "kind" if group == "weights" else "name"
+    for stem, body in files.items():
+        assert body.get(key) == stem
