@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the ds4 CUDA extension once (ninja, into .ext_build or $DS4_EXT_BUILD_DIR).
+"""Build the ds4 CUDA extensions once (ninja, into .ext_build or $DS4_EXT_BUILD_DIR).
 
     python scripts/build_ext.py                 # sm_80 + sm_90
     TORCH_CUDA_ARCH_LIST=9.0 python scripts/build_ext.py
@@ -15,10 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from ds4 import kernels
-    t0 = time.time()
-    kernels.load(verbose="-q" not in sys.argv)
-    print(f"ds4 CUDA extension ready in {kernels.build_dir()} ({time.time() - t0:.1f} s)")
+    from ds4 import kernels, kernels_attn
+    for mod in (kernels, kernels_attn):  # the GEMV/MoE extension and the attention/indexer/mHC one
+        t0 = time.time()
+        mod.load(verbose="-q" not in sys.argv)
+        print(f"{mod.__name__} CUDA extension ready in {mod.build_dir()} ({time.time() - t0:.1f} s)")
     return 0
 
 

@@ -72,7 +72,7 @@ def test_options_agree_with_reference_on_small(impls, small_weights):
     fast.load_weights(small_weights)
     lf = Generator(fast, 1, 512).teacher_forced_logits(prompt, toks)
     overall, confident, n = _agreement(lf.argmax(-1), ref_logits)
-    assert n >= 64 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
+    assert n >= 32 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
 
 
 @pytest.mark.parametrize("impls", [pytest.param(Impls(), id="torch"),
@@ -140,5 +140,5 @@ def test_tp2_agrees_with_tp1_on_small(comm, small_weights, tmp_path):
     mp.start_processes(_tp_worker, args=(2, _free_port(), comm, path), nprocs=2, start_method="spawn")
     res = json.load(open(path))
     overall, confident, n = _agreement(torch.tensor(res["tf"]), ref_logits)
-    assert n >= 32 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
+    assert n >= 16 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
     assert res["graph"] == res["eager"]

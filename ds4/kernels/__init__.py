@@ -86,8 +86,9 @@ def _has_op() -> bool:
         return False
 
 
-def unavailable_reason() -> str | None:
-    """None when the kernels can run here, else why not (no CUDA, CPU torch, build failure...)."""
+def extension_reason(name: str, so_path: Path, load_fn) -> str | None:
+    """Why the extension `name` cannot run here (CPU torch, no CUDA, compute capability < 8.0, not
+    built under DS4_NO_JIT=1, build/load failure), or None. Shared by every ds4 extension."""
     if torch.version.cuda is None:
         return "torch is a CPU-only build"
     if not torch.cuda.is_available():
@@ -95,13 +96,18 @@ def unavailable_reason() -> str | None:
     major, _ = torch.cuda.get_device_capability()
     if major < 8:
         return f"needs compute capability >= 8.0 (found {major}.x)"
-    if os.environ.get("DS4_NO_JIT") == "1" and not (build_dir() / f"{EXT_NAME}.so").exists():
-        return f"extension not built (DS4_NO_JIT=1; run python scripts/build_ext.py)"
+    if os.environ.get("DS4_NO_JIT") == "1" and not so_path.exists():
+        return f"{name} extension not built (DS4_NO_JIT=1; run python scripts/build_ext.py)"
     try:
-        load()
+        load_fn()
     except Exception as e:  # noqa: BLE001  report any build/load failure as the reason
-        return f"ds4 CUDA extension failed to build/load: {type(e).__name__}: {str(e).strip()[-500:]}"
+        return f"{name} CUDA extension failed to build/load: {type(e).__name__}: {str(e).strip()[-500:]}"
     return None
+
+
+def unavailable_reason() -> str | None:
+    """None when the GEMV/MoE kernels can run here, else why not."""
+    return extension_reason("ds4", build_dir() / f"{EXT_NAME}.so", load)
 
 
 __all__ = ["load", "unavailable_reason", "is_loaded", "build_dir", "gemv", "moe_gate_up", "moe_down", "router"]

@@ -61,21 +61,9 @@ def load(verbose: bool = False) -> None:
 
 
 def unavailable_reason() -> str | None:
-    """None when the kernels can run here, else why not."""
-    if torch.version.cuda is None:
-        return "torch is a CPU-only build"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    major, _ = torch.cuda.get_device_capability()
-    if major < 8:
-        return f"needs compute capability >= 8.0 (found {major}.x)"
-    if os.environ.get("DS4_NO_JIT") == "1" and not (build_dir() / f"{EXT_NAME}.so").exists():
-        return "ds4_attn extension not built (DS4_NO_JIT=1; run python scripts/build_ext.py)"
-    try:
-        load()
-    except Exception as e:  # noqa: BLE001  any build/load failure is the reason
-        return f"ds4_attn CUDA extension failed to build/load: {type(e).__name__}: {str(e).strip()[-500:]}"
-    return None
+    """None when the attention/indexer/mHC kernels can run here, else why not."""
+    from ds4.kernels import extension_reason
+    return extension_reason("ds4_attn", build_dir() / f"{EXT_NAME}.so", load)
 
 
 def _ops():

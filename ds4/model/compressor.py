@@ -32,16 +32,27 @@ class Compressor(WeightsModule):
         self.coff = 2 if overlap else 1
 
     def load(self, t: Mapping[str, Tensor], prefix: str) -> None:
-        self.wkv = self.take("wkv", t, f"{prefix}.wkv.weight")
-        self.wgate = self.take("wgate", t, f"{prefix}.wgate.weight")
+        # wkv and wgate read the same input: one [2*coff*w, dim] matrix, one GEMV per step (same bytes;
+        # wkv / wgate stay available as views).
+        self.register_buffer("wkv_gate", torch.cat((t[f"{prefix}.wkv.weight"], t[f"{prefix}.wgate.weight"])),
+                             persistent=False)
+        self.wkv, self.wgate = self.wkv_gate.chunk(2)
         self.ape = self.take("ape", t, f"{prefix}.ape")
         self.norm = self.take("norm", t, f"{prefix}.norm.weight")
 
     # ---- shared pieces ----------------------------------------------------------------------
     def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [..., dim] -> kv, z [..., coff*w] fp32 (no ape yet). The reference keeps these weights fp32."""
-        xf = x.float()
-        return xf @ self.wkv.float().t(), xf @ self.wgate.float().t()
+        """x [..., dim] -> kv, z [..., coff*w] fp32 (no ape yet).
+
+        The reference holds these weights in fp32 (BF16 values) and multiplies fp32 inputs. BF16 x
+        BF16 products are exact in fp32, so on CUDA a BF16 matmul with fp32 accumulation and output
+        gives the same numbers (up to summation order) without an fp32 copy of the weights."""
+        w = self.wkv_gate
+        if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
+            y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        else:
+            y = x.float() @ w.float().t()
+        return y.chunk(2, -1)
 
     def finish(self, pooled: Tensor, positions: Tensor, freqs: Tensor, qat: bool, dtype: torch.dtype) -> Tensor:
         """pooled [..., w] fp32 -> cache entry [..., w] in `dtype`: norm, RoPE at `positions`, qat simulation."""
