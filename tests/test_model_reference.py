@@ -151,3 +151,30 @@ def test_state_reset_between_sequences():
     after = g.prefill([[5, 6]])
     fresh = Generator(m, 1, 64).prefill([[5, 6]])
     assert torch.equal(after, fresh)
+
+
+def test_official_config_json_gives_v4_flash():
+    """The HF root config.json of the release (spec §1.1, every field) reads as the v4_flash preset."""
+    from ds4.model.args import ModelArgs
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+        "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+        "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+        "sliding_window": 128, "compress_ratios": [0, 0, 4] + [128, 4] * 20 + [0], "compress_rope_theta": 160000,
+        "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                                             "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 1048576, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
+        "num_hash_layers": 3, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 1, "hidden_act": "silu", "attention_bias": False,
+        "attention_dropout": 0.0, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+        "expert_dtype": "fp4", "torch_dtype": "bfloat16", "transformers_version": "4.57.1",
+        "initializer_range": 0.02, "use_cache": True,
+    }
+    assert ModelArgs.from_hf_config(cfg) == v4_flash()
+    a = v4_flash()
+    assert [a.layer_type(i) for i in (0, 1, 2, 3, 4, 41, 42)] == ["swa", "swa", "csa", "hca", "csa", "hca", "csa"]
+    assert a.layer_type(43) == "swa" and not a.is_hash(3) and a.is_hash(2)
