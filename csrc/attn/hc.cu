@@ -76,15 +76,21 @@ __global__ void __launch_bounds__(HC_THREADS) hc_finish_kernel(const void* __res
     tot[m] = v;
   }
   __syncthreads();
+  // n a power of two <= 4 (V4: n = 4): warp 0 runs Sinkhorn in registers, lane j*n+k holding C[j][k],
+  // rows/columns reduced with shuffles (row partners differ in the low log2(n) lane bits, column partners
+  // in the next ones). The serial loop below was ~20 dependent divisions deep per iteration on one thread.
+  const bool warp_sinkhorn = !head && (n == 1 || n == 2 || n == 4);
   if (threadIdx.x == 0) {
     const float r = rsqrtf(tot[mix] / (float)(n * D) + norm_eps);
     const float s0 = scale[0];
     for (int j = 0; j < n; ++j) pre[j] = sigmoidf_(tot[j] * r * s0 + base[j]) + hc_eps;
-    if (!head) {
+    if (!head && blockIdx.x == 0) {
+      const float s1 = scale[1];
+      for (int j = 0; j < n; ++j) post[(long)t * n + j] = 2.f * sigmoidf_(tot[n + j] * r * s1 + base[n + j]);
+    }
+    if (!head && !warp_sinkhorn) {
       const bool w = blockIdx.x == 0;
-      const float s1 = scale[1], s2 = scale[2];
-      if (w)
-        for (int j = 0; j < n; ++j) post[(long)t * n + j] = 2.f * sigmoidf_(tot[n + j] * r * s1 + base[n + j]);
+      const float s2 = scale[2];
       for (int i = 0; i < n * n; ++i) cm[i] = tot[2 * n + i] * r * s2 + base[2 * n + i];
       // row softmax + eps
       for (int j = 0; j < n; ++j) {
@@ -119,6 +125,32 @@ __global__ void __launch_bounds__(HC_THREADS) hc_finish_kernel(const void* __res
       if (w)
         for (int i = 0; i < n * n; ++i) comb[(long)t * n * n + i] = cm[i];
     }
+  }
+  if (warp_sinkhorn && threadIdx.x < 32) {
+    // Lanes >= n*n carry NaN among themselves only: xor with offsets < n*n never leaves that range.
+    const unsigned full = 0xffffffffu;
+    const int lane = threadIdx.x, nn = n * n;
+    const bool act = lane < nn;
+    const float r = rsqrtf(tot[mix] / (float)(n * D) + norm_eps);
+    float c = act ? tot[2 * n + lane] * r * scale[2] + base[2 * n + lane] : -INFINITY;
+    float mx = c;
+    for (int o = 1; o < n; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(full, mx, o));
+    const float e = act ? expf(c - mx) : 0.f;
+    float sum = e;
+    for (int o = 1; o < n; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
+    c = e / sum + hc_eps;                                         // row softmax + eps
+    sum = c;
+    for (int o = n; o < nn; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
+    c = c / (sum + hc_eps);                                       // column normalise
+    for (int it = 1; it < iters; ++it) {
+      sum = c;
+      for (int o = 1; o < n; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
+      c = c / (sum + hc_eps);                                     // rows
+      sum = c;
+      for (int o = n; o < nn; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
+      c = c / (sum + hc_eps);                                     // columns
+    }
+    if (act && blockIdx.x == 0) comb[(long)t * nn + lane] = c;
   }
   __syncthreads();
   const long hoff = (long)t * n * D;
