@@ -7,8 +7,9 @@ moe=fp4_topk
           tensor: gate+up (+clamp, SiLU, route weight, BF16 h) and down (fp32 accumulation over the
           experts in registers, no atomics). Slots whose expert is not held locally add 0.
   shared: the FP8 shared expert through the same two kernels (one expert, no route weight).
-  Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; larger batches (prefill) use the torch
-  reference path (ds4.ops.moe_torch) — chosen by shape only.
+  Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
+  chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
+  shape only.
   qat (act_quant=True): supported by FP8-simulating x and h with ds4.quant.act_quant_sim between
   the two launches (extra torch ops; the fused path is the plain-numerics one).
 
@@ -29,6 +30,9 @@ from ds4 import kernels
 from ds4.ops.base import MoEWeights, QWeight
 
 PREFILL_TOKENS = 8
+# Up to this many tokens (short prompts) prefill runs the decode kernels chunk by chunk: each chunk
+# re-reads its selected experts, which beats dequantising all of them only for short prompts.
+CHUNKED_TOKENS = 64
 
 
 def _act_quant_sim(t: Tensor) -> Tensor:
@@ -67,14 +71,22 @@ class Fp4TopkMoE:
                                 mw.w2.weight.shape[0], None, True)
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
-        if x.shape[0] > PREFILL_TOKENS or x.shape[0] == 0:
+        n = x.shape[0]
+        if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().routed(x, weights, ids, mw, act_quant)
-        return self._routed_launches(x, weights, ids.to(torch.int64).contiguous(), mw, act_quant)
+        ids = ids.to(torch.int64).contiguous()
+        # short prompts: the decode kernels over chunks of PREFILL_TOKENS tokens (static chunk shapes)
+        return torch.cat([self._routed_launches(x[i:i + PREFILL_TOKENS], weights[i:i + PREFILL_TOKENS],
+                                                ids[i:i + PREFILL_TOKENS], mw, act_quant)
+                          for i in range(0, n, PREFILL_TOKENS)])
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
-        w1, w2, w3 = mw.shared_w1, mw.shared_w2, mw.shared_w3
-        if x.shape[0] > PREFILL_TOKENS or x.shape[0] == 0:
+        n = x.shape[0]
+        if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().shared(x, mw, act_quant)
+        if n > PREFILL_TOKENS:
+            return torch.cat([self.shared(x[i:i + PREFILL_TOKENS], mw, act_quant) for i in range(0, n, PREFILL_TOKENS)])
+        w1, w2, w3 = mw.shared_w1, mw.shared_w2, mw.shared_w3
         aq = act_quant and w1.fmt != "bf16"
         xq = _act_quant_sim(x) if aq else x
         h = kernels.moe_gate_up(_bf16(xq), None, None, w1.weight, w1.scale, w3.weight, w3.scale, w1.fmt, 0, 1,

@@ -1,8 +1,9 @@
 """Reference MoE (spec §6): router on the device, selected experts dequantised, torch matmuls.
 
 Decode (few tokens) gathers the selected experts' stored bytes by the device id tensor and
-dequantises only those: no host sync. Many tokens (prefill) loop over local experts instead;
-the choice depends on the shape only, never on tensor values."""
+dequantises only those: no host sync. Many tokens (prefill) sort the (token, slot) pairs by
+expert (one host sync for the counts) and run each expert that has tokens once; the choice
+depends on the shape only, never on tensor values."""
 from __future__ import annotations
 
 import torch
@@ -60,11 +61,19 @@ class DequantMoE:
                 a = act_quant_sim(a, 128)
             y = _mm(a, mw.w2[flat].dequant(x.dtype)).float()                 # [N*k, D]
             return y.view(n, k, -1).sum(1)
+        # Prefill: group the (token, slot) pairs by expert with one sort and one host sync for the
+        # counts, then one dequantise + matmul per expert that has tokens.
         y = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
-        for e in range(e_local):
-            rows, slot = torch.nonzero((local == e) & owned, as_tuple=True)
-            if rows.numel() == 0:
+        flat = torch.where(owned, local, e_local).flatten()              # e_local = not on this rank
+        perm = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=e_local + 1)[:e_local].tolist()
+        start = 0
+        for e, cnt in enumerate(counts):
+            if cnt == 0:
                 continue
+            pairs = perm[start:start + cnt]
+            start += cnt
+            rows, slot = pairs // k, pairs % k
             xe = xq[rows]
             a = swiglu(F.linear(xe, mw.w1[e].dequant(x.dtype)), F.linear(xe, mw.w3[e].dequant(x.dtype)), mw.swiglu_limit)
             a = (a * weights[rows, slot].unsqueeze(-1)).to(x.dtype)
