@@ -156,14 +156,20 @@ def _comm(cfg) -> str:
     return v
 
 
-def check_parallel(spec: RunSpec, args: ModelArgs) -> None:
-    """Bad tensor-parallel setups fail before any weights load."""
+def check_setup(spec: RunSpec, args: ModelArgs) -> None:
+    """Setups that cannot run (tensor-parallel split, GPU memory, runtime) fail before any weights load."""
     from ds4.weights.schema import local_tensors
-    if spec.tp > 1:
-        try:
-            local_tensors(args, 0, spec.tp, include_mtp=False)
-        except ValueError as e:
-            raise UserError(f"parallel.tp={spec.tp} does not fit this model: {e}") from None
+    try:
+        local = local_tensors(args, spec.rank, spec.tp, include_mtp=False)
+    except ValueError as e:
+        raise UserError(f"parallel.tp={spec.tp} does not fit this model: {e}") from None
+    if spec.device.type == "cuda":  # fail before loading, not with an out-of-memory error minutes later
+        need = sum(ls.nbytes for ls, _ in local.values())
+        free = torch.cuda.mem_get_info(spec.device)[0]
+        if need > free:
+            raise UserError(f"the weights need {need / 2**30:.1f} GiB per GPU but {spec.device} has "
+                            f"{free / 2**30:.1f} GiB free; use more GPUs (torchrun ... parallel.tp=N) "
+                            "or fewer layers (model.n_layers=N)")
     if spec.comm == "symm_mem" and spec.device.type != "cuda":
         raise UserError("parallel.comm=symm_mem needs CUDA devices")
     if spec.runtime == "cuda_graph":
@@ -225,7 +231,7 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     if spec.max_seq_len > args.max_position_embeddings:
         raise UserError(f"max_seq_len={spec.max_seq_len} exceeds the model's max_position_embeddings="
                         f"{args.max_position_embeddings}")
-    check_parallel(spec, args)
+    check_setup(spec, args)
     ops = build_ops(spec.impls, spec.device)          # raises before any weights load
     record["resolved"] = dict(ops.chosen)
     record["notes"] = {c: ops.notes[c] for c in ops.notes}
