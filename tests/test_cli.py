@@ -174,3 +174,14 @@ def test_torchrun_tp2_on_cpu(tmp_path):
     assert m2["tp"] == 2 and m2["status"] == "ok"
     assert m2["generated_ids"] == m1["generated_ids"]
     assert r.stdout.count("metrics:") == 1  # only rank 0 reports
+
+
+def test_chat_prompt_has_one_bos():
+    """task.chat=true: the chat encoding already starts with the BOS text; no second BOS."""
+    from ds4.tasks.generate import prepare
+    from ds4.tokenizer import load_tokenizer
+    tok = load_tokenizer(None, 512)
+    spec = _spec("task.chat=true", "prompt=Hi")
+    ids = prepare(spec, None, tok).prompt_ids
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+    assert ids[:2] == tok.encode(tok.encode_chat([{"role": "user", "content": "Hi"}]))[:2]

@@ -24,10 +24,10 @@ def check_lengths(n_prompt: int, spec: RunSpec, new_tokens: int) -> None:
 
 
 def prepare(spec: RunSpec, args, tokenizer) -> Plan:
-    text = spec.prompt
-    if spec.task_opts.get("chat"):
+    text, chat = spec.prompt, bool(spec.task_opts.get("chat"))
+    if chat:  # the chat encoding starts with the BOS text itself (spec §12)
         text = tokenizer.encode_chat([{"role": "user", "content": text}])
-    ids = tokenizer.encode(text, add_bos=True)
+    ids = tokenizer.encode(text, add_bos=not chat)
     if not ids:
         raise InputError("the prompt encodes to no tokens")
     check_lengths(len(ids), spec, spec.max_new_tokens)
