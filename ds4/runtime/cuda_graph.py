@@ -28,9 +28,19 @@ class CudaGraphStep:
             raise RuntimeError("runtime=cuda_graph needs a CUDA device")
         self.model, self.state, self.batch, self.mode = model, state, batch, mode
         self.tok = torch.zeros(batch, dtype=torch.long, device=model.device)
+        # Profiler events cannot be recorded inside a capture: the captured step is one opaque
+        # region (profile the eager runtime for the per-stage table).
+        profiling, model.prof.enabled = model.prof.enabled, False
+        try:
+            self._capture(warmup)
+        finally:
+            model.prof.enabled = profiling
+
+    def _capture(self, warmup: int) -> None:
+        model, state = self.model, self.state
         t0 = time.perf_counter()
-        mem0 = torch.cuda.memory_allocated(model.device)
         snapshot = ([{k: v.clone() for k, v in st.items()} for st in state.layers], state.pos.clone())
+        mem0 = torch.cuda.memory_allocated(model.device)  # after the snapshot: pool_bytes is the graph's
         side = torch.cuda.Stream(model.device)
         side.wait_stream(torch.cuda.current_stream(model.device))
         with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, NCCL communicators
