@@ -17,9 +17,7 @@ t0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s"; }
 
 stamp build
-( python3 scripts/build_ext.py -q > "$L/build_ext.log" 2>&1; echo "ds4 ext rc=$?" ) &
-( python3 -c "import ds4.kernels_attn as k; k.load()" > "$L/build_attn.log" 2>&1; echo "attn ext rc=$?" ) &
-wait
+python3 scripts/build_ext.py -q > "$L/build_ext.log" 2>&1; echo "extensions rc=$?"   # both extensions, once
 
 stamp "phase A: 1-GPU tests | 1-GPU bench | tp=2 full-model bench"
 CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ > "$L/gpu_tests.log" 2>&1 &
