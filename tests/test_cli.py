@@ -185,3 +185,13 @@ def test_chat_prompt_has_one_bos():
     ids = prepare(spec, None, tok).prompt_ids
     assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
     assert ids[:2] == tok.encode(tok.encode_chat([{"role": "user", "content": "Hi"}]))[:2]
+
+
+def test_graph_figures_reported_apart():
+    from types import SimpleNamespace
+    from ds4.tasks.common import format_figures, graph_figures
+    assert graph_figures(SimpleNamespace(graphs={})) == {}
+    g = SimpleNamespace(warmup_s=1.5, capture_s=0.25, pool_bytes=3 << 20)
+    fig = graph_figures(SimpleNamespace(graphs={(1, "argmax"): g}))
+    assert fig == {"graph_warmup_s": 1.5, "graph_capture_s": 0.25, "graph_pool_mib": 3.0}
+    assert "CUDA graph capture" in format_figures(fig)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4.tasks.common import (Context, RunSpec, copy_bandwidth, decode_figures, greedy_fidelity, is_reference,
-                              peak_memory, sync)
+from ds4.tasks.common import (Context, RunSpec, copy_bandwidth, decode_figures, graph_figures, greedy_fidelity,
+                              is_reference, peak_memory, sync)
 from ds4.tasks.generate import InputError, check_lengths
 
 
@@ -74,6 +74,7 @@ def run(ctx: Context, plan: Plan) -> dict:
     gen.generate(prompts, min(4, spec.max_new_tokens), greedy, stop_at_eos=False)   # warm-up
     out = gen.generate(prompts, spec.max_new_tokens, greedy, stop_at_eos=False)
     fig = decode_figures(out, spec.batch, warmup=int(o.get("warmup", 0)))
+    fig.update(graph_figures(gen))
     if plan.prefill_lens:
         gen.prefill([plan.prompt_ids[:1]])   # warm the prefill path at another shape
     for n in plan.prefill_lens:

@@ -106,6 +106,16 @@ def decode_figures(out, batch: int, warmup: int = 0) -> dict[str, float]:
     return f
 
 
+def graph_figures(gen) -> dict[str, float]:
+    """runtime=cuda_graph: warm-up and capture time and the graph pool's memory (reported apart
+    from TPOT; the capture happens once per batch size, before the timed steps)."""
+    if not getattr(gen, "graphs", None):
+        return {}
+    g = list(gen.graphs.values())
+    return {"graph_warmup_s": sum(x.warmup_s for x in g), "graph_capture_s": sum(x.capture_s for x in g),
+            "graph_pool_mib": sum(x.pool_bytes for x in g) / 2**20}
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
     """Copy bandwidth in GB/s (bytes read + written) measured here, now: a large device-to-device
     copy timed with CUDA events; on CPU a memcpy of nbytes/8 timed with the host clock (best of)."""
@@ -211,6 +221,8 @@ FIGURES = [  # key, label, format
     ("bytes_per_token", "bytes/token", "{:,.0f} B"), ("achieved_gb_s", "achieved", "{:.3g} GB/s"),
     ("copy_gb_s", "copy bandwidth (this run)", "{:.2f} GB/s"), ("bw_ratio", "bw_ratio", "{:.4g}"),
     ("peak_mem_gib", "peak memory", "{:.3f} GiB"),
+    ("graph_warmup_s", "CUDA graph warm-up", "{:.2f} s"), ("graph_capture_s", "CUDA graph capture", "{:.2f} s"),
+    ("graph_pool_mib", "CUDA graph pool", "{:.1f} MiB"),
     ("peak_reserved_gib", "peak reserved", "{:.3f} GiB"), ("peak_rss_gib", "peak RSS (process)", "{:.3f} GiB"),
     ("ppl", "perplexity", "{:.3f}"), ("ref_ppl", "reference perplexity", "{:.3f}"),
     ("eval_tokens", "tokens scored", "{:.0f}"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds4.tasks.common import Context, RunSpec, decode_figures, peak_memory
+from ds4.tasks.common import Context, RunSpec, decode_figures, graph_figures, peak_memory
 
 
 class InputError(ValueError):
@@ -42,6 +42,7 @@ def run(ctx: Context, plan: Plan) -> dict:
     out = ctx.gen().generate([plan.prompt_ids] * spec.batch, spec.max_new_tokens, sampling,
                              stop_at_eos=bool(o.get("stop_at_eos", True)))
     figures = decode_figures(out, spec.batch)
+    figures.update(graph_figures(ctx.gen()))
     figures.update(peak_memory(spec.device))
     return {"figures": figures, "prompt_ids": plan.prompt_ids, "generated_ids": out.tokens,
             "text": ctx.tokenizer.decode(out.tokens[0]), "profile": ctx.profiler.summary()}
