@@ -11,7 +11,6 @@ import json
 import sys
 import time
 import traceback
-from dataclasses import fields
 from pathlib import Path
 
 import torch

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -29,6 +28,7 @@ from ds4.model.args import preset
 from ds4.model.transformer import Transformer
 from ds4.registry import Impls, ImplUnavailable, build_ops
 from ds4.runtime.generate import Generator
+from ds4.tasks.common import copy_bandwidth, decode_figures, graph_figures
 from ds4.weights.synthetic import random_weights
 
 
@@ -39,25 +39,6 @@ def impls_of(tokens: set[str]) -> Impls:
     if "fused" in tokens:
         kw.update(attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
     return Impls(**kw)
-
-
-def copy_bw(dev, nbytes=1 << 31, iters=10) -> float:
-    if dev.type != "cuda":
-        a = torch.empty(1 << 26, dtype=torch.uint8)
-        t0 = time.perf_counter()
-        a.clone()
-        return 2 * a.numel() / (time.perf_counter() - t0) / 1e9
-    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(dev)
-    s.record()
-    for _ in range(iters):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize(dev)
-    return 2 * nbytes * iters / (s.elapsed_time(e) / 1e3) / 1e9
 
 
 def run_variant(model, name, prompt, new_tokens, bw, world):
@@ -77,18 +58,17 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     if cuda:
         torch.cuda.reset_peak_memory_stats(model.device)
     out = g.generate([prompt], new_tokens, stop_at_eos=False)
-    steps = out.step_s[2:]  # first steps still warm caches
-    tpot = statistics.median(steps)
-    p90 = sorted(steps)[int(0.9 * (len(steps) - 1))]
+    f = decode_figures(out, batch=1, warmup=2)  # first steps still warm caches
+    f.update(graph_figures(g))
     bpt = model.bytes_per_token(len(prompt) + new_tokens // 2)
-    graph = next(iter(g.graphs.values()), None)
+    gbs = bpt / (f["tpot_ms"] / 1e3) / 1e9
     return {
-        "variant": name, "impls": ops.chosen, "runtime": runtime, "tpot_ms": 1e3 * tpot, "tpot_p90_ms": 1e3 * p90,
-        "decode_tok_s": 1 / tpot, "e2e_tok_s": len(out.tokens[0]) / out.total_s, "ttft_ms": 1e3 * out.ttft_s,
-        "bytes_per_token": bpt, "achieved_gb_s": bpt / tpot / 1e9, "bw_ratio": bpt / tpot / 1e9 / bw,
+        "variant": name, "impls": ops.chosen, "runtime": runtime, "tpot_ms": f["tpot_ms"],
+        "tpot_p90_ms": f["tpot_ms_p90"], "decode_tok_s": f["decode_tok_s"], "e2e_tok_s": f["e2e_tok_s"],
+        "ttft_ms": f["ttft_ms"], "bytes_per_token": bpt, "achieved_gb_s": gbs, "bw_ratio": gbs / bw,
         "peak_mem_gib": torch.cuda.max_memory_allocated(model.device) / 2**30 if cuda else 0.0,
-        "warmup_s": warm, "graph_capture_s": graph.capture_s if graph else None,
-        "graph_pool_mib": graph.pool_bytes / 2**20 if graph else None, "tokens": out.tokens[0][:16],
+        "warmup_s": warm, "graph_capture_s": f.get("graph_capture_s"), "graph_pool_mib": f.get("graph_pool_mib"),
+        "tokens": out.tokens[0][:16],
     }
 
 
@@ -105,7 +85,7 @@ def main():
     e = ddist.init(kind, int(os.environ.get("WORLD_SIZE", 1)))
     dev = torch.device("cuda", e.local_rank) if kind == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
-    bw = copy_bw(dev)
+    bw = copy_bandwidth(dev, 1 << 31)
     rows = []
     for n in [int(x) for x in a.layers.split(",")]:
         args = preset(a.model)

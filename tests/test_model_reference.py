@@ -2,7 +2,6 @@
 consistency in both numerics modes, no host synchronisation inside a decode step, MTP."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -31,36 +31,32 @@ def build_dir() -> Path:
     return Path(os.environ.get("DS4_EXT_BUILD_DIR", REPO / ".ext_build"))
 
 
-@functools.lru_cache(maxsize=None)
-def load(verbose: bool = False) -> None:
-    """Build (if needed) and load the extension; registers the ops and their fake implementations.
-
-    Raises RuntimeError with the reason when it cannot be built or loaded."""
+def build_and_load(name: str, csrc: Path, sources: tuple[str, ...], directory: Path, verbose: bool) -> None:
+    """JIT-build (ninja, only what changed) and load one ds4 extension for TORCH_CUDA_ARCH_LIST
+    (default "8.0;9.0"); shared by every ds4 extension. Raises RuntimeError with the reason."""
     if torch.version.cuda is None:
         raise RuntimeError("torch is a CPU-only build (torch.version.cuda is None)")
     from torch.utils.cpp_extension import load as _load
 
-    missing = [s for s in SOURCES if not (CSRC / s).exists()]
+    missing = [s for s in sources if not (csrc / s).exists()]
     if missing:
-        raise RuntimeError(f"CUDA sources missing under {CSRC}: {missing}")
-    d = build_dir()
-    d.mkdir(parents=True, exist_ok=True)
+        raise RuntimeError(f"CUDA sources missing under {csrc}: {missing}")
+    directory.mkdir(parents=True, exist_ok=True)
     # TORCH_CUDA_ARCH_LIST would make torch add its own -gencode flags too; ours are explicit.
-    old = os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+    archs = os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
     try:
-        _load(
-            name=EXT_NAME,
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=_cuda_flags_for(old),
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(d),
-            is_python_module=False,
-            verbose=verbose,
-        )
+        _load(name=name, sources=[str(csrc / s) for s in sources], extra_cflags=["-O3"],
+              extra_cuda_cflags=_cuda_flags_for(archs), extra_include_paths=[str(csrc)],
+              build_directory=str(directory), is_python_module=False, verbose=verbose)
     finally:
-        if old is not None:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = old
+        if archs is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+
+
+@functools.lru_cache(maxsize=None)
+def load(verbose: bool = False) -> None:
+    """Build (if needed) and load the GEMV/MoE extension; registers the ops and their fake implementations."""
+    build_and_load(EXT_NAME, CSRC, SOURCES, build_dir(), verbose)
     from ds4.kernels import _fake  # noqa: F401  registers fake impls once the ops exist
 
 

@@ -20,43 +20,17 @@ REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc" / "attn"
 SOURCES = ("attn_bindings.cpp", "hc.cu", "sparse_attn.cu", "indexer.cu")
 EXT_NAME = "ds4_attn_ext"
-DEFAULT_ARCHS = "8.0;9.0"
 
 
 def build_dir() -> Path:
     return Path(os.environ.get("DS4_ATTN_EXT_BUILD_DIR", REPO / ".ext_build" / "attn"))
 
 
-def cuda_flags(archs: str | None = None) -> list[str]:
-    flags = ["-O3", "-lineinfo"]
-    for a in (archs or DEFAULT_ARCHS).replace(",", ";").replace(" ", ";").split(";"):
-        a = a.strip().replace("+PTX", "")
-        if a:
-            num = a.replace(".", "")
-            flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
-    return flags
-
-
 @functools.lru_cache(maxsize=None)
 def load(verbose: bool = False) -> None:
     """Build (if needed) and load the extension; registers the ops and their fake implementations."""
-    if torch.version.cuda is None:
-        raise RuntimeError("torch is a CPU-only build (torch.version.cuda is None)")
-    from torch.utils.cpp_extension import load as _load
-
-    missing = [s for s in SOURCES if not (CSRC / s).exists()]
-    if missing:
-        raise RuntimeError(f"CUDA sources missing under {CSRC}: {missing}")
-    d = build_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    old = os.environ.pop("TORCH_CUDA_ARCH_LIST", None)   # our -gencode flags are explicit
-    try:
-        _load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3"],
-              extra_cuda_cflags=cuda_flags(old), extra_include_paths=[str(CSRC)], build_directory=str(d),
-              is_python_module=False, verbose=verbose)
-    finally:
-        if old is not None:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = old
+    from ds4.kernels import build_and_load
+    build_and_load(EXT_NAME, CSRC, SOURCES, build_dir(), verbose)
     from ds4.kernels_attn import _fake  # noqa: F401  fake impls once the schemas exist
 
 

@@ -8,8 +8,7 @@ parameters, never constants in the model code.
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Layer types, derived from the per-layer compress ratio (spec §1.3).

@@ -91,17 +91,10 @@ class Attention(WeightsModule):
         """o [N, H, D] -> [N, dim]: de-rotate at the query position, grouped wo_a, wo_b."""
         o = apply_rope(o, cis.unsqueeze(-2), inverse=True)
         o = o.flatten(-2).unflatten(-1, (self.groups, -1))                  # [N, G, H*D/G]
-        u = self._grouped(o).flatten(-2)                                    # [N, G*R]
+        u = self.ops.linear.grouped(o, self.wo_a, self.groups).flatten(-2)  # [N, G*R]
         y = self.ops.linear(u, self.wo_b, act_quant=self.qat)
         with self.prof("comm.attn"):
             return self.comm.all_reduce(y, "attn")
-
-    def _grouped(self, o: Tensor) -> Tensor:
-        lin = self.ops.linear
-        if hasattr(lin, "grouped"):
-            return lin.grouped(o, self.wo_a, self.groups)
-        r = self.args.o_lora_rank  # implementations without a grouped op: one projection per group
-        return torch.stack([lin(o[:, g], _rows(self.wo_a, g * r, r)) for g in range(self.groups)], 1)
 
     # ---- prefill: one sequence ----------------------------------------------------------
     def prefill(self, x: Tensor, st: dict[str, Tensor], row: int) -> Tensor:
@@ -185,16 +178,6 @@ class Attention(WeightsModule):
             o = self.ops.attn.sparse(q[:, None], keys, valid[:, None], sel_kv, sel_valid, self.sink, self.scale)[:, 0]
         with self.prof("attn.out"):
             return self._out(o, cis)
-
-
-def _rows(w, start: int, n: int):
-    """Rows [start, start+n) of a QWeight (FP8 scale blocks are 128 rows)."""
-    from ds4.ops.base import QWeight
-    if w.fmt == "fp8":
-        if start % 128 or n % 128:
-            raise ValueError("fp8 row slices must align to 128")
-        return QWeight(w.fmt, w.weight[start:start + n], w.scale[start // 128:(start + n) // 128])
-    return QWeight(w.fmt, w.weight[start:start + n], None if w.scale is None else w.scale[start:start + n])
 
 
 def _state(st: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

@@ -60,6 +60,11 @@ class LinearImpl(Protocol):
     def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False) -> Tensor:  # [..., I] -> [..., O], x.dtype
         ...
 
+    def grouped(self, x: Tensor, w: QWeight, groups: int) -> Tensor:
+        """Block-diagonal projection (wo_a, spec §5.8): x [N, G, I], w [G*R, I] -> [N, G, R].
+        No activation quant: the reference runs it in BF16 on the dequantised wo_a."""
+        ...
+
 
 @dataclass
 class MoEWeights:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ds4 import kernels
-from ds4.ops.base import MoEWeights, QWeight
+from ds4.ops.base import MoEWeights
 
 PREFILL_TOKENS = 8
 # Up to this many tokens (short prompts) prefill runs the decode kernels chunk by chunk: each chunk

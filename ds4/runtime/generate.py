@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ds4.model.transformer import DecodeState, Transformer
 from ds4.runtime.sampling import Sampling, sample
+
+if TYPE_CHECKING:
+    from ds4.runtime.cuda_graph import CudaGraphStep
 
 
 @dataclass

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4.tasks.common import (Context, RunSpec, copy_bandwidth, decode_figures, graph_figures, greedy_fidelity,
-                              is_reference, peak_memory, sync)
+from ds4.tasks.common import (Context, RunSpec, copy_bandwidth, decode_figures, fidelity_plan, graph_figures,
+                              greedy_fidelity, peak_memory, sync)
 from ds4.tasks.generate import InputError, check_lengths
 
 
@@ -90,11 +90,9 @@ def run(ctx: Context, plan: Plan) -> dict:
     fig.update(peak_memory(spec.device))
 
     notes = list(plan.notes)
-    ref_numerics = str(o.get("reference_numerics", "plain"))
-    if not o.get("fidelity", True):
-        notes.append("fidelity off (task.fidelity=false)")
-    elif is_reference(ctx, ref_numerics):
-        notes.append("fidelity skipped: this run is the torch reference")
+    ref_numerics, skipped = fidelity_plan(ctx)
+    if skipped:
+        notes.append(skipped)
     else:
         fig.update(greedy_fidelity(ctx, plan.prompt_ids, int(o.get("fidelity_tokens", 16)),
                                    float(o.get("margin", 0.5)), ref_numerics))

@@ -188,6 +188,18 @@ def is_reference(ctx: Context, ref_numerics: str) -> bool:
     return dict(ctx.ops.chosen) == reference_impls() and ctx.spec.numerics == ref_numerics
 
 
+def fidelity_plan(ctx: Context) -> tuple[str, str | None]:
+    """The reference numerics for the fidelity comparison, and a note saying why it is skipped
+    (task.fidelity=false, or this run is the torch reference) — None when it is measured."""
+    o = ctx.spec.task_opts
+    ref_numerics = str(o.get("reference_numerics", "plain"))
+    if not o.get("fidelity", True):
+        return ref_numerics, "fidelity off (task.fidelity=false)"
+    if is_reference(ctx, ref_numerics):
+        return ref_numerics, "fidelity skipped: this run is the torch reference"
+    return ref_numerics, None
+
+
 @contextlib.contextmanager
 def reference_generator(ctx: Context, ref_numerics: str):
     """The torch reference on the same loaded weights: inside the block the model runs with the

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch.nn.functional as F
 
-from ds4.tasks.common import Context, RunSpec, compare_logits, is_reference, peak_memory, reference_generator, sync
+from ds4.tasks.common import (Context, RunSpec, compare_logits, fidelity_plan, peak_memory, reference_generator,
+                              sync)
 from ds4.tasks.generate import InputError
 
 BUILTIN_TEXT = (
@@ -62,11 +63,9 @@ def run(ctx: Context, plan: Plan) -> dict:
     nll = _nll(logits, cont)
     fig = {"eval_tokens": len(cont), "nll": nll, "ppl": math.exp(nll), "eval_tok_s": len(cont) / secs}
     notes = [f"text: {plan.source}"]
-    ref_numerics = str(o.get("reference_numerics", "plain"))
-    if not o.get("fidelity", True):
-        notes.append("fidelity off (task.fidelity=false)")
-    elif is_reference(ctx, ref_numerics):
-        notes.append("fidelity skipped: this run is the torch reference")
+    ref_numerics, skipped = fidelity_plan(ctx)
+    if skipped:
+        notes.append(skipped)
     else:
         with reference_generator(ctx, ref_numerics) as rgen:
             ref_logits = rgen.teacher_forced_logits(prompt, cont)
