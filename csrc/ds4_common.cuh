@@ -16,6 +16,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "pdl.cuh"
+
 namespace ds4 {
 
 enum Fmt : int { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2 };

@@ -53,6 +53,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
     }
   };
   load(lane);  // weights do not depend on the activations: start their loads before the prologue
+  ds4_pdl::begin();  // ... and before waiting for the kernel that produces x (PDL)
   for (int t = 0; t < n_tok; ++t) load_row_smem<FMT>(xs + t * xrow, x + t * x_ld + xoff, K);
   __syncthreads();
 
@@ -110,11 +111,9 @@ static cudaError_t gemv_go(const void* x, long x_ld, int n_tok, const void* W, c
   if (e != cudaSuccess) return e;
   const int rows_pb = GEMV_WARPS * R;
   dim3 grid((O + rows_pb - 1) / rows_pb);
-  kern<<<grid, GEMV_THREADS, smem, st>>>(reinterpret_cast<const __nv_bfloat16*>(x), x_ld, n_tok,
-                                         reinterpret_cast<const uint8_t*>(W),
-                                         reinterpret_cast<const uint8_t*>(S), s_ld, out, out_f32 ? 1 : 0,
-                                         out_ld, O, K, group_rows);
-  return cudaGetLastError();
+  return ds4_pdl::launch(kern, grid, dim3(GEMV_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x), x_ld,
+                         n_tok, reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
+                         out_f32 ? 1 : 0, out_ld, O, K, group_rows);
 }
 
 template <int FMT, int R>

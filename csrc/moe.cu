@@ -86,6 +86,7 @@ __device__ __forceinline__ void expert_base(const MoEArgs& a, int e, int which, 
 template <int FMT, int NT, int R, int U>
 __global__ void __launch_bounds__(MOE_THREADS)
 moe_gate_up_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
+  ds4_pdl::begin();  // expert ids, route weights and x come from the previous kernels
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   __shared__ int s_e[MAX_SLOTS], s_slot[MAX_SLOTS * NT], s_key[MAX_SLOTS], s_rank[MAX_SLOTS], s_first[MAX_SLOTS];
@@ -180,6 +181,7 @@ template <int FMT, int NT, int R, int U, bool OUT_F32>
 __global__ void __launch_bounds__(MOE_THREADS)
 moe_down_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const float* __restrict__ add,
                 void* __restrict__ out) {
+  ds4_pdl::begin();
   extern __shared__ float4 smem4[];
   float* hs = reinterpret_cast<float*>(smem4);
   __shared__ int s_e[MAX_SLOTS], s_slot[MAX_SLOTS * NT], s_key[MAX_SLOTS], s_rank[MAX_SLOTS], s_first[MAX_SLOTS];
@@ -258,7 +260,9 @@ moe_down_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const floa
       const float v = warp_sum(acc[j][t]) * post;
       if (lane == 0 && rbase + j < a.dim && t < a.n_tok) {
         const long o = (long)t * a.dim + rbase + j;
-        const float y = add ? add[o] + v : v;
+        // fp32 out: add + v (accumulation); bf16 out: bf16(add + bf16(v)), the reference's order when
+        // the shared expert's bf16 output is added to the fp32 routed sum
+        const float y = add ? add[o] + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v))) : v;
         if (OUT_F32) reinterpret_cast<float*>(out)[o] = y;
         else reinterpret_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(y);
       }
@@ -300,9 +304,8 @@ static cudaError_t gate_up_go(const MoEArgs& a, const void* x, void* h, cudaStre
   cudaError_t e = moe_set_smem(kern, smem);
   if (e != cudaSuccess) return e;
   dim3 grid((a.inter + MOE_WARPS * R - 1) / (MOE_WARPS * R), a.n_tok * a.topk);
-  kern<<<grid, MOE_THREADS, smem, st>>>(a, reinterpret_cast<const __nv_bfloat16*>(x),
-                                        reinterpret_cast<__nv_bfloat16*>(h));
-  return cudaGetLastError();
+  return ds4_pdl::launch(kern, grid, dim3(MOE_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
+                         reinterpret_cast<__nv_bfloat16*>(h));
 }
 
 template <int FMT>
@@ -329,8 +332,8 @@ static cudaError_t down_go(const MoEArgs& a, const void* h, const float* add, vo
   cudaError_t e = moe_set_smem(kern, smem);
   if (e != cudaSuccess) return e;
   dim3 grid((a.dim + MOE_WARPS * R - 1) / (MOE_WARPS * R));
-  kern<<<grid, MOE_THREADS, smem, st>>>(a, reinterpret_cast<const __nv_bfloat16*>(h), add, out);
-  return cudaGetLastError();
+  return ds4_pdl::launch(kern, grid, dim3(MOE_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(h), add,
+                         out);
 }
 
 template <int FMT, bool F32>

@@ -13,6 +13,7 @@ __global__ void router_topk_kernel(const float* __restrict__ logits, int E, cons
                                    const void* __restrict__ tid2eid, int tid64,
                                    const int64_t* __restrict__ token_ids, int topk, float route_scale,
                                    float* __restrict__ w_out, int64_t* __restrict__ ids_out) {
+  ds4_pdl::begin();
   extern __shared__ float sh[];  // scores [E]
   __shared__ float red_v[32];
   __shared__ int red_i[32];
@@ -77,9 +78,8 @@ cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const floa
                                int64_t* ids_out, cudaStream_t st) {
   if (n_tok < 1 || E < 1 || E > 1024 || topk < 1 || topk > ROUTER_MAX_K || topk > E) return cudaErrorInvalidValue;
   const int threads = ((E + 31) / 32) * 32;
-  router_topk_kernel<<<n_tok, threads, E * sizeof(float), st>>>(logits, E, bias, tid2eid, tid64 ? 1 : 0,
-                                                                token_ids, topk, route_scale, w_out, ids_out);
-  return cudaGetLastError();
+  return ds4_pdl::launch(router_topk_kernel, dim3(n_tok), dim3(threads), E * sizeof(float), st, logits, E, bias,
+                         tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out);
 }
 
 }  // namespace ds4

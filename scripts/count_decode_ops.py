@@ -82,7 +82,9 @@ def main() -> None:
     ops = torch_reference_ops()
     if a.glue:
         for comp, names in (("linear", ("__call__", "grouped")), ("moe", ("route", "routed", "shared")),
-                            ("hc", ("pre", "post", "head")), ("attn", ("sparse",)), ("indexer", ("scores",))):
+                            ("hc", ("pre", "post", "head")),
+                            ("attn", ("sparse", "decode", "rms_norm", "head_rope", "kv_store", "compress_step")),
+                            ("indexer", ("scores", "rope"))):
             impl = getattr(ops, comp)
             for n in names:
                 bound = getattr(impl, n)

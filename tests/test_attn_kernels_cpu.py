@@ -75,3 +75,64 @@ def test_cpu_tensors_go_to_the_reference():
     for x, y in zip(FusedCudaHC().pre(h, fn, sc, base, 20, 1e-6, 1e-6), TorchHC().pre(h, fn, sc, base, 20, 1e-6, 1e-6)):
         assert torch.equal(x, y)
 
+
+
+def test_decode_glue_cpu_tensors_go_to_the_twin():
+    """The decode-glue methods of the fused implementations on CPU tensors run the torch twins."""
+    from ds4.ops.attn_cuda import FusedCudaAttention, FusedCudaIndexer
+    from ds4.ops.attn_torch import TorchAttention, TorchIndexer
+    from ds4.ops.hc_cuda import FusedCudaHC
+    from ds4.ops.hc_torch import TorchHC
+    g = torch.Generator().manual_seed(1)
+    fa, ta = FusedCudaAttention(), TorchAttention()
+    f = torch.rand(8, generator=g)
+    pos = torch.tensor([3, 40])
+    x, w = torch.randn(2, 4, 64, generator=g).bfloat16(), 1 + torch.rand(64, generator=g)
+    assert torch.equal(fa.rms_norm(x, w, 1e-6), ta.rms_norm(x, w, 1e-6))
+    assert torch.equal(fa.head_rope(x, pos, f, True, 1e-6), ta.head_rope(x, pos, f, True, 1e-6))
+    assert torch.equal(FusedCudaIndexer().rope(x, pos, f), TorchIndexer().rope(x, pos, f))
+    wins = [torch.zeros(2, 8, 64, dtype=torch.bfloat16) for _ in range(2)]
+    for impl, win in zip((fa, ta), wins):
+        impl.kv_store(win, x[:, 0], w, pos, f, 1e-6, True)
+    assert torch.equal(*wins) and wins[0].abs().sum() > 0
+    states = [(torch.zeros(2, 8, 128), torch.full((2, 8, 128), float("-inf")), torch.zeros(2, 16, 64, dtype=torch.bfloat16))
+              for _ in range(2)]
+    kvz, ape = torch.randn(2, 256, generator=g), torch.randn(4, 128, generator=g)
+    for impl, (skv, ssc, cache) in zip((fa, ta), states):
+        impl.compress_step(kvz, ape, w, pos, f, skv, ssc, cache, 4, True, 1e-6, "fp8")
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    q, win, ext = x.float(), torch.randn(2, 8, 64, generator=g), torch.randn(2, 16, 64, generator=g)
+    sink, idx = torch.randn(4, generator=g), torch.tensor([[0, 5, 9], [2, 3, 1]])
+    for e, i, r in ((None, None, 1), (ext, None, 16), (ext, idx, 4)):
+        assert torch.equal(fa.decode(q, win, pos, e, i, r, sink, 0.125, f), ta.decode(q, win, pos, e, i, r, sink, 0.125, f))
+    h = torch.randn(3, 4, 16, generator=g)
+    fn, sc, base, nw = torch.randn(24, 64, generator=g) * 0.1, torch.ones(3), torch.zeros(24), torch.rand(16, generator=g)
+    for a, b in zip(FusedCudaHC().pre(h, fn, sc, base, 20, 1e-6, 1e-6, nw), TorchHC().pre(h, fn, sc, base, 20, 1e-6, 1e-6, nw)):
+        assert torch.equal(a, b)
+
+
+def test_indexer_scores_with_positions_mask_invisible_entries():
+    """Decode form: entry t scores -inf iff t >= (pos + 1) // ratio; visible scores unchanged."""
+    from ds4.ops.attn_torch import TorchIndexer
+    g = torch.Generator().manual_seed(2)
+    q, w, keys = torch.randn(2, 1, 4, 32, generator=g), torch.rand(2, 1, 4, generator=g), torch.randn(2, 9, 32, generator=g)
+    pos = torch.tensor([6, 100])
+    got = TorchIndexer().scores(q, w, keys, pos=pos, ratio=4)
+    plain = TorchIndexer().scores(q, w, keys)
+    assert torch.isinf(got[0, 0, 1:]).all() and torch.equal(got[0, 0, :1], plain[0, 0, :1])
+    assert torch.equal(got[1], plain[1])
+
+
+def test_decode_attention_twin_masks_by_position():
+    """TorchAttention.decode: a window slot beyond pos and a not-yet-visible entry do not change the output."""
+    from ds4.ops.attn_torch import TorchAttention
+    g = torch.Generator().manual_seed(3)
+    q, win, ext = torch.randn(1, 4, 64, generator=g), torch.randn(1, 8, 64, generator=g), torch.randn(1, 5, 64, generator=g)
+    sink, f, pos = torch.randn(4, generator=g), torch.rand(8, generator=g), torch.tensor([5])
+    out = TorchAttention().decode(q, win, pos, ext, None, 4, sink, 0.125, f)      # slots 0..5 and entry 0 visible
+    win2, ext2 = win.clone(), ext.clone()
+    win2[0, 6:] = 100.0
+    ext2[0, 1:] = -100.0
+    assert torch.equal(out, TorchAttention().decode(q, win2, pos, ext2, None, 4, sink, 0.125, f))
+    ext2[0, 0] = 3.0
+    assert not torch.equal(out, TorchAttention().decode(q, win2, pos, ext2, None, 4, sink, 0.125, f))

@@ -327,6 +327,11 @@ def test_fp4_topk_impl_end_to_end(n):
     sd1, sd3, sd2 = (q.dequant(torch.float32) for q in (mw.shared_w1, mw.shared_w3, mw.shared_w2))
     a = torch.nn.functional.silu((x.float() @ sd1.t()).clamp(max=10.0)) * (x.float() @ sd3.t()).clamp(-10, 10)
     assert ys.dtype == x.dtype and rel(ys, a.to(torch.bfloat16).float() @ sd2.t()) <= TOL
+    # the block output in one step: bf16(routed + bf16(shared)), as DequantMoE computes it
+    from ds4.ops.moe_torch import DequantMoE
+    yb = impl.shared(x, mw, add=y)
+    assert yb.dtype == x.dtype and rel(yb, DequantMoE().shared(x, mw, add=y)) <= TOL
+    assert rel(yb, (y + ys.float()).to(x.dtype)) <= TOL
 
 
 def test_bf16_cache_impl():

@@ -184,7 +184,19 @@ at::Tensor sparse_attn(const at::Tensor& q, const at::Tensor& kv, const at::Tens
 }
 
 // ---- indexer -----------------------------------------------------------------------------------------
-at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, bool bf16) {
+void check_pos(const at::Tensor& pos, int64_t n, const char* op) {
+  TORCH_CHECK(pos.is_cuda() && pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == n &&
+                  pos.is_contiguous(),
+              "ds4_attn.", op, ": pos must be a contiguous int64 CUDA tensor [", n, "]");
+}
+
+void check_freqs(const at::Tensor& freqs, const char* op) {
+  TORCH_CHECK(freqs.is_cuda() && freqs.scalar_type() == at::kFloat && freqs.dim() == 1 && freqs.is_contiguous(),
+              "ds4_attn.", op, ": freqs must be a contiguous float32 CUDA tensor [R/2]");
+}
+
+at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, bool bf16,
+                          const std::optional<at::Tensor>& pos, int64_t ratio) {
   check_cuda(q, "q");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4, "ds4_attn.indexer: q must be bf16 [B, S, H, d]");
   check_f32(w, "w");
@@ -196,14 +208,177 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2), d = q.size(3), T = keys.size(1);
   TORCH_CHECK(w.dim() == 3 && w.size(0) == B && w.size(1) == S && w.size(2) == H, "ds4_attn.indexer: w shape");
   TORCH_CHECK(keys.size(0) == B && keys.size(2) == d, "ds4_attn.indexer: keys shape");
+  if (pos.has_value()) {
+    TORCH_CHECK(S == 1 && ratio >= 1, "ds4_attn.indexer: positions need one query per row and ratio >= 1");
+    check_pos(*pos, B, "indexer");
+  }
   c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({B, S, T}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (B * S == 0 || T == 0) return out;
   check_launch(ds4_attn::launch_indexer_scores(q.data_ptr(), w.data_ptr<float>(), keys.data_ptr(), keys.stride(0),
                                                keys.stride(1), (int)B, (int)S, (int)H, (int)d, (int)T, bf16,
+                                               pos.has_value() ? pos->data_ptr<int64_t>() : nullptr, (int)ratio,
                                                out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
                "indexer_scores");
   return out;
+}
+
+// ---- decode attention (positions instead of masks, gather by index, output de-rotation) ---------------
+at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& win, const at::Tensor& pos,
+                         const std::optional<at::Tensor>& ext, const std::optional<at::Tensor>& ext_idx, int64_t ratio,
+                         const at::Tensor& sink, double scale, const std::optional<at::Tensor>& freqs) {
+  check_cuda(q, "q");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3, "ds4_attn.sparse_decode: q must be bf16 [B, H, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  check_rows(win, "win");
+  TORCH_CHECK(win.dim() == 3 && win.size(0) == B && win.size(2) == D, "ds4_attn.sparse_decode: win must be [B, W, D]");
+  check_pos(pos, B, "sparse_decode");
+  check_f32(sink, "sink");
+  TORCH_CHECK(sink.numel() == H, "ds4_attn.sparse_decode: sink must be [H]");
+  TORCH_CHECK(ratio >= 1, "ds4_attn.sparse_decode: ratio must be >= 1");
+  ds4_attn::SparseArgs a;
+  a.q = q.data_ptr();
+  a.kv = win.data_ptr();
+  a.kv_b = win.stride(0);
+  a.kv_r = win.stride(1);
+  a.sink = sink.data_ptr<float>();
+  a.B = (int)B; a.S = 1; a.H = (int)H; a.D = (int)D; a.K = (int)win.size(1);
+  a.scale = (float)scale;
+  a.pos = pos.data_ptr<int64_t>();
+  a.ratio = (int)ratio;
+  if (ext.has_value()) {
+    const at::Tensor& e = *ext;
+    check_rows(e, "ext");
+    TORCH_CHECK(e.dim() == 3 && e.size(0) == B && e.size(2) == D, "ds4_attn.sparse_decode: ext must be [B, T, D]");
+    a.sel = e.data_ptr();
+    a.sel_b = e.stride(0);
+    a.sel_r = e.stride(1);
+    a.P = (int)e.size(1);
+    if (ext_idx.has_value()) {
+      const at::Tensor& ix = *ext_idx;
+      TORCH_CHECK(ix.is_cuda() && ix.scalar_type() == at::kLong && ix.dim() == 2 && ix.size(0) == B &&
+                      ix.stride(1) == 1,
+                  "ds4_attn.sparse_decode: ext_idx must be int64 [B, k] with a contiguous last dim");
+      a.sel_idx = ix.data_ptr<int64_t>();
+      a.si_b = ix.stride(0);
+      a.P = (int)ix.size(1);
+    }
+  } else {
+    TORCH_CHECK(!ext_idx.has_value(), "ds4_attn.sparse_decode: ext_idx needs ext");
+  }
+  if (freqs.has_value()) {
+    check_freqs(*freqs, "sparse_decode");
+    a.freqs = freqs->data_ptr<float>();
+    a.R = (int)(2 * freqs->numel());
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  auto out = at::empty({B, H, D}, q.options());
+  if (B == 0) return out;
+  const int64_t kc = ds4_attn::sparse_keys_per_block();
+  const int64_t nsplit = std::max<int64_t>(1, (a.K + a.P + kc - 1) / kc);
+  auto opart = at::empty({B, nsplit, H, D}, q.options().dtype(at::kFloat));
+  auto ml = at::empty({B, nsplit, H, 2}, q.options().dtype(at::kFloat));
+  check_launch(ds4_attn::launch_sparse_attn(a, (int)nsplit, opart.data_ptr<float>(), ml.data_ptr<float>(),
+                                            out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
+               "sparse_decode");
+  return out;
+}
+
+// ---- decode glue -------------------------------------------------------------------------------------
+bool norm_weight_f32(const at::Tensor& w, int64_t n, const char* op) {
+  TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.numel() == n &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "ds4_attn.", op, ": norm weight must be a contiguous bf16/float32 CUDA tensor of ", n, " values");
+  return w.scalar_type() == at::kFloat;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1, "ds4_attn.rms_norm: x must be bf16 [..., D]");
+  const int64_t D = x.size(-1), N = D ? x.numel() / D : 0;
+  const bool wf = norm_weight_f32(weight, D, "rms_norm");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty_like(x);
+  if (N == 0) return out;
+  check_launch(ds4_attn::launch_rms_norm(x.data_ptr(), weight.data_ptr(), wf, (int)N, (int)D, (float)eps, out.data_ptr(),
+                                         c10::cuda::getCurrentCUDAStream().stream()),
+               "rms_norm");
+  return out;
+}
+
+at::Tensor head_rope(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& freqs, bool norm, double eps) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "ds4_attn.head_rope: x must be bf16 [N, H, D]");
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2);
+  check_pos(pos, N, "head_rope");
+  check_freqs(freqs, "head_rope");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty_like(x);
+  if (N == 0) return out;
+  check_launch(ds4_attn::launch_head_rope(x.data_ptr(), pos.data_ptr<int64_t>(), freqs.data_ptr<float>(), (int)N,
+                                          (int)H, (int)D, (int)(2 * freqs.numel()), norm, (float)eps, out.data_ptr(),
+                                          c10::cuda::getCurrentCUDAStream().stream()),
+               "head_rope");
+  return out;
+}
+
+void kv_store(at::Tensor& win, const at::Tensor& kv, const at::Tensor& weight, const at::Tensor& pos,
+              const at::Tensor& freqs, double eps, bool fp8_nope) {
+  check_cuda(kv, "kv");
+  TORCH_CHECK(kv.scalar_type() == at::kBFloat16 && kv.dim() == 2, "ds4_attn.kv_store: kv must be bf16 [N, D]");
+  const int64_t N = kv.size(0), D = kv.size(1);
+  TORCH_CHECK(win.is_cuda() && win.scalar_type() == at::kBFloat16 && win.dim() == 3 && win.size(0) == N &&
+                  win.size(2) == D && win.stride(2) == 1 && win.stride(1) == D,
+              "ds4_attn.kv_store: win must be bf16 [N, W, D] with contiguous rows");
+  const bool wf = norm_weight_f32(weight, D, "kv_store");
+  check_pos(pos, N, "kv_store");
+  check_freqs(freqs, "kv_store");
+  if (N == 0) return;
+  c10::cuda::CUDAGuard guard(kv.device());
+  check_launch(ds4_attn::launch_kv_store(kv.data_ptr(), weight.data_ptr(), wf, pos.data_ptr<int64_t>(),
+                                         freqs.data_ptr<float>(), (int)N, (int)D, (int)(2 * freqs.numel()), (float)eps,
+                                         fp8_nope, win.data_ptr(), win.stride(0), (int)win.size(1),
+                                         c10::cuda::getCurrentCUDAStream().stream()),
+               "kv_store");
+}
+
+void compress_step(const at::Tensor& kvz, const at::Tensor& ape, const at::Tensor& norm, const at::Tensor& pos,
+                   const at::Tensor& freqs, at::Tensor& skv, at::Tensor& ssc, at::Tensor& cache, int64_t m,
+                   bool overlap, double eps, bool fp8_nope) {
+  check_f32(kvz, "kvz");
+  check_f32(ape, "ape");
+  TORCH_CHECK(cache.is_cuda() && cache.scalar_type() == at::kBFloat16 && cache.dim() == 3 && cache.stride(2) == 1 &&
+                  cache.stride(1) == cache.size(2),
+              "ds4_attn.compress_step: cache must be bf16 [N, T, w] with contiguous rows");
+  const int64_t N = kvz.size(0), w = cache.size(2), cw = (overlap ? 2 : 1) * w;
+  TORCH_CHECK(m >= 1 && kvz.dim() == 2 && kvz.size(1) == 2 * cw && cache.size(0) == N,
+              "ds4_attn.compress_step: kvz must be [N, 2*cw] (cw = ", cw, ")");
+  TORCH_CHECK(ape.dim() == 2 && ape.size(0) == m && ape.size(1) == cw, "ds4_attn.compress_step: ape must be [m, cw]");
+  for (const at::Tensor* t : {&skv, &ssc})
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == N &&
+                    t->size(1) == (overlap ? 2 : 1) * m && t->size(2) == cw && t->stride(2) == 1 &&
+                    t->stride(1) == cw && t->stride(0) == skv.stride(0),
+                "ds4_attn.compress_step: state must be float32 [N, slots, cw] with contiguous rows (same strides)");
+  const bool wf = norm_weight_f32(norm, w, "compress_step");
+  check_pos(pos, N, "compress_step");
+  check_freqs(freqs, "compress_step");
+  if (N == 0) return;
+  ds4_attn::CompressArgs a;
+  a.kvz = kvz.data_ptr<float>();
+  a.ape = ape.data_ptr<float>();
+  a.norm = norm.data_ptr();
+  a.norm_f32 = wf;
+  a.pos = pos.data_ptr<int64_t>();
+  a.freqs = freqs.data_ptr<float>();
+  a.skv = skv.data_ptr<float>();
+  a.ssc = ssc.data_ptr<float>();
+  a.state_b = skv.stride(0);
+  a.cache = cache.data_ptr();
+  a.cache_b = cache.stride(0);
+  a.m = (int)m; a.w = (int)w; a.R = (int)(2 * freqs.numel());
+  a.overlap = overlap; a.fp8_nope = fp8_nope; a.eps = (float)eps;
+  c10::cuda::CUDAGuard guard(kvz.device());
+  check_launch(ds4_attn::launch_compress_step(a, (int)N, c10::cuda::getCurrentCUDAStream().stream()), "compress_step");
 }
 
 }  // namespace
@@ -215,7 +390,14 @@ TORCH_LIBRARY(ds4_attn, m) {
   m.def("hc_post(Tensor x, Tensor res, Tensor post, Tensor comb) -> Tensor");
   m.def("sparse_attn(Tensor q, Tensor kv, Tensor valid, Tensor? sel_kv, Tensor? sel_valid, Tensor sink, "
         "float scale) -> Tensor");
-  m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16) -> Tensor");
+  m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1) -> Tensor");
+  m.def("sparse_decode(Tensor q, Tensor win, Tensor pos, Tensor? ext, Tensor? ext_idx, int ratio, Tensor sink, "
+        "float scale, Tensor? freqs) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("head_rope(Tensor x, Tensor pos, Tensor freqs, bool norm, float eps) -> Tensor");
+  m.def("kv_store(Tensor(a!) win, Tensor kv, Tensor weight, Tensor pos, Tensor freqs, float eps, bool fp8_nope) -> ()");
+  m.def("compress_step(Tensor kvz, Tensor ape, Tensor norm, Tensor pos, Tensor freqs, Tensor(a!) skv, "
+        "Tensor(b!) ssc, Tensor(c!) cache, int m, bool overlap, float eps, bool fp8_nope) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
@@ -224,4 +406,9 @@ TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
   m.impl("hc_post", &hc_post);
   m.impl("sparse_attn", &sparse_attn);
   m.impl("indexer_scores", &indexer_scores);
+  m.impl("sparse_decode", &sparse_decode);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("head_rope", &head_rope);
+  m.impl("kv_store", &kv_store);
+  m.impl("compress_step", &compress_step);
 }

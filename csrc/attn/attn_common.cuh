@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../pdl.cuh"
+
 namespace ds4_attn {
 
 // D = A(16x16, row) * B(16x8, col) + C. Fragments (g = lane/4, c = lane%4):

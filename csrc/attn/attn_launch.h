@@ -42,6 +42,17 @@ struct SparseArgs {
   const float* sink = nullptr;      // [H]
   int B = 0, S = 1, H = 0, D = 0, K = 0, P = 0;
   float scale = 1.f;
+  // Decode mode (pos != nullptr, S == 1): validity comes from the row's position, not from masks.
+  //   key k < K (the window ring of K slots) is valid iff k <= pos[b];
+  //   extra key p < P is compressed entry e = sel_idx ? sel_idx[b*si_b + p] : p, read at
+  //   sel + b*sel_b + e*sel_r and valid iff 0 <= e < (pos[b] + 1) / ratio.
+  const int64_t* pos = nullptr;
+  const int64_t* sel_idx = nullptr;
+  long si_b = 0;
+  int ratio = 1;
+  // Combine: de-rotate the last R output dims at pos[b] (RoPE with -angle; R = 0: none), fp32 freqs [R/2].
+  const float* freqs = nullptr;
+  int R = 0;
 };
 int sparse_keys_per_block();
 // workspace: opart fp32 [B*S, nsplit, H, D], ml fp32 [B*S, nsplit, H, 2]; out bf16 [B, S, H, D].
@@ -52,7 +63,40 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
 // w fp32 [B, S, H] contiguous, keys bf16 rows at keys + b*k_b + t*k_r (d contiguous).
 // bf16 = true reproduces the reference's BF16 einsum / ReLU / product (sum in fp32, one rounding) and
 // writes bf16; else fp32 throughout and fp32 out.
+// pos (optional, S == 1): entries t >= (pos[b] + 1) / ratio are not visible yet and score -inf.
 cudaError_t launch_indexer_scores(const void* q, const float* w, const void* keys, long k_b, long k_r, int B, int S,
-                                  int H, int d, int T, bool bf16, void* out, cudaStream_t st);
+                                  int H, int d, int T, bool bf16, const int64_t* pos, int ratio, void* out,
+                                  cudaStream_t st);
+
+// ---- decode glue (decode_glue.cu) -----------------------------------------------------------------
+// Positions: int64 [N] device tensors. freqs: fp32 [R/2] RoPE frequencies of the layer. Weights of the
+// norms are bf16 or fp32 (w_f32). All activations bf16.
+// out[n] = bf16(x[n] * rsqrt(mean(x[n]^2) + eps) * weight), x / out [N, D] contiguous.
+cudaError_t launch_rms_norm(const void* x, const void* weight, bool w_f32, int N, int D, float eps, void* out,
+                            cudaStream_t st);
+// x [N, H, D] -> out: (norm) per-head bf16(x * bf16(rsqrt(mean(x^2) + eps))), then RoPE of the last R dims at pos[n].
+cudaError_t launch_head_rope(const void* x, const int64_t* pos, const float* freqs, int N, int H, int D, int R,
+                             bool norm, float eps, void* out, cudaStream_t st);
+// win[n, pos[n] % W, :] = entry(kv[n]): rms_norm(weight), RoPE at pos[n], (fp8_nope) FP8 simulation of dims [0, D-R).
+cudaError_t launch_kv_store(const void* kv, const void* weight, bool w_f32, const int64_t* pos, const float* freqs,
+                            int N, int D, int R, float eps, bool fp8_nope, void* win, long win_b, int W,
+                            cudaStream_t st);
+struct CompressArgs {
+  const float* kvz = nullptr;     // [N, 2*cw]: kv (cw) then gate z (cw), cw = (overlap ? 2 : 1) * w
+  const float* ape = nullptr;     // [m, cw]
+  const void* norm = nullptr;     // [w]
+  bool norm_f32 = false;
+  const int64_t* pos = nullptr;   // [N]
+  const float* freqs = nullptr;   // [R/2]
+  float* skv = nullptr;           // state rows at skv + n*state_b: [slots, cw] fp32 (slots = cw/w * m)
+  float* ssc = nullptr;
+  long state_b = 0;
+  void* cache = nullptr;          // bf16 entry e of row n at cache + n*cache_b + e*w (elements)
+  long cache_b = 0;
+  int m = 0, w = 0, R = 0;
+  bool overlap = false, fp8_nope = false;
+  float eps = 0.f;
+};
+cudaError_t launch_compress_step(const CompressArgs& a, int N, cudaStream_t st);
 
 }  // namespace ds4_attn

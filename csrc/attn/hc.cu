@@ -25,6 +25,7 @@ template <int MAXM>
 __global__ void __launch_bounds__(HC_THREADS) hc_partials_kernel(const void* __restrict__ h, bool h_f32,
                                                                   const float* __restrict__ fn, int K, int mix,
                                                                   int nsplit, float* __restrict__ part) {
+  ds4_pdl::begin();
   const int split = blockIdx.x, t = blockIdx.y;
   const int chunk = (K + nsplit - 1) / nsplit;
   const int k0 = split * chunk, k1 = min(K, k0 + chunk);
@@ -66,6 +67,7 @@ __global__ void __launch_bounds__(HC_THREADS) hc_finish_kernel(const void* __res
                                                                 const float* __restrict__ base, int iters,
                                                                 float hc_eps, float norm_eps, bool head, void* x,
                                                                 float* __restrict__ post, float* __restrict__ comb) {
+  ds4_pdl::begin();
   const int t = blockIdx.y;
   __shared__ float tot[HC_MAX_MIX + 1];
   __shared__ float pre[HC_MAX_N];
@@ -167,6 +169,7 @@ __global__ void __launch_bounds__(HC_THREADS) hc_finish_kernel(const void* __res
 __global__ void hc_post_kernel(const void* __restrict__ x, bool x_f32, const void* __restrict__ res, bool res_f32,
                                const float* __restrict__ post, const float* __restrict__ comb, int N, int n, int D,
                                void* out) {
+  ds4_pdl::begin();
   const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long)N * D) return;
   const int t = (int)(i / D), d = (int)(i % D);
@@ -193,15 +196,9 @@ cudaError_t launch_hc_partials(const void* h, bool h_f32, const float* fn, int N
                                float* part, cudaStream_t st) {
   if (mix < 1 || mix > HC_MAX_MIX || N < 1 || K < 1 || nsplit < 1 || N > 65535) return cudaErrorInvalidValue;
   dim3 grid(nsplit, N);
-  if (mix <= 4)
-    hc_partials_kernel<4><<<grid, HC_THREADS, 0, st>>>(h, h_f32, fn, K, mix, nsplit, part);
-  else if (mix <= 24)
-    hc_partials_kernel<24><<<grid, HC_THREADS, 0, st>>>(h, h_f32, fn, K, mix, nsplit, part);
-  else if (mix <= 48)
-    hc_partials_kernel<48><<<grid, HC_THREADS, 0, st>>>(h, h_f32, fn, K, mix, nsplit, part);
-  else
-    hc_partials_kernel<80><<<grid, HC_THREADS, 0, st>>>(h, h_f32, fn, K, mix, nsplit, part);
-  return cudaGetLastError();
+  auto kern = mix <= 4 ? hc_partials_kernel<4> : mix <= 24 ? hc_partials_kernel<24>
+            : mix <= 48 ? hc_partials_kernel<48> : hc_partials_kernel<80>;
+  return ds4_pdl::launch(kern, grid, dim3(HC_THREADS), 0, st, h, h_f32, fn, K, mix, nsplit, part);
 }
 
 cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N, int n, int D, int mix, int nsplit,
@@ -211,9 +208,8 @@ cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N
   if (head ? mix != n : mix != (2 + n) * n) return cudaErrorInvalidValue;
   const int per_block = HC_THREADS * 4;
   dim3 grid((D + per_block - 1) / per_block, N);
-  hc_finish_kernel<<<grid, HC_THREADS, 0, st>>>(h, h_f32, part, n, D, mix, nsplit, scale, base, iters, hc_eps,
-                                                norm_eps, head, x, post, comb);
-  return cudaGetLastError();
+  return ds4_pdl::launch(hc_finish_kernel, grid, dim3(HC_THREADS), 0, st, h, h_f32, part, n, D, mix, nsplit, scale,
+                         base, iters, hc_eps, norm_eps, head, x, post, comb);
 }
 
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,
@@ -222,9 +218,8 @@ cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_
   const long total = (long)N * D;
   if (total == 0) return cudaSuccess;
   const int threads = 256;
-  hc_post_kernel<<<(unsigned)((total + threads - 1) / threads), threads, 0, st>>>(x, x_f32, res, res_f32, post, comb,
-                                                                                  N, n, D, out);
-  return cudaGetLastError();
+  return ds4_pdl::launch(hc_post_kernel, dim3((unsigned)((total + threads - 1) / threads)), dim3(threads), 0, st, x,
+                         x_f32, res, res_f32, post, comb, N, n, D, out);
 }
 
 }  // namespace ds4_attn

@@ -3,7 +3,8 @@
 // serve all H heads through BF16 mma.sync m16n8k16 (one warp per 16-head tile, fp32 accumulation);
 // ReLU, the head weight and the sum over the tile's 16 heads happen in registers + quad shuffles,
 // the sum over tiles in a fixed order through shared memory (deterministic). Keys are split over
-// blocks so a long cache spreads over the whole GPU.
+// blocks so a long cache spreads over the whole GPU. With decode positions, entries not yet visible
+// score -inf inside the kernel (no mask ops before the top-k) and their chunks are skipped.
 #include "attn_common.cuh"
 #include "attn_launch.h"
 
@@ -16,7 +17,9 @@ constexpr int IX_THREADS = IX_WARPS * 32;
 __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __restrict__ q,
                                                              const float* __restrict__ w,
                                                              const uint16_t* __restrict__ keys, long k_b, long k_r,
-                                                             int S, int H, int d, int T, bool bf16, void* out) {
+                                                             int S, int H, int d, int T, bool bf16,
+                                                             const int64_t* __restrict__ pos, int ratio, void* out) {
+  ds4_pdl::begin();
   extern __shared__ __align__(16) uint16_t ks[];   // [IX_KC][d + 8]
   __shared__ float red[IX_WARPS][IX_KC];
   const int chunk = blockIdx.x, r = blockIdx.y;
@@ -25,10 +28,24 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int vpr = d / 8;
+  // visible keys: all T, or with positions the complete entries t < (pos + 1) / ratio; invisible ones
+  // score -inf (and are never loaded: a long preallocated cache costs nothing beyond the context)
+  const long tl = pos ? (pos[b] + 1) / ratio : (long)T;
+  const int tlim = tl < T ? (int)tl : T;
+  if (t0 >= tlim) {
+    for (int j = threadIdx.x; j < IX_KC && t0 + j < T; j += IX_THREADS) {
+      const long o = (long)r * T + t0 + j;
+      if (bf16)
+        static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(-INFINITY);
+      else
+        static_cast<float*>(out)[o] = -INFINITY;
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < IX_KC * vpr; i += IX_THREADS) {
     const int j = i / vpr, v = i % vpr;
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (t0 + j < T) val = *reinterpret_cast<const uint4*>(keys + (long)b * k_b + (long)(t0 + j) * k_r + v * 8);
+    if (t0 + j < tlim) val = *reinterpret_cast<const uint4*>(keys + (long)b * k_b + (long)(t0 + j) * k_r + v * 8);
     *reinterpret_cast<uint4*>(ks + j * LD + v * 8) = val;
   }
   for (int i = threadIdx.x; i < IX_WARPS * IX_KC; i += IX_THREADS) (&red[0][0])[i] = 0.f;
@@ -87,6 +104,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     float v = 0.f;
 #pragma unroll
     for (int w2 = 0; w2 < IX_WARPS; ++w2) v += red[w2][j];
+    if (t0 + j >= tlim) v = -INFINITY;
     const long o = (long)r * T + t0 + j;
     if (bf16)
       static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(v);
@@ -96,8 +114,10 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
 }
 
 cudaError_t launch_indexer_scores(const void* q, const float* w, const void* keys, long k_b, long k_r, int B, int S,
-                                  int H, int d, int T, bool bf16, void* out, cudaStream_t st) {
+                                  int H, int d, int T, bool bf16, const int64_t* pos, int ratio, void* out,
+                                  cudaStream_t st) {
   if (d < 16 || d % 16 || H < 1 || B < 1 || S < 1 || (long)B * S > 65535) return cudaErrorInvalidValue;
+  if (pos != nullptr && (S != 1 || ratio < 1)) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   const size_t smem = (size_t)IX_KC * (d + 8) * sizeof(uint16_t);
   if (smem > 48 * 1024) {
@@ -105,9 +125,8 @@ cudaError_t launch_indexer_scores(const void* q, const float* w, const void* key
     if (e != cudaSuccess) return e;
   }
   dim3 grid((T + IX_KC - 1) / IX_KC, B * S);
-  indexer_kernel<<<grid, IX_THREADS, smem, st>>>(static_cast<const uint16_t*>(q), w,
-                                                 static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, out);
-  return cudaGetLastError();
+  return ds4_pdl::launch(indexer_kernel, grid, dim3(IX_THREADS), smem, st, static_cast<const uint16_t*>(q), w,
+                         static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, pos, ratio, out);
 }
 
 }  // namespace ds4_attn

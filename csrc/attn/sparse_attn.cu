@@ -7,6 +7,9 @@
 //     max = -inf and nothing else.
 //   sparse_combine_kernel: per (row, head): M = max(sink, max_c), L = exp(sink - M) + sum_c l_c
 //     exp(m_c - M), o = sum_c exp(m_c - M) O_c / L  -> bf16. The sink enters only the denominator.
+//   Decode mode (SparseArgs.pos): key validity from the row's position (window ring, visible compressed
+//   entries), selected entries gathered by index straight from the compressed cache, and the output's
+//   RoPE dims de-rotated in the combine - no mask, gather or de-rotation ops around the kernel.
 #include "attn_common.cuh"
 #include "attn_launch.h"
 
@@ -21,6 +24,7 @@ int sparse_keys_per_block() { return SP_KC; }
 
 __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
                                                                   float* __restrict__ ml) {
+  ds4_pdl::begin();
   extern __shared__ __align__(16) uint16_t ks[];   // [SP_KC][D + 8] bf16 keys (= values)
   __shared__ uint8_t kval[SP_KC];
   const int split = blockIdx.x, r = blockIdx.y;
@@ -33,6 +37,8 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
 
   // ---- load the chunk's keys (16 B per access), zeros for invalid / missing keys
   const int vec_per_row = D / 8;
+  const long pos_b = a.pos ? a.pos[b] : 0;
+  const long n_vis = a.pos ? (pos_b + 1) / a.ratio : 0;
   int any = 0;
   for (int i = threadIdx.x; i < SP_KC * vec_per_row; i += SP_THREADS) {
     const int j = i / vec_per_row, v = i % vec_per_row;
@@ -40,12 +46,18 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
     const uint16_t* src = nullptr;
     bool ok = false;
     if (idx < a.K) {
-      ok = a.valid[(long)b * a.valid_b + (long)s * a.valid_s + idx] != 0;
+      ok = a.pos ? idx <= pos_b : a.valid[(long)b * a.valid_b + (long)s * a.valid_s + idx] != 0;
       src = static_cast<const uint16_t*>(a.kv) + (long)b * a.kv_b + (long)idx * a.kv_r;
     } else if (idx < total) {
       const int p = idx - a.K;
-      ok = a.sel_valid[(long)b * a.sv_b + (long)s * a.sv_s + p] != 0;
-      src = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (long)s * a.sel_s + (long)p * a.sel_r;
+      if (a.pos) {
+        const long e = a.sel_idx ? a.sel_idx[(long)b * a.si_b + p] : p;
+        ok = e >= 0 && e < n_vis;
+        src = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (ok ? e : 0) * a.sel_r;
+      } else {
+        ok = a.sel_valid[(long)b * a.sv_b + (long)s * a.sv_s + p] != 0;
+        src = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (long)s * a.sel_s + (long)p * a.sel_r;
+      }
     }
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
     if (ok) val = *reinterpret_cast<const uint4*>(src + v * 8);
@@ -158,7 +170,9 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
 
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                       const float* __restrict__ sink, int nsplit, int H, int D,
+                                      const int64_t* __restrict__ pos, const float* __restrict__ freqs, int R,
                                       __nv_bfloat16* __restrict__ out) {
+  ds4_pdl::begin();
   const int h = blockIdx.x, r = blockIdx.y;
   const float sk = sink[h];
   float M = sk;
@@ -179,28 +193,43 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
       const float4 v = *reinterpret_cast<const float4*>(opart + base * D + d);
       acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
+    float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
+    if (R > 0 && d >= D - R) {  // output de-rotation (spec §5.8): the bf16 output rotated by -angle
+      const float fpos = (float)pos[r];
+#pragma unroll
+      for (int k = 0; k < 4; k += 2) {
+        float sn, cs;
+        sincosf(fpos * freqs[(d + k - (D - R)) / 2], &sn, &cs);
+        const float x0 = o4[k], x1 = o4[k + 1];
+        o4[k] = x0 * cs + x1 * sn;
+        o4[k + 1] = x1 * cs - x0 * sn;
+      }
+    }
     __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((long)r * H + h) * D + d);
-    o[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-    o[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+    o[0] = __floats2bfloat162_rn(o4[0], o4[1]);
+    o[1] = __floats2bfloat162_rn(o4[2], o4[3]);
   }
 }
 
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st) {
   if (a.D < 64 || a.D % 64 || a.H < 1 || a.B < 1 || a.S < 1 || nsplit < 1) return cudaErrorInvalidValue;
   if ((long)a.B * a.S > 65535 || a.H > 65535) return cudaErrorInvalidValue;
-  if (a.P > 0 && (a.sel == nullptr || a.sel_valid == nullptr)) return cudaErrorInvalidValue;
+  if (a.P > 0 && (a.sel == nullptr || (a.pos == nullptr && a.sel_valid == nullptr))) return cudaErrorInvalidValue;
+  if (a.pos != nullptr && (a.S != 1 || a.ratio < 1)) return cudaErrorInvalidValue;
+  if (a.R < 0 || a.R % 4 || a.R > a.D || (a.R > 0 && (a.pos == nullptr || a.freqs == nullptr)))
+    return cudaErrorInvalidValue;
   const size_t smem = (size_t)SP_KC * (a.D + 8) * sizeof(uint16_t);
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  sparse_chunk_kernel<<<dim3(nsplit, a.B * a.S), SP_THREADS, smem, st>>>(a, nsplit, opart, ml);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = ds4_pdl::launch(sparse_chunk_kernel, dim3(nsplit, a.B * a.S), dim3(SP_THREADS), smem, st, a, nsplit,
+                                  opart, ml);
   if (e != cudaSuccess) return e;
   const int threads = a.D / 4 < 128 ? a.D / 4 : 128;
-  sparse_combine_kernel<<<dim3(a.H, a.B * a.S), threads, 0, st>>>(opart, ml, a.sink, nsplit, a.H, a.D,
-                                                                  static_cast<__nv_bfloat16*>(out));
-  return cudaGetLastError();
+  return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), 0, st,
+                         static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
+                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out));
 }
 
 }  // namespace ds4_attn

@@ -42,7 +42,9 @@ def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tenso
 def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | None, fmt: str,
              expert_offset: int = 0, n_local: int | None = None, add: Tensor | None = None,
              out_f32: bool = True, ptrs: Tensor | None = None, rows_per_warp: int = 0) -> Tensor:
-    """y [N, dim] = add + sum over local slots (t, j) of h[t*k+j] @ w2[ids[t, j]]^T, fp32 accumulation."""
+    """y [N, dim] = add + sum over local slots (t, j) of h[t*k+j] @ w2[ids[t, j]]^T, fp32 accumulation.
+    With a bf16 output (out_f32=False) the sum is rounded to bf16 before `add` is added (the reference's
+    shared-expert output added to the fp32 routed sum)."""
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
     return _ops().moe_down(h, ids, topk, w2, s2, ptrs, FMT[fmt], expert_offset, n_local, add, out_f32, rows_per_warp)

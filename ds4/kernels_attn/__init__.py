@@ -1,4 +1,5 @@
-"""The ds4_attn CUDA extension (mHC pre/post/head, sparse MQA decode attention, indexer scores).
+"""The ds4_attn CUDA extension (mHC pre/post/head, sparse MQA decode attention, indexer scores, and
+the decode glue: RMSNorm, per-head norm + RoPE, window KV write, compressor step).
 
 Kept apart from ``ds4.kernels`` (the GEMV/MoE extension) so the two build and load independently.
 Sources: ``csrc/attn/*.cu`` (launchers over raw pointers, CUDA headers only) + one binding file
@@ -18,7 +19,7 @@ from torch import Tensor
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc" / "attn"
-SOURCES = ("attn_bindings.cpp", "hc.cu", "sparse_attn.cu", "indexer.cu")
+SOURCES = ("attn_bindings.cpp", "hc.cu", "sparse_attn.cu", "indexer.cu", "decode_glue.cu")
 EXT_NAME = "ds4_attn_ext"
 
 
@@ -80,10 +81,49 @@ def sparse_attn(q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel
                               sel_valid, sink.float().contiguous(), float(scale))
 
 
-def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False) -> Tensor:
-    """bf16 q [B, S, H, d], f32 w [B, S, H], bf16 keys [B, T, d] -> [B, S, T] (f32, or bf16 when bf16)."""
-    return _ops().indexer_scores(q.contiguous(), w.float().contiguous(), _rows_ok(keys), bool(bf16))
+def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
+                   ratio: int = 1) -> Tensor:
+    """bf16 q [B, S, H, d], f32 w [B, S, H], bf16 keys [B, T, d] -> [B, S, T] (f32, or bf16 when bf16).
+    pos int64 [B] (S = 1): entries t >= (pos+1)//ratio score -inf and are not read."""
+    return _ops().indexer_scores(q.contiguous(), w.float().contiguous(), _rows_ok(keys), bool(bf16),
+                                 None if pos is None else pos.contiguous(), int(ratio))
 
 
-__all__ = ["load", "unavailable_reason", "build_dir", "cuda_flags", "hc_pre", "hc_head", "hc_post", "sparse_attn",
-           "indexer_scores"]
+def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
+                  sink: Tensor, scale: float, freqs: Tensor | None) -> Tensor:
+    """bf16 q [B, H, D], window ring win [B, W, D], pos int64 [B], compressed entries ext [B, T, D] (all,
+    or the ext_idx int64 [B, k] selected), sink f32 [H] -> bf16 [B, H, D], last 2*len(freqs) dims
+    de-rotated at pos. Two launches."""
+    return _ops().sparse_decode(q.contiguous(), _rows_ok(win), pos.contiguous(),
+                                None if ext is None else _rows_ok(ext),
+                                None if ext_idx is None else ext_idx.contiguous(), int(ratio),
+                                sink.float().contiguous(), float(scale),
+                                None if freqs is None else freqs.float().contiguous())
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """bf16 x [..., D] -> bf16(x * rsqrt(mean(x^2) + eps) * weight), fp32 math. One launch."""
+    return _ops().rms_norm(x.contiguous(), weight.contiguous(), float(eps))
+
+
+def head_rope(x: Tensor, pos: Tensor, freqs: Tensor, norm: bool, eps: float) -> Tensor:
+    """bf16 x [N, H, D], pos int64 [N] -> (norm) per-head unweighted RMSNorm, RoPE of the last 2*len(freqs) dims."""
+    return _ops().head_rope(x.contiguous(), pos.contiguous(), freqs.float().contiguous(), bool(norm), float(eps))
+
+
+def kv_store(win: Tensor, kv: Tensor, weight: Tensor, pos: Tensor, freqs: Tensor, eps: float, fp8_nope: bool) -> None:
+    """win[b, pos[b] % W] = RoPE(rms_norm(kv[b], weight)) (+ FP8 simulation of the nope dims). In place."""
+    _ops().kv_store(win, kv.contiguous(), weight.contiguous(), pos.contiguous(), freqs.float().contiguous(),
+                    float(eps), bool(fp8_nope))
+
+
+def compress_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tensor, skv: Tensor, ssc: Tensor,
+                  cache: Tensor, m: int, overlap: bool, eps: float, fp8_nope: bool) -> None:
+    """Compressor decode step in place on skv / ssc (f32 [B, slots, cw]) and cache (bf16 [B, T, w])."""
+    _ops().compress_step(kvz.contiguous(), ape.float().contiguous(), norm.contiguous(), pos.contiguous(),
+                         freqs.float().contiguous(), skv, ssc, cache, int(m), bool(overlap), float(eps),
+                         bool(fp8_nope))
+
+
+__all__ = ["load", "unavailable_reason", "build_dir", "hc_pre", "hc_head", "hc_post", "sparse_attn",
+           "indexer_scores", "sparse_decode", "rms_norm", "head_rope", "kv_store", "compress_step"]

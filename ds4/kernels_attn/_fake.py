@@ -29,6 +29,31 @@ def _sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale):
 
 
 @register_fake("ds4_attn::indexer_scores")
-def _indexer_scores(q, w, keys, bf16):
+def _indexer_scores(q, w, keys, bf16, pos=None, ratio=1):
     b, s = q.shape[:2]
     return q.new_empty((b, s, keys.shape[1]), dtype=torch.bfloat16 if bf16 else torch.float32)
+
+
+@register_fake("ds4_attn::sparse_decode")
+def _sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs):
+    return torch.empty_like(q)
+
+
+@register_fake("ds4_attn::rms_norm")
+def _rms_norm(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@register_fake("ds4_attn::head_rope")
+def _head_rope(x, pos, freqs, norm, eps):
+    return torch.empty_like(x)
+
+
+@register_fake("ds4_attn::kv_store")
+def _kv_store(win, kv, weight, pos, freqs, eps, fp8_nope):
+    return None
+
+
+@register_fake("ds4_attn::compress_step")
+def _compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, fp8_nope):
+    return None

@@ -13,13 +13,11 @@ import torch
 from torch import Tensor
 
 from ds4.model.args import CSA, HCA, SWA, ModelArgs
-from ds4.model.compressor import Compressor
+from ds4.model.compressor import Compressor, finish_entry
 from ds4.model.indexer import Indexer
-from ds4.model.norm import rms_norm, unweighted_rms_norm
-from ds4.model.rope import apply_rope, rotations, inv_freq
+from ds4.model.rope import apply_rope, inv_freq, rotations
 from ds4.model.weights_module import WeightsModule, weight_format
 from ds4.profile import NULL_PROFILER
-from ds4.quant import act_quant_sim
 
 PREFILL_CHUNK = 256  # queries per prefill chunk (bounds the score matrices' memory)
 
@@ -70,26 +68,21 @@ class Attention(WeightsModule):
         return st
 
     # ---- pieces shared by prefill and decode ----------------------------------------------
-    def _q(self, x: Tensor, cis: Tensor) -> tuple[Tensor, Tensor]:
-        """x [N, dim] -> q [N, H, D] (normed, rotated), qr [N, q_lora] (shared with the indexer)."""
-        lin = self.ops.linear
-        qr = rms_norm(lin(x, self.wq_a, act_quant=self.qat), self.q_norm, self.args.norm_eps)
+    def _q(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, dim] at positions [N] -> q [N, H, D] (per-head normed, rotated), qr [N, q_lora]
+        (q_norm'ed, shared with the indexer)."""
+        lin, attn, eps = self.ops.linear, self.ops.attn, self.args.norm_eps
+        qr = attn.rms_norm(lin(x, self.wq_a, act_quant=self.qat), self.q_norm, eps)
         q = lin(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.head_dim))
-        q = unweighted_rms_norm(q, self.args.norm_eps)
-        return apply_rope(q, cis.unsqueeze(-2)), qr
+        return attn.head_rope(q, positions, self.freqs, True, eps), qr
 
-    def _kv(self, x: Tensor, cis: Tensor) -> Tensor:
-        """x [N, dim] -> window key/value [N, D]: norm, RoPE, (qat) FP8 simulation of the nope dims."""
-        kv = rms_norm(self.ops.linear(x, self.wkv, act_quant=self.qat), self.kv_norm, self.args.norm_eps)
-        kv = apply_rope(kv, cis)
-        if self.qat:
-            nope = self.args.nope_head_dim
-            kv = torch.cat((act_quant_sim(kv[..., :nope], 64), kv[..., nope:]), -1)
-        return kv
+    def _kv(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x [S, dim] -> window key/value [S, D]: norm, RoPE, (qat) FP8 simulation of the nope dims."""
+        kv = self.ops.linear(x, self.wkv, act_quant=self.qat)
+        return finish_entry(kv, self.kv_norm, self.args.norm_eps, positions, self.freqs, "fp8" if self.qat else None)
 
-    def _out(self, o: Tensor, cis: Tensor) -> Tensor:
-        """o [N, H, D] -> [N, dim]: de-rotate at the query position, grouped wo_a, wo_b."""
-        o = apply_rope(o, cis.unsqueeze(-2), inverse=True)
+    def _out(self, o: Tensor) -> Tensor:
+        """o [N, H, D] (already de-rotated) -> [N, dim]: grouped wo_a, wo_b, all-reduce."""
         o = o.flatten(-2).unflatten(-1, (self.groups, -1))                  # [N, G, H*D/G]
         u = self.ops.linear.grouped(o, self.wo_a, self.groups).flatten(-2)  # [N, G*R]
         y = self.ops.linear(u, self.wo_b, act_quant=self.qat)
@@ -101,11 +94,10 @@ class Attention(WeightsModule):
         """x [S, dim] at positions 0..S-1 of batch row `row`; fills that row's state. -> [S, dim]."""
         a, W, S = self.args, self.args.window_size, x.shape[0]
         pos = torch.arange(S, device=x.device)
-        cis = rotations(self.freqs, pos)
         with self.prof("attn.q"):
-            q, qr = self._q(x, cis)
+            q, qr = self._q(x, pos)
         with self.prof("attn.kv"):
-            kv = self._kv(x, cis)
+            kv = self._kv(x, pos)
             tail = pos[-min(S, W):]
             st["win"][row, tail % W] = kv[tail]
         entries = ikeys = qi = wi = None
@@ -141,43 +133,41 @@ class Attention(WeightsModule):
                 outs.append(self.ops.attn.sparse(q[None, a0:e0], keys[None], valid[None], sel_kv, sel_valid,
                                                  self.sink, self.scale)[0])
         with self.prof("attn.out"):
-            return self._out(torch.cat(outs, 0), cis)
+            o = apply_rope(torch.cat(outs, 0), rotations(self.freqs, pos).unsqueeze(-2), inverse=True)
+            return self._out(o)
 
     # ---- decode: one token per row ------------------------------------------------------
     def decode(self, x: Tensor, pos: Tensor, st: dict[str, Tensor]) -> Tensor:
-        """x [B, dim], pos [B] (device) -> [B, dim]. No host synchronisation."""
-        a, W, B = self.args, self.args.window_size, x.shape[0]
+        """x [B, dim], pos [B] (device) -> [B, dim]. No host synchronisation.
+
+        Every step between the projections is an attention / indexer implementation op (window
+        write, compressor step, masked indexer scores, position-masked attention with the output
+        de-rotation), so a fused implementation runs a layer in a few launches."""
+        a, B, attn = self.args, x.shape[0], self.ops.attn
         st = {k: v[:B] for k, v in st.items()}  # views: the first B rows of the preallocated state
-        rows = torch.arange(B, device=x.device)
-        cis = rotations(self.freqs, pos)
         with self.prof("attn.q"):
-            q, qr = self._q(x, cis)
+            q, qr = self._q(x, pos)
         with self.prof("attn.kv"):
-            kv = self._kv(x, cis)
-            st["win"][rows, pos % W] = kv
-        keys = st["win"]
-        valid = torch.arange(W, device=x.device).unsqueeze(0) <= pos.unsqueeze(-1)   # [B, W]
-        sel_kv = sel_valid = None
+            kv = self.ops.linear(x, self.wkv, act_quant=self.qat)
+            attn.kv_store(st["win"], kv, self.kv_norm, pos, self.freqs, a.norm_eps, self.qat)
+        ext = idx = None
         if self.compressor is not None:
             with self.prof("attn.compress"):
-                self.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "comp"), st["ckv"])
-            n_vis = (pos + 1) // self.m
-            slots = torch.arange(st["ckv"].shape[1], device=x.device).unsqueeze(0)
-            if self.kind == HCA:
-                keys = torch.cat((keys, st["ckv"]), 1)
-                valid = torch.cat((valid, slots < n_vis.unsqueeze(-1)), 1)
-            else:
+                self.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "comp"), st["ckv"], attn)
+            ext = st["ckv"]
+            if self.kind == CSA:
                 with self.prof("attn.indexer"):
-                    self.indexer.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "icomp"), st["ikv"])
+                    ikv = st["ikv"]
+                    self.indexer.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "icomp"), ikv, attn)
                     qi, wi = self.indexer.query(qr, x, pos, self.freqs)
-                    sc = self.comm.all_reduce(self.indexer.scores(qi[:, None], wi[:, None], st["ikv"]), "indexer")
-                    visible = (slots < n_vis.unsqueeze(-1)).unsqueeze(1)
-                    idx, sel_valid = self.indexer.select(sc, visible, min(a.index_topk, st["ikv"].shape[1]))
-                sel_kv = st["ckv"][rows.view(B, 1, 1), idx]                  # [B, 1, k, D]
+                    # invisible entries score -inf inside the scores op (and stay -inf through the sum)
+                    sc = self.indexer.scores(qi[:, None], wi[:, None], ikv, pos=pos, ratio=self.m)
+                    sc = self.comm.all_reduce(sc, "indexer")[:, 0]                  # [B, T]
+                    idx = sc.float().topk(min(a.index_topk, ikv.shape[1]), dim=-1).indices
         with self.prof("attn.sparse"):
-            o = self.ops.attn.sparse(q[:, None], keys, valid[:, None], sel_kv, sel_valid, self.sink, self.scale)[:, 0]
+            o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs)
         with self.prof("attn.out"):
-            return self._out(o, cis)
+            return self._out(o)
 
 
 def _state(st: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

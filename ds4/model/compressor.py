@@ -7,9 +7,11 @@ Entry w is normed, RoPE'd at position w*m and (qat) FP8/FP4-simulated, and is vi
 token that completes it: token t sees entries 0 .. (t+1)//m - 1.
 
 Decode keeps the reference's state machine in preallocated fp32 buffers (spec §5.4): HCA slots
-[m, w]; CSA slots [2m, 2w], 0..m-1 = previous window, m..2m-1 = current. The in-progress entry
-is recomputed and written to cache slot pos//m on every step; it stays invisible until its
-window completes, so no host-side branch is needed.
+[m, w]; CSA slots [2m, 2w], 0..m-1 = previous window, m..2m-1 = current. The step itself is an
+attention-implementation op (`ops.attn.compress_step`); `decode_step` below is its plain-torch
+form: it recomputes the in-progress entry and writes it to cache slot pos//m on every step (it
+stays invisible until its window completes, so no host-side branch is needed). Kernels may write
+the entry only on the completing step: nothing reads an entry before it is visible.
 """
 from __future__ import annotations
 
@@ -41,30 +43,30 @@ class Compressor(WeightsModule):
         self.norm = self.take("norm", t, f"{prefix}.norm.weight")
 
     # ---- shared pieces ----------------------------------------------------------------------
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [..., dim] -> kv, z [..., coff*w] fp32 (no ape yet).
+    def project_merged(self, x: Tensor) -> Tensor:
+        """x [..., dim] -> [kv | z] [..., 2*coff*w] fp32 (no ape yet).
 
         The reference holds these weights in fp32 (BF16 values) and multiplies fp32 inputs. BF16 x
         BF16 products are exact in fp32, so on CUDA a BF16 matmul with fp32 accumulation and output
         gives the same numbers (up to summation order) without an fp32 copy of the weights."""
         w = self.wkv_gate
         if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
-            y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-        else:
-            y = x.float() @ w.float().t()
-        return y.chunk(2, -1)
+            return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        return x.float() @ w.float().t()
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [..., dim] -> kv, z [..., coff*w] fp32 (no ape yet)."""
+        return self.project_merged(x).chunk(2, -1)
+
+    @property
+    def quant(self) -> str:
+        """The qat simulation of this compressor's entries: FP4 after a Hadamard (indexer keys) or FP8 nope dims."""
+        return "fp4" if self.for_indexer else "fp8"
 
     def finish(self, pooled: Tensor, positions: Tensor, freqs: Tensor, qat: bool, dtype: torch.dtype) -> Tensor:
         """pooled [..., w] fp32 -> cache entry [..., w] in `dtype`: norm, RoPE at `positions`, qat simulation."""
-        c = rms_norm(pooled.to(dtype), self.norm, self.args.norm_eps)
-        c = apply_rope(c, rotations(freqs, positions))
-        if qat:
-            if self.for_indexer:
-                c = fp4_act_quant_sim(hadamard(c), 32)
-            else:
-                nope = self.w - self.args.rope_head_dim
-                c = torch.cat((act_quant_sim(c[..., :nope], 64), c[..., nope:]), -1)
-        return c
+        return finish_entry(pooled.to(dtype), self.norm, self.args.norm_eps, positions, freqs,
+                            self.quant if qat else None)
 
     # ---- prefill: one sequence, positions 0..S-1 ---------------------------------------------
     def prefill(self, x: Tensor, freqs: Tensor, qat: bool, state: dict[str, Tensor]) -> Tensor:
@@ -97,26 +99,50 @@ class Compressor(WeightsModule):
 
     # ---- decode: one token per row at positions pos [B] --------------------------------------
     def decode(self, x: Tensor, pos: Tensor, freqs: Tensor, qat: bool, state: dict[str, Tensor],
-               cache: Tensor) -> None:
-        """x [B, dim]; writes the token into the state and the (possibly in-progress) entry
-        into cache[b, pos//m]."""
-        m, w, B = self.m, self.w, x.shape[0]
-        rows = torch.arange(B, device=x.device)
-        kv, z = self.project(x)
-        z = z + self.ape[pos % m]
-        slot = pos % m + (m if self.overlap else 0)
-        skv, ssc = state["kv"], state["score"]                          # [B, slots, coff*w]
-        skv[rows, slot] = kv
-        ssc[rows, slot] = z
-        if self.overlap:
-            kvw = torch.cat((skv[:, :m, :w], skv[:, m:, w:]), 1)          # [B, 2m, w]
-            zw = torch.cat((ssc[:, :m, :w], ssc[:, m:, w:]), 1)
-        else:
-            kvw, zw = skv, ssc
-        pooled = (kvw * zw.softmax(1)).sum(1)                             # [B, w]
-        entry = self.finish(pooled, (pos // m) * m, freqs, qat, cache.dtype)
-        cache[rows, pos // m] = entry
-        if self.overlap:  # window complete: current slots become the previous window
-            done = ((pos + 1) % m == 0).view(B, 1, 1)
-            skv[:, :m] = torch.where(done, skv[:, m:], skv[:, :m])
-            ssc[:, :m] = torch.where(done, ssc[:, m:], ssc[:, :m])
+               cache: Tensor, attn) -> None:
+        """x [B, dim]; `attn.compress_step` writes the token into the state and the entry into
+        cache[b, pos//m] (see `decode_step`)."""
+        attn.compress_step(self.project_merged(x), self.ape, self.norm, pos, freqs, state["kv"], state["score"], cache,
+                           self.m, self.overlap, self.args.norm_eps, self.quant if qat else None)
+
+
+def finish_entry(x: Tensor, weight: Tensor, eps: float, positions: Tensor, freqs: Tensor,
+                 quant: str | None) -> Tensor:
+    """A KV entry x [..., w] (window key or pooled compressed entry, activation dtype) -> norm with
+    `weight`, RoPE of the last 2*len(freqs) dims at `positions` [...], and the qat simulation:
+    "fp8" = FP8 (block 64) on the nope dims, "fp4" = Hadamard + FP4 (block 32), None = none."""
+    c = apply_rope(rms_norm(x, weight, eps), rotations(freqs, positions))
+    if quant == "fp4":
+        return fp4_act_quant_sim(hadamard(c), 32)
+    if quant == "fp8":
+        nope = c.shape[-1] - 2 * freqs.shape[-1]
+        return torch.cat((act_quant_sim(c[..., :nope], 64), c[..., nope:]), -1)
+    return c
+
+
+def decode_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tensor, skv: Tensor, ssc: Tensor,
+                cache: Tensor, m: int, overlap: bool, eps: float, quant: str | None) -> None:
+    """Plain-torch compressor decode step (the reference's state machine, spec §5.4).
+
+    kvz [B, 2*cw] fp32 = [kv | gate z] of the token (cw = coff*w), ape [m, cw], pos [B]; state
+    skv / ssc [B, coff*m, cw] fp32; cache [B, T, w]. Writes the token's slot, pools the (possibly
+    in-progress) entry into cache[b, pos//m], and for the overlapped compressor moves the current
+    slots to "previous" when the window completes."""
+    B, w = kvz.shape[0], cache.shape[-1]
+    rows = torch.arange(B, device=kvz.device)
+    kv, z = kvz.chunk(2, -1)
+    z = z + ape[pos % m]
+    slot = pos % m + (m if overlap else 0)
+    skv[rows, slot] = kv
+    ssc[rows, slot] = z
+    if overlap:
+        kvw = torch.cat((skv[:, :m, :w], skv[:, m:, w:]), 1)          # [B, 2m, w]
+        zw = torch.cat((ssc[:, :m, :w], ssc[:, m:, w:]), 1)
+    else:
+        kvw, zw = skv, ssc
+    pooled = (kvw * zw.softmax(1)).sum(1)                             # [B, w]
+    cache[rows, pos // m] = finish_entry(pooled.to(cache.dtype), norm, eps, (pos // m) * m, freqs, quant)
+    if overlap:  # window complete: current slots become the previous window
+        done = ((pos + 1) % m == 0).view(B, 1, 1)
+        skv[:, :m] = torch.where(done, skv[:, m:], skv[:, :m])
+        ssc[:, :m] = torch.where(done, ssc[:, m:], ssc[:, :m])

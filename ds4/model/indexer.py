@@ -12,7 +12,6 @@ from torch import Tensor
 
 from ds4.model.args import ModelArgs
 from ds4.model.compressor import Compressor
-from ds4.model.rope import apply_rope, rotations
 from ds4.model.weights_module import WeightsModule, weight_format
 from ds4.quant import fp4_act_quant_sim, hadamard
 
@@ -34,15 +33,16 @@ class Indexer(WeightsModule):
         """qr [..., q_lora], x [..., dim], positions [...] -> qI [..., H, d], head weights [..., H] fp32."""
         a, d = self.args, self.args.index_head_dim
         q = self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, d))
-        q = apply_rope(q, rotations(freqs, positions).unsqueeze(-2))
+        q = self.ops.indexer.rope(q, positions, freqs)
         if self.qat:
             q = fp4_act_quant_sim(hadamard(q), 32)
         w = F.linear(x, self.weights_proj.to(x.dtype)).float() * (d ** -0.5 * a.index_n_heads ** -0.5)
         return q, w
 
-    def scores(self, q: Tensor, w: Tensor, keys: Tensor) -> Tensor:
-        """q [B, S, H, d], w [B, S, H], keys [B, T, d] -> [B, S, T] (partial sum over local heads)."""
-        return self.ops.indexer.scores(q, w, keys, bf16=self.qat)
+    def scores(self, q: Tensor, w: Tensor, keys: Tensor, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
+        """q [B, S, H, d], w [B, S, H], keys [B, T, d] -> [B, S, T] (partial sum over local heads).
+        With decode positions pos [B] (S = 1), entries t >= (pos+1)//ratio (not visible yet) score -inf."""
+        return self.ops.indexer.scores(q, w, keys, bf16=self.qat, pos=pos, ratio=ratio)
 
     def select(self, scores: Tensor, visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Top-k of the visible entries: scores [B, S, T], visible [B, S, T] bool -> (idx [B, S, k]

@@ -55,6 +55,5 @@ class MoE(WeightsModule):
             y = moe.routed(x, w, ids, self.mw, act_quant=self.qat)
         with self.prof("comm.moe"):
             y = self.comm.all_reduce(y, "moe")
-        with self.prof("moe.shared"):
-            y = y + moe.shared(x, self.mw, act_quant=self.qat).float()
-        return y.to(x.dtype)
+        with self.prof("moe.shared"):  # returns (y + shared.float()).to(x.dtype)
+            return moe.shared(x, self.mw, act_quant=self.qat, add=y)

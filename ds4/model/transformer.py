@@ -57,16 +57,16 @@ class Block(WeightsModule):
     def forward(self, h: Tensor, token_ids: Tensor, attend: Callable[[Attention, Tensor], Tensor]) -> Tensor:
         """h [N, hc, dim] residual streams; `attend(attn, x)` runs prefill or decode attention."""
         a, hc = self.args, self.ops.hc
-        with self.prof("hc.pre"):
+        with self.prof("hc.pre"):  # hc.pre returns the collapsed stream already RMS-normed with attn_norm
             x, post, comb = hc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
-                                   a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-        x = attend(self.attn, rms_norm(x, self.attn_norm, a.norm_eps))
+                                   a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
+        x = attend(self.attn, x)
         with self.prof("hc.post"):
             h = hc.post(x, h, post, comb)
         with self.prof("hc.pre"):
             x, post, comb = hc.pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
-                                   a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-        x = self.ffn(rms_norm(x, self.ffn_norm, a.norm_eps), token_ids)
+                                   a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.ffn_norm)
+        x = self.ffn(x, token_ids)
         with self.prof("hc.post"):
             return hc.post(x, h, post, comb)
 

@@ -1,5 +1,15 @@
 """attn=fused_cuda (alias fused) and indexer=fused_cuda: CUDA kernels of the ds4_attn extension.
 
+Decode glue, one launch each: rms_norm (q_norm), head_rope (per-head norm + RoPE of q; RoPE of the
+indexer q), kv_store (kv_norm + RoPE + (qat) FP8 nope + ring write), compress_step (state write,
+and on the completing step the pooled entry's norm + RoPE + (qat) FP8 + cache write, both decided
+per row on the device). Inputs these kernels do not take (CPU, non-bf16, the indexer compressor's
+qat Hadamard + FP4) run the TorchAttention twin: chosen by dtype / flag, never by values.
+
+FusedCudaAttention.decode — the decode form: validity from the row's position (window ring,
+visible compressed entries), CSA entries gathered by the top-k index inside the kernel, output RoPE
+dims de-rotated in the combine. Same kernels as .sparse below.
+
 FusedCudaAttention.sparse — decode (S = 1 query per row, any B): MQA flash-decoding. Each block
 loads 32 key rows once (window/HCA keys, then the row's selected keys) and serves all H heads with
 BF16 tensor-core MMAs; online-softmax partials per chunk; a combine kernel adds the sink to the
@@ -25,12 +35,41 @@ BF16 = torch.bfloat16
 INDEXER_MAX_ROWS = 16
 
 
+def _cuda_bf16(*ts: Tensor) -> bool:
+    return all(t.is_cuda and t.dtype == BF16 for t in ts)
+
+
 class FusedCudaAttention:
     name = "fused_cuda"
 
     def __init__(self):
         self._ref = TorchAttention()
 
+    # ---- query / window KV path (one launch each) --------------------------------------------------
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if not _cuda_bf16(x):
+            return self._ref.rms_norm(x, weight, eps)
+        return kernels_attn.rms_norm(x, weight, eps)
+
+    def head_rope(self, x: Tensor, positions: Tensor, freqs: Tensor, norm: bool, eps: float) -> Tensor:
+        if not (_cuda_bf16(x) and x.dim() == 3 and x.shape[0] == positions.numel()):
+            return self._ref.head_rope(x, positions, freqs, norm, eps)
+        return kernels_attn.head_rope(x, positions, freqs, norm, eps)
+
+    def kv_store(self, win: Tensor, kv: Tensor, weight: Tensor, pos: Tensor, freqs: Tensor, eps: float,
+                 fp8_nope: bool) -> None:
+        if not _cuda_bf16(win, kv):
+            return self._ref.kv_store(win, kv, weight, pos, freqs, eps, fp8_nope)
+        kernels_attn.kv_store(win, kv, weight, pos, freqs, eps, fp8_nope)
+
+    def compress_step(self, kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tensor, skv: Tensor,
+                      ssc: Tensor, cache: Tensor, m: int, overlap: bool, eps: float, quant: str | None) -> None:
+        # the indexer compressor's qat form (Hadamard + FP4 of the entry) stays on the torch twin
+        if not (_cuda_bf16(cache) and kvz.is_cuda and quant in (None, "fp8")):
+            return self._ref.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
+        kernels_attn.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant == "fp8")
+
+    # ---- attention core --------------------------------------------------------------------------
     def sparse(self, q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel_valid: Tensor | None,
                sink: Tensor, scale: float) -> Tensor:
         use = (q.is_cuda and q.shape[1] == 1 and q.dtype == BF16 and kv.dtype == BF16
@@ -39,6 +78,14 @@ class FusedCudaAttention:
             return self._ref.sparse(q, kv, valid, sel_kv, sel_valid, sink, scale)
         return kernels_attn.sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale)
 
+    def decode(self, q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
+               sink: Tensor, scale: float, freqs: Tensor) -> Tensor:
+        use = (_cuda_bf16(q, win) and (ext is None or ext.dtype == BF16) and q.shape[-1] % 64 == 0
+               and (2 * freqs.numel()) % 4 == 0)
+        if not use:
+            return self._ref.decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs)
+        return kernels_attn.sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs)
+
 
 class FusedCudaIndexer:
     name = "fused_cuda"
@@ -46,9 +93,15 @@ class FusedCudaIndexer:
     def __init__(self):
         self._ref = TorchIndexer()
 
-    def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False) -> Tensor:
+    def rope(self, q: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+        if not (_cuda_bf16(q) and q.dim() == 3 and q.shape[0] == positions.numel()):
+            return self._ref.rope(q, positions, freqs)
+        return kernels_attn.head_rope(q, positions, freqs, False, 0.0)
+
+    def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
+               ratio: int = 1) -> Tensor:
         use = (q.is_cuda and q.dtype == BF16 and keys.dtype == BF16 and q.shape[-1] % 16 == 0
                and q.shape[0] * q.shape[1] <= INDEXER_MAX_ROWS)
         if not use:
-            return self._ref.scores(q, w, keys, bf16)
-        return kernels_attn.indexer_scores(q, w, keys, bf16)
+            return self._ref.scores(q, w, keys, bf16, pos, ratio)
+        return kernels_attn.indexer_scores(q, w, keys, bf16, pos, ratio)

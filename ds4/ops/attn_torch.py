@@ -1,13 +1,46 @@
-"""Reference attention core and indexer scoring (spec §5.5, §5.7), plain PyTorch."""
+"""Reference attention and indexer implementations (spec §5), plain PyTorch.
+
+TorchAttention holds every step of the attention side that an implementation may fuse: the norms
+and RoPE of the query path, the window KV write, the compressor decode step, the sparse attention
+core (prefill form with masks, decode form with positions) and the output de-rotation. Each method
+is the plain-torch twin a CUDA implementation is tested against.
+"""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from ds4.model import compressor
+from ds4.model.norm import rms_norm, unweighted_rms_norm
+from ds4.model.rope import apply_rope, rotations
+
 
 class TorchAttention:
     name = "torch"
 
+    # ---- query / window KV path ------------------------------------------------------------------
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """Weighted RMSNorm in fp32, result in x.dtype (q_norm on the q-LoRA latent)."""
+        return rms_norm(x, weight, eps)
+
+    def head_rope(self, x: Tensor, positions: Tensor, freqs: Tensor, norm: bool, eps: float) -> Tensor:
+        """x [N, H, D] at positions [N] -> (norm: per-head unweighted RMSNorm) + RoPE of the last dims."""
+        if norm:
+            x = unweighted_rms_norm(x, eps)
+        return apply_rope(x, rotations(freqs, positions).unsqueeze(-2))
+
+    def kv_store(self, win: Tensor, kv: Tensor, weight: Tensor, pos: Tensor, freqs: Tensor, eps: float,
+                 fp8_nope: bool) -> None:
+        """win [B, W, D] ring buffer; kv [B, D] raw wkv output -> win[b, pos % W] = norm, RoPE, (qat) FP8 nope."""
+        rows = torch.arange(kv.shape[0], device=kv.device)
+        win[rows, pos % win.shape[1]] = compressor.finish_entry(kv, weight, eps, pos, freqs, "fp8" if fp8_nope else None)
+
+    def compress_step(self, kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tensor, skv: Tensor,
+                      ssc: Tensor, cache: Tensor, m: int, overlap: bool, eps: float, quant: str | None) -> None:
+        """The compressor decode step (ds4.model.compressor.decode_step)."""
+        compressor.decode_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
+
+    # ---- attention core --------------------------------------------------------------------------
     def sparse(self, q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel_valid: Tensor | None,
                sink: Tensor, scale: float) -> Tensor:
         """One softmax over shared keys and per-query selected keys, with the attention sink.
@@ -32,16 +65,49 @@ class TorchAttention:
             out = out + torch.einsum("bshp,bspd->bshd", p[..., k1:], sel_kv.float())
         return out.to(q.dtype)
 
+    def decode(self, q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
+               sink: Tensor, scale: float, freqs: Tensor) -> Tensor:
+        """Decode attention of one query per row at positions pos [B], output de-rotated.
+
+        q [B, H, D]; win [B, W, D] window ring (slot j valid iff j <= pos); ext [B, T, D] compressed
+        entries (entry e visible iff e < (pos+1)//ratio): all of them (HCA, ext_idx None) or the
+        ext_idx [B, k] selected ones (CSA). -> [B, H, D] with the RoPE dims rotated back by pos."""
+        B, W = win.shape[:2]
+        dev = q.device
+        valid = torch.arange(W, device=dev).unsqueeze(0) <= pos.unsqueeze(-1)       # [B, W]
+        keys, sel, sel_valid = win, None, None
+        if ext is not None:
+            n_vis = ((pos + 1) // ratio).unsqueeze(-1)
+            if ext_idx is None:
+                keys = torch.cat((win, ext), 1)
+                valid = torch.cat((valid, torch.arange(ext.shape[1], device=dev).unsqueeze(0) < n_vis), 1)
+            else:
+                sel = ext[torch.arange(B, device=dev).unsqueeze(-1), ext_idx].unsqueeze(1)  # [B, 1, k, D]
+                sel_valid = (ext_idx < n_vis).unsqueeze(1)
+        o = self.sparse(q.unsqueeze(1), keys, valid.unsqueeze(1), sel, sel_valid, sink, scale)[:, 0]
+        return apply_rope(o, rotations(freqs, pos).unsqueeze(-2), inverse=True)
+
 
 class TorchIndexer:
     name = "torch"
 
-    def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False) -> Tensor:
+    def rope(self, q: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+        """Indexer query q [N, H, d] at positions [N] -> RoPE of the last dims (no norm)."""
+        return apply_rope(q, rotations(freqs, positions).unsqueeze(-2))
+
+    def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
+               ratio: int = 1) -> Tensor:
         """q [B, S, H, d], w [B, S, H] fp32, keys [B, T, d] -> [B, S, T] = sum_h w * ReLU(q . k).
 
-        `bf16` reproduces the reference's BF16 einsum/ReLU/weighted sum (qat mode); otherwise fp32."""
+        `bf16` reproduces the reference's BF16 einsum/ReLU/weighted sum (qat mode); otherwise fp32.
+        pos [B] (decode, S = 1): entries t >= (pos+1)//ratio are not visible yet and score -inf."""
         if bf16:
             s = torch.einsum("bshd,btd->bsht", q.bfloat16(), keys.bfloat16()).relu()
-            return (s * w.bfloat16().unsqueeze(-1)).sum(2)
-        s = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
-        return (s * w.unsqueeze(-1)).sum(2)
+            out = (s * w.bfloat16().unsqueeze(-1)).sum(2)
+        else:
+            s = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
+            out = (s * w.unsqueeze(-1)).sum(2)
+        if pos is not None:
+            t = torch.arange(keys.shape[1], device=keys.device)
+            out = out.masked_fill((t >= ((pos + 1) // ratio).unsqueeze(-1)).unsqueeze(1), float("-inf"))
+        return out

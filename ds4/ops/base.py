@@ -96,6 +96,7 @@ class MoEImpl(Protocol):
         """Sum over the k selected experts held on this rank (others contribute 0): f32 [N, dim]."""
         ...
 
-    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
-        """Shared expert with the SwiGLU clamp: [N, dim] in x.dtype."""
+    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None) -> Tensor:
+        """Shared expert with the SwiGLU clamp: [N, dim] in x.dtype. With `add` (the routed sum, fp32
+        [N, dim]) it returns the block output (add + shared.float()).to(x.dtype) in one step."""
         ...

@@ -2,7 +2,7 @@
 
 pre:  2 launches (RMS + the (2+hc)*hc x hc*D fp32 matvec split over ~128 blocks per token into
       partials; a finishing kernel doing sigmoids, Sinkhorn in ds4.ops.hc_torch.sinkhorn's exact op
-      order, and the weighted sum of the streams).
+      order, and the weighted sum of the streams), + 1 RMSNorm launch when the block's norm is given.
 head: the same 2 launches without post/comb/Sinkhorn.  post: 1 elementwise launch.
 Same arguments, outputs and dtypes as TorchHC. Inputs other than bf16/fp32 or hc > 8 streams go to
 TorchHC (chosen by dtype/shape only, never by values) — part of this implementation.
@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ds4 import kernels_attn
+from ds4.model.norm import rms_norm
 from ds4.ops.hc_torch import TorchHC
 
 _ACT = (torch.bfloat16, torch.float32)
@@ -29,10 +30,13 @@ class FusedCudaHC:
         self._ref = TorchHC()
 
     def pre(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float,
-            norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+            norm_eps: float, norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         if not _ok(h):
-            return self._ref.pre(h, fn, scale, base, iters, hc_eps, norm_eps)
-        return kernels_attn.hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps)
+            return self._ref.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm)
+        x, post, comb = kernels_attn.hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps)
+        if norm is not None:
+            x = kernels_attn.rms_norm(x, norm, norm_eps) if x.dtype == torch.bfloat16 else rms_norm(x, norm, norm_eps)
+        return x, post, comb
 
     def post(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor) -> Tensor:
         if not (_ok(res) and x.dtype in _ACT):

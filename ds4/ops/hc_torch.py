@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ds4.model.norm import rms_norm
+
 
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
     """[..., n, n] -> approximately doubly stochastic, in the reference's exact op order:
@@ -27,8 +29,9 @@ class TorchHC:
     name = "torch"
 
     def pre(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float,
-            norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
-        """h [N, hc, D] -> x [N, D] (h.dtype), post [N, hc] f32, comb [N, hc, hc] f32."""
+            norm_eps: float, norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """h [N, hc, D] -> x [N, D] (h.dtype), post [N, hc] f32, comb [N, hc, hc] f32.
+        `norm` (the block's attn_norm / ffn_norm weight): x is returned RMS-normed with it."""
         n = h.shape[-2]
         m = _mixes(h, fn, norm_eps)
         base, scale = base.float(), scale.float()
@@ -36,8 +39,8 @@ class TorchHC:
         post = 2 * torch.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n])
         comb = (m[:, 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
         comb = sinkhorn(comb, iters, hc_eps)
-        x = (pre.unsqueeze(-1) * h.float()).sum(-2)
-        return x.to(h.dtype), post, comb
+        x = (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
+        return (x if norm is None else rms_norm(x, norm, norm_eps)), post, comb
 
     def post(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor) -> Tensor:
         """out[k] = post[k] * x + sum_j comb[j, k] * res[j]  (comb used transposed): [N, hc, D]."""

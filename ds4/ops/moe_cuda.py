@@ -6,7 +6,8 @@ moe=fp4_topk
   routed: all top-k experts of the layer in two launches reading the expert ids from the device
           tensor: gate+up (+clamp, SiLU, route weight, BF16 h) and down (fp32 accumulation over the
           experts in registers, no atomics). Slots whose expert is not held locally add 0.
-  shared: the FP8 shared expert through the same two kernels (one expert, no route weight).
+  shared: the FP8 shared expert through the same two kernels (one expert, no route weight); the
+          routed sum is added in the down kernel's epilogue (no separate add / casts).
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -80,12 +81,14 @@ class Fp4TopkMoE:
                                                 ids[i:i + PREFILL_TOKENS], mw, act_quant)
                           for i in range(0, n, PREFILL_TOKENS)])
 
-    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None) -> Tensor:
         n = x.shape[0]
         if n == 0 or n > CHUNKED_TOKENS:
-            return self._reference().shared(x, mw, act_quant)
+            return self._reference().shared(x, mw, act_quant, add)
         if n > PREFILL_TOKENS:
-            return torch.cat([self.shared(x[i:i + PREFILL_TOKENS], mw, act_quant) for i in range(0, n, PREFILL_TOKENS)])
+            return torch.cat([self.shared(x[i:i + PREFILL_TOKENS], mw, act_quant,
+                                          None if add is None else add[i:i + PREFILL_TOKENS])
+                              for i in range(0, n, PREFILL_TOKENS)])
         w1, w2, w3 = mw.shared_w1, mw.shared_w2, mw.shared_w3
         aq = act_quant and w1.fmt != "bf16"
         xq = _act_quant_sim(x) if aq else x
@@ -93,7 +96,9 @@ class Fp4TopkMoE:
                                 mw.swiglu_limit)
         if act_quant and w2.fmt != "bf16":
             h = _act_quant_sim(h)
-        y = kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, None, False)
+        # with `add`: bf16(add + bf16(shared)) in the down kernel's epilogue (the reference's rounding)
+        add = None if add is None else add.float().contiguous()
+        y = kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, add, False)
         return y.to(x.dtype)
 
 

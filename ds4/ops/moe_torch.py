@@ -82,8 +82,9 @@ class DequantMoE:
             y.index_add_(0, rows, F.linear(a, mw.w2[e].dequant(x.dtype)).float())
         return y
 
-    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
-        return shared_expert(x, mw.shared_w1, mw.shared_w2, mw.shared_w3, mw.swiglu_limit, act_quant)
+    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None) -> Tensor:
+        y = shared_expert(x, mw.shared_w1, mw.shared_w2, mw.shared_w3, mw.swiglu_limit, act_quant)
+        return y if add is None else (add + y.float()).to(x.dtype)
 
 
 def shared_expert(x: Tensor, w1: QWeight, w2: QWeight, w3: QWeight, limit: float, act_quant: bool) -> Tensor:

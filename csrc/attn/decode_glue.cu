@@ -1,0 +1,235 @@
+// The small per-token steps between the big decode kernels, one launch each (spec §5.1-§5.4, §5.8):
+//   rms_norm_kernel      weighted RMSNorm of bf16 rows (fp32 math, the reference's F.rms_norm).
+//   head_rope_kernel     per-head unweighted RMSNorm (optional) + interleaved RoPE of the last R dims
+//                        at the row's device position: the query path and the indexer query.
+//   kv_store_kernel      window KV: kv_norm, RoPE, (qat) FP8 simulation of the nope dims, write into
+//                        the ring slot pos % W.
+//   compress_step_kernel compressor decode step: write the token's kv / gate score (+ape) into the
+//                        state; on the step that completes an entry ((pos+1) % m == 0, decided per row
+//                        on the device) pool it (per-channel softmax over the window's slots), norm,
+//                        RoPE at the entry's first position, (qat) FP8 nope, write cache[pos // m], and
+//                        for the overlapped CSA compressor move the current slots to "previous".
+// Positions are int64 device tensors; angles are fp32 pos * f as torch.polar's, with accurate
+// sincosf (no fast-math anywhere). Values are rounded to bf16 where the reference rounds.
+#include <cuda_fp8.h>
+
+#include "attn_common.cuh"
+#include "attn_launch.h"
+
+namespace ds4_attn {
+
+constexpr int GLUE_THREADS = 256;
+constexpr int GLUE_WARPS = GLUE_THREADS / 32;
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (int w = 0; w < nw; ++w) t += red[w];  // fixed order: same value in every thread
+  return t;
+}
+
+__device__ __forceinline__ float wload(const void* w, bool w_f32, int i) { return ld_as_float(w, i, w_f32); }
+
+// s = 2^ceil(log2(amax * fp32(1/448))) with the reference's bit trick (ds4.quant.qat._pow2_ceil_scale).
+__device__ __forceinline__ float fp8_pow2_scale(float amax) {
+  const float p = fmaxf(amax, 1e-4f) * (1.0f / 448.0f);
+  const uint32_t bits = __float_as_uint(p);
+  const uint32_t e = (bits >> 23) & 0xFFu, m = bits & 0x7FFFFFu;
+  return __uint_as_float((e + (m != 0u ? 1u : 0u)) << 23);
+}
+
+__device__ __forceinline__ float fp8_roundtrip(float x, float s) {
+  const float v = fminf(fmaxf(x / s, -448.f), 448.f);
+  const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  const __half_raw hr = __nv_cvt_fp8_to_halfraw(q, __NV_E4M3);
+  return __half2float(__half(hr)) * s;
+}
+
+// Finish one cache / window entry held in shared memory (v[0..w), fp32 values of bf16 numbers):
+// y = bf16(rms_norm(v) * weight); RoPE the last R dims at `position`; (fp8_nope) FP8-simulate dims
+// [0, w-R) in blocks of 64; write bf16 to dst. Whole block; v is overwritten.
+__device__ void finish_entry(float* v, int w, const void* weight, bool w_f32, float eps, long position,
+                             const float* freqs, int R, bool fp8_nope, __nv_bfloat16* dst, float* red) {
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < w; c += blockDim.x) ss += v[c] * v[c];
+  const float r = rsqrtf(block_sum(ss, red) / (float)w + eps);
+  for (int c = threadIdx.x; c < w; c += blockDim.x) v[c] = bf16r(v[c] * r * wload(weight, w_f32, c));
+  __syncthreads();
+  const float fpos = (float)position;
+  for (int i = threadIdx.x; i < R / 2; i += blockDim.x) {
+    const int j = w - R + 2 * i;
+    float sn, cs;
+    sincosf(fpos * freqs[i], &sn, &cs);
+    const float a = v[j], b = v[j + 1];
+    v[j] = bf16r(a * cs - b * sn);
+    v[j + 1] = bf16r(a * sn + b * cs);
+  }
+  __syncthreads();
+  if (fp8_nope) {  // act_quant_sim(c[..., :w-R], 64): one warp per block of 64 dims
+    const int nope = w - R, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int blk = threadIdx.x >> 5; blk * 64 < nope; blk += nw) {
+      const int c0 = blk * 64 + lane, c1 = c0 + 32;
+      const float a0 = c0 < nope ? v[c0] : 0.f, a1 = c1 < nope ? v[c1] : 0.f;
+      float amax = fmaxf(fabsf(a0), fabsf(a1));
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const float s = fp8_pow2_scale(amax);
+      if (c0 < nope) v[c0] = bf16r(fp8_roundtrip(a0, s));
+      if (c1 < nope) v[c1] = bf16r(fp8_roundtrip(a1, s));
+    }
+    __syncthreads();
+  }
+  for (int c = threadIdx.x; c < w; c += blockDim.x) dst[c] = __float2bfloat16(v[c]);
+}
+
+__global__ void __launch_bounds__(GLUE_THREADS) rms_norm_kernel(const __nv_bfloat16* __restrict__ x,
+                                                                const void* __restrict__ weight, bool w_f32, int D,
+                                                                float eps, __nv_bfloat16* __restrict__ out) {
+  ds4_pdl::begin();
+  __shared__ float red[GLUE_WARPS];
+  const long base = (long)blockIdx.x * D;
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    const float v = __bfloat162float(x[base + c]);
+    ss += v * v;
+  }
+  const float r = rsqrtf(block_sum(ss, red) / (float)D + eps);
+  for (int c = threadIdx.x; c < D; c += blockDim.x)
+    out[base + c] = __float2bfloat16(__bfloat162float(x[base + c]) * r * wload(weight, w_f32, c));
+}
+
+// Block (head, row): optional unweighted RMS (x * bf16(rsqrt(mean(x^2) + eps)), rounded to bf16), then RoPE.
+__global__ void __launch_bounds__(128) head_rope_kernel(const __nv_bfloat16* __restrict__ x, const int64_t* __restrict__ pos,
+                                                        const float* __restrict__ freqs, int H, int D, int R, bool norm,
+                                                        float eps, __nv_bfloat16* __restrict__ out) {
+  ds4_pdl::begin();
+  extern __shared__ float hv[];  // [D]
+  __shared__ float red[4];
+  const int h = blockIdx.x, r = blockIdx.y;
+  const long base = ((long)r * H + h) * D;
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    const float v = __bfloat162float(x[base + c]);
+    hv[c] = v;
+    ss += v * v;
+  }
+  if (norm) {
+    const float rb = bf16r(rsqrtf(block_sum(ss, red) / (float)D + eps));
+    for (int c = threadIdx.x; c < D; c += blockDim.x) hv[c] = bf16r(hv[c] * rb);
+  }
+  __syncthreads();
+  const float fpos = (float)pos[r];
+  for (int i = threadIdx.x; i < R / 2; i += blockDim.x) {
+    const int j = D - R + 2 * i;
+    float sn, cs;
+    sincosf(fpos * freqs[i], &sn, &cs);
+    const float a = hv[j], b = hv[j + 1];
+    hv[j] = a * cs - b * sn;
+    hv[j + 1] = a * sn + b * cs;
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < D; c += blockDim.x) out[base + c] = __float2bfloat16(hv[c]);
+}
+
+__global__ void __launch_bounds__(GLUE_THREADS) kv_store_kernel(const __nv_bfloat16* __restrict__ kv,
+                                                                const void* __restrict__ weight, bool w_f32,
+                                                                const int64_t* __restrict__ pos,
+                                                                const float* __restrict__ freqs, int D, int R,
+                                                                float eps, bool fp8_nope, __nv_bfloat16* win,
+                                                                long win_b, int W) {
+  ds4_pdl::begin();
+  extern __shared__ float ev[];  // [D]
+  __shared__ float red[GLUE_WARPS];
+  const int r = blockIdx.x;
+  const long p = pos[r];
+  for (int c = threadIdx.x; c < D; c += blockDim.x) ev[c] = __bfloat162float(kv[(long)r * D + c]);
+  __syncthreads();
+  finish_entry(ev, D, weight, w_f32, eps, p, freqs, R, fp8_nope, win + r * win_b + (p % W) * D, red);
+}
+
+__global__ void __launch_bounds__(GLUE_THREADS) compress_step_kernel(CompressArgs a) {
+  ds4_pdl::begin();
+  extern __shared__ float pv[];  // [w] pooled entry
+  __shared__ float red[GLUE_WARPS];
+  const int r = blockIdx.x;
+  const long p = a.pos[r];
+  const int m = a.m, w = a.w, cw = a.overlap ? 2 * w : w;   // cw: state / projection width
+  const int phase = (int)(p % m);
+  const int slot = phase + (a.overlap ? m : 0);
+  const float* kv = a.kvz + (long)r * 2 * cw;   // [kv (cw) | z (cw)]
+  const float* z = kv + cw;
+  const float* ape = a.ape + (long)phase * cw;
+  float* skv = a.skv + (long)r * a.state_b;     // [slots, cw]
+  float* ssc = a.ssc + (long)r * a.state_b;
+  // After the write, thread c pools and shifts only columns c and w + c of every slot, so the
+  // threads never touch each other's columns until the finishing norm.
+  for (int c = threadIdx.x; c < cw; c += blockDim.x) {
+    skv[(long)slot * cw + c] = kv[c];
+    ssc[(long)slot * cw + c] = z[c] + ape[c];
+  }
+  __syncthreads();  // when blockDim > w, column w + c was written by another thread
+  if ((p + 1) % m != 0) return;  // entry incomplete: invisible to every reader until it completes
+  for (int c = threadIdx.x; c < w; c += blockDim.x) {
+    // one softmax over the window's slots (2m when overlapped: previous window's lower half, then
+    // this window's upper half), max first, then sum exp * kv, like torch's softmax then (kv * p).sum
+    const int nslots = a.overlap ? 2 * m : m;
+    float mx = -INFINITY;
+    for (int j = 0; j < nslots; ++j) {
+      const int col = (a.overlap && j >= m) ? w + c : c;
+      mx = fmaxf(mx, ssc[(long)j * cw + col]);
+    }
+    float den = 0.f, num = 0.f;
+    for (int j = 0; j < nslots; ++j) {
+      const int col = (a.overlap && j >= m) ? w + c : c;
+      const float e = expf(ssc[(long)j * cw + col] - mx);
+      den += e;
+      num += skv[(long)j * cw + col] * e;
+    }
+    pv[c] = bf16r(num / den);
+    if (a.overlap) {  // window complete: current slots become the previous window (both column halves)
+      for (int j = 0; j < m; ++j) {
+        skv[(long)j * cw + c] = skv[(long)(m + j) * cw + c];
+        skv[(long)j * cw + w + c] = skv[(long)(m + j) * cw + w + c];
+        ssc[(long)j * cw + c] = ssc[(long)(m + j) * cw + c];
+        ssc[(long)j * cw + w + c] = ssc[(long)(m + j) * cw + w + c];
+      }
+    }
+  }
+  __syncthreads();
+  finish_entry(pv, w, a.norm, a.norm_f32, a.eps, (p / m) * m, a.freqs, a.R, a.fp8_nope,
+               static_cast<__nv_bfloat16*>(a.cache) + r * a.cache_b + (p / m) * w, red);
+}
+
+cudaError_t launch_rms_norm(const void* x, const void* weight, bool w_f32, int N, int D, float eps, void* out,
+                            cudaStream_t st) {
+  if (N < 1 || D < 1) return N == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  return ds4_pdl::launch(rms_norm_kernel, dim3(N), dim3(GLUE_THREADS), 0, st, static_cast<const __nv_bfloat16*>(x),
+                         weight, w_f32, D, eps, static_cast<__nv_bfloat16*>(out));
+}
+
+cudaError_t launch_head_rope(const void* x, const int64_t* pos, const float* freqs, int N, int H, int D, int R,
+                             bool norm, float eps, void* out, cudaStream_t st) {
+  if (N < 1 || H < 1 || R % 2 || R > D || N > 65535 || D * 4 > 48 * 1024) return cudaErrorInvalidValue;
+  return ds4_pdl::launch(head_rope_kernel, dim3(H, N), dim3(128), D * sizeof(float), st,
+                         static_cast<const __nv_bfloat16*>(x), pos, freqs, H, D, R, norm, eps,
+                         static_cast<__nv_bfloat16*>(out));
+}
+
+cudaError_t launch_kv_store(const void* kv, const void* weight, bool w_f32, const int64_t* pos, const float* freqs,
+                            int N, int D, int R, float eps, bool fp8_nope, void* win, long win_b, int W,
+                            cudaStream_t st) {
+  if (N < 1 || R % 2 || R > D || W < 1 || D * 4 > 48 * 1024) return cudaErrorInvalidValue;
+  return ds4_pdl::launch(kv_store_kernel, dim3(N), dim3(GLUE_THREADS), D * sizeof(float), st,
+                         static_cast<const __nv_bfloat16*>(kv), weight, w_f32, pos, freqs, D, R, eps, fp8_nope,
+                         static_cast<__nv_bfloat16*>(win), win_b, W);
+}
+
+cudaError_t launch_compress_step(const CompressArgs& a, int N, cudaStream_t st) {
+  if (N < 1 || a.m < 1 || a.w < 1 || a.R % 2 || a.R > a.w || a.w * 4 > 48 * 1024) return cudaErrorInvalidValue;
+  return ds4_pdl::launch(compress_step_kernel, dim3(N), dim3(GLUE_THREADS), a.w * sizeof(float), st, a);
+}
+
+}  // namespace ds4_attn

@@ -1,0 +1,64 @@
+// Programmatic dependent launch (PDL, sm_90+), shared by both ds4 extensions.
+//
+// Inside a CUDA graph a batch-1 decode step is a chain of small kernels; each one otherwise pays
+// the launch latency and its grid's ramp-up after the previous kernel fully drains. With PDL the
+// next kernel is launched while the previous one runs: its blocks do the work that does not depend
+// on the previous kernel (e.g. a GEMV's first weight loads — weights are constant) and then block in
+// wait() until the previous grid has completed and its memory is visible. Every ds4 kernel calls
+// wait() before it reads any activation / state or writes any output, so the result is the same as
+// with ordinary stream order; launch_dependents() right after lets the following kernel start its
+// own prologue early (one kernel ahead).
+// On sm_80 (and with DS4_PDL=0, for the ablation) the attribute is not set and wait() is a no-op.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+namespace ds4_pdl {
+
+__device__ __forceinline__ void wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// wait for the previous kernel, then let the next one launch: the first statement of most kernels
+__device__ __forceinline__ void begin() {
+  wait();
+  launch_dependents();
+}
+
+// Host: launches on the current device use PDL (compute capability >= 9.0 and DS4_PDL != "0"; the
+// variable is read at every launch so one process can measure both, e.g. before two graph captures).
+inline bool enabled() {
+  const char* env = std::getenv("DS4_PDL");
+  if (env && env[0] == '0') return false;
+  static int major_of[64] = {0};  // per device, 0 = not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (major_of[dev] == 0) cudaDeviceGetAttribute(&major_of[dev], cudaDevAttrComputeCapabilityMajor, dev);
+  return major_of[dev] >= 9;
+}
+
+template <typename... KArgs, typename... Args>
+cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+}  // namespace ds4_pdl

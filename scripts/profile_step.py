@@ -1,0 +1,97 @@
+"""Where one batch-1 decode step's time goes, kernel by kernel (one GPU, CUDA-graph replay).
+
+    python scripts/profile_step.py --layers 4 --variant kernels+fused [--replays 20] [--out f.json]
+
+The captured step is replayed under torch.profiler (CUPTI sees every kernel inside the graph):
+per kernel name, the GPU time per step and per layer, and the step's wall time, whose difference
+to the summed kernel time is the launch gaps between kernels. Variant tokens as in
+bench_decode.py (kernels, fused).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import time
+
+import torch
+
+from ds4.model.args import preset
+from ds4.model.transformer import Transformer
+from ds4.registry import Impls, build_ops
+from ds4.runtime.generate import Generator
+from ds4.weights.synthetic import random_weights
+
+# a readable label per kernel: template arguments and namespaces dropped
+_LABEL = re.compile(r"^(?:void )?(?:[\w:]+::)?(\w+)")
+
+
+def label(name: str) -> str:
+    m = _LABEL.match(name)
+    return (m.group(1) if m else name)[:48]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="v4_flash")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--variant", default="kernels+fused")
+    ap.add_argument("--context", type=int, default=64, help="prompt tokens before the profiled steps")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    args = preset(a.model)
+    args = args.with_layers(a.layers) if a.layers < args.n_layers else args
+    toks = set(a.variant.split("+"))
+    kw = {}
+    if "kernels" in toks:
+        kw.update(linear="gemv_cuda", moe="fp4_topk")
+    if "fused" in toks:
+        kw.update(attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
+    model = Transformer(args, build_ops(Impls(**kw), dev), "plain", torch.bfloat16, dev)
+    model.load_weights(random_weights(args, seed=0, device=dev, include_mtp=False))
+    gen = Generator(model, 1, a.context + a.replays + 64, runtime="cuda_graph")
+    prompt = [(13 * i + 7) % args.vocab_size for i in range(a.context)]
+    gen.generate([prompt], 4, stop_at_eos=False)            # prefill, capture, a few steps
+    step = gen.graph_step(1, "argmax")
+    tok = torch.tensor([1], device=dev)
+    for _ in range(3):
+        tok = step(tok)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.replays):
+        tok = step(tok)
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) / a.replays * 1e6
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.replays):
+            tok = step(tok)
+        torch.cuda.synchronize()
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.key_averages():  # kernel rows: device time, no host time of their own
+        dt = getattr(ev, "self_device_time_total", None)
+        dt = dt if dt is not None else getattr(ev, "self_cuda_time_total", 0.0)
+        if dt > 0 and ev.cpu_time_total == 0:
+            k = label(ev.key)
+            per[k][0] += dt
+            per[k][1] += ev.count
+    rows = sorted(((k, v[0] / a.replays, v[1] / a.replays) for k, v in per.items()), key=lambda r: -r[1])
+    busy = sum(r[1] for r in rows)
+    launches = sum(r[2] for r in rows)
+    print(f"\n{torch.cuda.get_device_name(dev)}: {a.model} n_layers={a.layers} {a.variant}, context {a.context}")
+    print(f"step wall {wall_us:.1f} us, kernel time {busy:.1f} us, {launches:.0f} kernels per step "
+          f"({launches / a.layers:.1f} per layer), gaps {wall_us - busy:.1f} us")
+    print(f"{'kernel':<50}{'us/step':>9}{'us/layer':>10}{'calls':>7}{'us/call':>9}")
+    for k, us, n in rows:
+        print(f"{k:<50}{us:>9.1f}{us / a.layers:>10.1f}{n:>7.0f}{us / max(n, 1):>9.2f}")
+    if a.out:
+        json.dump({"gpu": torch.cuda.get_device_name(dev), "layers": a.layers, "variant": a.variant,
+                   "context": a.context, "wall_us": wall_us, "kernel_us": busy, "kernels": launches,
+                   "rows": [{"kernel": k, "us_per_step": us, "calls_per_step": n} for k, us, n in rows]},
+                  open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
