@@ -66,7 +66,8 @@ def positions(*p):
 
 
 # ---------------------------------------------------------------------------------------- norms, RoPE
-@pytest.mark.parametrize("N,D,wdt", [(1, 1024, BF16), (3, 4096, BF16), (2, 4096, torch.float32), (5, 136, BF16)])
+@pytest.mark.parametrize("N,D,wdt", [(1, 1024, BF16), (3, 4096, BF16), (2, 4096, torch.float32), (5, 136, BF16),
+                                     (2, 100, BF16), (1, 7168, torch.float32)])
 def test_rms_norm(N, D, wdt):
     g = gen(N * D)
     x = randn(N, D, g=g, dtype=BF16, scale=3.0)
@@ -182,11 +183,12 @@ def test_indexer_scores_mask_invisible_entries(bf16):
     assert rel(got[fin], ref[fin]) <= TOL
 
 
-@pytest.mark.parametrize("N", [1, 3])
-def test_hc_pre_with_block_norm(N):
+@pytest.mark.parametrize("N,dtype", [(1, BF16), (3, BF16), (2, torch.float32)])
+def test_hc_pre_with_block_norm(N, dtype):
+    """hc.pre with the block's norm: one finishing block per token that also RMS-normalises."""
     g = gen(N)
     n, D = 4, 4096
-    h = randn(N, n, D, g=g, dtype=BF16)
+    h = randn(N, n, D, g=g, dtype=dtype)
     fn = randn((2 + n) * n, n * D, g=g) * (4.0 / (n * D) ** 0.5)
     base, scale = randn((2 + n) * n, g=g) * 0.5, 1.0 + 0.1 * randn(3, g=g)
     norm = (1 + 0.1 * randn(D, g=g)).to(BF16)

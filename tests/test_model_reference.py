@@ -85,6 +85,20 @@ def test_decode_matches_prefill(numerics, gemm_act_quant, tol, monkeypatch):
         assert err < tol, (numerics, split, float(err))
 
 
+def test_small_cache_attends_to_all_entries_like_topk():
+    """A state whose compressed cache holds <= index_topk entries skips the indexer at decode (top-k
+    would select every entry): same logits as a larger state where the indexer runs, up to summation order."""
+    a = tiny().replace(index_topk=16)                      # ratio 4: a 64-token state holds 16 entries
+    m = build(a, seed=4)
+    seq = [(7 * i + 3) % a.vocab_size for i in range(60)]
+    out = []
+    for max_len in (64, 256):                              # 16 entries (skipped) vs 64 (> 16: indexer runs)
+        g = Generator(m, 1, max_len)
+        g.prefill([seq[:20]])
+        out.append(torch.stack([g.decode(torch.tensor([t]))[0] for t in seq[20:]]))
+    assert (out[0] - out[1]).abs().max() <= 1e-4 * out[1].abs().max()
+
+
 def test_qat_differs_from_plain():
     a = tiny()
     seq = [[(5 * i + 1) % a.vocab_size for i in range(40)]]

@@ -49,9 +49,12 @@ at::Tensor hc_mixes_partials(const at::Tensor& h, const at::Tensor& fn, int64_t&
   return part;
 }
 
+bool norm_weight_f32(const at::Tensor& w, int64_t n, const char* op);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const at::Tensor& fn,
                                                       const at::Tensor& scale, const at::Tensor& base, int64_t iters,
-                                                      double hc_eps, double norm_eps) {
+                                                      double hc_eps, double norm_eps,
+                                                      const std::optional<at::Tensor>& norm) {
   check_cuda(h, "h");
   check_f32(fn, "fn");
   check_f32(scale, "scale");
@@ -61,6 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const
   TORCH_CHECK(fn.size(0) == (2 + n) * n && base.numel() == (2 + n) * n && scale.numel() >= 3,
               "ds4_attn.hc_pre: fn/base/scale shapes");
   TORCH_CHECK(iters >= 1, "ds4_attn.hc_pre: iters must be >= 1");
+  const bool nf = norm.has_value() ? norm_weight_f32(*norm, D, "hc_pre") : false;
   c10::cuda::CUDAGuard guard(h.device());
   auto x = at::empty({N, D}, h.options());
   auto post = at::empty({N, n}, h.options().dtype(at::kFloat));
@@ -72,6 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const
                                           (int)n, (int)D, (int)fn.size(0), (int)nsplit, scale.data_ptr<float>(),
                                           base.data_ptr<float>(), (int)iters, (float)hc_eps, (float)norm_eps, false,
                                           x.data_ptr(), post.data_ptr<float>(), comb.data_ptr<float>(),
+                                          norm.has_value() ? norm->data_ptr() : nullptr, nf,
                                           c10::cuda::getCurrentCUDAStream().stream()),
                "hc_finish");
   return {x, post, comb};
@@ -94,7 +99,8 @@ at::Tensor hc_head(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& 
   check_launch(ds4_attn::launch_hc_finish(h.data_ptr(), h.scalar_type() == at::kFloat, part.data_ptr<float>(), (int)N,
                                           (int)n, (int)D, (int)n, (int)nsplit, scale.data_ptr<float>(),
                                           base.data_ptr<float>(), 1, (float)hc_eps, (float)norm_eps, true,
-                                          x.data_ptr(), nullptr, nullptr, c10::cuda::getCurrentCUDAStream().stream()),
+                                          x.data_ptr(), nullptr, nullptr, nullptr, false,
+                                          c10::cuda::getCurrentCUDAStream().stream()),
                "hc_finish(head)");
   return x;
 }
@@ -384,8 +390,8 @@ void compress_step(const at::Tensor& kvz, const at::Tensor& ape, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(ds4_attn, m) {
-  m.def("hc_pre(Tensor h, Tensor fn, Tensor scale, Tensor base, int iters, float hc_eps, float norm_eps) -> "
-        "(Tensor, Tensor, Tensor)");
+  m.def("hc_pre(Tensor h, Tensor fn, Tensor scale, Tensor base, int iters, float hc_eps, float norm_eps, "
+        "Tensor? norm=None) -> (Tensor, Tensor, Tensor)");
   m.def("hc_head(Tensor h, Tensor fn, Tensor scale, Tensor base, float hc_eps, float norm_eps) -> Tensor");
   m.def("hc_post(Tensor x, Tensor res, Tensor post, Tensor comb) -> Tensor");
   m.def("sparse_attn(Tensor q, Tensor kv, Tensor valid, Tensor? sel_kv, Tensor? sel_valid, Tensor sink, "

@@ -19,9 +19,11 @@ cudaError_t launch_hc_partials(const void* h, bool h_f32, const float* fn, int N
 //     post = 2 sigmoid(m[n:2n]*scale[1] + base[n:2n]), comb = Sinkhorn(m[2n:]*scale[2] + base[2n:]);
 //  head = true (hc_head): pre = sigmoid(m*scale[0] + base) + hc_eps (mix == n);
 // x[t, :] = sum_j pre[j] * h[t, j, :] (fp32, written in h's dtype). post [N, n], comb [N, n, n] f32.
+// norm (bf16 / f32 [D], hc_pre only): x is then rounded to h's dtype and RMS-normed with that weight.
 cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N, int n, int D, int mix, int nsplit,
                              const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
-                             bool head, void* x, float* post, float* comb, cudaStream_t st);
+                             bool head, void* x, float* post, float* comb, const void* norm, bool norm_f32,
+                             cudaStream_t st);
 // out[t, k, :] = post[t, k] * x[t, :] + sum_j comb[t, j, k] * res[t, j, :]  (fp32, written in res's dtype)
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,
                            const float* comb, int N, int n, int D, void* out, cudaStream_t st);

@@ -85,6 +85,69 @@ __device__ void finish_entry(float* v, int w, const void* weight, bool w_f32, fl
   for (int c = threadIdx.x; c < w; c += blockDim.x) dst[c] = __float2bfloat16(v[c]);
 }
 
+// 8 bf16 per 16-byte vector, up to NORM_VPT vectors per thread held in registers between the two passes
+constexpr int NORM_VPT = 4;
+
+__device__ __forceinline__ void load8_weight(const void* w, bool w_f32, int c0, float* out) {
+  if (w_f32) {
+    const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(w) + c0);
+    const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(w) + c0 + 4);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w; out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+  } else {
+    const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(w) + c0);
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(p[k]);
+      out[2 * k] = f.x;
+      out[2 * k + 1] = f.y;
+    }
+  }
+}
+
+// D % 8 == 0 and D <= 8 * GLUE_THREADS * NORM_VPT: one pass of 16-byte loads, values kept in registers.
+__global__ void __launch_bounds__(GLUE_THREADS) rms_norm_vec_kernel(const uint4* __restrict__ x,
+                                                                    const void* __restrict__ weight, bool w_f32,
+                                                                    int D, float eps, uint4* __restrict__ out) {
+  ds4_pdl::begin();
+  __shared__ float red[GLUE_WARPS];
+  const int nvec = D / 8;
+  const long base = (long)blockIdx.x * nvec;
+  uint4 v[NORM_VPT];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < NORM_VPT; ++i) {
+    const int j = threadIdx.x + i * GLUE_THREADS;
+    if (j < nvec) {
+      v[i] = x[base + j];
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(p[k]);
+        ss += f.x * f.x + f.y * f.y;
+      }
+    }
+  }
+  const float r = rsqrtf(block_sum(ss, red) / (float)D + eps);
+#pragma unroll
+  for (int i = 0; i < NORM_VPT; ++i) {
+    const int j = threadIdx.x + i * GLUE_THREADS;
+    if (j < nvec) {
+      float w[8];
+      load8_weight(weight, w_f32, j * 8, w);
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
+      uint4 o;
+      __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(p[k]);
+        q[k] = __floats2bfloat162_rn(f.x * r * w[2 * k], f.y * r * w[2 * k + 1]);
+      }
+      out[base + j] = o;
+    }
+  }
+}
+
 __global__ void __launch_bounds__(GLUE_THREADS) rms_norm_kernel(const __nv_bfloat16* __restrict__ x,
                                                                 const void* __restrict__ weight, bool w_f32, int D,
                                                                 float eps, __nv_bfloat16* __restrict__ out) {
@@ -206,6 +269,11 @@ __global__ void __launch_bounds__(GLUE_THREADS) compress_step_kernel(CompressArg
 cudaError_t launch_rms_norm(const void* x, const void* weight, bool w_f32, int N, int D, float eps, void* out,
                             cudaStream_t st) {
   if (N < 1 || D < 1) return N == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) |
+                         reinterpret_cast<uintptr_t>(weight)) & 15) == 0;
+  if (D % 8 == 0 && D <= 8 * GLUE_THREADS * NORM_VPT && aligned)
+    return ds4_pdl::launch(rms_norm_vec_kernel, dim3(N), dim3(GLUE_THREADS), 0, st, static_cast<const uint4*>(x),
+                           weight, w_f32, D, eps, static_cast<uint4*>(out));
   return ds4_pdl::launch(rms_norm_kernel, dim3(N), dim3(GLUE_THREADS), 0, st, static_cast<const __nv_bfloat16*>(x),
                          weight, w_f32, D, eps, static_cast<__nv_bfloat16*>(out));
 }

@@ -3,7 +3,8 @@
 //                per token (partials in a small fp32 workspace);
 //   hc_finish:   reduce the partials, RMS factor, sigmoids, Sinkhorn (exact op order of
 //                ds4.ops.hc_torch.sinkhorn), weighted sum of the streams (D split over blocks, each
-//                block redoes the tiny Sinkhorn so no third launch is needed);
+//                block redoes the tiny Sinkhorn so no third launch is needed); with the block's
+//                attn/ffn norm weight, one block per token that also RMS-normalises the result;
 //   hc_post:     out[k] = post[k] x + sum_j comb[j, k] res[j], elementwise.
 #include "attn_common.cuh"
 #include "attn_launch.h"
@@ -66,16 +67,22 @@ __global__ void __launch_bounds__(HC_THREADS) hc_finish_kernel(const void* __res
                                                                 int nsplit, const float* __restrict__ scale,
                                                                 const float* __restrict__ base, int iters,
                                                                 float hc_eps, float norm_eps, bool head, void* x,
-                                                                float* __restrict__ post, float* __restrict__ comb) {
+                                                                float* __restrict__ post, float* __restrict__ comb,
+                                                                const void* __restrict__ norm, bool norm_f32) {
   ds4_pdl::begin();
   const int t = blockIdx.y;
   __shared__ float tot[HC_MAX_MIX + 1];
   __shared__ float pre[HC_MAX_N];
   __shared__ float cm[HC_MAX_N * HC_MAX_N];
-  for (int m = threadIdx.x; m <= mix; m += HC_THREADS) {
-    float v = 0.f;
-    for (int s = 0; s < nsplit; ++s) v += part[((long)t * nsplit + s) * (mix + 1) + m];
-    tot[m] = v;
+  {  // one warp per mix entry: lanes stride over the splits, then a fixed shuffle tree (deterministic);
+     // a serial loop over ~128 partials per thread was ~12 us of dependent L2 round trips
+    const int lane = threadIdx.x & 31;
+    for (int m = threadIdx.x >> 5; m <= mix; m += HC_THREADS / 32) {
+      float v = 0.f;
+      for (int s = lane; s < nsplit; s += 32) v += part[((long)t * nsplit + s) * (mix + 1) + m];
+      for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) tot[m] = v;
+    }
   }
   __syncthreads();
   // n a power of two <= 4 (V4: n = 4): warp 0 runs Sinkhorn in registers, lane j*n+k holding C[j][k],
@@ -156,6 +163,33 @@ __global__ void __launch_bounds__(HC_THREADS) hc_finish_kernel(const void* __res
   }
   __syncthreads();
   const long hoff = (long)t * n * D;
+  if (norm != nullptr) {  // one block per token: x in h's dtype, then the block's RMSNorm (fp32) over it
+    extern __shared__ float xs[];  // [D]
+    __shared__ float red[HC_THREADS / 32];
+    float ss = 0.f;
+    for (int d = threadIdx.x; d < D; d += HC_THREADS) {
+      float acc = 0.f;
+      for (int j = 0; j < n; ++j) acc += pre[j] * ld_as_float(h, hoff + (long)j * D + d, h_f32);
+      const float xv = h_f32 ? acc : bf16r(acc);
+      xs[d] = xv;
+      ss += xv * xv;
+    }
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float tot_ss = 0.f;
+#pragma unroll
+    for (int w = 0; w < HC_THREADS / 32; ++w) tot_ss += red[w];
+    const float r = rsqrtf(tot_ss / (float)D + norm_eps);
+    for (int d = threadIdx.x; d < D; d += HC_THREADS) {
+      const float y = xs[d] * r * ld_as_float(norm, d, norm_f32);
+      if (h_f32)
+        static_cast<float*>(x)[(long)t * D + d] = y;
+      else
+        static_cast<__nv_bfloat16*>(x)[(long)t * D + d] = __float2bfloat16(y);
+    }
+    return;
+  }
   for (int d = blockIdx.x * HC_THREADS + threadIdx.x; d < D; d += gridDim.x * HC_THREADS) {
     float acc = 0.f;
     for (int j = 0; j < n; ++j) acc += pre[j] * ld_as_float(h, hoff + (long)j * D + d, h_f32);
@@ -203,13 +237,16 @@ cudaError_t launch_hc_partials(const void* h, bool h_f32, const float* fn, int N
 
 cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N, int n, int D, int mix, int nsplit,
                              const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
-                             bool head, void* x, float* post, float* comb, cudaStream_t st) {
+                             bool head, void* x, float* post, float* comb, const void* norm, bool norm_f32,
+                             cudaStream_t st) {
   if (n < 1 || n > HC_MAX_N || mix > HC_MAX_MIX || N < 1 || N > 65535) return cudaErrorInvalidValue;
   if (head ? mix != n : mix != (2 + n) * n) return cudaErrorInvalidValue;
+  if (norm != nullptr && (long)D * 4 > 48 * 1024) return cudaErrorInvalidValue;
   const int per_block = HC_THREADS * 4;
-  dim3 grid((D + per_block - 1) / per_block, N);
-  return ds4_pdl::launch(hc_finish_kernel, grid, dim3(HC_THREADS), 0, st, h, h_f32, part, n, D, mix, nsplit, scale,
-                         base, iters, hc_eps, norm_eps, head, x, post, comb);
+  dim3 grid(norm != nullptr ? 1 : (D + per_block - 1) / per_block, N);
+  const size_t smem = norm != nullptr ? (size_t)D * sizeof(float) : 0;
+  return ds4_pdl::launch(hc_finish_kernel, grid, dim3(HC_THREADS), smem, st, h, h_f32, part, n, D, mix, nsplit, scale,
+                         base, iters, hc_eps, norm_eps, head, x, post, comb, norm, norm_f32);
 }
 
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,

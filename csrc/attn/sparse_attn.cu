@@ -82,15 +82,21 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
     float sc[SP_KC / 8][4];
 #pragma unroll
     for (int nt = 0; nt < SP_KC / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-    for (int k0 = 0; k0 < D; k0 += 16) {
-      uint32_t af[4];
-      load_a_rows(af, q, D, mt * 16, H, k0, lane);
+    // q fragments come from global memory (L2): four k-steps' loads are issued together so their
+    // latencies overlap (one load-then-mma chain per k-step left ~10 us of exposed latency at D = 512)
+    for (int k0 = 0; k0 < D; k0 += 64) {  // D % 64 == 0
+      uint32_t af[4][4];
 #pragma unroll
-      for (int nt = 0; nt < SP_KC / 8; ++nt) {
-        const uint16_t* kr = ks + (nt * 8 + g) * LD + k0 + 2 * c;
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
-        mma16816(sc[nt], af, b0, b1);
+      for (int u = 0; u < 4; ++u) load_a_rows(af[u], q, D, mt * 16, H, k0 + 16 * u, lane);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int nt = 0; nt < SP_KC / 8; ++nt) {
+          const uint16_t* kr = ks + (nt * 8 + g) * LD + k0 + 16 * u + 2 * c;
+          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
+          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+          mma16816(sc[nt], af[u], b0, b1);
+        }
       }
     }
     // ---- scale, mask, chunk max / sum per head row (g and g + 8)

@@ -48,10 +48,12 @@ def _ops():
 
 # ---- typed wrappers -----------------------------------------------------------------------------------
 def hc_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float,
-           norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """h [N, hc, D] bf16|f32 -> (x [N, D] h.dtype, post [N, hc] f32, comb [N, hc, hc] f32). Two launches."""
+           norm_eps: float, norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """h [N, hc, D] bf16|f32 -> (x [N, D] h.dtype, post [N, hc] f32, comb [N, hc, hc] f32). Two launches.
+    norm [D] (bf16|f32): x comes back RMS-normed with it (the block's attn_norm / ffn_norm)."""
     return _ops().hc_pre(h.contiguous(), fn.float().contiguous(), scale.float().contiguous(),
-                         base.float().contiguous(), int(iters), float(hc_eps), float(norm_eps))
+                         base.float().contiguous(), int(iters), float(hc_eps), float(norm_eps),
+                         None if norm is None else norm.contiguous())
 
 
 def hc_head(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float) -> Tensor:

@@ -7,7 +7,7 @@ from torch.library import register_fake
 
 
 @register_fake("ds4_attn::hc_pre")
-def _hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps):
+def _hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm=None):
     n_tok, n, d = h.shape
     return (h.new_empty((n_tok, d)), h.new_empty((n_tok, n), dtype=torch.float32),
             h.new_empty((n_tok, n, n), dtype=torch.float32))

@@ -36,10 +36,16 @@ class Attention(WeightsModule):
         fmt = weight_format(t[f"{p}.wq_a.weight"])
         # RoPE frequencies live where the weights live (fp32, computed, never loaded)
         self.register_buffer("freqs", inv_freq(self.args, self.layer, t[f"{p}.wq_a.weight"].device), persistent=False)
-        self.wq_a = self.take_linear("wq_a", t, f"{p}.wq_a", fmt)
+        # wq_a and wkv read the same input: one merged GEMV (wq_a / wkv stay available as row views)
+        rows = (t[f"{p}.wq_a.weight"].shape[0], t[f"{p}.wkv.weight"].shape[0])
+        if fmt != "fp8" or all(r % 128 == 0 for r in rows):
+            self.take_merged_linear("wqkv_a", t, [f"{p}.wq_a", f"{p}.wkv"], fmt, ["wq_a", "wkv"])
+        else:
+            self.wqkv_a = None
+            self.take_linear("wq_a", t, f"{p}.wq_a", fmt)
+            self.take_linear("wkv", t, f"{p}.wkv", fmt)
         self.q_norm = self.take("q_norm", t, f"{p}.q_norm.weight")
         self.wq_b = self.take_linear("wq_b", t, f"{p}.wq_b", fmt)
-        self.wkv = self.take_linear("wkv", t, f"{p}.wkv", fmt)
         self.kv_norm = self.take("kv_norm", t, f"{p}.kv_norm.weight")
         self.wo_a = self.take_linear("wo_a", t, f"{p}.wo_a", fmt)
         self.wo_b = self.take_linear("wo_b", t, f"{p}.wo_b", fmt)
@@ -68,18 +74,21 @@ class Attention(WeightsModule):
         return st
 
     # ---- pieces shared by prefill and decode ----------------------------------------------
-    def _q(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """x [N, dim] at positions [N] -> q [N, H, D] (per-head normed, rotated), qr [N, q_lora]
-        (q_norm'ed, shared with the indexer)."""
+    def _qkv_a(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, dim] -> (q-LoRA latent before q_norm [N, q_lora], raw window kv [N, D])."""
+        lin = self.ops.linear
+        if self.wqkv_a is None:
+            return lin(x, self.wq_a, act_quant=self.qat), lin(x, self.wkv, act_quant=self.qat)
+        qa, kv = lin(x, self.wqkv_a, act_quant=self.qat).split((self.wq_a.out_features, self.wkv.out_features), -1)
+        return qa, kv
+
+    def _q(self, qa: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """qa [N, q_lora] (wq_a output) at positions [N] -> q [N, H, D] (per-head normed, rotated),
+        qr [N, q_lora] (q_norm'ed, shared with the indexer)."""
         lin, attn, eps = self.ops.linear, self.ops.attn, self.args.norm_eps
-        qr = attn.rms_norm(lin(x, self.wq_a, act_quant=self.qat), self.q_norm, eps)
+        qr = attn.rms_norm(qa, self.q_norm, eps)
         q = lin(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.head_dim))
         return attn.head_rope(q, positions, self.freqs, True, eps), qr
-
-    def _kv(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x [S, dim] -> window key/value [S, D]: norm, RoPE, (qat) FP8 simulation of the nope dims."""
-        kv = self.ops.linear(x, self.wkv, act_quant=self.qat)
-        return finish_entry(kv, self.kv_norm, self.args.norm_eps, positions, self.freqs, "fp8" if self.qat else None)
 
     def _out(self, o: Tensor) -> Tensor:
         """o [N, H, D] (already de-rotated) -> [N, dim]: grouped wo_a, wo_b, all-reduce."""
@@ -95,9 +104,10 @@ class Attention(WeightsModule):
         a, W, S = self.args, self.args.window_size, x.shape[0]
         pos = torch.arange(S, device=x.device)
         with self.prof("attn.q"):
-            q, qr = self._q(x, pos)
-        with self.prof("attn.kv"):
-            kv = self._kv(x, pos)
+            qa, kv = self._qkv_a(x)
+            q, qr = self._q(qa, pos)
+        with self.prof("attn.kv"):  # window key/value: norm, RoPE, (qat) FP8 simulation of the nope dims
+            kv = finish_entry(kv, self.kv_norm, a.norm_eps, pos, self.freqs, "fp8" if self.qat else None)
             tail = pos[-min(S, W):]
             st["win"][row, tail % W] = kv[tail]
         entries = ikeys = qi = wi = None
@@ -146,9 +156,9 @@ class Attention(WeightsModule):
         a, B, attn = self.args, x.shape[0], self.ops.attn
         st = {k: v[:B] for k, v in st.items()}  # views: the first B rows of the preallocated state
         with self.prof("attn.q"):
-            q, qr = self._q(x, pos)
+            qa, kv = self._qkv_a(x)
+            q, qr = self._q(qa, pos)
         with self.prof("attn.kv"):
-            kv = self.ops.linear(x, self.wkv, act_quant=self.qat)
             attn.kv_store(st["win"], kv, self.kv_norm, pos, self.freqs, a.norm_eps, self.qat)
         ext = idx = None
         if self.compressor is not None:
@@ -159,11 +169,14 @@ class Attention(WeightsModule):
                 with self.prof("attn.indexer"):
                     ikv = st["ikv"]
                     self.indexer.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "icomp"), ikv, attn)
-                    qi, wi = self.indexer.query(qr, x, pos, self.freqs)
-                    # invisible entries score -inf inside the scores op (and stay -inf through the sum)
-                    sc = self.indexer.scores(qi[:, None], wi[:, None], ikv, pos=pos, ratio=self.m)
-                    sc = self.comm.all_reduce(sc, "indexer")[:, 0]                  # [B, T]
-                    idx = sc.float().topk(min(a.index_topk, ikv.shape[1]), dim=-1).indices
+                    # A cache of at most index_topk entries (short max_seq_len) makes top-k select all of
+                    # them: attend to every visible entry as HCA does (same keys; decided by shape only).
+                    if ikv.shape[1] > a.index_topk:
+                        qi, wi = self.indexer.query(qr, x, pos, self.freqs)
+                        # invisible entries score -inf inside the scores op (and stay -inf through the sum)
+                        sc = self.indexer.scores(qi[:, None], wi[:, None], ikv, pos=pos, ratio=self.m)
+                        sc = self.comm.all_reduce(sc, "indexer")[:, 0]              # [B, T]
+                        idx = sc.float().topk(a.index_topk, dim=-1).indices
         with self.prof("attn.sparse"):
             o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs)
         with self.prof("attn.out"):

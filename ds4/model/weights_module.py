@@ -33,6 +33,28 @@ class WeightsModule(nn.Module):
         setattr(self, attr, q)  # plain attribute (not a buffer)
         return q
 
+    def take_merged_linear(self, attr: str, tensors: Mapping[str, Tensor], names: list[str], fmt: str,
+                           parts: list[str]) -> QWeight:
+        """Row-concatenate linear layers that read the same input into one QWeight (one GEMV launch
+        instead of several; same bytes). Each part stays available as a row-slice view `parts[i]`.
+        FP8 parts must have 128-aligned row counts (their scale blocks then concatenate too)."""
+        ws = [_get(tensors, f"{n}.weight") for n in names]
+        ss = [tensors.get(f"{n}.scale") for n in names] if fmt != "bf16" else None
+        w = torch.cat(ws)
+        s = torch.cat(ss) if ss is not None else None
+        self.register_buffer(f"{attr}_weight", w, persistent=False)
+        if s is not None:
+            self.register_buffer(f"{attr}_scale", s, persistent=False)
+        q = QWeight(fmt, w, s)
+        setattr(self, attr, q)
+        r0 = 0
+        for part, wi in zip(parts, ws):
+            r1 = r0 + wi.shape[0]
+            srows = slice(r0 // 128, r1 // 128) if fmt == "fp8" else slice(r0, r1)
+            setattr(self, part, QWeight(fmt, w[r0:r1], None if s is None else s[srows]))
+            r0 = r1
+        return q
+
     def take_stacked(self, attr: str, tensors: Mapping[str, Tensor], names: list[str], fmt: str) -> QWeight:
         """Stack per-expert linear layers into one [E, ...] QWeight (one copy at load time, same bytes)."""
         w = torch.stack([_get(tensors, f"{n}.weight") for n in names])

@@ -2,7 +2,8 @@
 
 pre:  2 launches (RMS + the (2+hc)*hc x hc*D fp32 matvec split over ~128 blocks per token into
       partials; a finishing kernel doing sigmoids, Sinkhorn in ds4.ops.hc_torch.sinkhorn's exact op
-      order, and the weighted sum of the streams), + 1 RMSNorm launch when the block's norm is given.
+      order, and the weighted sum of the streams; given the block's norm weight, one block per token
+      that also RMS-normalises the collapsed stream — still 2 launches).
 head: the same 2 launches without post/comb/Sinkhorn.  post: 1 elementwise launch.
 Same arguments, outputs and dtypes as TorchHC. Inputs other than bf16/fp32 or hc > 8 streams go to
 TorchHC (chosen by dtype/shape only, never by values) — part of this implementation.
@@ -33,10 +34,10 @@ class FusedCudaHC:
             norm_eps: float, norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         if not _ok(h):
             return self._ref.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm)
-        x, post, comb = kernels_attn.hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps)
-        if norm is not None:
-            x = kernels_attn.rms_norm(x, norm, norm_eps) if x.dtype == torch.bfloat16 else rms_norm(x, norm, norm_eps)
-        return x, post, comb
+        if norm is not None and h.shape[-1] * 4 > 48 * 1024:  # the fused norm holds a row in shared memory
+            x, post, comb = kernels_attn.hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps)
+            return rms_norm(x, norm, norm_eps), post, comb
+        return kernels_attn.hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm)
 
     def post(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor) -> Tensor:
         if not (_ok(res) and x.dtype in _ACT):
