@@ -38,6 +38,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--variant", default="kernels+fused")
     ap.add_argument("--context", type=int, default=64, help="prompt tokens before the profiled steps")
+    ap.add_argument("--long-context", type=int, default=0,
+                    help="also time steps at this position: the state is allocated for it and the row's position "
+                         "set there after the prompt (cache contents are the prompt's and zeros: the work per "
+                         "step - indexer over every entry, top-k, HCA over all entries - is that of the context)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -52,7 +56,7 @@ def main() -> None:
         kw.update(attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
     model = Transformer(args, build_ops(Impls(**kw), dev), "plain", torch.bfloat16, dev)
     model.load_weights(random_weights(args, seed=0, device=dev, include_mtp=False))
-    gen = Generator(model, 1, a.context + a.replays + 64, runtime="cuda_graph")
+    gen = Generator(model, 1, max(a.context, a.long_context) + 3 * a.replays + 64, runtime="cuda_graph")
     prompt = [(13 * i + 7) % args.vocab_size for i in range(a.context)]
     gen.generate([prompt], 4, stop_at_eos=False)            # prefill, capture, a few steps
     step = gen.graph_step(1, "argmax")
@@ -77,18 +81,33 @@ def main() -> None:
             k = label(ev.key)
             per[k][0] += dt
             per[k][1] += ev.count
+    long_us = None
+    if a.long_context:
+        gen.state.pos[0] = a.long_context
+        for _ in range(3):
+            tok = step(tok)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(a.replays):
+            tok = step(tok)
+        torch.cuda.synchronize()
+        long_us = (time.perf_counter() - t0) / a.replays * 1e6
     rows = sorted(((k, v[0] / a.replays, v[1] / a.replays) for k, v in per.items()), key=lambda r: -r[1])
     busy = sum(r[1] for r in rows)
     launches = sum(r[2] for r in rows)
     print(f"\n{torch.cuda.get_device_name(dev)}: {a.model} n_layers={a.layers} {a.variant}, context {a.context}")
     print(f"step wall {wall_us:.1f} us, kernel time {busy:.1f} us, {launches:.0f} kernels per step "
           f"({launches / a.layers:.1f} per layer), gaps {wall_us - busy:.1f} us")
+    if long_us is not None:
+        print(f"step wall at position {a.long_context}: {long_us:.1f} us ({100 * (long_us / wall_us - 1):+.1f}% vs "
+              f"position ~{a.context})")
     print(f"{'kernel':<50}{'us/step':>9}{'us/layer':>10}{'calls':>7}{'us/call':>9}")
     for k, us, n in rows:
         print(f"{k:<50}{us:>9.1f}{us / a.layers:>10.1f}{n:>7.0f}{us / max(n, 1):>9.2f}")
     if a.out:
         json.dump({"gpu": torch.cuda.get_device_name(dev), "layers": a.layers, "variant": a.variant,
                    "context": a.context, "wall_us": wall_us, "kernel_us": busy, "kernels": launches,
+                   "long_context": a.long_context, "long_context_wall_us": long_us,
                    "rows": [{"kernel": k, "us_per_step": us, "calls_per_step": n} for k, us, n in rows]},
                   open(a.out, "w"), indent=1)
 
