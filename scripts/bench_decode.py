@@ -10,7 +10,8 @@ two --layers values the per-layer time is the TPOT slope. Writes JSON (rank 0) t
 
 Variants are '+'-joined tokens: ref (torch/dequant everywhere), kernels (linear=gemv_cuda,
 moe=fp4_topk), fused (attn/indexer/hc=fused_cuda), graph (runtime=cuda_graph), bf16 (reduce=bf16),
-symm (comm=symm_mem), nopdl (DS4_PDL=0: no programmatic dependent launch on sm_90). On a machine without CUDA it runs on the CPU (a dry run of the script).
+symm (comm=symm_mem), nopdl (DS4_PDL=0: no programmatic dependent launch on sm_90), wobf16
+(attn=fused_cuda_wo_bf16). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
 """
@@ -38,6 +39,8 @@ def impls_of(tokens: set[str]) -> Impls:
         kw.update(linear="gemv_cuda", moe="fp4_topk")
     if "fused" in tokens:
         kw.update(attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
+    if "wobf16" in tokens:  # the seed's phase-6 output projection (wo_b.wo_a precomputed in BF16)
+        kw.update(attn="fused_cuda_wo_bf16")
     return Impls(**kw)
 
 

@@ -84,7 +84,7 @@ def main() -> None:
         for comp, names in (("linear", ("__call__", "grouped")), ("moe", ("route", "routed", "shared")),
                             ("hc", ("pre", "post", "head")),
                             ("attn", ("sparse", "decode", "rms_norm", "head_rope", "kv_store", "compress_step")),
-                            ("indexer", ("scores", "rope"))):
+                            ("indexer", ("scores", "rope", "topk"))):
             impl = getattr(ops, comp)
             for n in names:
                 bound = getattr(impl, n)

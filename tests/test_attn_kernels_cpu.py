@@ -12,7 +12,8 @@ from ds4 import registry
 from ds4.registry import ImplUnavailable
 
 NO_CUDA = not torch.cuda.is_available()
-FUSED = [("attn", "fused_cuda"), ("attn", "fused"), ("indexer", "fused_cuda"), ("hc", "fused_cuda")]
+FUSED = [("attn", "fused_cuda"), ("attn", "fused"), ("attn", "fused_cuda_wo_bf16"), ("indexer", "fused_cuda"),
+         ("hc", "fused_cuda")]
 
 
 def test_registered_with_priority_and_alias():
@@ -136,3 +137,28 @@ def test_decode_attention_twin_masks_by_position():
     assert torch.equal(out, TorchAttention().decode(q, win2, pos, ext2, None, 4, sink, 0.125, f))
     ext2[0, 0] = 3.0
     assert not torch.equal(out, TorchAttention().decode(q, win2, pos, ext2, None, 4, sink, 0.125, f))
+
+
+def test_merged_wo_bf16_output_projection():
+    """attn=fused_cuda_wo_bf16: one BF16 matrix wo_b.blockdiag(wo_a), built once per layer, gives the
+    grouped two-step projection up to BF16 rounding of the merged weight."""
+    from ds4.model.args import tiny
+    from ds4.model.transformer import Transformer
+    from ds4.ops.attn_cuda import MergedWoAttention
+    from ds4.ops.attn_torch import TorchAttention
+    from ds4.ops.linear_torch import DequantLinear
+    from ds4.registry import torch_reference_ops
+    from ds4.weights.synthetic import random_weights
+    a = tiny()
+    m = Transformer(a, torch_reference_ops(), "plain", torch.float32)
+    m.load_weights(random_weights(a, seed=1, include_mtp=False))
+    at = m.layers[1].attn
+    o = torch.randn(3, at.n_heads * a.head_dim, generator=torch.Generator().manual_seed(4))
+    impl = MergedWoAttention()
+    got = impl.out_proj(o, at.wo_a, at.wo_b, at.groups, DequantLinear(), False)
+    ref = TorchAttention().out_proj(o, at.wo_a, at.wo_b, at.groups, DequantLinear(), False)
+    assert got.shape == ref.shape == (3, a.dim)
+    assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+    merged = impl.merged(at.wo_a, at.wo_b, at.groups)
+    assert merged.fmt == "bf16" and merged.weight.shape == (a.dim, at.n_heads * a.head_dim)
+    assert impl.merged(at.wo_a, at.wo_b, at.groups) is merged   # built once per layer

@@ -183,6 +183,24 @@ def test_indexer_scores_mask_invisible_entries(bf16):
     assert rel(got[fin], ref[fin]) <= TOL
 
 
+@pytest.mark.parametrize("B,T,k", [(1, 16400, 512), (3, 5000, 512), (2, 700, 64), (1, 32768, 1000), (2, 513, 512)])
+def test_topk_selects_the_largest(B, T, k):
+    """The indexer's selection: k distinct indices whose values are torch.topk's values (as a multiset),
+    with rows full of -inf (invisible entries) and rows of heavy ties."""
+    g = gen(T + k)
+    s = randn(B, T, g=g)
+    s[0, T // 2:] = float("-inf")
+    if B > 1:
+        s[1] = torch.round(s[1] * 4) / 4
+    poison()
+    got = FusedCudaIndexer().topk(s, k)
+    assert got.shape == (B, k) and got.dtype == torch.long
+    for b in range(B):
+        ids = got[b]
+        assert ids.unique().numel() == k and bool((ids >= 0).all()) and bool((ids < T).all())
+        assert torch.equal(s[b, ids].sort().values, s[b].topk(k).values.sort().values)
+
+
 @pytest.mark.parametrize("N,dtype", [(1, BF16), (3, BF16), (2, torch.float32)])
 def test_hc_pre_with_block_norm(N, dtype):
     """hc.pre with the block's norm: one finishing block per token that also RMS-normalises."""
@@ -196,6 +214,19 @@ def test_hc_pre_with_block_norm(N, dtype):
     ref = TorchHC().pre(h, fn, scale, base, 20, 1e-6, EPS, norm)
     for a, b in zip(got, ref):
         assert rel(a, b) <= TOL
+
+
+def test_merged_wo_bf16_output_projection_on_gpu():
+    """attn=fused_cuda_wo_bf16 (seed phase 6) against the grouped FP8 projection through the GEMV kernels."""
+    from ds4.ops.attn_cuda import MergedWoAttention
+    args = small()
+    model = Transformer(args, build_ops(Impls(linear="gemv_cuda"), DEV), "plain", BF16, DEV)
+    model.load_weights(random_weights(args, seed=2, device=DEV, include_mtp=False))
+    at = model.layers[1].attn
+    o = randn(2, at.n_heads * args.head_dim, g=gen(9), dtype=BF16)
+    got = MergedWoAttention().out_proj(o, at.wo_a, at.wo_b, at.groups, model.ops.linear, False)
+    ref = REF.out_proj(o, at.wo_a, at.wo_b, at.groups, model.ops.linear, False)
+    assert rel(got, ref) <= 2e-2
 
 
 # ---------------------------------------------------------------------------------------- layer level

@@ -290,6 +290,22 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& win, const at::T
   return out;
 }
 
+// ---- top-k -------------------------------------------------------------------------------------------
+at::Tensor topk_indices(const at::Tensor& scores, int64_t k) {
+  check_f32(scores, "scores");
+  TORCH_CHECK(scores.dim() == 2, "ds4_attn.topk: scores must be [B, T]");
+  const int64_t B = scores.size(0), T = scores.size(1);
+  TORCH_CHECK(k >= 1 && k <= T && T <= ds4_attn::topk_max_len(), "ds4_attn.topk: need 1 <= k <= T <= ",
+              ds4_attn::topk_max_len(), " (k=", k, ", T=", T, ")");
+  c10::cuda::CUDAGuard guard(scores.device());
+  auto out = at::empty({B, k}, scores.options().dtype(at::kLong));
+  if (B == 0) return out;
+  check_launch(ds4_attn::launch_topk(scores.data_ptr<float>(), (int)B, (int)T, (int)k, out.data_ptr<int64_t>(),
+                                     c10::cuda::getCurrentCUDAStream().stream()),
+               "topk");
+  return out;
+}
+
 // ---- decode glue -------------------------------------------------------------------------------------
 bool norm_weight_f32(const at::Tensor& w, int64_t n, const char* op) {
   TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.numel() == n &&
@@ -400,6 +416,7 @@ TORCH_LIBRARY(ds4_attn, m) {
   m.def("sparse_decode(Tensor q, Tensor win, Tensor pos, Tensor? ext, Tensor? ext_idx, int ratio, Tensor sink, "
         "float scale, Tensor? freqs) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("topk(Tensor scores, int k) -> Tensor");
   m.def("head_rope(Tensor x, Tensor pos, Tensor freqs, bool norm, float eps) -> Tensor");
   m.def("kv_store(Tensor(a!) win, Tensor kv, Tensor weight, Tensor pos, Tensor freqs, float eps, bool fp8_nope) -> ()");
   m.def("compress_step(Tensor kvz, Tensor ape, Tensor norm, Tensor pos, Tensor freqs, Tensor(a!) skv, "
@@ -414,6 +431,7 @@ TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
   m.impl("indexer_scores", &indexer_scores);
   m.impl("sparse_decode", &sparse_decode);
   m.impl("rms_norm", &rms_norm);
+  m.impl("topk", &topk_indices);
   m.impl("head_rope", &head_rope);
   m.impl("kv_store", &kv_store);
   m.impl("compress_step", &compress_step);

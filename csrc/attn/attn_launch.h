@@ -70,6 +70,12 @@ cudaError_t launch_indexer_scores(const void* q, const float* w, const void* key
                                   int H, int d, int T, bool bf16, const int64_t* pos, int ratio, void* out,
                                   cudaStream_t st);
 
+// ---- top-k (topk.cu) ------------------------------------------------------------------------------
+// out[b, :k] = indices of the k largest of scores[b, :T] (fp32, contiguous rows), unsorted; ties at the
+// k-th value are taken lowest index first. One block per row; T <= topk_max_len().
+int topk_max_len();
+cudaError_t launch_topk(const float* scores, int B, int T, int k, int64_t* out, cudaStream_t st);
+
 // ---- decode glue (decode_glue.cu) -----------------------------------------------------------------
 // Positions: int64 [N] device tensors. freqs: fp32 [R/2] RoPE frequencies of the layer. Weights of the
 // norms are bf16 or fp32 (w_f32). All activations bf16.

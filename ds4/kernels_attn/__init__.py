@@ -19,7 +19,8 @@ from torch import Tensor
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc" / "attn"
-SOURCES = ("attn_bindings.cpp", "hc.cu", "sparse_attn.cu", "indexer.cu", "decode_glue.cu")
+SOURCES = ("attn_bindings.cpp", "hc.cu", "sparse_attn.cu", "indexer.cu", "decode_glue.cu", "topk.cu")
+TOPK_MAX_LEN = 32768  # topk.cu: one block of 1024 threads, at most 32 values each
 EXT_NAME = "ds4_attn_ext"
 
 
@@ -103,6 +104,11 @@ def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_i
                                 None if freqs is None else freqs.float().contiguous())
 
 
+def topk(scores: Tensor, k: int) -> Tensor:
+    """fp32 scores [B, T] -> int64 [B, k]: indices of the k largest per row (unsorted; ties lowest index first)."""
+    return _ops().topk(scores.float().contiguous(), int(k))
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """bf16 x [..., D] -> bf16(x * rsqrt(mean(x^2) + eps) * weight), fp32 math. One launch."""
     return _ops().rms_norm(x.contiguous(), weight.contiguous(), float(eps))
@@ -128,4 +134,4 @@ def compress_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Te
 
 
 __all__ = ["load", "unavailable_reason", "build_dir", "hc_pre", "hc_head", "hc_post", "sparse_attn",
-           "indexer_scores", "sparse_decode", "rms_norm", "head_rope", "kv_store", "compress_step"]
+           "indexer_scores", "sparse_decode", "rms_norm", "head_rope", "kv_store", "compress_step", "topk"]

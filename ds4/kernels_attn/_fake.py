@@ -39,6 +39,11 @@ def _sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs):
     return torch.empty_like(q)
 
 
+@register_fake("ds4_attn::topk")
+def _topk(scores, k):
+    return scores.new_empty((scores.shape[0], k), dtype=torch.long)
+
+
 @register_fake("ds4_attn::rms_norm")
 def _rms_norm(x, weight, eps):
     return torch.empty_like(x)

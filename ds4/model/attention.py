@@ -92,9 +92,7 @@ class Attention(WeightsModule):
 
     def _out(self, o: Tensor) -> Tensor:
         """o [N, H, D] (already de-rotated) -> [N, dim]: grouped wo_a, wo_b, all-reduce."""
-        o = o.flatten(-2).unflatten(-1, (self.groups, -1))                  # [N, G, H*D/G]
-        u = self.ops.linear.grouped(o, self.wo_a, self.groups).flatten(-2)  # [N, G*R]
-        y = self.ops.linear(u, self.wo_b, act_quant=self.qat)
+        y = self.ops.attn.out_proj(o.flatten(-2), self.wo_a, self.wo_b, self.groups, self.ops.linear, self.qat)
         with self.prof("comm.attn"):
             return self.comm.all_reduce(y, "attn")
 
@@ -176,7 +174,7 @@ class Attention(WeightsModule):
                         # invisible entries score -inf inside the scores op (and stay -inf through the sum)
                         sc = self.indexer.scores(qi[:, None], wi[:, None], ikv, pos=pos, ratio=self.m)
                         sc = self.comm.all_reduce(sc, "indexer")[:, 0]              # [B, T]
-                        idx = sc.float().topk(a.index_topk, dim=-1).indices
+                        idx = self.indexer.topk(sc, a.index_topk)
         with self.prof("attn.sparse"):
             o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs)
         with self.prof("attn.out"):

@@ -44,6 +44,10 @@ class Indexer(WeightsModule):
         With decode positions pos [B] (S = 1), entries t >= (pos+1)//ratio (not visible yet) score -inf."""
         return self.ops.indexer.scores(q, w, keys, bf16=self.qat, pos=pos, ratio=ratio)
 
+    def topk(self, scores: Tensor, k: int) -> Tensor:
+        """Decode selection: scores [B, T] (invisible entries already -inf) -> indices [B, k]."""
+        return self.ops.indexer.topk(scores, k)
+
     def select(self, scores: Tensor, visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Top-k of the visible entries: scores [B, S, T], visible [B, S, T] bool -> (idx [B, S, k]
         clamped to valid range, valid [B, S, k])."""

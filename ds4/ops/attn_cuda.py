@@ -21,7 +21,7 @@ FusedCudaIndexer.scores — decode (B*S <= 16 query rows): keys split over block
 works on a long cache), all heads per block on BF16 tensor cores, ReLU-weighted head sum fused.
 bf16=True reproduces the reference's BF16 einsum/ReLU/product. Prefill-sized calls, fp32 q / keys
 and index dims not a multiple of 16 call TorchIndexer.scores (part of this implementation). Top-k
-stays torch.topk on the device (no host sync).
+is a one-block-per-row radix select (ds4_attn topk, rows up to 32768 entries; longer rows use torch.topk).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ds4 import kernels_attn
 from ds4.ops.attn_torch import TorchAttention, TorchIndexer
+from ds4.ops.base import QWeight
 
 BF16 = torch.bfloat16
 INDEXER_MAX_ROWS = 16
@@ -69,6 +70,9 @@ class FusedCudaAttention:
             return self._ref.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
         kernels_attn.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant == "fp8")
 
+    def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool) -> Tensor:
+        return self._ref.out_proj(o, wo_a, wo_b, groups, linear, act_quant)  # the FP8 GEMVs come from `linear`
+
     # ---- attention core --------------------------------------------------------------------------
     def sparse(self, q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel_valid: Tensor | None,
                sink: Tensor, scale: float) -> Tensor:
@@ -87,6 +91,33 @@ class FusedCudaAttention:
         return kernels_attn.sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs)
 
 
+class MergedWoAttention(FusedCudaAttention):
+    """attn=fused_cuda_wo_bf16: the seed's phase-6 output projection, an ablation option (not the default).
+
+    wo_b . blockdiag(wo_a) is precomputed once per layer in BF16 ([dim, H*D], fp32 product of the
+    dequantised weights) on the layer's first call, and the output projection is one BF16 GEMV
+    through `linear`. It reads 4x the bytes of the two FP8 projections (268 MB vs 67 MB per V4-Flash
+    layer, not counted in bytes/token, which counts the stored weights) and skips the rounding of the
+    wo_a output to BF16 (and its qat FP8 simulation): the ablation shows both effects."""
+    name = "fused_cuda_wo_bf16"
+
+    def __init__(self):
+        super().__init__()
+        self._merged: dict[int, QWeight] = {}   # keyed by the layer's wo_b storage
+
+    def merged(self, wo_a: QWeight, wo_b: QWeight, groups: int) -> QWeight:
+        key = wo_b.weight.data_ptr()
+        if key not in self._merged:
+            a = wo_a.dequant(torch.float32).view(groups, -1, wo_a.in_features)        # [G, R, I]
+            b = wo_b.dequant(torch.float32).view(wo_b.out_features, groups, -1)      # [dim, G, R]
+            w = torch.einsum("dgr,gri->dgi", b, a).flatten(1).to(torch.bfloat16)     # [dim, G*I]
+            self._merged[key] = QWeight("bf16", w.contiguous())
+        return self._merged[key]
+
+    def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool) -> Tensor:
+        return linear(o, self.merged(wo_a, wo_b, groups))
+
+
 class FusedCudaIndexer:
     name = "fused_cuda"
 
@@ -97,6 +128,11 @@ class FusedCudaIndexer:
         if not (_cuda_bf16(q) and q.dim() == 3 and q.shape[0] == positions.numel()):
             return self._ref.rope(q, positions, freqs)
         return kernels_attn.head_rope(q, positions, freqs, False, 0.0)
+
+    def topk(self, scores: Tensor, k: int) -> Tensor:
+        if not (scores.is_cuda and scores.dim() == 2 and k <= scores.shape[-1] <= kernels_attn.TOPK_MAX_LEN):
+            return self._ref.topk(scores, k)
+        return kernels_attn.topk(scores, k)
 
     def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
                ratio: int = 1) -> Tensor:

@@ -23,6 +23,9 @@ def entries(_shared_check=None):
         (Entry("attn", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaAttention", check, 10,
                "CUDA MQA flash-decoding sparse attention (keys loaded once for all heads, BF16 MMA, sink in the "
                "combine); prefill uses the torch reference"), ("fused",)),
+        (Entry("attn", "fused_cuda_wo_bf16", "ds4.ops.attn_cuda:MergedWoAttention", check, 5,
+               "fused_cuda with the seed's phase-6 output projection: wo_b.wo_a precomputed in BF16 (reads 4x "
+               "the bytes; an ablation option, never chosen by auto over fused_cuda)"), ()),
         (Entry("indexer", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaIndexer", check, 10,
                "CUDA indexer scores over the whole GPU (keys split over blocks, BF16 MMA, fused ReLU-weighted "
                "head sum); prefill uses the torch reference"), ()),

@@ -13,6 +13,7 @@ from torch import Tensor
 from ds4.model import compressor
 from ds4.model.norm import rms_norm, unweighted_rms_norm
 from ds4.model.rope import apply_rope, rotations
+from ds4.ops.base import QWeight
 
 
 class TorchAttention:
@@ -39,6 +40,13 @@ class TorchAttention:
                       ssc: Tensor, cache: Tensor, m: int, overlap: bool, eps: float, quant: str | None) -> None:
         """The compressor decode step (ds4.model.compressor.decode_step)."""
         compressor.decode_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
+
+    # ---- output projection -----------------------------------------------------------------------
+    def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool) -> Tensor:
+        """o [N, H*D] (de-rotated heads, flattened) -> [N, dim] before the all-reduce: grouped wo_a
+        (block-diagonal over the o-groups) then wo_b, both in their stored formats through `linear`."""
+        u = linear.grouped(o.unflatten(-1, (groups, -1)), wo_a, groups).flatten(-2)   # [N, G*R]
+        return linear(u, wo_b, act_quant=act_quant)
 
     # ---- attention core --------------------------------------------------------------------------
     def sparse(self, q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel_valid: Tensor | None,
@@ -94,6 +102,10 @@ class TorchIndexer:
     def rope(self, q: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
         """Indexer query q [N, H, d] at positions [N] -> RoPE of the last dims (no norm)."""
         return apply_rope(q, rotations(freqs, positions).unsqueeze(-2))
+
+    def topk(self, scores: Tensor, k: int) -> Tensor:
+        """scores [B, T] -> int64 [B, k] indices of the k largest (the selection; order irrelevant)."""
+        return scores.float().topk(k, dim=-1).indices
 
     def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
                ratio: int = 1) -> Tensor:
