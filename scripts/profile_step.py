@@ -61,14 +61,20 @@ def main() -> None:
     gen.generate([prompt], 4, stop_at_eos=False)            # prefill, capture, a few steps
     step = gen.graph_step(1, "argmax")
     tok = torch.tensor([1], device=dev)
-    for _ in range(3):
-        tok = step(tok)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(a.replays):
-        tok = step(tok)
-    torch.cuda.synchronize()
-    wall_us = (time.perf_counter() - t0) / a.replays * 1e6
+
+    def wall_per_step() -> float:
+        """Mean wall time of `replays` graph replays (after 3 warm-up replays), in us."""
+        nonlocal tok
+        for _ in range(3):
+            tok = step(tok)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(a.replays):
+            tok = step(tok)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / a.replays * 1e6
+
+    wall_us = wall_per_step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(a.replays):
             tok = step(tok)
@@ -84,14 +90,7 @@ def main() -> None:
     long_us = None
     if a.long_context:
         gen.state.pos[0] = a.long_context
-        for _ in range(3):
-            tok = step(tok)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(a.replays):
-            tok = step(tok)
-        torch.cuda.synchronize()
-        long_us = (time.perf_counter() - t0) / a.replays * 1e6
+        long_us = wall_per_step()
     rows = sorted(((k, v[0] / a.replays, v[1] / a.replays) for k, v in per.items()), key=lambda r: -r[1])
     busy = sum(r[1] for r in rows)
     launches = sum(r[2] for r in rows)

@@ -8,43 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_common import BF16, DEV, TOL, gen, poison, randn, rel, require_extension
 
 pytestmark = pytest.mark.gpu
+kernels_attn = require_extension("ds4.kernels_attn")  # skips this module without CUDA
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-
-from ds4 import kernels_attn  # noqa: E402
 from ds4.ops.attn_torch import TorchAttention, TorchIndexer  # noqa: E402
 from ds4.ops.hc_torch import TorchHC  # noqa: E402
 
-_why = kernels_attn.unavailable_reason()
-if _why is not None:
-    pytest.fail(f"CUDA is available but the ds4_attn extension is not: {_why}", pytrace=False)
-
-DEV = torch.device("cuda")
-TOL = 1e-2
 torch.backends.cuda.matmul.allow_tf32 = False   # fp32 references in true fp32
 torch.backends.cudnn.allow_tf32 = False
-BF16 = torch.bfloat16
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def poison():
-    t = torch.full((64 << 20,), float("nan"), device=DEV)
-    del t
-
-
-def gen(seed):
-    return torch.Generator(device=DEV).manual_seed(seed)
-
-
-def randn(*shape, g, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------ mHC

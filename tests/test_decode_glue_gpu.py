@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_common import BF16, DEV, TOL, gen, poison, randn, rel, require_extension
 
 pytestmark = pytest.mark.gpu
+kernels_attn = require_extension("ds4.kernels_attn")  # skips this module without CUDA
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-
-from ds4 import kernels_attn  # noqa: E402
 from ds4.model.args import small, v4_flash  # noqa: E402
 from ds4.model.rope import inv_freq  # noqa: E402
 from ds4.model.transformer import Transformer  # noqa: E402
@@ -26,33 +24,8 @@ from ds4.registry import Impls, build_ops  # noqa: E402
 from ds4.runtime.generate import Generator  # noqa: E402
 from ds4.weights.synthetic import random_weights  # noqa: E402
 
-_why = kernels_attn.unavailable_reason()
-if _why is not None:
-    pytest.fail(f"CUDA is available but the ds4_attn extension is not: {_why}", pytrace=False)
-
-DEV = torch.device("cuda")
-TOL = 1e-2
-BF16 = torch.bfloat16
 EPS = 1e-6
 REF, FUSED = TorchAttention(), FusedCudaAttention()
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def gen(seed):
-    return torch.Generator(device=DEV).manual_seed(seed)
-
-
-def randn(*shape, g, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
-
-
-def poison():
-    t = torch.full((64 << 20,), float("nan"), device=DEV)
-    del t
 
 
 def freqs(ratio: int) -> torch.Tensor:

@@ -3,57 +3,18 @@
 Fresh random stored bytes for every check (random E4M3 codes without NaN, random E2M1 nibbles,
 random E8M0 scales), V4-Flash shapes and other shapes the formats allow, repeated / boundary /
 non-local expert ids, outputs poisoned before the launch (the caching allocator hands the kernels
-NaN-filled memory), relative L2 error <= 1e-2. Imports only ds4.kernels, ds4.ops.base and ds4.quant
-(with a local dequant fallback)."""
+NaN-filled memory), relative L2 error <= 1e-2. Imports only ds4.kernels, ds4.ops.base and ds4.quant."""
 from __future__ import annotations
 
 import pytest
 import torch
+from gpu_common import DEV, TOL, gen, poison, rel, require_extension
 
 pytestmark = pytest.mark.gpu
+kernels = require_extension("ds4.kernels")  # skips this module without CUDA
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-
-from ds4 import kernels  # noqa: E402
 from ds4.ops.base import MoEWeights, QWeight  # noqa: E402
-
-_why = kernels.unavailable_reason()
-if _why is not None:
-    pytest.fail(f"CUDA is available but the ds4 extension is not: {_why}", pytrace=False)
-
-try:
-    from ds4.quant import dequant_fp4, dequant_fp8
-except Exception:  # noqa: BLE001  other helpers' files may be half-written
-    _E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-
-    def _e8m0(s):
-        return torch.exp2(s.view(torch.uint8).float() - 127)
-
-    def dequant_fp8(w, s, dtype=torch.float32):
-        wf = w.view(torch.float8_e4m3fn).float()
-        sf = _e8m0(s).repeat_interleave(128, -2).repeat_interleave(128, -1)
-        return (wf * sf[..., : wf.shape[-2], : wf.shape[-1]]).to(dtype)
-
-    def dequant_fp4(w, s, dtype=torch.float32):
-        b = w.view(torch.uint8)
-        codes = torch.stack((b & 15, b >> 4), -1).flatten(-2).long()
-        v = torch.tensor(_E2M1, device=w.device)[codes]
-        return (v * _e8m0(s).repeat_interleave(32, -1)).to(dtype)
-
-DEV = torch.device("cuda")
-TOL = 1e-2
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def poison():
-    """Fill a large cached block with NaN and free it, so the next outputs come from NaN memory."""
-    t = torch.full((64 << 20,), float("nan"), device=DEV)
-    del t
+from ds4.quant import dequant_fp4, dequant_fp8  # noqa: E402
 
 
 def rand_fp8(shape, g):
@@ -73,10 +34,6 @@ def rand_fp8_weight(o, i, g, lead=()):
 def rand_fp4_weight(o, i, g, lead=()):
     w = torch.randint(-128, 128, (*lead, o, i // 2), device=DEV, dtype=torch.int8, generator=g)
     return w, rand_scale((*lead, o, i // 32), g)
-
-
-def gen(seed):
-    return torch.Generator(device=DEV).manual_seed(seed)
 
 
 def rand_x(n, k, g, scale=1.0):

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One lease of a lent H200 machine (1, 2 or 4 GPUs): build both CUDA extensions once, then run the
+# named stages. Groups run one after the other; the stages of a group joined by "+" run side by side,
+# one GPU each (stage i of a group on GPU i), so a short lease covers more. Logs, JSON, tables and
+# charts go under $OUT; a summary is printed at the end.
+#
+#   bash scripts/gpu_lease.sh kernel_tests+bench_profile seed+e2e_tests tp2
+#
+# Stages:
+#   kernel_tests   GPU kernel test modules (GEMV/MoE, attention, decode glue)
+#   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager)
+#   tp2_tests      tp=2 vs tp=1 tests (2 GPUs; alone in its group)
+#   bench_profile  1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS), then the per-kernel profile
+#                  of an 8-layer step and its time at position 65536
+#   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart
+#   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope); alone in a group
+#   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group)
+set -u
+OUT=${OUT:-/tmp/ds4_out}; L=/tmp/ds4_logs; mkdir -p "$OUT" "$L"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 MAX_JOBS=32
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}   # the lent GPUs are sm_90; CI compiles sm_80
+if ls .whl/*.whl >/dev/null 2>&1; then   # hydra-core / omegaconf wheels carried from the dev machine
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+BENCH_VARIANTS=${BENCH_VARIANTS:-kernels+fused+graph}
+SEED_JOBS=experiment=seed_phase1,ds4_best,ds4_cuda_graph,seed_phase4,seed_phase6,seed_phase2,seed_phase3,seed_phase5
+TP_VARIANTS=kernels+fused+graph,kernels+fused+graph+bf16,kernels+fused+graph+symm
+PT="python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short"
+NGPU=$(nvidia-smi -L | wc -l); nvidia-smi -L; date -u
+t0=$(date +%s); stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s"; }
+stamp build
+python3 scripts/build_ext.py -q > "$L/build.log" 2>&1; echo "build rc=$?"; tail -n 2 "$L/build.log"
+
+stage() {  # stage name, GPU index
+  local g=$2
+  case $1 in
+    kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
+                    tests/test_decode_glue_gpu.py > "$L/kernel_tests.log" 2>&1 ;;
+    e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 330 $PT tests/test_gpu_e2e.py -k "not tp2" > "$L/e2e_tests.log" 2>&1 ;;
+    tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 200 $PT tests/test_gpu_e2e.py -k tp2 > "$L/tp2_tests.log" 2>&1 ;;
+    bench_profile)
+      CUDA_VISIBLE_DEVICES=$g timeout 120 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
+        --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu.json" > "$L/bench_1gpu.log" 2>&1
+      CUDA_VISIBLE_DEVICES=$g timeout 60 python3 scripts/profile_step.py --layers 8 --variant kernels+fused \
+        --long-context 65536 --out "$OUT/profile_step.json" > "$L/profile.log" 2>&1 ;;
+    seed)
+      CUDA_VISIBLE_DEVICES=$g timeout 240 python3 -m ds4 ablation=seed_phases model.n_layers=8 tracking=none \
+        max_new_tokens=32 $SEED_JOBS hydra.sweep.dir="$L/seed_1gpu" > "$L/seed_1gpu.log" 2>&1
+      python3 -m ds4.compare "$L/seed_1gpu" --baseline seed_phase1 --md "$OUT/seed_phases_1gpu.md" \
+        --out "$OUT/seed_phases_1gpu.png" > "$L/compare_1gpu.log" 2>&1 ;;
+    seed_tp2)
+      CUDA_VISIBLE_DEVICES=0,1 timeout 540 torchrun --nproc-per-node 2 -m ds4 ablation=seed_phases parallel.tp=2 \
+        task.fidelity=false tracking=none max_new_tokens=32 $SEED_JOBS hydra.sweep.dir="$L/seed_tp2" > "$L/seed_tp2.log" 2>&1
+      python3 -m ds4.compare "$L/seed_tp2" --baseline seed_phase1 --md "$OUT/seed_phases_tp2.md" \
+        --out "$OUT/seed_phases_tp2.png" > "$L/compare_tp2.log" 2>&1 ;;
+    tp2|tp4)
+      local n=${1#tp}
+      [ "$NGPU" -ge "$n" ] || { echo "$1: needs $n GPUs, have $NGPU" > "$L/$1.log"; return; }
+      timeout 240 torchrun --nproc-per-node "$n" scripts/bench_decode.py --layers 8,43 --new-tokens 48 \
+        --variants "$TP_VARIANTS" --out "$OUT/bench_$1.json" > "$L/bench_$1.log" 2>&1 ;;
+    *) echo "unknown stage $1" ;;
+  esac
+}
+
+for group in "$@"; do
+  stamp "$group"
+  i=0
+  for s in ${group//+/ }; do
+    stage "$s" $(( i % NGPU )) &
+    i=$(( i + 1 ))
+  done
+  wait
+done
+stamp done
+for f in "$L"/*.log; do echo "##### $f"; cat "$f"; done > "$OUT/all_logs.txt"
+for f in kernel_tests e2e_tests tp2_tests; do
+  [ -f "$L/$f.log" ] && { echo "--- $f"; grep -E "passed|failed|Error|^FAILED|^E  " "$L/$f.log" | tail -n 14; }
+done
+for f in bench_1gpu bench_tp2 bench_tp4; do
+  [ -f "$L/$f.log" ] && { echo "--- $f"; grep -v '^{' "$L/$f.log" | grep -v "^\s*$" | tail -n 12; }
+done
+[ -f "$L/profile.log" ] && { echo "--- profile"; grep -v "^\s*$" "$L/profile.log" | grep -v -i warn | head -n 26; }
+for f in "$OUT"/seed_phases_*.md; do [ -f "$f" ] && { echo "--- $f"; head -n 16 "$f"; }; done
+exit 0

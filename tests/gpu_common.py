@@ -1,0 +1,43 @@
+"""Helpers shared by the GPU test modules (each imports them after its own CUDA skip)."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+DEV = torch.device("cuda")
+TOL = 1e-2            # relative L2 error allowed for bf16 kernel outputs
+BF16 = torch.bfloat16
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of a against the reference b (in float64)."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def randn(*shape, g: torch.Generator, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
+
+
+def poison() -> None:
+    """Fill a large cached block with NaN and free it, so the next outputs come from NaN memory."""
+    t = torch.full((64 << 20,), float("nan"), device=DEV)
+    del t
+
+
+def require_extension(module: str):
+    """Skip the calling test module without CUDA; fail it when CUDA is there but the extension in
+    `module` (ds4.kernels or ds4.kernels_attn) cannot build or load. Returns the module."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA", allow_module_level=True)
+    mod = importlib.import_module(module)
+    why = mod.unavailable_reason()
+    if why is not None:
+        pytest.fail(f"CUDA is available but the {module} extension is not: {why}", pytrace=False)
+    return mod
