@@ -4,14 +4,14 @@
 # one GPU each (stage i of a group on GPU i), so a short lease covers more. Logs, JSON, tables and
 # charts go under $OUT; a summary is printed at the end.
 #
-#   bash scripts/gpu_lease.sh kernel_tests+bench_profile seed+e2e_tests tp2
+#   bash scripts/gpu_lease.sh kernel_tests+bench seed+e2e_tests+profile tp2
 #
 # Stages:
 #   kernel_tests   GPU kernel test modules (GEMV/MoE, attention, decode glue)
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager)
-#   tp2_tests      tp=2 vs tp=1 tests (2 GPUs; alone in its group)
-#   bench_profile  1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS), then the per-kernel profile
-#                  of an 8-layer step and its time at position 65536
+#   tp2_tests      the 2-GPU tests (tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
+#   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
+#   profile        per-kernel profile of an 8-layer step and its time at position 65536
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart
 #   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope); alone in a group
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group)
@@ -40,11 +40,10 @@ stage() {  # stage name, GPU index
     kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
                     tests/test_decode_glue_gpu.py > "$L/kernel_tests.log" 2>&1 ;;
     e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 330 $PT tests/test_gpu_e2e.py -k "not tp2" > "$L/e2e_tests.log" 2>&1 ;;
-    tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 200 $PT tests/test_gpu_e2e.py -k tp2 > "$L/tp2_tests.log" 2>&1 ;;
-    bench_profile)
-      CUDA_VISIBLE_DEVICES=$g timeout 120 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
-        --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu.json" > "$L/bench_1gpu.log" 2>&1
-      CUDA_VISIBLE_DEVICES=$g timeout 60 python3 scripts/profile_step.py --layers 8 --variant kernels+fused \
+    tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_gpu_e2e.py -k "${TP2_K:-tp2}" > "$L/tp2_tests.log" 2>&1 ;;
+    bench) CUDA_VISIBLE_DEVICES=$g timeout 120 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
+        --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu.json" > "$L/bench_1gpu.log" 2>&1 ;;
+    profile) CUDA_VISIBLE_DEVICES=$g timeout 60 python3 scripts/profile_step.py --layers 8 --variant kernels+fused \
         --long-context 65536 --out "$OUT/profile_step.json" > "$L/profile.log" 2>&1 ;;
     seed)
       CUDA_VISIBLE_DEVICES=$g timeout 240 python3 -m ds4 ablation=seed_phases model.n_layers=8 tracking=none \
