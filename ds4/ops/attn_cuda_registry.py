@@ -21,14 +21,16 @@ def check(device: torch.device) -> str | None:
 def entries(_shared_check=None):
     return [
         (Entry("attn", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaAttention", check, 10,
-               "CUDA MQA flash-decoding sparse attention (keys loaded once for all heads, BF16 MMA, sink in the "
-               "combine); prefill uses the torch reference"), ("fused",)),
+               "CUDA decode attention side: q norm/RoPE, window KV write, compressor step, position-masked MQA "
+               "flash-decoding (keys loaded once for all heads, BF16 MMA, top-k gather, sink and output "
+               "de-rotation in the combine); prefill-sized calls use the torch twins"), ("fused",)),
         (Entry("attn", "fused_cuda_wo_bf16", "ds4.ops.attn_cuda:MergedWoAttention", check, 5,
                "fused_cuda with the seed's phase-6 output projection: wo_b.wo_a precomputed in BF16 (reads 4x "
                "the bytes; an ablation option, never chosen by auto over fused_cuda)"), ()),
         (Entry("indexer", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaIndexer", check, 10,
-               "CUDA indexer scores over the whole GPU (keys split over blocks, BF16 MMA, fused ReLU-weighted "
-               "head sum); prefill uses the torch reference"), ()),
+               "CUDA indexer: q RoPE, position-masked scores over the whole GPU (keys split over blocks, BF16 "
+               "MMA, fused ReLU-weighted head sum), radix-select top-k; prefill uses the torch reference"), ()),
         (Entry("hc", "fused_cuda", "ds4.ops.hc_cuda:FusedCudaHC", check, 10,
-               "CUDA mHC: split fp32 matvec + finishing kernel (Sinkhorn, weighted sum), fused post"), ()),
+               "CUDA mHC: split fp32 matvec + finishing kernel (Sinkhorn, weighted sum, block RMSNorm), fused "
+               "post"), ()),
     ]
