@@ -5,7 +5,7 @@
 The captured step is replayed under torch.profiler (CUPTI sees every kernel inside the graph):
 per kernel name, the GPU time per step and per layer, and the step's wall time, whose difference
 to the summed kernel time is the launch gaps between kernels. Variant tokens as in
-bench_decode.py (kernels, fused).
+bench_decode.py (kernels, fused, wobf16).
 """
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ import torch
 
 from ds4.model.args import preset
 from ds4.model.transformer import Transformer
-from ds4.registry import Impls, build_ops
+from ds4.registry import build_ops
 from ds4.runtime.generate import Generator
 from ds4.weights.synthetic import random_weights
+
+from bench_decode import impls_of  # the variant tokens of the decode benchmark (same folder)
 
 # a readable label per kernel: template arguments and namespaces dropped
 _LABEL = re.compile(r"^(?:void )?(?:[\w:]+::)?(\w+)")
@@ -48,13 +50,7 @@ def main() -> None:
     dev = torch.device("cuda")
     args = preset(a.model)
     args = args.with_layers(a.layers) if a.layers < args.n_layers else args
-    toks = set(a.variant.split("+"))
-    kw = {}
-    if "kernels" in toks:
-        kw.update(linear="gemv_cuda", moe="fp4_topk")
-    if "fused" in toks:
-        kw.update(attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
-    model = Transformer(args, build_ops(Impls(**kw), dev), "plain", torch.bfloat16, dev)
+    model = Transformer(args, build_ops(impls_of(set(a.variant.split("+"))), dev), "plain", torch.bfloat16, dev)
     model.load_weights(random_weights(args, seed=0, device=dev, include_mtp=False))
     gen = Generator(model, 1, max(a.context, a.long_context) + 3 * a.replays + 64, runtime="cuda_graph")
     prompt = [(13 * i + 7) % args.vocab_size for i in range(a.context)]

@@ -2,6 +2,7 @@
 whole-step CUDA graph against eager decode, and tensor parallel on two GPUs."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -104,16 +105,25 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _tp_worker(rank, world, port, comm, path):
-    import json
+@contextlib.contextmanager
+def _rank_group(rank, world, port):
+    """One spawned rank of a CUDA process group on this host: yields its device, tears the group down."""
     import torch.distributed as dist
     from ds4 import dist as ddist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     ddist.init("cuda", world)
     try:
+        yield torch.device("cuda", rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_worker(rank, world, port, comm, path):
+    import json
+    from ds4 import dist as ddist
+    with _rank_group(rank, world, port) as dev:
         args = small()
-        dev = torch.device("cuda", rank)
         job = json.load(open(path))
         w = random_weights(args, seed=0, device=dev, rank=rank, world=world, include_mtp=False)
         m = Transformer(args, torch_reference_ops(), "plain", torch.bfloat16, dev, rank=rank, world=world,
@@ -124,8 +134,6 @@ def _tp_worker(rank, world, port, comm, path):
         graph = Generator(m, 1, 512, runtime="cuda_graph").generate([job["prompt"]], 128, stop_at_eos=False).tokens[0]
         if rank == 0:
             json.dump({**job, "tf": tf, "eager": eager, "graph": graph}, open(path, "w"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -151,14 +159,9 @@ def test_tp2_agrees_with_tp1_on_small(comm, small_weights, tmp_path):
 
 def _tp_graph_worker(rank, world, port, path):
     import json
-    import torch.distributed as dist
     from ds4 import dist as ddist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    ddist.init("cuda", world)
-    try:
+    with _rank_group(rank, world, port) as dev:
         args = tiny()
-        dev = torch.device("cuda", rank)
         w = random_weights(args, seed=2, device=dev, rank=rank, world=world, include_mtp=False)
         impls = Impls(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
         m = Transformer(args, build_ops(impls, dev), "plain", torch.bfloat16, dev, rank=rank, world=world,
@@ -169,8 +172,6 @@ def _tp_graph_worker(rank, world, port, path):
                 for rt in ("eager", "cuda_graph")}
         if rank == 0:
             json.dump(outs, open(path, "w"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -15,7 +15,7 @@ from torch import Tensor
 from ds4.model.args import CSA, HCA, SWA, ModelArgs
 from ds4.model.compressor import Compressor, finish_entry
 from ds4.model.indexer import Indexer
-from ds4.model.rope import apply_rope, inv_freq, rotations
+from ds4.model.rope import inv_freq, rope_heads
 from ds4.model.weights_module import WeightsModule, weight_format
 from ds4.profile import NULL_PROFILER
 
@@ -141,7 +141,7 @@ class Attention(WeightsModule):
                 outs.append(self.ops.attn.sparse(q[None, a0:e0], keys[None], valid[None], sel_kv, sel_valid,
                                                  self.sink, self.scale)[0])
         with self.prof("attn.out"):
-            o = apply_rope(torch.cat(outs, 0), rotations(self.freqs, pos).unsqueeze(-2), inverse=True)
+            o = rope_heads(torch.cat(outs, 0), pos, self.freqs, inverse=True)
             return self._out(o)
 
     # ---- decode: one token per row ------------------------------------------------------

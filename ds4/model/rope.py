@@ -48,3 +48,9 @@ def apply_rope(x: Tensor, cis: Tensor, inverse: bool = False) -> Tensor:
     rope = torch.view_as_complex(x[..., -r:].float().unflatten(-1, (-1, 2)).contiguous())
     out = torch.view_as_real(rope * (cis.conj() if inverse else cis)).flatten(-2)
     return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)
+
+
+def rope_heads(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
+    """x [N, H, D] with one position per row (positions [N]) -> every head rotated at its row's
+    position (queries, indexer queries; `inverse` de-rotates attention outputs)."""
+    return apply_rope(x, rotations(freqs, positions).unsqueeze(-2), inverse=inverse)

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ds4.model import compressor
 from ds4.model.norm import rms_norm, unweighted_rms_norm
-from ds4.model.rope import apply_rope, rotations
+from ds4.model.rope import rope_heads
 from ds4.ops.base import QWeight
 
 
@@ -28,7 +28,7 @@ class TorchAttention:
         """x [N, H, D] at positions [N] -> (norm: per-head unweighted RMSNorm) + RoPE of the last dims."""
         if norm:
             x = unweighted_rms_norm(x, eps)
-        return apply_rope(x, rotations(freqs, positions).unsqueeze(-2))
+        return rope_heads(x, positions, freqs)
 
     def kv_store(self, win: Tensor, kv: Tensor, weight: Tensor, pos: Tensor, freqs: Tensor, eps: float,
                  fp8_nope: bool) -> None:
@@ -93,7 +93,7 @@ class TorchAttention:
                 sel = ext[torch.arange(B, device=dev).unsqueeze(-1), ext_idx].unsqueeze(1)  # [B, 1, k, D]
                 sel_valid = (ext_idx < n_vis).unsqueeze(1)
         o = self.sparse(q.unsqueeze(1), keys, valid.unsqueeze(1), sel, sel_valid, sink, scale)[:, 0]
-        return apply_rope(o, rotations(freqs, pos).unsqueeze(-2), inverse=True)
+        return rope_heads(o, pos, freqs, inverse=True)
 
 
 class TorchIndexer:
@@ -101,7 +101,7 @@ class TorchIndexer:
 
     def rope(self, q: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
         """Indexer query q [N, H, d] at positions [N] -> RoPE of the last dims (no norm)."""
-        return apply_rope(q, rotations(freqs, positions).unsqueeze(-2))
+        return rope_heads(q, positions, freqs)
 
     def topk(self, scores: Tensor, k: int) -> Tensor:
         """scores [B, T] -> int64 [B, k] indices of the k largest (the selection; order irrelevant)."""
