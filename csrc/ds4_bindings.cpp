@@ -47,7 +47,7 @@ int64_t scale_ld(const std::optional<at::Tensor>& s, int64_t fmt, const char* na
 const void* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
-                int64_t groups, int64_t rows_per_warp, bool out_f32) {
+                int64_t groups, int64_t kernel, bool out_f32) {
   check_cuda(x, "x");
   check_cuda(w, "w");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "ds4.gemv: x must be bf16 [N, K]");
@@ -71,7 +71,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   const int64_t esz = out_f32 ? 4 : 2;
   for (int64_t t0 = 0; t0 < N; t0 += step) {
     const int nt = (int)std::min<int64_t>(step, N - t0);
-    check_launch(ds4::launch_gemv((int)fmt, (int)rows_per_warp,
+    check_launch(ds4::launch_gemv((int)fmt, (int)kernel,
                                   static_cast<const at::BFloat16*>(x.data_ptr()) + t0 * x.size(1), x.size(1), nt,
                                   w.data_ptr(), opt_ptr(scale), (int)s_ld,
                                   static_cast<char*>(out.data_ptr()) + t0 * O * esz, out_f32, O, (int)O, (int)K,
@@ -102,7 +102,7 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
                        const std::optional<at::Tensor>& route_w, const at::Tensor& w1,
                        const std::optional<at::Tensor>& s1, const at::Tensor& w3, const std::optional<at::Tensor>& s3,
                        const std::optional<at::Tensor>& ptrs, int64_t fmt, int64_t expert_offset, int64_t n_local,
-                       double limit) {
+                       double limit, int64_t kernel) {
   check_cuda(x, "x");
   check_cuda(w1, "w1");
   check_cuda(w3, "w3");
@@ -149,6 +149,7 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
   a.dim = (int)dim;
   a.inter = (int)inter;
   a.limit = (float)limit;
+  a.kernel = (int)kernel;
   c10::cuda::CUDAGuard guard(x.device());
   auto h = at::empty({N * k, inter}, x.options());
   if (N == 0) return h;
@@ -170,7 +171,7 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
 at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, int64_t topk, const at::Tensor& w2,
                     const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& ptrs, int64_t fmt,
                     int64_t expert_offset, int64_t n_local, const std::optional<at::Tensor>& add, bool out_f32,
-                    int64_t rows_per_warp) {
+                    int64_t kernel) {
   check_cuda(h, "h");
   check_cuda(w2, "w2");
   check_weight(w2, fmt, "w2");
@@ -206,7 +207,7 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
   a.topk = (int)topk;
   a.dim = (int)dim;
   a.inter = (int)inter;
-  a.rows_per_warp = (int)rows_per_warp;
+  a.kernel = (int)kernel;
   c10::cuda::CUDAGuard guard(h.device());
   auto out = at::empty({N, dim}, h.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (N == 0) return out;
@@ -272,11 +273,11 @@ std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY(ds4, m) {
-  m.def("gemv(Tensor x, Tensor w, Tensor? scale, int fmt, int groups=1, int rows_per_warp=0, bool out_f32=False) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, Tensor? scale, int fmt, int groups=1, int kernel=0, bool out_f32=False) -> Tensor");
   m.def("moe_gate_up(Tensor x, Tensor? ids, Tensor? route_w, Tensor w1, Tensor? s1, Tensor w3, Tensor? s3, "
-        "Tensor? ptrs, int fmt, int expert_offset, int n_local, float limit) -> Tensor");
+        "Tensor? ptrs, int fmt, int expert_offset, int n_local, float limit, int kernel=0) -> Tensor");
   m.def("moe_down(Tensor h, Tensor? ids, int topk, Tensor w2, Tensor? s2, Tensor? ptrs, int fmt, "
-        "int expert_offset, int n_local, Tensor? add, bool out_f32, int rows_per_warp=0) -> Tensor");
+        "int expert_offset, int n_local, Tensor? add, bool out_f32, int kernel=0) -> Tensor");
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
         "float route_scale) -> (Tensor, Tensor)");
 }

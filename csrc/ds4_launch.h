@@ -10,11 +10,19 @@ namespace ds4 {
 int gemv_max_tokens(int fmt, int K);
 int moe_max_tokens(int fmt, int topk, int dim, int inter);
 
+// Kernel choice of the GEMV / MoE launchers: FMA kernels (any format, 1..8 tokens) or tensor-core
+// kernels (mma_dot.cuh: FP8 / FP4, one token, K a multiple of 64 / 128). AUTO takes MMA for one-token
+// FP4 products, where the FMA kernels are bound by the FP4 decode (H200: MoE down 26.2 -> 20.3 us,
+// gate+up 30.6 -> 27.6), and FMA for FP8, where the FMA kernels measured faster (wo_a 11.4 vs 16.1 us);
+// DS4_MMA=0 in the environment makes AUTO always FMA (read at every launch, for the ablation). An
+// explicit MMA request that does not apply returns cudaErrorInvalidValue.
+enum Kernel : int { KERNEL_AUTO = 0, KERNEL_FMA = 1, KERNEL_MMA = 2 };
+bool mma_auto(int fmt);
+
 // out[t, o] = sum_k x[t, xoff(o) + k] * W[o, k]   (t < n_tok <= 8)
 // fmt 0 bf16 / 1 fp8 (E4M3 + E8M0 128x128) / 2 fp4 (E2M1 pairs + E8M0 per 32).
 // group_rows > 0: row o reads x columns [(o / group_rows) * K, +K) (grouped wo_a); else xoff = 0.
-// rows_per_warp in {1, 2, 4} (0 = default).
-cudaError_t launch_gemv(int fmt, int rows_per_warp, const void* x, long x_ld, int n_tok,
+cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok,
                         const void* W, const void* S, int s_ld, void* out, bool out_f32, long out_ld,
                         int O, int K, int group_rows, cudaStream_t st);
 
@@ -34,7 +42,7 @@ struct MoEArgs {
   int s13_ld = 0, s2_ld = 0;       // scale row length (bytes)
   int dim = 0, inter = 0;
   float limit = 10.f;
-  int rows_per_warp = 0;           // 0 = default
+  int kernel = KERNEL_AUTO;
 };
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, dim]*/,
                                void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st);

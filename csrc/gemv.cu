@@ -1,8 +1,15 @@
 // Dense projections for 1..8 tokens: FP8 (E4M3 + E8M0 128x128), MXFP4 and BF16 weights,
-// BF16 activations, fp32 accumulation. One warp owns R rows; consecutive lanes read consecutive
-// 16-byte chunks of a row (U chunks per row in flight per lane); warp-shuffle reduction.
+// BF16 activations, fp32 accumulation. Two kernels:
+//  * gemv_kernel (FMA): one warp owns R rows; consecutive lanes read consecutive 16-byte chunks of
+//    a row (U chunks per row in flight per lane); warp-shuffle reduction. Any format, 1..8 tokens.
+//  * gemv_mma_kernel (tensor cores, mma_dot.cuh): one token, FP8 / FP4. A warp owns 16 rows and a
+//    slice of K; the warps of a block that share rows add their slices in shared memory (fixed
+//    order: deterministic). K is split so that small-O matrices still fill the GPU.
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
+#include "mma_dot.cuh"
+
+#include <cstdlib>
 
 namespace ds4 {
 
@@ -84,6 +91,105 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
     }
 }
 
+template <typename KernelT>
+static cudaError_t set_smem(KernelT k, long bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
+constexpr int MMA_THREADS = 256;
+constexpr int MMA_WARPS = MMA_THREADS / 32;
+
+template <int FMT, int U>
+__global__ void __launch_bounds__(MMA_THREADS)
+gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
+                int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int ks) {
+  extern __shared__ float4 smem4[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem4);
+  __shared__ float red[MMA_WARPS][16];
+  const int tpb = MMA_WARPS / ks;  // 16-row tiles per block; warp = (k part, tile)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tile = warp % tpb, part = warp / tpb;
+  const int row0 = (blockIdx.x * tpb + tile) * 16;
+  const bool live = row0 < O;  // warp-uniform; idle warps still reach the barriers
+  const long xoff = group_rows > 0 ? (long)((blockIdx.x * tpb * 16) / group_rows) * K : 0;
+  const int nr = K / mma_round_vals<FMT>();
+  const int beg = nr * part / ks, end = live ? nr * (part + 1) / ks : beg;
+  auto seg = [=](int) { return MmaSeg{W, S, xs}; };
+  auto rows = mma_rows16<FMT, U>(seg, nr, row_bytes<FMT>(K), live ? row0 : 0, O, s_ld, beg, end);
+  rows.prefetch();   // weights do not depend on the previous kernel: load them before waiting (PDL)
+  ds4_pdl::begin();
+  stage_mma_row<FMT>(xs, x + xoff, K);
+  __syncthreads();
+  const float2 v = rows.run();
+  const int g = lane >> 2, t = lane & 3;
+  auto store = [&](int r, float y) {
+    if (r >= O) return;
+    if (out_f32) reinterpret_cast<float*>(out)[r] = y;
+    else reinterpret_cast<__nv_bfloat16*>(out)[r] = __float2bfloat16(y);
+  };
+  if (ks == 1) {
+    if (live && t == 0) {
+      store(row0 + g, v.x);
+      store(row0 + g + 8, v.y);
+    }
+    return;
+  }
+  if (t == 0) {
+    red[warp][g] = v.x;
+    red[warp][g + 8] = v.y;
+  }
+  __syncthreads();
+  if (part == 0 && live && lane < 16) {
+    float y = 0.f;
+    for (int p = 0; p < ks; ++p) y += red[p * tpb + tile][lane];
+    store(row0 + lane, y);
+  }
+}
+
+static int sm_count() {
+  static int count[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (count[dev] == 0) cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev);
+  return count[dev] > 0 ? count[dev] : 132;
+}
+
+// K split: the fewest parts (1, 2, 4, 8) that give at least two blocks per SM, keeping >= 2 rounds
+// per warp; group_rows must stay a multiple of the block's rows.
+static int gemv_mma_split(int O, int nr, int group_rows) {
+  const int tiles = (O + 15) / 16;
+  int ks = 1;
+  while (ks < MMA_WARPS && nr / (2 * ks) >= 2 &&
+         (tiles + MMA_WARPS / ks - 1) / (MMA_WARPS / ks) < 2 * sm_count())
+    ks *= 2;
+  while (group_rows > 0 && group_rows % (16 * (MMA_WARPS / ks)) != 0 && ks < MMA_WARPS) ks *= 2;
+  return ks;
+}
+
+template <int FMT>
+static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32, int O,
+                               int K, int group_rows, cudaStream_t st) {
+  constexpr int U = 4;
+  const int nr = K / mma_round_vals<FMT>();
+  const int ks = gemv_mma_split(O, nr, group_rows);
+  if (group_rows > 0 && group_rows % (16 * (MMA_WARPS / ks)) != 0) return cudaErrorInvalidValue;
+  const long smem = 2L * K;
+  auto kern = gemv_mma_kernel<FMT, U>;
+  cudaError_t e = set_smem(kern, smem);
+  if (e != cudaSuccess) return e;
+  const int tpb = MMA_WARPS / ks;
+  dim3 grid(((O + 15) / 16 + tpb - 1) / tpb);
+  return ds4_pdl::launch(kern, grid, dim3(MMA_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
+                         reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
+                         out_f32 ? 1 : 0, O, K, group_rows, ks);
+}
+
+bool mma_auto(int fmt) {
+  const char* env = std::getenv("DS4_MMA");
+  return fmt == FMT_FP4 && !(env && env[0] == '0');
+}
+
 template <int FMT>
 static long gemv_smem(int nt, int K) { return (long)nt * Smem<FMT>::row_floats(K) * 4; }
 
@@ -92,12 +198,6 @@ int gemv_max_tokens(int fmt, int K) {
                  : fmt == FMT_FP8 ? gemv_smem<FMT_FP8>(1, K) : gemv_smem<FMT_FP4>(1, K);
   long n = SMEM_CAP / (per > 0 ? per : 1);
   return (int)(n > 8 ? 8 : n);
-}
-
-template <typename KernelT>
-static cudaError_t set_smem(KernelT k, long bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
 }
 
 template <int FMT, int NT, int R>
@@ -128,27 +228,20 @@ static cudaError_t gemv_nt(int n_tok, const void* x, long x_ld, const void* W, c
 #undef DS4_GO
 }
 
-template <int FMT>
-static cudaError_t gemv_r(int R, int n_tok, const void* x, long x_ld, const void* W, const void* S,
-                          int s_ld, void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
-                          cudaStream_t st) {
-  // rows-per-warp variants other than 2 exist for single-token decode only (fewer instantiations)
-  if (R == 1 && n_tok == 1) return gemv_go<FMT, 1, 1>(x, x_ld, n_tok, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
-  if (R == 4 && n_tok == 1) return gemv_go<FMT, 1, 4>(x, x_ld, n_tok, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
-  return gemv_nt<FMT, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
-}
-
-cudaError_t launch_gemv(int fmt, int rows_per_warp, const void* x, long x_ld, int n_tok, const void* W,
-                        const void* S, int s_ld, void* out, bool out_f32, long out_ld, int O, int K,
-                        int group_rows, cudaStream_t st) {
+cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok, const void* W, const void* S,
+                        int s_ld, void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
+                        cudaStream_t st) {
   if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1) return cudaErrorInvalidValue;
-  int R = rows_per_warp;
-  if (R != 1 && R != 2 && R != 4) R = 2;
-  if (n_tok > 1) R = 2;
-  if (group_rows > 0 && group_rows % (GEMV_WARPS * R) != 0) return cudaErrorInvalidValue;
-  if (fmt == FMT_FP8) return gemv_r<FMT_FP8>(R, n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
-  if (fmt == FMT_FP4) return gemv_r<FMT_FP4>(R, n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
-  if (fmt == FMT_BF16) return gemv_r<FMT_BF16>(R, n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
+  const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K);
+  if (kernel == KERNEL_MMA && !mma_ok) return cudaErrorInvalidValue;
+  if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt))) {
+    if (fmt == FMT_FP8) return gemv_mma_go<FMT_FP8>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+    return gemv_mma_go<FMT_FP4>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+  }
+  if (group_rows > 0 && group_rows % (GEMV_WARPS * 2) != 0) return cudaErrorInvalidValue;
+  if (fmt == FMT_FP8) return gemv_nt<FMT_FP8, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
+  if (fmt == FMT_FP4) return gemv_nt<FMT_FP4, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
+  if (fmt == FMT_BF16) return gemv_nt<FMT_BF16, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   return cudaErrorInvalidValue;
 }
 

@@ -9,8 +9,11 @@
 //     No atomics, no per-expert temporaries; slots whose expert is not local contribute nothing.
 // A token choosing one expert twice gets two entries (same weights, read twice), matching the
 // per-slot semantics of the reference.
+// One-token FP8 / FP4 launches use the tensor-core variants below (mma_dot.cuh) by default: the
+// same two launches, each entry = one local slot, K split over the warps of a block.
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
+#include "mma_dot.cuh"
 
 namespace ds4 {
 
@@ -296,6 +299,157 @@ static bool moe_shape_ok(const MoEArgs& a) {
   return true;
 }
 
+// ------------------------------------------------------------------ tensor-core variants (1 token)
+
+constexpr int MOE_MMA_THREADS = 256;
+constexpr int MOE_MMA_WARPS = MOE_MMA_THREADS / 32;
+constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
+
+// Bit j set = slot j (< topk <= 32) holds a local expert (ids == nullptr: the one shared expert).
+__device__ __forceinline__ unsigned moe_local_slots(const MoEArgs& a) {
+  const int lane = threadIdx.x & 31;
+  bool loc = false;
+  if (lane < a.topk) {
+    const long e = a.ids ? a.ids[lane] - a.expert_offset : 0;
+    loc = e >= 0 && e < a.n_local;
+  }
+  return __ballot_sync(0xffffffffu, loc);
+}
+
+__device__ __forceinline__ int nth_bit(unsigned m, int n) {
+  for (int i = 0; i < n; ++i) m &= m - 1;
+  return __ffs(m) - 1;  // -1 when m has <= n bits
+}
+
+// grid (inter / 16, topk): block = 16 rows of w1 and w3 of local slot blockIdx.y; warps 0-3 split K
+// of w1, warps 4-7 of w3.
+template <int FMT, int U>
+__global__ void __launch_bounds__(MOE_MMA_THREADS)
+moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
+  ds4_pdl::begin();  // expert ids, route weights and x come from the previous kernels
+  extern __shared__ float4 smem4[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem4);
+  __shared__ float red[MOE_MMA_WARPS][16];
+  const int slot = nth_bit(moe_local_slots(a), blockIdx.y);
+  if (slot < 0) return;  // block-uniform
+  const int e = a.ids ? (int)(a.ids[slot] - a.expert_offset) : 0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int which = warp / 4, part = warp % 4;  // which: 0 = w1 (gate), 1 = w3 (up)
+  const int row0 = blockIdx.x * 16;
+  const uint8_t *W, *S;
+  expert_base<FMT>(a, e, which, W, S);
+  const int nr = a.dim / mma_round_vals<FMT>();
+  auto seg = [=](int) { return MmaSeg{W, S, xs}; };
+  auto rows = mma_rows16<FMT, U>(seg, nr, row_bytes<FMT>(a.dim), row0, a.inter, a.s13_ld, nr * part / 4,
+                                 nr * (part + 1) / 4);
+  rows.prefetch();
+  stage_mma_row<FMT>(xs, x, a.dim);
+  __syncthreads();
+  const float2 v = rows.run();
+  if ((lane & 3) == 0) {
+    red[warp][lane >> 2] = v.x;
+    red[warp][(lane >> 2) + 8] = v.y;
+  }
+  __syncthreads();
+  if (warp == 0 && lane < 16 && row0 + lane < a.inter) {
+    float g = 0.f, up = 0.f;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      g += red[p][lane];
+      up += red[4 + p][lane];
+    }
+    const float lim = a.limit;
+    g = fminf(g, lim);
+    up = fminf(fmaxf(up, -lim), lim);
+    const float w = a.rw ? a.rw[slot] : 1.0f;
+    h[(long)slot * a.inter + row0 + lane] = __float2bfloat16(g / (1.0f + expf(-g)) * up * w);
+  }
+}
+
+// grid dim / 16: block = 16 output rows; its 8 warps split the (local slot, K) rounds of all slots.
+template <int FMT, int U, bool OUT_F32>
+__global__ void __launch_bounds__(MOE_MMA_THREADS)
+moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const float* __restrict__ add,
+                    void* __restrict__ out) {
+  ds4_pdl::begin();
+  extern __shared__ float4 smem4[];
+  __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(smem4);
+  __shared__ float red[MOE_MMA_WARPS][16];
+  __shared__ const uint8_t* s_w[32];
+  __shared__ const uint8_t* s_s[32];
+  const unsigned m = moe_local_slots(a);
+  const int nU = __popc(m);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp == 0 && ((m >> lane) & 1u)) {
+    const int u = __popc(m & ((1u << lane) - 1u));
+    const int e = a.ids ? (int)(a.ids[lane] - a.expert_offset) : 0;
+    expert_base<FMT>(a, e, 2, s_w[u], s_s[u]);
+  }
+  __syncthreads();
+  const int row0 = blockIdx.x * 16;
+  const int nr = a.inter / mma_round_vals<FMT>();
+  const int T = nU * nr;
+  auto seg = [=](int u) { return MmaSeg{s_w[u], s_s[u], hs + (long)u * a.inter}; };
+  auto rows = mma_rows16<FMT, U>(seg, nr, row_bytes<FMT>(a.inter), row0, a.dim, a.s2_ld, T * warp / MOE_MMA_WARPS,
+                                 T * (warp + 1) / MOE_MMA_WARPS);
+  rows.prefetch();
+  for (int u = 0; u < nU; ++u) stage_mma_row<FMT>(hs + (long)u * a.inter, h + (long)nth_bit(m, u) * a.inter, a.inter);
+  __syncthreads();
+  const float2 v = rows.run();
+  if ((lane & 3) == 0) {
+    red[warp][lane >> 2] = v.x;
+    red[warp][(lane >> 2) + 8] = v.y;
+  }
+  __syncthreads();
+  const int r = row0 + lane;
+  if (warp == 0 && lane < 16 && r < a.dim) {
+    float y = 0.f;
+#pragma unroll
+    for (int p = 0; p < MOE_MMA_WARPS; ++p) y += red[p][lane];
+    // as moe_down_kernel: fp32 out = add + v; bf16 out = bf16(add + bf16(v))
+    const float o = add ? add[r] + (OUT_F32 ? y : __bfloat162float(__float2bfloat16(y))) : y;
+    if (OUT_F32) reinterpret_cast<float*>(out)[r] = o;
+    else reinterpret_cast<__nv_bfloat16*>(out)[r] = __float2bfloat16(o);
+  }
+}
+
+static bool moe_mma_ok(const MoEArgs& a) {
+  if ((a.fmt != FMT_FP8 && a.fmt != FMT_FP4) || a.ptrs || a.n_tok != 1 || a.topk > 32) return false;
+  if (!mma_shape_ok(a.fmt, a.dim) || !mma_shape_ok(a.fmt, a.inter)) return false;
+  return 2L * a.dim <= MOE_MMA_SMEM_CAP && 2L * a.topk * a.inter <= MOE_MMA_SMEM_CAP;
+}
+
+// 0: use the FMA kernels; 1: use the MMA kernels; -1: an explicit MMA request that does not apply
+static int moe_use_mma(const MoEArgs& a) {
+  const bool ok = moe_mma_ok(a);
+  if (a.kernel == KERNEL_MMA) return ok ? 1 : -1;
+  return a.kernel == KERNEL_AUTO && ok && mma_auto(a.fmt) ? 1 : 0;
+}
+
+template <int FMT>
+static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
+  constexpr int U = 4;
+  const long smem = 2L * a.dim;
+  auto kern = moe_gate_up_mma_kernel<FMT, U>;
+  cudaError_t e = moe_set_smem(kern, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid((a.inter + 15) / 16, a.topk);
+  return ds4_pdl::launch(kern, grid, dim3(MOE_MMA_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
+                         reinterpret_cast<__nv_bfloat16*>(h));
+}
+
+template <int FMT, bool F32>
+static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
+  constexpr int U = 4;
+  const long smem = 2L * a.topk * a.inter;
+  auto kern = moe_down_mma_kernel<FMT, U, F32>;
+  cudaError_t e = moe_set_smem(kern, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid((a.dim + 15) / 16);
+  return ds4_pdl::launch(kern, grid, dim3(MOE_MMA_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(h),
+                         add, out);
+}
+
 template <int FMT, int NT>
 static cudaError_t gate_up_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   constexpr int R = 2, U = 2;
@@ -317,6 +471,9 @@ static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStre
 }
 
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
+  const int mma = moe_use_mma(a);
+  if (mma < 0) return cudaErrorInvalidValue;
+  if (mma) return a.fmt == FMT_FP8 ? gate_up_mma_go<FMT_FP8>(a, x, h, st) : gate_up_mma_go<FMT_FP4>(a, x, h, st);
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return gate_up_nt<FMT_FP4>(a, x, h, st);
   if (a.fmt == FMT_FP8) return gate_up_nt<FMT_FP8>(a, x, h, st);
@@ -338,11 +495,7 @@ static cudaError_t down_go(const MoEArgs& a, const void* h, const float* add, vo
 
 template <int FMT, bool F32>
 static cudaError_t down_nt(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
-  if (a.n_tok <= 1) {
-    if (a.rows_per_warp == 4) return down_go<FMT, 1, 4, F32>(a, h, add, out, st);
-    if (a.rows_per_warp == 1) return down_go<FMT, 1, 1, F32>(a, h, add, out, st);
-    return down_go<FMT, 1, 2, F32>(a, h, add, out, st);
-  }
+  if (a.n_tok <= 1) return down_go<FMT, 1, 2, F32>(a, h, add, out, st);
   if (a.n_tok <= 2) return down_go<FMT, 2, 2, F32>(a, h, add, out, st);
   if (a.n_tok <= 4) return down_go<FMT, 4, 2, F32>(a, h, add, out, st);
   return down_go<FMT, 8, 2, F32>(a, h, add, out, st);
@@ -350,6 +503,12 @@ static cudaError_t down_nt(const MoEArgs& a, const void* h, const float* add, vo
 
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const float* add, void* out, bool out_f32,
                             cudaStream_t st) {
+  const int mma = moe_use_mma(a);
+  if (mma < 0) return cudaErrorInvalidValue;
+  if (mma) {
+    if (a.fmt == FMT_FP8) return out_f32 ? down_mma_go<FMT_FP8, true>(a, h, add, out, st) : down_mma_go<FMT_FP8, false>(a, h, add, out, st);
+    return out_f32 ? down_mma_go<FMT_FP4, true>(a, h, add, out, st) : down_mma_go<FMT_FP4, false>(a, h, add, out, st);
+  }
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return out_f32 ? down_nt<FMT_FP4, true>(a, h, add, out, st) : down_nt<FMT_FP4, false>(a, h, add, out, st);
   if (a.fmt == FMT_FP8) return out_f32 ? down_nt<FMT_FP8, true>(a, h, add, out, st) : down_nt<FMT_FP8, false>(a, h, add, out, st);

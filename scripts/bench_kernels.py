@@ -10,6 +10,8 @@ the graph is replayed `--reps` times, each replay timed with CUDA events; µs = 
 Graph replay removes host launch overhead but keeps the GPU's own inter-kernel gaps. An eager column
 (events around `--calls` plain launches) is printed too. bytes = weights + scales + activations in
 and out; GB/s = bytes / µs; %copy = GB/s / copy bandwidth.
+Untagged rows run the default ("auto": tensor-core kernels for one-token FP4 products, FMA kernels for
+FP8); rows tagged [mma] / [fma] force the tensor-core / FMA kernels.
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="skip the rows-per-warp variants")
+    ap.add_argument("--quick", action="store_true", help="skip the [mma] / [fma] comparison rows")
     args = ap.parse_args()
     kernels.load()
     n = args.tokens
@@ -130,35 +132,35 @@ def main() -> int:
                      "meets_75pct": gbs >= 0.75 * bw})
         print(f"  {name:<34} {us:8.2f} us  {gbs:7.0f} GB/s  {100 * gbs / bw:5.1f}%", flush=True)
 
-    def gemv_case(name, o, i, groups=1, rpw=0, target=None):
+    def gemv_case(name, o, i, groups=1, kernel="auto", target=None):
         one = rand_fp8(o, i, g)
         bts = nbytes(*one) + n * i * groups * 2 + n * o * 2
         sets = max(2, min(64, math.ceil(L2_ROTATE_BYTES / bts)))
         ws = [one] + [rand_fp8(o, i, g) for _ in range(sets - 1)]
         x = torch.randn(n, i * groups, device=DEV).to(torch.bfloat16)
-        fns = [(lambda w=w, s=s: kernels.gemv(x, w, s, "fp8", groups=groups, rows_per_warp=rpw)) for w, s in ws]
+        fns = [(lambda w=w, s=s: kernels.gemv(x, w, s, "fp8", groups=groups, kernel=kernel)) for w, s in ws]
         record(name, bts, fns, target)
         del ws
 
     print(f"GPU {torch.cuda.get_device_name()} | copy bandwidth {bw:.0f} GB/s | tokens {n}", flush=True)
     # FP8 dense projections (V4-Flash)
-    gemv_case("fp8 wq_a 1024x4096", 1024, 4096)
-    gemv_case("fp8 wq_b 32768x1024", 32768, 1024, target=10.5)
-    gemv_case("fp8 wkv 512x4096", 512, 4096)
-    gemv_case("fp8 wo_a 8x(1024x4096) grouped", 8192, 4096, groups=8)
-    gemv_case("fp8 wo_b 4096x8192", 4096, 8192)
-    gemv_case("fp8 idx_wq_b 8192x1024", 8192, 1024)
-    if not args.quick and n == 1:
-        for r in (1, 4):
-            gemv_case(f"fp8 wq_b rows/warp={r}", 32768, 1024, rpw=r)
-            gemv_case(f"fp8 wo_b rows/warp={r}", 4096, 8192, rpw=r)
+    compare = not args.quick and n == 1
+    for kern in ("auto", "mma") if compare else ("auto",):
+        tag = " [mma]" if kern == "mma" else ""
+        gemv_case("fp8 wq_a+wkv 1536x4096" + tag, 1536, 4096, kernel=kern)
+        gemv_case("fp8 wq_b 32768x1024" + tag, 32768, 1024, kernel=kern, target=10.5)
+        gemv_case("fp8 wo_a 8x(1024x4096) grouped" + tag, 8192, 4096, groups=8, kernel=kern)
+        gemv_case("fp8 wo_b 4096x8192" + tag, 4096, 8192, kernel=kern)
+        gemv_case("fp8 idx_wq_b 8192x1024" + tag, 8192, 1024, kernel=kern)
 
     # one MXFP4 GEMV (one expert's w1)
     one = rand_fp4((), 2048, 4096, g)
     bts = nbytes(*one) + n * 4096 * 2 + n * 2048 * 2
     ws = [one] + [rand_fp4((), 2048, 4096, g) for _ in range(max(1, math.ceil(L2_ROTATE_BYTES / bts)) - 1)][:63]
     x = torch.randn(n, 4096, device=DEV).to(torch.bfloat16)
-    record("fp4 gemv 2048x4096", bts, [(lambda w=w, s=s: kernels.gemv(x, w, s, "fp4")) for w, s in ws])
+    for kern in ("auto", "fma") if compare else ("auto",):
+        record("fp4 gemv 2048x4096" + (" [fma]" if kern == "fma" else ""), bts,
+               [(lambda w=w, s=s, kern=kern: kernels.gemv(x, w, s, "fp4", kernel=kern)) for w, s in ws])
     del ws
 
     # routed MoE: 256 stacked FP4 experts, top-6, rotating distinct ids
@@ -176,23 +178,23 @@ def main() -> int:
     b_gu = int(avg_exp * per_expert * 2 / 3) + n * dim * 2 + h_bytes
     b_dn = int(avg_exp * per_expert / 3) + h_bytes + n * dim * 4
     hs = [kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0) for ids in idsets]
-    record("moe fp4 gate+up (6 experts)", b_gu,
-           [(lambda ids=ids: kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0)) for ids in idsets])
-    record("moe fp4 down (6 experts)", b_dn,
-           [(lambda ids=ids, h=h: kernels.moe_down(h, ids, k, w2, s2, "fp4", 0, E, None, True))
-            for ids, h in zip(idsets, hs)])
-    if not args.quick and n == 1:
-        for r in (1, 4):
-            record(f"moe fp4 down rows/warp={r}", b_dn,
-                   [(lambda ids=ids, h=h, r=r: kernels.moe_down(h, ids, k, w2, s2, "fp4", 0, E, None, True,
-                                                                rows_per_warp=r)) for ids, h in zip(idsets, hs)])
 
-    def routed(ids):
-        h = kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0)
-        return kernels.moe_down(h, ids, k, w2, s2, "fp4", 0, E, None, True)
-    record("moe fp4 routed top-6 (2 launches)", b_gu + b_dn - 2 * h_bytes, [(lambda ids=ids: routed(ids)) for ids in idsets],
-           target_us=25.0)
-    del w1, w3, w2, s1, s3, s2, hs
+    def routed(ids, kern):
+        h = kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0, kernel=kern)
+        return kernels.moe_down(h, ids, k, w2, s2, "fp4", 0, E, None, True, kernel=kern)
+    for kern in ("auto", "fma") if compare else ("auto",):
+        tag = " [fma]" if kern == "fma" else ""
+        record("moe fp4 gate+up (6 experts)" + tag, b_gu,
+               [(lambda ids=ids, kern=kern: kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0,
+                                                                 kernel=kern))
+                for ids in idsets])
+        record("moe fp4 down (6 experts)" + tag, b_dn,
+               [(lambda ids=ids, h=h, kern=kern: kernels.moe_down(h, ids, k, w2, s2, "fp4", 0, E, None, True,
+                                                                       kernel=kern))
+                for ids, h in zip(idsets, hs)])
+        record("moe fp4 routed top-6 (2 launches)" + tag, b_gu + b_dn - 2 * h_bytes,
+               [(lambda ids=ids, kern=kern: routed(ids, kern)) for ids in idsets], target_us=25.0)
+    del hs
 
     # shared expert FP8 (2 launches), rotating weight copies
     def shared_set():
@@ -203,10 +205,12 @@ def main() -> int:
     sets = [shared_set() for _ in range(16)]
     bts = nbytes(*sets[0]) + n * dim * 2 * 2
 
-    def shared(p):
-        h = kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0)
-        return kernels.moe_down(h, None, 1, p[4], p[5], "fp8", 0, 1, None, False)
-    record("shared expert fp8 (2 launches)", bts, [(lambda p=p: shared(p)) for p in sets], target_us=8.0)
+    def shared(p, kern):
+        h = kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0, kernel=kern)
+        return kernels.moe_down(h, None, 1, p[4], p[5], "fp8", 0, 1, None, False, kernel=kern)
+    for kern in ("auto", "mma") if compare else ("auto",):
+        record("shared expert fp8 (2 launches)" + (" [mma]" if kern == "mma" else ""), bts,
+               [(lambda p=p, kern=kern: shared(p, kern)) for p in sets], target_us=8.0)
     del sets
 
     # router (learned): bf16 gate GEMV + top-k kernel

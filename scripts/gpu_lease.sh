@@ -8,10 +8,12 @@
 #
 # Stages:
 #   kernel_tests   GPU kernel test modules (GEMV/MoE, attention, decode glue)
-#   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager)
+#   kbench         GEMV/MoE micro-benchmark (scripts/bench_kernels.py: tensor-core vs FMA kernels)
+#   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
 #   tp2_tests      the 2-GPU tests (tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
 #   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
-#   profile        per-kernel profile of an 8-layer step and its time at position 65536
+#   profile        per-kernel profile of an 8-layer step and its time at position 65536 (PROFILE_PDL=0:
+#                  without PDL, so each kernel's time is its own)
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart
 #   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope); alone in a group
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group)
@@ -27,7 +29,7 @@ else
 fi
 BENCH_VARIANTS=${BENCH_VARIANTS:-kernels+fused+graph}
 SEED_JOBS=experiment=seed_phase1,ds4_best,ds4_cuda_graph,seed_phase4,seed_phase6,seed_phase2,seed_phase3,seed_phase5
-TP_VARIANTS=kernels+fused+graph,kernels+fused+graph+bf16,kernels+fused+graph+symm
+TP_VARIANTS=${TP_VARIANTS:-kernels+fused+graph,kernels+fused+graph+bf16,kernels+fused+graph+symm}
 PT="python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short"
 NGPU=$(nvidia-smi -L | wc -l); nvidia-smi -L; date -u
 t0=$(date +%s); stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s"; }
@@ -39,11 +41,13 @@ stage() {  # stage name, GPU index
   case $1 in
     kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
                     tests/test_decode_glue_gpu.py > "$L/kernel_tests.log" 2>&1 ;;
-    e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 330 $PT tests/test_gpu_e2e.py -k "not tp2" > "$L/e2e_tests.log" 2>&1 ;;
+    kbench) CUDA_VISIBLE_DEVICES=$g timeout 150 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" \
+        > "$L/kbench.log" 2>&1 ;;
+    e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 330 $PT tests/test_gpu_e2e.py -k "${E2E_K:-not tp2}" > "$L/e2e_tests.log" 2>&1 ;;
     tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_gpu_e2e.py -k "${TP2_K:-tp2}" > "$L/tp2_tests.log" 2>&1 ;;
     bench) CUDA_VISIBLE_DEVICES=$g timeout 120 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
         --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu.json" > "$L/bench_1gpu.log" 2>&1 ;;
-    profile) CUDA_VISIBLE_DEVICES=$g timeout 60 python3 scripts/profile_step.py --layers 8 --variant kernels+fused \
+    profile) DS4_PDL=${PROFILE_PDL:-1} CUDA_VISIBLE_DEVICES=$g timeout 60 python3 scripts/profile_step.py --layers 8 --variant kernels+fused \
         --long-context 65536 --out "$OUT/profile_step.json" > "$L/profile.log" 2>&1 ;;
     seed)
       CUDA_VISIBLE_DEVICES=$g timeout 240 python3 -m ds4 ablation=seed_phases model.n_layers=8 tracking=none \
@@ -78,6 +82,7 @@ for f in "$L"/*.log; do echo "##### $f"; cat "$f"; done > "$OUT/all_logs.txt"
 for f in kernel_tests e2e_tests tp2_tests; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -E "passed|failed|Error|^FAILED|^E  " "$L/$f.log" | tail -n 14; }
 done
+[ -f "$L/kbench.log" ] && { echo "--- kbench"; sed -n '/^kernel /,$p' "$L/kbench.log"; }
 for f in bench_1gpu bench_tp2 bench_tp4; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -v '^{' "$L/$f.log" | grep -v "^\s*$" | tail -n 12; }
 done

@@ -46,14 +46,14 @@ V4_FP8 = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b
           "idx_wq_b": (8192, 1024), "shared_w1": (2048, 4096), "shared_w2": (4096, 2048)}
 
 
-def _gemv_check(fmt, o, i, n, seed, rows_per_warp=0, xscale=1.0):
+def _gemv_check(fmt, o, i, n, seed, kernel="auto", xscale=1.0):
     g = gen(seed)
     w, s = (rand_fp8_weight if fmt == "fp8" else rand_fp4_weight)(o, i, g)
     x = rand_x(n, i, g, xscale)
     wd = (dequant_fp8 if fmt == "fp8" else dequant_fp4)(w, s, torch.float32)
     ref = x.float() @ wd.t()
     poison()
-    y = kernels.gemv(x, w, s, fmt, rows_per_warp=rows_per_warp)
+    y = kernels.gemv(x, w, s, fmt, kernel=kernel)
     assert y.shape == (n, o) and y.dtype == torch.bfloat16
     assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) outputs"
     err = rel(y, ref)
@@ -79,16 +79,50 @@ def test_gemv_fp4(o, i, n):
     _gemv_check("fp4", o, i, n, seed=o * 7 + i + n)
 
 
-@pytest.mark.parametrize("r", [1, 2, 4])
-@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_gemv_rows_per_warp_variants(r, fmt):
-    _gemv_check(fmt, 1000, 2048, 1, seed=r, rows_per_warp=r)
+# one token: "auto" takes the tensor-core kernel where K allows (FP8 K % 64, FP4 K % 128); both
+# kernels are checked explicitly, at row counts that are not multiples of the 16-row MMA tile
+@pytest.mark.parametrize("kernel", ["fma", "mma"])
+@pytest.mark.parametrize("fmt,o,i", [("fp8", 1000, 2048), ("fp8", 33, 64), ("fp8", 200, 320), ("fp8", 4096, 8192),
+                                     ("fp8", 32768, 1024), ("fp4", 1000, 2048), ("fp4", 77, 128),
+                                     ("fp4", 333, 4224), ("fp4", 2048, 4096)])
+def test_gemv_kernel_variants(kernel, fmt, o, i):
+    _gemv_check(fmt, o, i, 1, seed=o + i, kernel=kernel)
 
 
-def test_gemv_tiny_and_large_activations():
-    _gemv_check("fp8", 256, 1024, 1, seed=5, xscale=1e-6)
-    _gemv_check("fp8", 256, 1024, 1, seed=6, xscale=1e4)
+def test_gemv_mma_rejects_what_it_cannot_serve():
+    g = gen(9)
+    w, s = rand_fp8_weight(64, 1024, g)
+    with pytest.raises(RuntimeError, match="not supported"):
+        kernels.gemv(rand_x(2, 1024, g), w, s, "fp8", kernel="mma")  # two tokens
+    w, s = rand_fp8_weight(64, 1040, g)
+    with pytest.raises(RuntimeError, match="not supported"):
+        kernels.gemv(rand_x(1, 1040, g), w, s, "fp8", kernel="mma")  # K % 64 != 0
+
+
+@pytest.mark.parametrize("kernel", ["fma", "mma"])
+def test_gemv_tiny_and_large_activations(kernel):
+    _gemv_check("fp8", 256, 1024, 1, seed=5, xscale=1e-6, kernel=kernel)
+    _gemv_check("fp8", 256, 1024, 1, seed=6, xscale=1e4, kernel=kernel)
+    _gemv_check("fp4", 256, 1024, 1, seed=7, xscale=1e-6, kernel=kernel)
+    _gemv_check("fp4", 256, 1024, 1, seed=8, xscale=1e4, kernel=kernel)
     _gemv_check("fp4", 256, 1024, 2, seed=7, xscale=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["fma", "mma"])
+def test_gemv_only_subnormal_codes(kernel):
+    """Weights made only of subnormal codes (E4M3 exponent 0; E2M1 +-0.5 and 0): both kernels must
+    keep them exactly (the MMA kernel feeds them to the tensor cores as bf16 subnormals)."""
+    g = gen(12)
+    w8, s8 = rand_fp8_weight(256, 1024, g)
+    w8 = (w8.view(torch.uint8) & 0x87).view(torch.float8_e4m3fn)
+    w4, s4 = rand_fp4_weight(256, 1024, g)
+    w4 = (w4.view(torch.uint8) & 0x99).view(torch.int8)  # each nibble s00m
+    x = rand_x(1, 1024, g)
+    for fmt, w, s in (("fp8", w8, s8), ("fp4", w4, s4)):
+        ref = x.float() @ (dequant_fp8 if fmt == "fp8" else dequant_fp4)(w, s, torch.float32).t()
+        assert ref.abs().max() > 0
+        y = kernels.gemv(x, w, s, fmt, kernel=kernel, out_f32=True)
+        assert rel(y, ref) <= 1e-5, (fmt, rel(y, ref))
 
 
 def test_gemv_subnormal_and_extreme_scales():
@@ -107,7 +141,8 @@ def test_gemv_subnormal_and_extreme_scales():
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_gemv_grouped_wo_a(n):
+@pytest.mark.parametrize("kernel", ["auto", "fma"])
+def test_gemv_grouped_wo_a(n, kernel):
     g = gen(100 + n)
     groups, o, i = 8, 8192, 4096
     w, s = rand_fp8_weight(o, i, g)
@@ -115,7 +150,7 @@ def test_gemv_grouped_wo_a(n):
     wd = dequant_fp8(w, s, torch.float32).view(groups, o // groups, i)
     ref = torch.einsum("ngi,gri->ngr", x.float().view(n, groups, i), wd).reshape(n, o)
     poison()
-    y = kernels.gemv(x, w, s, "fp8", groups=groups)
+    y = kernels.gemv(x, w, s, "fp8", groups=groups, kernel=kernel)
     assert torch.isfinite(y).all()
     assert rel(y, ref) <= TOL
 
@@ -197,6 +232,30 @@ def test_moe_routed_fp4(case, dims):
         assert y.abs().max() == 0
     else:
         assert rel(y, ref) <= TOL, rel(y, ref)
+
+
+ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": [31, 32, 47, 48, 0, 63],
+                 "dup": [40, 40, 41, 42, 43, 44], "none_local": [0, 1, 2, 3, 60, 61]}
+
+
+@pytest.mark.parametrize("kernel", ["fma", "mma"])
+@pytest.mark.parametrize("case", list(ONE_TOKEN_IDS))
+@pytest.mark.parametrize("fmt,dims", [("fp4", (4096, 2048)), ("fp4", (512, 384)), ("fp8", (1024, 512))])
+def test_moe_one_token_kernels(kernel, case, fmt, dims):
+    dim, inter = dims
+    g = gen(hash((case, dims, fmt)) % 10_000)
+    (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = make_experts(16, dim, inter, g, fmt)
+    ids = torch.tensor([ONE_TOKEN_IDS[case]], device=DEV)
+    weights = torch.rand(1, 6, device=DEV, generator=g) + 0.1
+    x = rand_x(1, dim, g)
+    ref = ref_routed(x, weights, ids, d1, d3, d2, 32, 10.0)
+    add = torch.randn(1, dim, device=DEV, generator=g)
+    poison()
+    h = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, fmt, 32, 16, 10.0, kernel=kernel)
+    poison()
+    y = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, add, True, kernel=kernel)
+    assert torch.isfinite(y).all()
+    assert rel(y - add, ref) <= TOL if ref.norm() > 0 else torch.equal(y, add)
 
 
 @pytest.mark.parametrize("n", [1, 3, 8])

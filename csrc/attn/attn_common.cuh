@@ -47,4 +47,17 @@ __device__ __forceinline__ void load_a_rows(uint32_t* a, const uint16_t* base, i
   a[3] = r1 < nrows ? __ldg(p1 + 4) : 0u;
 }
 
+// The same from shared memory.
+__device__ __forceinline__ void load_a_rows_smem(uint32_t* a, const uint16_t* base, int ld, int row0, int nrows, int k0,
+                                                 int lane) {
+  const int g = lane >> 2, c = lane & 3;
+  const int r0 = row0 + g, r1 = row0 + g + 8;
+  const uint32_t* p0 = reinterpret_cast<const uint32_t*>(base + r0 * ld + k0 + 2 * c);
+  const uint32_t* p1 = reinterpret_cast<const uint32_t*>(base + r1 * ld + k0 + 2 * c);
+  a[0] = r0 < nrows ? p0[0] : 0u;
+  a[1] = r1 < nrows ? p1[0] : 0u;
+  a[2] = r0 < nrows ? p0[4] : 0u;
+  a[3] = r1 < nrows ? p1[4] : 0u;
+}
+
 }  // namespace ds4_attn

@@ -10,6 +10,9 @@ import torch
 from torch import Tensor
 
 FMT = {"bf16": 0, "fp8": 1, "fp4": 2}
+# "auto": tensor-core kernels for one-token FP4 products (unless DS4_MMA=0), FMA kernels otherwise
+# (measured faster for FP8); "fma" / "mma" force one (an "mma" request it cannot serve raises).
+KERNEL = {"auto": 0, "fma": 1, "mma": 2}
 
 
 def _ops():
@@ -19,16 +22,16 @@ def _ops():
 
 
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, groups: int = 1,
-         rows_per_warp: int = 0, out_f32: bool = False) -> Tensor:
+         kernel: str = "auto", out_f32: bool = False) -> Tensor:
     """y[N, O] = x[N, groups*I] @ W^T (group g of the rows reads x columns g*I..(g+1)*I).
 
     x bf16 contiguous; weight [O, I] (fp8/bf16) or [O, I/2] (fp4) as stored; scale E8M0."""
-    return _ops().gemv(x, weight, scale, FMT[fmt], groups, rows_per_warp, out_f32)
+    return _ops().gemv(x, weight, scale, FMT[fmt], groups, KERNEL[kernel], out_f32)
 
 
 def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tensor, s1: Tensor | None,
                 w3: Tensor, s3: Tensor | None, fmt: str, expert_offset: int = 0, n_local: int | None = None,
-                limit: float = 10.0, ptrs: Tensor | None = None) -> Tensor:
+                limit: float = 10.0, ptrs: Tensor | None = None, kernel: str = "auto") -> Tensor:
     """h [N*k, inter] bf16 = silu(min(x@w1[e]^T, lim)) * clamp(x@w3[e]^T, +-lim) * route_w, per slot.
 
     ids int64 [N, k] (global expert ids; slots outside [offset, offset+n_local) are skipped and
@@ -36,18 +39,20 @@ def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tenso
     addresses of bf16 (w1, w3, w2) per expert (then w1/w3 only give the shapes)."""
     if n_local is None:
         n_local = w1.shape[0] if w1.dim() == 3 else 1
-    return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, FMT[fmt], expert_offset, n_local, limit)
+    return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, FMT[fmt], expert_offset, n_local, limit,
+                              KERNEL[kernel])
 
 
 def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | None, fmt: str,
              expert_offset: int = 0, n_local: int | None = None, add: Tensor | None = None,
-             out_f32: bool = True, ptrs: Tensor | None = None, rows_per_warp: int = 0) -> Tensor:
+             out_f32: bool = True, ptrs: Tensor | None = None, kernel: str = "auto") -> Tensor:
     """y [N, dim] = add + sum over local slots (t, j) of h[t*k+j] @ w2[ids[t, j]]^T, fp32 accumulation.
     With a bf16 output (out_f32=False) the sum is rounded to bf16 before `add` is added (the reference's
     shared-expert output added to the fp32 routed sum)."""
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
-    return _ops().moe_down(h, ids, topk, w2, s2, ptrs, FMT[fmt], expert_offset, n_local, add, out_f32, rows_per_warp)
+    return _ops().moe_down(h, ids, topk, w2, s2, ptrs, FMT[fmt], expert_offset, n_local, add, out_f32,
+                           KERNEL[kernel])
 
 
 def router(x: Tensor, gate: Tensor, bias: Tensor | None, tid2eid: Tensor | None, token_ids: Tensor | None,
