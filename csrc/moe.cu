@@ -9,8 +9,9 @@
 //     No atomics, no per-expert temporaries; slots whose expert is not local contribute nothing.
 // A token choosing one expert twice gets two entries (same weights, read twice), matching the
 // per-slot semantics of the reference.
-// One-token FP8 / FP4 launches use the tensor-core variants below (mma_dot.cuh) by default: the
-// same two launches, each entry = one local slot, K split over the warps of a block.
+// One-token FP4 launches use the tensor-core variants below (mma_dot.cuh) by default, FP8 ones on
+// request (kernel = MMA): the same two launches, each entry = one local slot, K split over the warps
+// of a block.
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "mma_dot.cuh"
