@@ -57,6 +57,18 @@ def test_unavailable_reason_without_cuda():
     assert why is not None and ("CPU-only" in why or "CUDA is not available" in why)
 
 
+@pytest.mark.parametrize("call", ["gemv", "moe_gate_up", "moe_down"])
+def test_unknown_kernel_choice_fails_before_any_launch(call):
+    # the kernel name is checked before the extension is loaded (no CUDA needed to see the message)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(16, 64, dtype=torch.uint8)
+    fn = {"gemv": lambda: kernels.gemv(x, w, None, "fp8", kernel="tensor"),
+          "moe_gate_up": lambda: kernels.moe_gate_up(x, None, None, w, None, w, None, "fp8", kernel="tensor"),
+          "moe_down": lambda: kernels.moe_down(x, None, 1, w, None, "fp8", kernel="tensor")}[call]
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        fn()
+
+
 def test_cuda_impls_construct_without_extension():
     # building the objects never compiles or loads anything
     from ds4.ops.linear_cuda import GemvCudaLinear

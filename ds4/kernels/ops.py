@@ -15,6 +15,12 @@ FMT = {"bf16": 0, "fp8": 1, "fp4": 2}
 KERNEL = {"auto": 0, "fma": 1, "mma": 2}
 
 
+def _kernel(name: str) -> int:
+    if name not in KERNEL:
+        raise ValueError(f"ds4.kernels: kernel must be one of {sorted(KERNEL)}, got {name!r}")
+    return KERNEL[name]
+
+
 def _ops():
     from ds4 import kernels
     kernels.load()
@@ -26,7 +32,8 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, groups: int 
     """y[N, O] = x[N, groups*I] @ W^T (group g of the rows reads x columns g*I..(g+1)*I).
 
     x bf16 contiguous; weight [O, I] (fp8/bf16) or [O, I/2] (fp4) as stored; scale E8M0."""
-    return _ops().gemv(x, weight, scale, FMT[fmt], groups, KERNEL[kernel], out_f32)
+    k = _kernel(kernel)
+    return _ops().gemv(x, weight, scale, FMT[fmt], groups, k, out_f32)
 
 
 def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tensor, s1: Tensor | None,
@@ -39,8 +46,8 @@ def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tenso
     addresses of bf16 (w1, w3, w2) per expert (then w1/w3 only give the shapes)."""
     if n_local is None:
         n_local = w1.shape[0] if w1.dim() == 3 else 1
-    return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, FMT[fmt], expert_offset, n_local, limit,
-                              KERNEL[kernel])
+    k = _kernel(kernel)
+    return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, FMT[fmt], expert_offset, n_local, limit, k)
 
 
 def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | None, fmt: str,
@@ -51,8 +58,8 @@ def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | 
     shared-expert output added to the fp32 routed sum)."""
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
-    return _ops().moe_down(h, ids, topk, w2, s2, ptrs, FMT[fmt], expert_offset, n_local, add, out_f32,
-                           KERNEL[kernel])
+    k = _kernel(kernel)
+    return _ops().moe_down(h, ids, topk, w2, s2, ptrs, FMT[fmt], expert_offset, n_local, add, out_f32, k)
 
 
 def router(x: Tensor, gate: Tensor, bias: Tensor | None, tid2eid: Tensor | None, token_ids: Tensor | None,
