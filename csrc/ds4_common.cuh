@@ -177,4 +177,11 @@ __device__ __forceinline__ void load_row_smem(float* dst, const __nv_bfloat16* _
   }
 }
 
+// Host: lets kernel k use `bytes` of dynamic shared memory (an opt-in above 48 KB).
+template <typename KernelT>
+inline cudaError_t set_smem(KernelT k, long bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
 }  // namespace ds4

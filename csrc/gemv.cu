@@ -91,12 +91,6 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
     }
 }
 
-template <typename KernelT>
-static cudaError_t set_smem(KernelT k, long bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-}
-
 constexpr int MMA_THREADS = 256;
 constexpr int MMA_WARPS = MMA_THREADS / 32;
 
@@ -135,10 +129,7 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
     }
     return;
   }
-  if (t == 0) {
-    red[warp][g] = v.x;
-    red[warp][g + 8] = v.y;
-  }
+  mma_rows16_store(red[warp], v);
   __syncthreads();
   if (part == 0 && live && lane < 16) {
     float y = 0.f;

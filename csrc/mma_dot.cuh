@@ -219,6 +219,15 @@ struct MmaRows16 {
   }
 };
 
+// Stores the row sums run() returned (lanes t = 0) as red16[0..15] = rows row0 .. row0 + 15.
+__device__ __forceinline__ void mma_rows16_store(float* red16, float2 v) {
+  const int lane = threadIdx.x & 31;
+  if ((lane & 3) == 0) {
+    red16[lane >> 2] = v.x;
+    red16[(lane >> 2) + 8] = v.y;
+  }
+}
+
 template <int FMT, int U, typename SegFn>
 __device__ __forceinline__ MmaRows16<FMT, U, SegFn> mma_rows16(SegFn f, int nr, long rowb, int row0, int nrows,
                                                                int s_ld, int beg, int end) {

@@ -87,6 +87,22 @@ __device__ __forceinline__ void expert_base(const MoEArgs& a, int e, int which, 
   }
 }
 
+// h = bf16(silu(min(g, lim)) * clamp(up, +-lim) * w): the reference's limited SwiGLU, route weight w.
+__device__ __forceinline__ __nv_bfloat16 swiglu_h(float g, float up, float lim, float w) {
+  g = fminf(g, lim);
+  up = fminf(fmaxf(up, -lim), lim);
+  return __float2bfloat16(g / (1.0f + expf(-g)) * up * w);
+}
+
+// out[o] of a down projection v: fp32 out = add + v (accumulation); bf16 out = bf16(add + bf16(v)),
+// the reference's order when the shared expert's bf16 output is added to the fp32 routed sum.
+template <bool OUT_F32>
+__device__ __forceinline__ void down_store(void* out, long o, const float* add, float v) {
+  const float y = add ? add[o] + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v))) : v;
+  if (OUT_F32) reinterpret_cast<float*>(out)[o] = y;
+  else reinterpret_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(y);
+}
+
 template <int FMT, int NT, int R, int U>
 __global__ void __launch_bounds__(MOE_THREADS)
 moe_gate_up_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
@@ -171,13 +187,9 @@ moe_gate_up_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bf
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (slot[t] < 0) continue;  // warp-uniform
-      const float g = fminf(warp_sum(acc[j][t]) * post, lim);
-      const float up = fminf(fmaxf(warp_sum(acc[R + j][t]) * post, -lim), lim);
-      if (lane == 0 && rbase + j < a.inter) {
-        const float w = a.rw ? a.rw[slot[t]] : 1.0f;
-        const float act = g / (1.0f + expf(-g)) * up * w;
-        h[(long)slot[t] * a.inter + rbase + j] = __float2bfloat16(act);
-      }
+      const float g = warp_sum(acc[j][t]) * post, up = warp_sum(acc[R + j][t]) * post;
+      if (lane == 0 && rbase + j < a.inter)
+        h[(long)slot[t] * a.inter + rbase + j] = swiglu_h(g, up, lim, a.rw ? a.rw[slot[t]] : 1.0f);
     }
 }
 
@@ -263,20 +275,9 @@ moe_down_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const floa
     for (int t = 0; t < NT; ++t) {
       const float v = warp_sum(acc[j][t]) * post;
       if (lane == 0 && rbase + j < a.dim && t < a.n_tok) {
-        const long o = (long)t * a.dim + rbase + j;
-        // fp32 out: add + v (accumulation); bf16 out: bf16(add + bf16(v)), the reference's order when
-        // the shared expert's bf16 output is added to the fp32 routed sum
-        const float y = add ? add[o] + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v))) : v;
-        if (OUT_F32) reinterpret_cast<float*>(out)[o] = y;
-        else reinterpret_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(y);
+        down_store<OUT_F32>(out, (long)t * a.dim + rbase + j, add, v);
       }
     }
-}
-
-template <typename KernelT>
-static cudaError_t moe_set_smem(KernelT k, long bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
 }
 
 static long moe_row_bytes(int fmt, int K) {
@@ -346,11 +347,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   rows.prefetch();
   stage_mma_row<FMT>(xs, x, a.dim);
   __syncthreads();
-  const float2 v = rows.run();
-  if ((lane & 3) == 0) {
-    red[warp][lane >> 2] = v.x;
-    red[warp][(lane >> 2) + 8] = v.y;
-  }
+  mma_rows16_store(red[warp], rows.run());
   __syncthreads();
   if (warp == 0 && lane < 16 && row0 + lane < a.inter) {
     float g = 0.f, up = 0.f;
@@ -359,11 +356,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
       g += red[p][lane];
       up += red[4 + p][lane];
     }
-    const float lim = a.limit;
-    g = fminf(g, lim);
-    up = fminf(fmaxf(up, -lim), lim);
-    const float w = a.rw ? a.rw[slot] : 1.0f;
-    h[(long)slot * a.inter + row0 + lane] = __float2bfloat16(g / (1.0f + expf(-g)) * up * w);
+    h[(long)slot * a.inter + row0 + lane] = swiglu_h(g, up, a.limit, a.rw ? a.rw[slot] : 1.0f);
   }
 }
 
@@ -396,21 +389,14 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   rows.prefetch();
   for (int u = 0; u < nU; ++u) stage_mma_row<FMT>(hs + (long)u * a.inter, h + (long)nth_bit(m, u) * a.inter, a.inter);
   __syncthreads();
-  const float2 v = rows.run();
-  if ((lane & 3) == 0) {
-    red[warp][lane >> 2] = v.x;
-    red[warp][(lane >> 2) + 8] = v.y;
-  }
+  mma_rows16_store(red[warp], rows.run());
   __syncthreads();
   const int r = row0 + lane;
   if (warp == 0 && lane < 16 && r < a.dim) {
     float y = 0.f;
 #pragma unroll
     for (int p = 0; p < MOE_MMA_WARPS; ++p) y += red[p][lane];
-    // as moe_down_kernel: fp32 out = add + v; bf16 out = bf16(add + bf16(v))
-    const float o = add ? add[r] + (OUT_F32 ? y : __bfloat162float(__float2bfloat16(y))) : y;
-    if (OUT_F32) reinterpret_cast<float*>(out)[r] = o;
-    else reinterpret_cast<__nv_bfloat16*>(out)[r] = __float2bfloat16(o);
+    down_store<OUT_F32>(out, r, add, y);
   }
 }
 
@@ -432,7 +418,7 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
   constexpr int U = 4;
   const long smem = 2L * a.dim;
   auto kern = moe_gate_up_mma_kernel<FMT, U>;
-  cudaError_t e = moe_set_smem(kern, smem);
+  cudaError_t e = set_smem(kern, smem);
   if (e != cudaSuccess) return e;
   dim3 grid((a.inter + 15) / 16, a.topk);
   return ds4_pdl::launch(kern, grid, dim3(MOE_MMA_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
@@ -444,7 +430,7 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const float* add
   constexpr int U = 4;
   const long smem = 2L * a.topk * a.inter;
   auto kern = moe_down_mma_kernel<FMT, U, F32>;
-  cudaError_t e = moe_set_smem(kern, smem);
+  cudaError_t e = set_smem(kern, smem);
   if (e != cudaSuccess) return e;
   dim3 grid((a.dim + 15) / 16);
   return ds4_pdl::launch(kern, grid, dim3(MOE_MMA_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(h),
@@ -456,7 +442,7 @@ static cudaError_t gate_up_go(const MoEArgs& a, const void* x, void* h, cudaStre
   constexpr int R = 2, U = 2;
   const long smem = (long)a.n_tok * moe_row_bytes(FMT, a.dim);
   auto kern = moe_gate_up_kernel<FMT, NT, R, U>;
-  cudaError_t e = moe_set_smem(kern, smem);
+  cudaError_t e = set_smem(kern, smem);
   if (e != cudaSuccess) return e;
   dim3 grid((a.inter + MOE_WARPS * R - 1) / (MOE_WARPS * R), a.n_tok * a.topk);
   return ds4_pdl::launch(kern, grid, dim3(MOE_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
@@ -487,7 +473,7 @@ static cudaError_t down_go(const MoEArgs& a, const void* h, const float* add, vo
   constexpr int U = 4;
   const long smem = (long)a.n_tok * a.topk * moe_row_bytes(FMT, a.inter);
   auto kern = moe_down_kernel<FMT, NT, R, U, F32>;
-  cudaError_t e = moe_set_smem(kern, smem);
+  cudaError_t e = set_smem(kern, smem);
   if (e != cudaSuccess) return e;
   dim3 grid((a.dim + MOE_WARPS * R - 1) / (MOE_WARPS * R));
   return ds4_pdl::launch(kern, grid, dim3(MOE_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(h), add,

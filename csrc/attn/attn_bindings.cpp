@@ -51,15 +51,21 @@ at::Tensor hc_mixes_partials(const at::Tensor& h, const at::Tensor& fn, int64_t&
 
 bool norm_weight_f32(const at::Tensor& w, int64_t n, const char* op);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const at::Tensor& fn,
-                                                      const at::Tensor& scale, const at::Tensor& base, int64_t iters,
-                                                      double hc_eps, double norm_eps,
-                                                      const std::optional<at::Tensor>& norm) {
+// h [N, hc, D] (bf16 / fp32) and the fp32 mixing weights of hc_pre / hc_head.
+void check_hc_inputs(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,
+                     const char* op) {
   check_cuda(h, "h");
   check_f32(fn, "fn");
   check_f32(scale, "scale");
   check_f32(base, "base");
-  TORCH_CHECK(h.dim() == 3, "ds4_attn.hc_pre: h must be [N, hc, D]");
+  TORCH_CHECK(h.dim() == 3, "ds4_attn.", op, ": h must be [N, hc, D]");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const at::Tensor& fn,
+                                                      const at::Tensor& scale, const at::Tensor& base, int64_t iters,
+                                                      double hc_eps, double norm_eps,
+                                                      const std::optional<at::Tensor>& norm) {
+  check_hc_inputs(h, fn, scale, base, "hc_pre");
   const int64_t N = h.size(0), n = h.size(1), D = h.size(2);
   TORCH_CHECK(fn.size(0) == (2 + n) * n && base.numel() == (2 + n) * n && scale.numel() >= 3,
               "ds4_attn.hc_pre: fn/base/scale shapes");
@@ -84,11 +90,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const
 
 at::Tensor hc_head(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,
                    double hc_eps, double norm_eps) {
-  check_cuda(h, "h");
-  check_f32(fn, "fn");
-  check_f32(scale, "scale");
-  check_f32(base, "base");
-  TORCH_CHECK(h.dim() == 3, "ds4_attn.hc_head: h must be [N, hc, D]");
+  check_hc_inputs(h, fn, scale, base, "hc_head");
   const int64_t N = h.size(0), n = h.size(1), D = h.size(2);
   TORCH_CHECK(fn.size(0) == n && base.numel() == n && scale.numel() >= 1, "ds4_attn.hc_head: fn/base/scale shapes");
   c10::cuda::CUDAGuard guard(h.device());

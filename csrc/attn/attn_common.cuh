@@ -35,29 +35,20 @@ __device__ __forceinline__ float ld_as_float(const void* p, long i, bool f32) {
 }
 
 // A fragment of a 16 x 16 tile of a row-major bf16 matrix (row stride ld elements); rows >= nrows are 0.
+// GLOBAL: base is read-only global memory (loaded through the non-coherent path); else any memory
+// (e.g. shared).
+template <bool GLOBAL = true>
 __device__ __forceinline__ void load_a_rows(uint32_t* a, const uint16_t* base, int ld, int row0, int nrows, int k0,
                                             int lane) {
   const int g = lane >> 2, c = lane & 3;
   const int r0 = row0 + g, r1 = row0 + g + 8;
   const uint32_t* p0 = reinterpret_cast<const uint32_t*>(base + (long)r0 * ld + k0 + 2 * c);
   const uint32_t* p1 = reinterpret_cast<const uint32_t*>(base + (long)r1 * ld + k0 + 2 * c);
-  a[0] = r0 < nrows ? __ldg(p0) : 0u;
-  a[1] = r1 < nrows ? __ldg(p1) : 0u;
-  a[2] = r0 < nrows ? __ldg(p0 + 4) : 0u;
-  a[3] = r1 < nrows ? __ldg(p1 + 4) : 0u;
-}
-
-// The same from shared memory.
-__device__ __forceinline__ void load_a_rows_smem(uint32_t* a, const uint16_t* base, int ld, int row0, int nrows, int k0,
-                                                 int lane) {
-  const int g = lane >> 2, c = lane & 3;
-  const int r0 = row0 + g, r1 = row0 + g + 8;
-  const uint32_t* p0 = reinterpret_cast<const uint32_t*>(base + r0 * ld + k0 + 2 * c);
-  const uint32_t* p1 = reinterpret_cast<const uint32_t*>(base + r1 * ld + k0 + 2 * c);
-  a[0] = r0 < nrows ? p0[0] : 0u;
-  a[1] = r1 < nrows ? p1[0] : 0u;
-  a[2] = r0 < nrows ? p0[4] : 0u;
-  a[3] = r1 < nrows ? p1[4] : 0u;
+  auto ld32 = [](const uint32_t* p) { return GLOBAL ? __ldg(p) : *p; };
+  a[0] = r0 < nrows ? ld32(p0) : 0u;
+  a[1] = r1 < nrows ? ld32(p1) : 0u;
+  a[2] = r0 < nrows ? ld32(p0 + 4) : 0u;
+  a[3] = r1 < nrows ? ld32(p1 + 4) : 0u;
 }
 
 }  // namespace ds4_attn

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
     for (int k0 = 0; k0 < D; k0 += 64) {  // D % 64 == 0
       uint32_t af[4][4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) load_a_rows_smem(af[u], qs, LD, mt * 16, H, k0 + 16 * u, lane);
+      for (int u = 0; u < 4; ++u) load_a_rows<false>(af[u], qs, LD, mt * 16, H, k0 + 16 * u, lane);
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
 #pragma unroll
