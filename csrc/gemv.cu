@@ -22,6 +22,7 @@ __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uint8_t* __restrict__ W,
             const uint8_t* __restrict__ S, int s_ld, void* __restrict__ out, int out_f32, long out_ld,
             int O, int K, int group_rows) {
+  DS4_MARK(0);
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   constexpr int VALS = FmtInfo<FMT>::VALS, CS = Smem<FMT>::CS;
@@ -63,6 +64,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
   ds4_pdl::begin();  // ... and before waiting for the kernel that produces x (PDL)
   for (int t = 0; t < n_tok; ++t) load_row_smem<FMT>(xs + t * xrow, x + t * x_ld + xoff, K);
   __syncthreads();
+  DS4_MARK(1);
 
   for (int c0 = lane; c0 < nch; c0 += 32 * U) {
 #pragma unroll
@@ -89,6 +91,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
         else reinterpret_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(v);
       }
     }
+  DS4_MARK(2);
 }
 
 constexpr int MMA_THREADS = 256;
@@ -195,7 +198,7 @@ template <int FMT, int NT, int R>
 static cudaError_t gemv_go(const void* x, long x_ld, int n_tok, const void* W, const void* S, int s_ld,
                            void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
                            cudaStream_t st) {
-  constexpr int U = 4;
+  constexpr int U = 8 / R;  // 16-byte chunks in flight per row and lane: R * U = 8
   const long smem = gemv_smem<FMT>(n_tok, K);
   auto kern = gemv_kernel<FMT, NT, R, U>;
   cudaError_t e = set_smem(kern, smem);
@@ -230,6 +233,11 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
     return gemv_mma_go<FMT_FP4>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
   }
   if (group_rows > 0 && group_rows % (GEMV_WARPS * 2) != 0) return cudaErrorInvalidValue;
+  // FP8, one token, K <= 4096: 4 rows per warp x 2 chunks per row in flight instead of 2 x 4 (H200 phase
+  // probe, scripts/probe_phases.cu: wq_b 15.2 -> 14.4 us, grouped wo_a 15.7 -> 14.2; wo_b at K = 8192
+  // 17.5 -> 17.6, so it keeps 2 x 4)
+  if (fmt == FMT_FP8 && n_tok == 1 && K <= 4096 && (group_rows <= 0 || group_rows % (GEMV_WARPS * 4) == 0))
+    return gemv_go<FMT_FP8, 1, 4>(x, x_ld, n_tok, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   if (fmt == FMT_FP8) return gemv_nt<FMT_FP8, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   if (fmt == FMT_FP4) return gemv_nt<FMT_FP4, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   if (fmt == FMT_BF16) return gemv_nt<FMT_BF16, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);

@@ -46,6 +46,27 @@ inline bool enabled() {
   return major_of[dev] >= 9;
 }
 
+// Phase probe: scripts/probe_phases.cu compiles the kernels with DS4_PROBE; thread 0 of each block
+// then records clock64() and %globaltimer at DS4_MARK(i) (i < 8), so a kernel's time can be split
+// into its phases and its blocks' timeline seen. Compiled out in the extensions.
+#ifdef DS4_PROBE
+__device__ long long probe_clk[4096][8];
+__device__ unsigned long long probe_ns[4096][8];
+__device__ __forceinline__ void probe_mark(int i) {
+  const unsigned b = blockIdx.y * gridDim.x + blockIdx.x;
+  if (threadIdx.x != 0 || b >= 4096) return;
+  unsigned long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  probe_clk[b][i] = clock64();
+  probe_ns[b][i] = ns;
+}
+#define DS4_MARK(i) ds4_pdl::probe_mark(i)
+#else
+#define DS4_MARK(i) \
+  do {              \
+  } while (0)
+#endif
+
 template <typename... KArgs, typename... Args>
 cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args... args) {
   cudaLaunchConfig_t cfg = {};

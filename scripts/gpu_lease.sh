@@ -9,6 +9,7 @@
 # Stages:
 #   kernel_tests   GPU kernel test modules (GEMV/MoE, attention, decode glue)
 #   kbench         GEMV/MoE micro-benchmark (scripts/bench_kernels.py: tensor-core vs FMA kernels)
+#   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH)
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
 #   tp2_tests      the 2-GPU tests (tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
 #   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
@@ -43,6 +44,8 @@ stage() {  # stage name, GPU index
                     tests/test_decode_glue_gpu.py > "$L/kernel_tests.log" 2>&1 ;;
     kbench) CUDA_VISIBLE_DEVICES=$g timeout 150 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" \
         > "$L/kbench.log" 2>&1 ;;
+    probe) nvcc -std=c++17 -O3 -arch=${PROBE_ARCH:-sm_90} -DDS4_PROBE scripts/probe_phases.cu -o /tmp/ds4_probe \
+        > "$L/probe.log" 2>&1 && CUDA_VISIBLE_DEVICES=$g timeout 150 /tmp/ds4_probe >> "$L/probe.log" 2>&1 ;;
     e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 330 $PT tests/test_gpu_e2e.py -k "${E2E_K:-not tp2}" > "$L/e2e_tests.log" 2>&1 ;;
     tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_gpu_e2e.py -k "${TP2_K:-tp2}" > "$L/tp2_tests.log" 2>&1 ;;
     bench) CUDA_VISIBLE_DEVICES=$g timeout 120 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
@@ -82,6 +85,7 @@ for f in "$L"/*.log; do echo "##### $f"; cat "$f"; done > "$OUT/all_logs.txt"
 for f in kernel_tests e2e_tests tp2_tests; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -E "passed|failed|Error|^FAILED|^E  " "$L/$f.log" | tail -n 14; }
 done
+[ -f "$L/probe.log" ] && { echo "--- probe"; grep -v -i warn "$L/probe.log"; }
 [ -f "$L/kbench.log" ] && { echo "--- kbench"; sed -n '/^kernel /,$p' "$L/kbench.log"; }
 for f in bench_1gpu bench_tp2 bench_tp4; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -v '^{' "$L/$f.log" | grep -v "^\s*$" | tail -n 12; }

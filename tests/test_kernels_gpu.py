@@ -99,6 +99,18 @@ def test_gemv_mma_rejects_what_it_cannot_serve():
         kernels.gemv(rand_x(1, 1040, g), w, s, "fp8", kernel="mma")  # K % 64 != 0
 
 
+@pytest.mark.parametrize("o,i", [(256, 4096), (1000, 2048), (7, 64)])
+def test_gemv_bf16(o, i):
+    """BF16 weights (the router's gate GEMV), one token."""
+    g = gen(o + i)
+    w = (torch.randn(o, i, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
+    x = rand_x(1, i, g)
+    ref = x.float() @ w.float().t()
+    poison()
+    y = kernels.gemv(x, w, None, "bf16", out_f32=True)
+    assert rel(y, ref) <= 1e-5
+
+
 @pytest.mark.parametrize("kernel", ["fma", "mma"])
 def test_gemv_tiny_and_large_activations(kernel):
     _gemv_check("fp8", 256, 1024, 1, seed=5, xscale=1e-6, kernel=kernel)
@@ -140,11 +152,10 @@ def test_gemv_subnormal_and_extreme_scales():
     assert rel(y, ref) <= 1e-5
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("kernel", ["auto", "fma"])
-def test_gemv_grouped_wo_a(n, kernel):
-    g = gen(100 + n)
-    groups, o, i = 8, 8192, 4096
+@pytest.mark.parametrize("n,kernel", [(1, "auto"), (1, "fma"), (2, "auto"), (2, "fma"), (4, "auto")])
+@pytest.mark.parametrize("groups,o,i", [(8, 8192, 4096), (3, 480, 272)])
+def test_gemv_grouped_wo_a(n, kernel, groups, o, i):
+    g = gen(100 + n + o)
     w, s = rand_fp8_weight(o, i, g)
     x = rand_x(n, groups * i, g)
     wd = dequant_fp8(w, s, torch.float32).view(groups, o // groups, i)
@@ -348,6 +359,12 @@ def test_fp4_topk_impl_end_to_end(n):
     yb = impl.shared(x, mw, add=y)
     assert yb.dtype == x.dtype and rel(yb, DequantMoE().shared(x, mw, add=y)) <= TOL
     assert rel(yb, (y + ys.float()).to(x.dtype)) <= TOL
+    # gate+up started on the side stream before routing (shared_up) gives the same bits
+    up = impl.shared_up(x, mw)
+    assert up is not None
+    w, ids = impl.route(x, tok, mw)
+    y = impl.routed(x, w, ids, mw)
+    assert torch.equal(impl.shared(x, mw, add=y, up=up), yb)
 
 
 def test_bf16_cache_impl():

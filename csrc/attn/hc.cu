@@ -29,6 +29,7 @@ template <int MAXM>
 __global__ void __launch_bounds__(HC_THREADS) hc_partials_kernel(const void* __restrict__ h, bool h_f32,
                                                                   const float* __restrict__ fn, int K, int mix,
                                                                   int nsplit, float* __restrict__ part) {
+  DS4_MARK(0);
   ds4_pdl::begin();
   const int split = blockIdx.x, t = blockIdx.y;
   const int chunk = (K + nsplit - 1) / nsplit;
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(HC_THREADS) hc_partials_kernel(const void* __r
     for (int m = 0; m < MAXM; ++m)
       if (m < mix) acc[m] += __ldg(fn + (long)m * K + k) * v;
   }
+  DS4_MARK(1);
   __shared__ float red[HC_THREADS / 32][MAXM + 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -61,9 +63,46 @@ __global__ void __launch_bounds__(HC_THREADS) hc_partials_kernel(const void* __r
     for (int w = 0; w < HC_THREADS / 32; ++w) v += red[w][src];
     part[((long)t * nsplit + split) * (mix + 1) + m] = v;
   }
+  DS4_MARK(2);
 }
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+
+// Sinkhorn of an N x N matrix (N = 1, 2, 4) in one warp, lane j*N + k holding C[j][k] (c: the logits),
+// in ds4.ops.hc_torch.sinkhorn's op order: row softmax + eps, column normalise, then iters - 1 rounds
+// of row and column normalisation. Rows / columns are reduced with shuffles (row partners differ in
+// the low log2(N) lane bits, column partners in the next ones). Lanes >= N*N run the same steps on
+// their own values (xor offsets < N*N never leave that range) starting from 0, so they stay finite:
+// a division with a NaN or zero operand takes the slow path of the IEEE division for the whole warp
+// (H200: 8.7 us for 20 iterations when those lanes carried NaN, 5.4 us with a runtime N).
+template <int N>
+__device__ __forceinline__ float sinkhorn_warp(float c, int iters, float hc_eps) {
+  constexpr unsigned full = 0xffffffffu;
+  constexpr int NN = N * N;
+  float mx = c;
+#pragma unroll
+  for (int o = 1; o < N; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(full, mx, o));
+  const float e = expf(c - mx);
+  float sum = e;
+#pragma unroll
+  for (int o = 1; o < N; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
+  c = e / sum + hc_eps;  // row softmax + eps
+  sum = c;
+#pragma unroll
+  for (int o = N; o < NN; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
+  c = c / (sum + hc_eps);  // column normalise
+  for (int it = 1; it < iters; ++it) {
+    sum = c;
+#pragma unroll
+    for (int o = 1; o < N; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
+    c = c / (sum + hc_eps);  // rows
+    sum = c;
+#pragma unroll
+    for (int o = N; o < NN; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
+    c = c / (sum + hc_eps);  // columns
+  }
+  return c;
+}
 
 // Reduces the token's partials and computes pre[] (shared memory; valid after the caller's
 // __syncthreads) and, in block x = 0, post and comb (Sinkhorn) in global memory. scale / base are
@@ -86,9 +125,9 @@ __device__ __forceinline__ void hc_coeffs(const float* __restrict__ part, int t,
     }
   }
   __syncthreads();
-  // n a power of two <= 4 (V4: n = 4): warp 0 runs Sinkhorn in registers, lane j*n+k holding C[j][k],
-  // rows/columns reduced with shuffles (row partners differ in the low log2(n) lane bits, column partners
-  // in the next ones). The serial loop below was ~20 dependent divisions deep per iteration on one thread.
+  DS4_MARK(2);
+  // n a power of two <= 4 (V4: n = 4): warp 0 runs Sinkhorn in registers (sinkhorn_warp); other n use
+  // the serial loop below (~20 dependent divisions deep per iteration on one thread).
   const bool warp_sinkhorn = !head && (n == 1 || n == 2 || n == 4);
   if (threadIdx.x < 32) {  // lane j: pre[j]; lane n + j: post[j] (n <= 8)
     const int lane = threadIdx.x;
@@ -139,30 +178,12 @@ __device__ __forceinline__ void hc_coeffs(const float* __restrict__ part, int t,
     }
   }
   if (warp_sinkhorn && threadIdx.x < 32) {
-    // Lanes >= n*n carry NaN among themselves only: xor with offsets < n*n never leaves that range.
-    const unsigned full = 0xffffffffu;
     const int lane = threadIdx.x, nn = n * n;
-    const bool act = lane < nn;
     const float r = rsqrtf(tot[mix] / (float)(n * D) + norm_eps);
-    float c = act ? tot[2 * n + lane] * r * scale[2] + base[2 * n + lane] : -INFINITY;
-    float mx = c;
-    for (int o = 1; o < n; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(full, mx, o));
-    const float e = act ? expf(c - mx) : 0.f;
-    float sum = e;
-    for (int o = 1; o < n; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
-    c = e / sum + hc_eps;                                         // row softmax + eps
-    sum = c;
-    for (int o = n; o < nn; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
-    c = c / (sum + hc_eps);                                       // column normalise
-    for (int it = 1; it < iters; ++it) {
-      sum = c;
-      for (int o = 1; o < n; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
-      c = c / (sum + hc_eps);                                     // rows
-      sum = c;
-      for (int o = n; o < nn; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
-      c = c / (sum + hc_eps);                                     // columns
-    }
-    if (act && blockIdx.x == 0) comb[(long)t * nn + lane] = c;
+    const float c0 = lane < nn ? tot[2 * n + lane] * r * scale[2] + base[2 * n + lane] : 0.f;
+    const float c = n == 4 ? sinkhorn_warp<4>(c0, iters, hc_eps)
+                  : n == 2 ? sinkhorn_warp<2>(c0, iters, hc_eps) : sinkhorn_warp<1>(c0, iters, hc_eps);
+    if (lane < nn && blockIdx.x == 0) comb[(long)t * nn + lane] = c;
   }
 }
 
@@ -174,10 +195,12 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
                                                                 float hc_eps, float norm_eps, bool head, void* x,
                                                                 float* __restrict__ post, float* __restrict__ comb,
                                                                 const void* __restrict__ norm, bool norm_f32) {
+  DS4_MARK(0);
   __shared__ float s_scale[3], s_base[HC_MAX_MIX];
   for (int i = threadIdx.x; i < mix; i += THREADS) s_base[i] = base[i];  // weights: no PDL dependence
   if (threadIdx.x < (head ? 1 : 3)) s_scale[threadIdx.x] = scale[threadIdx.x];
   ds4_pdl::begin();
+  DS4_MARK(1);
   const int t = blockIdx.y;
   __shared__ float tot[HC_MAX_MIX + 1];
   __shared__ float pre[HC_MAX_N];
@@ -185,6 +208,7 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
   hc_coeffs<THREADS>(part, t, n, D, mix, nsplit, s_scale, s_base, iters, hc_eps, norm_eps, head, post, comb, tot, pre,
                      cm);
   __syncthreads();
+  DS4_MARK(3);
   const long hoff = (long)t * n * D;
   if (norm != nullptr) {  // one block per token: x in h's dtype, then the block's RMSNorm (fp32) over it
     extern __shared__ float xs[];  // [D]
@@ -203,6 +227,7 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
     __syncthreads();
+    DS4_MARK(4);
     float tot_ss = 0.f;
 #pragma unroll
     for (int w = 0; w < THREADS / 32; ++w) tot_ss += red[w];
@@ -215,6 +240,7 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
       else
         static_cast<__nv_bfloat16*>(x)[(long)t * D + d] = __float2bfloat16(y);
     }
+    DS4_MARK(5);
     return;
   }
   for (int d = blockIdx.x * THREADS + threadIdx.x; d < D; d += gridDim.x * THREADS) {

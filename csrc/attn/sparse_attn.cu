@@ -1,13 +1,14 @@
 // Sparse MQA attention for decode (spec §5.7), flash-decoding style:
-//   sparse_chunk_kernel: block (split, row) loads KC = 32 key rows (window/HCA keys then the row's
-//     selected keys) ONCE into shared memory (invalid keys zeroed), stages the row's queries there
-//     too, and serves all H heads with BF16 mma.sync m16n8k16. 16 warps: warp (dpart, mslot) owns
-//     16-head tiles mslot, mslot + 4, ... and a quarter of the output dims (H200, one call at
-//     context 64: 18.3 us with 4 warps and q fragments read from L2, 17.1 us like this);
-//     S = q K^T (fp32, recomputed by the 4 dpart warps), scale, mask, chunk max,
-//     p = exp(s - max) (fp32 sum for the denominator, p rounded to bf16 for P.V like the reference),
-//     O_c = P V (fp32) -> workspace, with (max, sum) per head. Chunks with no valid key write
-//     max = -inf and nothing else.
+//   sparse_chunk_kernel: block (split, head tile, row) loads KC = 32 key rows (window/HCA keys then the
+//     row's selected keys) into shared memory (invalid keys zeroed) with its 16 heads' queries, and
+//     uses BF16 mma.sync m16n8k16. 8 warps: for S = q K^T each warp takes a slice of the D dims
+//     (partial S through shared memory, summed in a fixed order: deterministic); every warp then
+//     holds the whole 16 x 32 S and does scale, mask, chunk max, p = exp(s - max) (fp32 sum for the
+//     denominator, p rounded to bf16 for P.V like the reference) itself, and O_c = P V for its own
+//     slice of the output dims (fp32) -> workspace, with (max, sum) per head. Chunks with no valid
+//     key write max = -inf and nothing else.
+//     H200, one call at context 64 (3 busy chunks): 17.1 us when one block served all 64 heads with
+//     16 warps recomputing S per output slice (14.5 us of block life: 3.4 loads, 3.9 S, 6.3 P.V).
 //   sparse_combine_kernel: per (row, head): M = max(sink, max_c), L = exp(sink - M) + sum_c l_c
 //     exp(m_c - M), o = sum_c exp(m_c - M) O_c / L  -> bf16. The sink enters only the denominator.
 //   Decode mode (SparseArgs.pos): key validity from the row's position (window ring, visible compressed
@@ -19,170 +20,210 @@
 namespace ds4_attn {
 
 constexpr int SP_KC = 32;        // keys per block
-constexpr int SP_MSLOTS = 4;     // warps sharing the head tiles
-constexpr int SP_DPARTS = 4;     // warps sharing the output dims of one head tile
-constexpr int SP_WARPS = SP_MSLOTS * SP_DPARTS;
+constexpr int SP_WARPS = 8;
 constexpr int SP_THREADS = SP_WARPS * 32;
-constexpr int SP_DB = 64;        // output dims per P.V pass (8 n-tiles)
+constexpr int SP_ROWS_PER_WARP = SP_KC / SP_WARPS;
 
 int sparse_keys_per_block() { return SP_KC; }
 
+static size_t sparse_smem(int D) {  // keys [KC][D + 8] + q [16][D + 8] bf16, S partials [warps][32 lanes][16] fp32
+  return (size_t)(SP_KC + 16) * (D + 8) * sizeof(uint16_t) + (size_t)SP_WARPS * 32 * 16 * sizeof(float);
+}
+
 __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
                                                                   float* __restrict__ ml) {
+  DS4_MARK(0);
   ds4_pdl::begin();
-  extern __shared__ __align__(16) uint16_t ks[];   // [SP_KC][D + 8] bf16 keys (= values), then [H][D + 8] q
+  extern __shared__ __align__(16) uint16_t ks[];   // [SP_KC][D + 8] keys (= values), [16][D + 8] q, S partials
   __shared__ uint8_t kval[SP_KC];
-  const int split = blockIdx.x, r = blockIdx.y;
+  const int split = blockIdx.x, mt = blockIdx.y, r = blockIdx.z;
   const int b = r / a.S, s = r % a.S;
   const int D = a.D, H = a.H, LD = D + 8;
   const int total = a.K + a.P;
   const int key0 = split * SP_KC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
+  uint16_t* qs = ks + SP_KC * LD;
+  float* spart = reinterpret_cast<float*>(qs + 16 * LD);
 
-  // ---- load the chunk's keys (16 B per access), zeros for invalid / missing keys
+  // ---- the tile's 16 query heads (rows >= H zero): loads issued first, stored after the keys' loads
   const int vec_per_row = D / 8;
+  const uint16_t* q = static_cast<const uint16_t*>(a.q) + ((long)r * H + mt * 16) * D;
+  constexpr int QV = 4;  // 16 B loads per thread held in registers (all of them for D <= 512)
+  uint4 qv[QV];
+#pragma unroll
+  for (int u = 0; u < QV; ++u) {
+    const int i = threadIdx.x + u * SP_THREADS, h = i / vec_per_row, v = i % vec_per_row;
+    qv[u] = make_uint4(0u, 0u, 0u, 0u);
+    if (i < 16 * vec_per_row && mt * 16 + h < H) qv[u] = *reinterpret_cast<const uint4*>(q + (long)h * D + v * 8);
+  }
+  // ---- keys: warp w loads rows w, w + 8, ... (row sources first, so the index loads overlap), 16 B per lane
   const long pos_b = a.pos ? a.pos[b] : 0;
   const long n_vis = a.pos ? (pos_b + 1) / a.ratio : 0;
-  int any = 0;
-  for (int i = threadIdx.x; i < SP_KC * vec_per_row; i += SP_THREADS) {
-    const int j = i / vec_per_row, v = i % vec_per_row;
-    const int idx = key0 + j;
-    const uint16_t* src = nullptr;
-    bool ok = false;
+  const uint16_t* src[SP_ROWS_PER_WARP];
+  bool ok[SP_ROWS_PER_WARP];
+#pragma unroll
+  for (int i = 0; i < SP_ROWS_PER_WARP; ++i) {
+    const int idx = key0 + warp + SP_WARPS * i;
+    src[i] = nullptr;
+    ok[i] = false;
     if (idx < a.K) {
-      ok = a.pos ? idx <= pos_b : a.valid[(long)b * a.valid_b + (long)s * a.valid_s + idx] != 0;
-      src = static_cast<const uint16_t*>(a.kv) + (long)b * a.kv_b + (long)idx * a.kv_r;
+      ok[i] = a.pos ? idx <= pos_b : a.valid[(long)b * a.valid_b + (long)s * a.valid_s + idx] != 0;
+      src[i] = static_cast<const uint16_t*>(a.kv) + (long)b * a.kv_b + (long)idx * a.kv_r;
     } else if (idx < total) {
       const int p = idx - a.K;
       if (a.pos) {
         const long e = a.sel_idx ? a.sel_idx[(long)b * a.si_b + p] : p;
-        ok = e >= 0 && e < n_vis;
-        src = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (ok ? e : 0) * a.sel_r;
+        ok[i] = e >= 0 && e < n_vis;
+        src[i] = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (ok[i] ? e : 0) * a.sel_r;
       } else {
-        ok = a.sel_valid[(long)b * a.sv_b + (long)s * a.sv_s + p] != 0;
-        src = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (long)s * a.sel_s + (long)p * a.sel_r;
+        ok[i] = a.sel_valid[(long)b * a.sv_b + (long)s * a.sv_s + p] != 0;
+        src[i] = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (long)s * a.sel_s + (long)p * a.sel_r;
       }
     }
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (ok) val = *reinterpret_cast<const uint4*>(src + v * 8);
-    *reinterpret_cast<uint4*>(ks + j * LD + v * 8) = val;
-    if (v == 0) kval[j] = ok ? 1 : 0;
-    any |= ok ? 1 : 0;
   }
-  uint16_t* qs = ks + SP_KC * LD;
-  {
-    const uint16_t* q = static_cast<const uint16_t*>(a.q) + (long)r * H * D;
-    for (int i = threadIdx.x; i < H * vec_per_row; i += SP_THREADS) {
-      const int h = i / vec_per_row, v = i % vec_per_row;
-      *reinterpret_cast<uint4*>(qs + h * LD + v * 8) = *reinterpret_cast<const uint4*>(q + (long)h * D + v * 8);
+  int any = 0;
+#pragma unroll
+  for (int i = 0; i < SP_ROWS_PER_WARP; ++i) {
+    const int j = warp + SP_WARPS * i;
+    for (int v = lane; v < vec_per_row; v += 32) {
+      uint4 val = make_uint4(0u, 0u, 0u, 0u);
+      if (ok[i]) val = *reinterpret_cast<const uint4*>(src[i] + v * 8);
+      *reinterpret_cast<uint4*>(ks + j * LD + v * 8) = val;
     }
+    if (lane == 0) kval[j] = ok[i] ? 1 : 0;
+    any |= ok[i] ? 1 : 0;
+  }
+#pragma unroll
+  for (int u = 0; u < QV; ++u) {
+    const int i = threadIdx.x + u * SP_THREADS, h = i / vec_per_row, v = i % vec_per_row;
+    if (i < 16 * vec_per_row) *reinterpret_cast<uint4*>(qs + h * LD + v * 8) = qv[u];
+  }
+  for (int i = threadIdx.x + QV * SP_THREADS; i < 16 * vec_per_row; i += SP_THREADS) {  // D > 512
+    const int h = i / vec_per_row, v = i % vec_per_row;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (mt * 16 + h < H) val = *reinterpret_cast<const uint4*>(q + (long)h * D + v * 8);
+    *reinterpret_cast<uint4*>(qs + h * LD + v * 8) = val;
   }
   any = __syncthreads_or(any);
+  DS4_MARK(1);
   const long mlbase = ((long)r * nsplit + split) * H;
+  const int h0 = mt * 16 + g, h1 = h0 + 8;
   if (!any) {
-    for (int h = threadIdx.x; h < H; h += SP_THREADS) {
-      ml[(mlbase + h) * 2 + 0] = -INFINITY;
-      ml[(mlbase + h) * 2 + 1] = 0.f;
+    if (threadIdx.x < 16 && mt * 16 + threadIdx.x < H) {
+      ml[(mlbase + mt * 16 + threadIdx.x) * 2 + 0] = -INFINITY;
+      ml[(mlbase + mt * 16 + threadIdx.x) * 2 + 1] = 0.f;
     }
     return;
   }
 
-  const int mtiles = (H + 15) / 16;
-  const int mslot = warp % SP_MSLOTS, dpart = warp / SP_MSLOTS;
-  for (int mt = mslot; mt < mtiles; mt += SP_MSLOTS) {
-    // ---- S = q K^T for 16 heads x 32 keys (q and K from shared memory)
-    float sc[SP_KC / 8][4];
+  // ---- partial S = q K^T over this warp's 64-dim slices (16 heads x 32 keys), to shared memory
+  float sc[SP_KC / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < SP_KC / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-    for (int k0 = 0; k0 < D; k0 += 64) {  // D % 64 == 0
-      uint32_t af[4][4];
+  for (int nt = 0; nt < SP_KC / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+  for (int k0 = warp * 64; k0 < D; k0 += SP_WARPS * 64) {  // D % 64 == 0
+    uint32_t af[4][4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) load_a_rows<false>(af[u], qs, LD, mt * 16, H, k0 + 16 * u, lane);
+    for (int u = 0; u < 4; ++u) load_a_rows<false>(af[u], qs, LD, 0, 16, k0 + 16 * u, lane);
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < 4; ++u) {
 #pragma unroll
-        for (int nt = 0; nt < SP_KC / 8; ++nt) {
-          const uint16_t* kr = ks + (nt * 8 + g) * LD + k0 + 16 * u + 2 * c;
-          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
-          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
-          mma16816(sc[nt], af[u], b0, b1);
-        }
-      }
-    }
-    // ---- scale, mask, chunk max / sum per head row (g and g + 8)
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < SP_KC / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = nt * 8 + 2 * c + (e & 1);
-        const float v = kval[j] ? sc[nt][e] * a.scale : -INFINITY;
-        sc[nt][e] = v;
-        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-      }
-    }
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-    }
-    const float ref0 = mx0 == -INFINITY ? 0.f : mx0, ref1 = mx1 == -INFINITY ? 0.f : mx1;
-    float l0 = 0.f, l1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < SP_KC / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = expf(sc[nt][e] - (e < 2 ? ref0 : ref1));
-        sc[nt][e] = p;
-        if (e < 2) l0 += p; else l1 += p;
-      }
-    }
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) {
-      l0 += __shfl_xor_sync(0xffffffffu, l0, o);
-      l1 += __shfl_xor_sync(0xffffffffu, l1, o);
-    }
-    const int h0 = mt * 16 + g, h1 = h0 + 8;
-    if (c == 0 && dpart == 0) {
-      if (h0 < H) { ml[(mlbase + h0) * 2] = mx0; ml[(mlbase + h0) * 2 + 1] = l0; }
-      if (h1 < H) { ml[(mlbase + h1) * 2] = mx1; ml[(mlbase + h1) * 2 + 1] = l1; }
-    }
-    // ---- P (bf16) as A fragments: k-step kk covers keys 16kk .. 16kk+15 = n-tiles 2kk, 2kk+1
-    uint32_t pa[SP_KC / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < SP_KC / 16; ++kk) {
-      pa[kk][0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
-      pa[kk][1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
-      pa[kk][2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      pa[kk][3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-    }
-    // ---- O_c = P V, SP_DB dims at a time
-    float* o0 = opart + (mlbase + h0) * D;
-    float* o1 = opart + (mlbase + h1) * D;
-    for (int db = dpart * SP_DB; db < D; db += SP_DPARTS * SP_DB) {
-      float acc[SP_DB / 8][4];
-#pragma unroll
-      for (int nt = 0; nt < SP_DB / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < SP_KC / 16; ++kk) {
-        const uint16_t* v0 = ks + (kk * 16 + 2 * c) * LD + db + g;
-#pragma unroll
-        for (int nt = 0; nt < SP_DB / 8; ++nt) {
-          const uint16_t* vp = v0 + nt * 8;
-          const uint32_t b0 = pack_u16(vp[0], vp[LD]);
-          const uint32_t b1 = pack_u16(vp[8 * LD], vp[9 * LD]);
-          mma16816(acc[nt], pa[kk], b0, b1);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < SP_DB / 8; ++nt) {
-        const int d = db + nt * 8 + 2 * c;
-        if (h0 < H) *reinterpret_cast<float2*>(o0 + d) = make_float2(acc[nt][0], acc[nt][1]);
-        if (h1 < H) *reinterpret_cast<float2*>(o1 + d) = make_float2(acc[nt][2], acc[nt][3]);
+      for (int nt = 0; nt < SP_KC / 8; ++nt) {
+        const uint16_t* kr = ks + (nt * 8 + g) * LD + k0 + 16 * u + 2 * c;
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+        mma16816(sc[nt], af[u], b0, b1);
       }
     }
   }
+  float4* mine = reinterpret_cast<float4*>(spart + (warp * 32 + lane) * 16);
+#pragma unroll
+  for (int nt = 0; nt < SP_KC / 8; ++nt) mine[nt] = make_float4(sc[nt][0], sc[nt][1], sc[nt][2], sc[nt][3]);
+  __syncthreads();
+  // every warp sums the partials of its lane's fragment in warp order
+#pragma unroll
+  for (int nt = 0; nt < SP_KC / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+  for (int w = 0; w < SP_WARPS; ++w) {
+    const float4* p = reinterpret_cast<const float4*>(spart + (w * 32 + lane) * 16);
+#pragma unroll
+    for (int nt = 0; nt < SP_KC / 8; ++nt) {
+      const float4 v = p[nt];
+      sc[nt][0] += v.x; sc[nt][1] += v.y; sc[nt][2] += v.z; sc[nt][3] += v.w;
+    }
+  }
+  DS4_MARK(2);
+  // ---- scale, mask, chunk max / sum per head row (g and g + 8)
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < SP_KC / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = nt * 8 + 2 * c + (e & 1);
+      const float v = kval[j] ? sc[nt][e] * a.scale : -INFINITY;
+      sc[nt][e] = v;
+      if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+    }
+  }
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+  }
+  const float ref0 = mx0 == -INFINITY ? 0.f : mx0, ref1 = mx1 == -INFINITY ? 0.f : mx1;
+  float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < SP_KC / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = expf(sc[nt][e] - (e < 2 ? ref0 : ref1));
+      sc[nt][e] = p;
+      if (e < 2) l0 += p; else l1 += p;
+    }
+  }
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+  }
+  if (c == 0 && warp == 0) {
+    if (h0 < H) { ml[(mlbase + h0) * 2] = mx0; ml[(mlbase + h0) * 2 + 1] = l0; }
+    if (h1 < H) { ml[(mlbase + h1) * 2] = mx1; ml[(mlbase + h1) * 2 + 1] = l1; }
+  }
+  // ---- P (bf16) as A fragments: k-step kk covers keys 16kk .. 16kk+15 = n-tiles 2kk, 2kk+1
+  uint32_t pa[SP_KC / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < SP_KC / 16; ++kk) {
+    pa[kk][0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
+    pa[kk][1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
+    pa[kk][2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+    pa[kk][3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+  }
+  // ---- O_c = P V for this warp's 64-dim slices of the output
+  float* o0 = opart + (mlbase + h0) * D;
+  float* o1 = opart + (mlbase + h1) * D;
+  for (int db = warp * 64; db < D; db += SP_WARPS * 64) {
+    float acc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < SP_KC / 16; ++kk) {
+      const uint16_t* v0 = ks + (kk * 16 + 2 * c) * LD + db + g;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const uint16_t* vp = v0 + nt * 8;
+        const uint32_t b0 = pack_u16(vp[0], vp[LD]);
+        const uint32_t b1 = pack_u16(vp[8 * LD], vp[9 * LD]);
+        mma16816(acc[nt], pa[kk], b0, b1);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int d = db + nt * 8 + 2 * c;
+      if (h0 < H) *reinterpret_cast<float2*>(o0 + d) = make_float2(acc[nt][0], acc[nt][1]);
+      if (h1 < H) *reinterpret_cast<float2*>(o1 + d) = make_float2(acc[nt][2], acc[nt][3]);
+    }
+  }
+  DS4_MARK(3);
 }
 
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
@@ -235,14 +276,14 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   if (a.pos != nullptr && (a.S != 1 || a.ratio < 1)) return cudaErrorInvalidValue;
   if (a.R < 0 || a.R % 4 || a.R > a.D || (a.R > 0 && (a.pos == nullptr || a.freqs == nullptr)))
     return cudaErrorInvalidValue;
-  const size_t smem = (size_t)(SP_KC + a.H) * (a.D + 8) * sizeof(uint16_t);
+  const size_t smem = sparse_smem(a.D);
   if (smem > 200 * 1024) return cudaErrorInvalidValue;
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  cudaError_t e = ds4_pdl::launch(sparse_chunk_kernel, dim3(nsplit, a.B * a.S), dim3(SP_THREADS), smem, st, a, nsplit,
-                                  opart, ml);
+  cudaError_t e = ds4_pdl::launch(sparse_chunk_kernel, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS),
+                                  smem, st, a, nsplit, opart, ml);
   if (e != cudaSuccess) return e;
   const int threads = a.D / 4 < 128 ? a.D / 4 : 128;
   return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), 0, st,

@@ -49,6 +49,8 @@ class MoE(WeightsModule):
     def forward(self, x: Tensor, token_ids: Tensor) -> Tensor:
         """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert."""
         moe = self.ops.moe
+        with self.prof("moe.shared_up"):  # may run on a side stream, overlapping routing and routed experts
+            up = moe.shared_up(x, self.mw, act_quant=self.qat)
         with self.prof("moe.gate"):
             w, ids = moe.route(x, token_ids, self.mw)
         with self.prof("moe.routed"):
@@ -56,4 +58,4 @@ class MoE(WeightsModule):
         with self.prof("comm.moe"):
             y = self.comm.all_reduce(y, "moe")
         with self.prof("moe.shared"):  # returns (y + shared.float()).to(x.dtype)
-            return moe.shared(x, self.mw, act_quant=self.qat, add=y)
+            return moe.shared(x, self.mw, act_quant=self.qat, add=y, up=up)

@@ -96,7 +96,15 @@ class MoEImpl(Protocol):
         """Sum over the k selected experts held on this rank (others contribute 0): f32 [N, dim]."""
         ...
 
-    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None) -> Tensor:
+    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> object | None:
+        """Optionally start the shared expert's first half before routing (e.g. on a side stream, so it
+        overlaps the router and the routed experts); the result goes to shared(..., up=). None: nothing
+        started."""
+        ...
+
+    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
+               up: object | None = None) -> Tensor:
         """Shared expert with the SwiGLU clamp: [N, dim] in x.dtype. With `add` (the routed sum, fp32
-        [N, dim]) it returns the block output (add + shared.float()).to(x.dtype) in one step."""
+        [N, dim]) it returns the block output (add + shared.float()).to(x.dtype) in one step. `up`: what
+        shared_up returned for this x."""
         ...

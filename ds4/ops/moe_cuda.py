@@ -7,7 +7,11 @@ moe=fp4_topk
           tensor: gate+up (+clamp, SiLU, route weight, BF16 h) and down (fp32 accumulation over the
           experts in registers, no atomics). Slots whose expert is not held locally add 0.
   shared: the FP8 shared expert through the same two kernels (one expert, no route weight); the
-          routed sum is added in the down kernel's epilogue (no separate add / casts).
+          routed sum is added in the down kernel's epilogue (no separate add / casts). Its gate+up
+          launch (shared_up) runs on a side stream that forks from the current one before routing and
+          joins it before the down launch, so it overlaps the router and the routed experts (decode
+          sizes; DS4_SHARED_OVERLAP=0 in the environment keeps it in line, for the ablation). Inside
+          a CUDA-graph capture the fork and join become graph edges.
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -43,6 +47,16 @@ def _act_quant_sim(t: Tensor) -> Tensor:
 
 def _bf16(x: Tensor) -> Tensor:
     return x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE:
+        _SIDE[idx] = torch.cuda.Stream(device)
+    return _SIDE[idx]
 
 
 class Fp4TopkMoE:
@@ -81,7 +95,25 @@ class Fp4TopkMoE:
                                                 ids[i:i + PREFILL_TOKENS], mw, act_quant)
                           for i in range(0, n, PREFILL_TOKENS)])
 
-    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None) -> Tensor:
+    def _shared_h(self, x: Tensor, mw: MoEWeights, act_quant: bool) -> Tensor:
+        w1, w3 = mw.shared_w1, mw.shared_w3
+        xq = _act_quant_sim(x) if act_quant and w1.fmt != "bf16" else x
+        return kernels.moe_gate_up(_bf16(xq), None, None, w1.weight, w1.scale, w3.weight, w3.scale, w1.fmt, 0, 1,
+                                   mw.swiglu_limit)
+
+    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> tuple[Tensor, object] | None:
+        if not (x.is_cuda and 1 <= x.shape[0] <= PREFILL_TOKENS) or os.environ.get("DS4_SHARED_OVERLAP") == "0":
+            return None
+        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        # The side stream waits for everything before it (x is ready, and any kernel still reading an h
+        # of an earlier call is ordered before the next allocation on the side stream).
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            h = self._shared_h(x, mw, act_quant)
+        return h, side
+
+    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
+               up: tuple[Tensor, object] | None = None) -> Tensor:
         n = x.shape[0]
         if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().shared(x, mw, act_quant, add)
@@ -89,11 +121,12 @@ class Fp4TopkMoE:
             return torch.cat([self.shared(x[i:i + PREFILL_TOKENS], mw, act_quant,
                                           None if add is None else add[i:i + PREFILL_TOKENS])
                               for i in range(0, n, PREFILL_TOKENS)])
-        w1, w2, w3 = mw.shared_w1, mw.shared_w2, mw.shared_w3
-        aq = act_quant and w1.fmt != "bf16"
-        xq = _act_quant_sim(x) if aq else x
-        h = kernels.moe_gate_up(_bf16(xq), None, None, w1.weight, w1.scale, w3.weight, w3.scale, w1.fmt, 0, 1,
-                                mw.swiglu_limit)
+        w2 = mw.shared_w2
+        if up is not None:
+            h, side = up
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        else:
+            h = self._shared_h(x, mw, act_quant)
         if act_quant and w2.fmt != "bf16":
             h = _act_quant_sim(h)
         # with `add`: bf16(add + bf16(shared)) in the down kernel's epilogue (the reference's rounding)

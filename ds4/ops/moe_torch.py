@@ -82,7 +82,11 @@ class DequantMoE:
             y.index_add_(0, rows, F.linear(a, mw.w2[e].dequant(x.dtype)).float())
         return y
 
-    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None) -> Tensor:
+    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> None:
+        return None
+
+    def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
+               up: None = None) -> Tensor:
         y = shared_expert(x, mw.shared_w1, mw.shared_w2, mw.shared_w3, mw.swiglu_limit, act_quant)
         return y if add is None else (add + y.float()).to(x.dtype)
 

@@ -1,0 +1,311 @@
+// Phase probe of the decode kernels (no torch): builds the kernels' sources with DS4_PROBE, runs
+// them at V4-Flash batch-1 shapes on random data and prints, per kernel, its time (CUDA events,
+// weights rotated through more than the L2) and the mean time of each phase between the kernel's
+// DS4_MARKs (clock64 of thread 0 per block), plus the blocks' timeline (globaltimer): span from the
+// first block's start to the last block's end, mean block life, blocks resident at once.
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_phases.cu -o /tmp/probe && /tmp/probe
+//
+// The FMA GEMV variants (rows per warp R, chunks in flight U) are a sweep of the template parameters
+// that the extension picks by shape; the read-only kernels give the ceiling of the same access patterns.
+#include "../csrc/attn/hc.cu"
+#include "../csrc/attn/sparse_attn.cu"
+#include "../csrc/gemv.cu"
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#define CK(x)                                                                              \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+static std::mt19937 rng(0);
+
+template <typename T>
+static T* dev_random(size_t n, float lo, float hi) {
+  std::vector<T> h(n);
+  std::uniform_real_distribution<float> u(lo, hi);
+  for (auto& v : h) v = T(u(rng));
+  T* d;
+  CK(cudaMalloc(&d, n * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+static uint8_t* dev_bytes(size_t n, int lo, int hi) {
+  std::vector<uint8_t> h(n);
+  std::uniform_int_distribution<int> u(lo, hi);
+  for (auto& v : h) v = (uint8_t)u(rng);
+  uint8_t* d;
+  CK(cudaMalloc(&d, n));
+  CK(cudaMemcpy(d, h.data(), n, cudaMemcpyHostToDevice));
+  return d;
+}
+
+static float clock_ghz() {
+  int khz = 0;
+  cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
+  return khz / 1e6f;
+}
+
+// Mean microseconds per launch of f(i) over reps launches (f picks its buffers from i).
+template <typename F>
+static float time_us(F f, int reps = 50) {
+  for (int i = 0; i < 3; ++i) f(i);
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  CK(cudaEventRecord(a));
+  for (int i = 0; i < reps; ++i) f(i);
+  CK(cudaEventRecord(b));
+  CK(cudaEventSynchronize(b));
+  float ms = 0.f;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  CK(cudaGetLastError());
+  return ms * 1e3f / reps;
+}
+
+// One more launch with the probe buffers cleared, then the phase table of the marks in use.
+template <typename F>
+static void phases(const char* name, F f, int nmarks, float us) {
+  static long long zc[4096][8];
+  static unsigned long long zn[4096][8];
+  std::fill(&zc[0][0], &zc[0][0] + 4096 * 8, 0LL);
+  std::fill(&zn[0][0], &zn[0][0] + 4096 * 8, 0ULL);
+  CK(cudaMemcpyToSymbol(ds4_pdl::probe_clk, zc, sizeof(zc)));
+  CK(cudaMemcpyToSymbol(ds4_pdl::probe_ns, zn, sizeof(zn)));
+  f(0);
+  CK(cudaDeviceSynchronize());
+  CK(cudaMemcpyFromSymbol(zc, ds4_pdl::probe_clk, sizeof(zc)));
+  CK(cudaMemcpyFromSymbol(zn, ds4_pdl::probe_ns, sizeof(zn)));
+  const float ghz = clock_ghz();
+  std::printf("%-34s %8.2f us |", name, us);
+  int blocks = 0;
+  double sum[8] = {0};
+  unsigned long long t0 = ~0ULL, t1 = 0;
+  double life = 0;
+  std::vector<std::pair<unsigned long long, int>> ev;
+  for (int b = 0; b < 4096; ++b) {
+    if (zc[b][0] == 0 || zc[b][nmarks - 1] == 0) continue;
+    ++blocks;
+    for (int i = 1; i < nmarks; ++i) sum[i] += (double)(zc[b][i] - zc[b][i - 1]);
+    t0 = std::min(t0, zn[b][0]);
+    t1 = std::max(t1, zn[b][nmarks - 1]);
+    life += (double)(zn[b][nmarks - 1] - zn[b][0]);
+    ev.push_back({zn[b][0], 1});
+    ev.push_back({zn[b][nmarks - 1], -1});
+  }
+  std::sort(ev.begin(), ev.end());
+  int live = 0, peak = 0;
+  for (auto& e : ev) peak = std::max(peak, live += e.second);
+  for (int i = 1; i < nmarks; ++i) std::printf(" m%d-%d %6.2f", i - 1, i, blocks ? sum[i] / blocks / ghz / 1e3 : 0.0);
+  std::printf(" | blocks %d span %.2f life %.2f peak %d\n", blocks, (t1 - t0) / 1e3, blocks ? life / blocks / 1e3 : 0.0,
+              peak);
+}
+
+// ---- mHC pre at V4 shapes: h bf16 [1, 4, 4096], fn fp32 [24, 16384], finish with the attn norm
+static void probe_hc() {
+  const int n = 4, D = 4096, K = n * D, mix = (2 + n) * n, nsplit = ds4_attn::hc_nsplit(K);
+  auto* h = dev_random<__nv_bfloat16>(K, -1.f, 1.f);
+  auto* fn = dev_random<float>((size_t)mix * K, -0.01f, 0.01f);
+  auto* scale = dev_random<float>(3, 0.5f, 1.f);
+  auto* base = dev_random<float>(mix, -0.1f, 0.1f);
+  auto* norm = dev_random<__nv_bfloat16>(D, 0.5f, 1.5f);
+  float *part, *post, *comb;
+  __nv_bfloat16* x;
+  CK(cudaMalloc(&part, sizeof(float) * nsplit * (mix + 1)));
+  CK(cudaMalloc(&post, sizeof(float) * n));
+  CK(cudaMalloc(&comb, sizeof(float) * n * n));
+  CK(cudaMalloc(&x, sizeof(__nv_bfloat16) * D));
+  auto partials = [&](int) {
+    ds4_attn::hc_partials_kernel<24><<<dim3(nsplit, 1), ds4_attn::HC_THREADS>>>(h, false, fn, K, mix, nsplit, part);
+  };
+  auto finish = [&](int) {
+    ds4_attn::hc_finish_kernel<ds4_attn::HC_NORM_THREADS><<<dim3(1, 1), ds4_attn::HC_NORM_THREADS, D * 4>>>(
+        h, false, part, n, D, mix, nsplit, scale, base, 20, 1e-6f, 1e-6f, false, x, post, comb, norm, false);
+  };
+  phases("hc_partials (nsplit 128)", partials, 3, time_us(partials));
+  phases("hc_finish + norm (512 thr)", finish, 6, time_us(finish));
+}
+
+// ---- sparse attention decode: 64 heads x 512, window 128, 512 selected of T/4 compressed entries
+static void probe_sparse(int pos) {
+  const int H = 64, D = 512, W = 128, P = 512, T = 65536, ratio = 4;
+  auto* q = dev_random<__nv_bfloat16>((size_t)H * D, -1.f, 1.f);
+  auto* win = dev_random<__nv_bfloat16>((size_t)W * D, -1.f, 1.f);
+  auto* cache = dev_random<__nv_bfloat16>((size_t)(T / ratio) * D, -1.f, 1.f);
+  auto* sink = dev_random<float>(H, -1.f, 1.f);
+  const long nvis = (pos + 1) / ratio;
+  std::vector<int64_t> sel(P);
+  for (int p = 0; p < P; ++p) sel[p] = p < nvis ? (int64_t)((p * 7919L) % nvis) : -1;
+  int64_t *dsel, *dpos;
+  CK(cudaMalloc(&dsel, sizeof(int64_t) * P));
+  CK(cudaMemcpy(dsel, sel.data(), sizeof(int64_t) * P, cudaMemcpyHostToDevice));
+  const int64_t hpos = pos;
+  CK(cudaMalloc(&dpos, sizeof(int64_t)));
+  CK(cudaMemcpy(dpos, &hpos, sizeof(int64_t), cudaMemcpyHostToDevice));
+  ds4_attn::SparseArgs a;
+  a.q = q;
+  a.kv = win;
+  a.kv_r = D;
+  a.sel = cache;
+  a.sel_r = D;
+  a.sink = sink;
+  a.B = 1, a.S = 1, a.H = H, a.D = D, a.K = W, a.P = P;
+  a.scale = 0.044f;
+  a.pos = dpos, a.sel_idx = dsel, a.ratio = ratio;
+  const int nsplit = (W + P + ds4_attn::SP_KC - 1) / ds4_attn::SP_KC;
+  float *opart, *ml;
+  CK(cudaMalloc(&opart, sizeof(float) * nsplit * H * D));
+  CK(cudaMalloc(&ml, sizeof(float) * nsplit * H * 2));
+  const size_t smem = ds4_attn::sparse_smem(D);
+  CK(cudaFuncSetAttribute(ds4_attn::sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  auto chunk = [&](int) {
+    ds4_attn::sparse_chunk_kernel<<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml);
+  };
+  char name[64];
+  std::snprintf(name, sizeof name, "sparse_chunk pos %d (%d splits)", pos, nsplit);
+  phases(name, chunk, 4, time_us(chunk));
+}
+
+// ---- FP8 FMA GEMV sweep over (R, U) at the attention projections' shapes
+template <int R, int U>
+static void probe_gemv_fp8(const char* what, int O, int K, int group_rows) {
+  const size_t wbytes = (size_t)O * K;
+  const int copies = std::max(2, (int)(200e6 / wbytes) + 1);  // rotate through > L2 (50 MB)
+  std::vector<uint8_t*> Ws, Ss;
+  for (int c = 0; c < copies; ++c) {
+    Ws.push_back(dev_bytes(wbytes, 0, 0x7e));
+    Ss.push_back(dev_bytes((size_t)((O + 127) / 128) * (K / 128), 118, 126));
+  }
+  const int nx = group_rows > 0 ? O / group_rows : 1;
+  auto* x = dev_random<__nv_bfloat16>((size_t)nx * K, -1.f, 1.f);
+  __nv_bfloat16* out;
+  CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * O));
+  auto kern = ds4::gemv_kernel<ds4::FMT_FP8, 1, R, U>;
+  const long smem = ds4::gemv_smem<ds4::FMT_FP8>(1, K);
+  CK(ds4::set_smem(kern, smem));
+  const int rows_pb = ds4::GEMV_WARPS * R;
+  auto f = [&](int i) {
+    kern<<<(O + rows_pb - 1) / rows_pb, ds4::GEMV_THREADS, smem>>>(x, K, 1, Ws[i % copies], Ss[i % copies], K / 128,
+                                                                    out, 0, O, O, K, group_rows);
+  };
+  const float us = time_us(f);
+  char name[80];
+  int nb = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, kern, ds4::GEMV_THREADS, smem));
+  std::snprintf(name, sizeof name, "fp8 %s R%d U%d (%d/SM) %5.0f GB/s", what, R, U, nb, wbytes / us / 1e3);
+  phases(name, f, 3, us);
+  for (auto* p : Ws) cudaFree(p);
+  for (auto* p : Ss) cudaFree(p);
+  cudaFree(x);
+  cudaFree(out);
+}
+
+// ---- read-only access patterns over a [O, K]-byte matrix (no decode / FMA): where is the ceiling?
+// linear: thread i of the grid reads 16 B at i, i + grid, ... (U loads in flight per thread)
+template <int U>
+__global__ void read_linear_kernel(const uint4* __restrict__ p, long n16, unsigned* out) {
+  unsigned acc = 0;
+  const long stride = (long)gridDim.x * blockDim.x;
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = i + u * stride < n16 ? ds4::ld_stream16(p + i + u * stride) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (acc == 0x12345678u) out[0] = acc;
+}
+// rows: the FMA GEMV's pattern (warp = R rows, lanes over 16-B chunks of each row, U chunks per row in flight)
+template <int R, int U>
+__global__ void read_rows_kernel(const uint8_t* __restrict__ W, int O, int K, unsigned* out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rbase = (blockIdx.x * 8 + warp) * R;
+  const int nch = K / 16;
+  unsigned acc = 0;
+  for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+    uint4 v[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < R; ++j)
+        v[u][j] = c0 + 32 * u < nch ? ds4::ld_stream16(W + (long)min(rbase + j, O - 1) * K + (long)(c0 + 32 * u) * 16)
+                                    : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < R; ++j) acc ^= v[u][j].x ^ v[u][j].y ^ v[u][j].z ^ v[u][j].w;
+  }
+  if (acc == 0x12345678u) out[0] = acc;
+}
+
+static void probe_read_patterns(int O, int K) {
+  const size_t bytes = (size_t)O * K;
+  const int copies = std::max(2, (int)(200e6 / bytes) + 1);
+  std::vector<uint8_t*> Ws;
+  for (int c = 0; c < copies; ++c) Ws.push_back(dev_bytes(bytes, 0, 255));
+  unsigned* out;
+  CK(cudaMalloc(&out, 4));
+  auto report = [&](const char* what, float us) {
+    std::printf("read %-28s O=%5d K=%5d %7.2f us %6.0f GB/s\n", what, O, K, us, bytes / us / 1e3);
+  };
+  report("linear U4 (132x8 blk)", time_us([&](int i) {
+           read_linear_kernel<4><<<132 * 8, 256>>>((const uint4*)Ws[i % copies], (long)(bytes / 16), out);
+         }));
+  report("linear U8 (132x4 blk)", time_us([&](int i) {
+           read_linear_kernel<8><<<132 * 4, 256>>>((const uint4*)Ws[i % copies], (long)(bytes / 16), out);
+         }));
+  report("rows R2 U4", time_us([&](int i) {
+           read_rows_kernel<2, 4><<<(O + 15) / 16, 256>>>(Ws[i % copies], O, K, out);
+         }));
+  report("rows R4 U2", time_us([&](int i) {
+           read_rows_kernel<4, 2><<<(O + 31) / 32, 256>>>(Ws[i % copies], O, K, out);
+         }));
+  report("rows R1 U8", time_us([&](int i) {
+           read_rows_kernel<1, 8><<<(O + 7) / 8, 256>>>(Ws[i % copies], O, K, out);
+         }));
+  for (auto* p : Ws) cudaFree(p);
+  cudaFree(out);
+}
+
+static void probe_copy() {
+  const size_t n = 1ull << 30;
+  void *a, *b;
+  CK(cudaMalloc(&a, n));
+  CK(cudaMalloc(&b, n));
+  const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); }, 10);
+  std::printf("copy 1 GiB: %.0f GB/s (read + write)\n", 2.0 * n / us / 1e3);
+  cudaFree(a);
+  cudaFree(b);
+}
+
+template <int R, int U>
+static void gemv_shapes() {
+  probe_gemv_fp8<R, U>("wq_b 32768x1024", 32768, 1024, 0);
+  probe_gemv_fp8<R, U>("wo_a 8192x4096/g", 8192, 4096, 1024);
+  probe_gemv_fp8<R, U>("wo_b 4096x8192", 4096, 8192, 0);
+}
+
+int main() {
+  cudaDeviceProp p;
+  CK(cudaGetDeviceProperties(&p, 0));
+  std::printf("%s, %d SMs, clock %.2f GHz\n", p.name, p.multiProcessorCount, clock_ghz());
+  probe_copy();
+  probe_hc();
+  probe_sparse(63);
+  probe_sparse(8191);
+  probe_read_patterns(32768, 1024);
+  probe_read_patterns(4096, 8192);
+  probe_read_patterns(1 << 16, 4096);
+  gemv_shapes<2, 4>();
+  gemv_shapes<4, 2>();
+  return 0;
+}
