@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ds4.runtime.sampling import argmax as argmax_first
+
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -31,7 +33,7 @@ class SingleProcess:
 
     def argmax(self, logits: Tensor) -> Tensor:
         """Global argmax of vocab-parallel logits [N, V/W] -> global ids [N]."""
-        return logits.argmax(-1)
+        return argmax_first(logits)
 
 
 @dataclass
@@ -115,7 +117,8 @@ class TensorParallel:
         """The seed's distributed argmax: each rank offers (local max, global index); the largest
         value wins, ties go to the lowest global index. Sends 2 values per row per rank."""
         v_local = logits.shape[-1]
-        val, idx = logits.float().max(-1)
+        idx = argmax_first(logits)
+        val = logits.float().gather(-1, idx[..., None]).squeeze(-1)
         mine = torch.stack((val, (idx + self.rank * v_local).float()), -1)           # [N, 2]
         allp = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(allp, mine.contiguous(), group=self.group)

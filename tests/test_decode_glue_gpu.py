@@ -174,6 +174,31 @@ def test_topk_selects_the_largest(B, T, k):
         assert torch.equal(s[b, ids].sort().values, s[b].topk(k).values.sort().values)
 
 
+@pytest.mark.parametrize("ratio,positions", [(4, [3, 63, 2047, 2051, 9000]), (4, [65535, 100]), (1, [0, 511, 700])])
+def test_topk_with_decode_positions(ratio, positions):
+    """Decode rows (pos, ratio): entries t >= (pos+1)//ratio are -inf. The kernel reads only the first
+    max(n_vis, k) of them and must give exactly the selection of the full scan: 0..k-1 when n_vis <= k,
+    else the top-k of the visible entries (same values as torch.topk, all indices visible)."""
+    T, k = 16384, 512
+    B = len(positions)
+    g = gen(T + ratio)
+    s = randn(B, T, g=g)
+    pos = torch.tensor(positions, device=DEV)
+    n_vis = [min(T, (p + 1) // ratio) for p in positions]
+    for b, n in enumerate(n_vis):
+        s[b, n:] = float("-inf")
+    poison()
+    got = FusedCudaIndexer().topk(s, k, pos, ratio)
+    full = FusedCudaIndexer().topk(s, k)
+    for b, n in enumerate(n_vis):
+        assert torch.equal(got[b].sort().values, full[b].sort().values), (b, n)
+        if n <= k:
+            assert torch.equal(got[b], torch.arange(k, device=DEV))
+        else:
+            assert bool((got[b] < n).all()) and got[b].unique().numel() == k
+            assert torch.equal(s[b, got[b]].sort().values, s[b].topk(k).values.sort().values)
+
+
 @pytest.mark.parametrize("N,dtype", [(1, BF16), (3, BF16), (2, torch.float32)])
 def test_hc_pre_with_block_norm(N, dtype):
     """hc.pre with the block's norm: one finishing block per token that also RMS-normalises."""

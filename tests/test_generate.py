@@ -8,7 +8,7 @@ from ds4.model.args import tiny
 from ds4.model.transformer import Transformer
 from ds4.registry import torch_reference_ops
 from ds4.runtime.generate import Generator
-from ds4.runtime.sampling import Sampling, sample
+from ds4.runtime.sampling import Sampling, argmax, sample
 from ds4.weights.synthetic import random_weights
 
 
@@ -50,6 +50,20 @@ def test_sampling_seeded_and_filters():
     two = torch.tensor([[0.0, float(torch.log(torch.tensor(3.0)))]])
     n1 = sum(int(sample(two, Sampling(1.0), torch.Generator().manual_seed(i))) for i in range(2000))
     assert 1350 < n1 < 1650
+
+
+def test_two_stage_argmax_is_torch_argmax():
+    """The chunked argmax returns the first maximal index, like torch.argmax: random rows, rows whose
+    maximum repeats across and inside chunks, bf16 ties, shapes not divisible by the chunk."""
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 129280), (3, 64640), (2, 1024), (1, 1000), (5, 100)]:
+        x = torch.randn(*shape, generator=g)
+        assert torch.equal(argmax(x), x.argmax(-1)), shape
+        t = x.clone()
+        t[:, -3] = t[:, 5] = t[:, 7] = t.max() + 1  # the maximum three times, first at 5
+        assert torch.equal(argmax(t), torch.full((shape[0],), 5)), shape
+        q = torch.round(x * 2).to(torch.bfloat16)  # many ties
+        assert torch.equal(argmax(q), q.argmax(-1)), shape
 
 
 def test_generate_with_seed_is_reproducible(weights):

@@ -359,12 +359,27 @@ def test_fp4_topk_impl_end_to_end(n):
     yb = impl.shared(x, mw, add=y)
     assert yb.dtype == x.dtype and rel(yb, DequantMoE().shared(x, mw, add=y)) <= TOL
     assert rel(yb, (y + ys.float()).to(x.dtype)) <= TOL
-    # gate+up started on the side stream before routing (shared_up) gives the same bits
-    up = impl.shared_up(x, mw)
+    # captured in a CUDA graph, gate+up runs on a side stream before routing (shared_up): same bits;
+    # eager steps keep it in line (shared_up returns None)
+    assert impl.shared_up(x, mw) is None
+
+    def block():
+        up = impl.shared_up(x, mw)
+        w, ids = impl.route(x, tok, mw)
+        return up, impl.shared(x, mw, add=impl.routed(x, w, ids, mw), up=up)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        block()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        up, out = block()
+    graph.replay()
+    torch.cuda.synchronize()
     assert up is not None
-    w, ids = impl.route(x, tok, mw)
-    y = impl.routed(x, w, ids, mw)
-    assert torch.equal(impl.shared(x, mw, add=y, up=up), yb)
+    assert torch.equal(out, yb)
 
 
 def test_bf16_cache_impl():

@@ -293,16 +293,24 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& win, const at::T
 }
 
 // ---- top-k -------------------------------------------------------------------------------------------
-at::Tensor topk_indices(const at::Tensor& scores, int64_t k) {
+at::Tensor topk_indices(const at::Tensor& scores, int64_t k, const std::optional<at::Tensor>& pos, int64_t ratio) {
   check_f32(scores, "scores");
   TORCH_CHECK(scores.dim() == 2, "ds4_attn.topk: scores must be [B, T]");
   const int64_t B = scores.size(0), T = scores.size(1);
   TORCH_CHECK(k >= 1 && k <= T && T <= ds4_attn::topk_max_len(), "ds4_attn.topk: need 1 <= k <= T <= ",
               ds4_attn::topk_max_len(), " (k=", k, ", T=", T, ")");
+  TORCH_CHECK(ratio >= 1, "ds4_attn.topk: ratio must be >= 1");
+  const int64_t* p = nullptr;
+  if (pos.has_value()) {
+    TORCH_CHECK(pos->is_cuda() && pos->scalar_type() == at::kLong && pos->numel() == B && pos->is_contiguous(),
+                "ds4_attn.topk: pos must be a contiguous int64 CUDA tensor [B]");
+    p = pos->data_ptr<int64_t>();
+  }
   c10::cuda::CUDAGuard guard(scores.device());
   auto out = at::empty({B, k}, scores.options().dtype(at::kLong));
   if (B == 0) return out;
-  check_launch(ds4_attn::launch_topk(scores.data_ptr<float>(), (int)B, (int)T, (int)k, out.data_ptr<int64_t>(),
+  check_launch(ds4_attn::launch_topk(scores.data_ptr<float>(), (int)B, (int)T, (int)k, p, (int)ratio,
+                                     out.data_ptr<int64_t>(),
                                      c10::cuda::getCurrentCUDAStream().stream()),
                "topk");
   return out;
@@ -418,7 +426,7 @@ TORCH_LIBRARY(ds4_attn, m) {
   m.def("sparse_decode(Tensor q, Tensor win, Tensor pos, Tensor? ext, Tensor? ext_idx, int ratio, Tensor sink, "
         "float scale, Tensor? freqs) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("topk(Tensor scores, int k) -> Tensor");
+  m.def("topk(Tensor scores, int k, Tensor? pos=None, int ratio=1) -> Tensor");
   m.def("head_rope(Tensor x, Tensor pos, Tensor freqs, bool norm, float eps) -> Tensor");
   m.def("kv_store(Tensor(a!) win, Tensor kv, Tensor weight, Tensor pos, Tensor freqs, float eps, bool fp8_nope) -> ()");
   m.def("compress_step(Tensor kvz, Tensor ape, Tensor norm, Tensor pos, Tensor freqs, Tensor(a!) skv, "

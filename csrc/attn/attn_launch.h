@@ -73,8 +73,11 @@ cudaError_t launch_indexer_scores(const void* q, const float* w, const void* key
 // ---- top-k (topk.cu) ------------------------------------------------------------------------------
 // out[b, :k] = indices of the k largest of scores[b, :T] (fp32, contiguous rows), unsorted; ties at the
 // k-th value are taken lowest index first. One block per row; T <= topk_max_len().
+// pos (optional, int64 [B]): entries t >= (pos[b] + 1) / ratio are -inf and only the first
+// max((pos[b] + 1) / ratio, k) entries are read (same result).
 int topk_max_len();
-cudaError_t launch_topk(const float* scores, int B, int T, int k, int64_t* out, cudaStream_t st);
+cudaError_t launch_topk(const float* scores, int B, int T, int k, const int64_t* pos, int ratio, int64_t* out,
+                        cudaStream_t st);
 
 // ---- decode glue (decode_glue.cu) -----------------------------------------------------------------
 // Positions: int64 [N] device tensors. freqs: fp32 [R/2] RoPE frequencies of the layer. Weights of the

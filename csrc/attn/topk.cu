@@ -5,6 +5,11 @@
 //      match the digits found so far, one warp finds the bin holding the k-th largest key;
 //   3. every key above that threshold key, and the first (by index) keys equal to it until k are
 //      written: positions from block-wide exclusive scans, so the output is deterministic.
+// Decode positions (pos, ratio): entries t >= n_vis = (pos + 1) / ratio score -inf (the indexer writes
+// them so), so only the first max(n_vis, k) entries are read: the selection is the same (ties at -inf go
+// lowest index first either way), and with n_vis <= k it is simply 0 .. k-1, written without a pass.
+// (H200, T = 16384 entries allocated at context 64: 25.7 us per call scanning all of them, most of it
+// shared-memory atomics of the equal -inf keys on one histogram bin in every pass.)
 // The output order is not sorted (attention does not depend on it). torch.topk on one row ran as
 // one ~85 us block-sized sort at T = 16K entries; this reads the row once.
 #include "attn_common.cuh"
@@ -48,6 +53,7 @@ __device__ __forceinline__ int block_excl_scan(int v, int* warp_sums, int* total
 
 template <int P>
 __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restrict__ scores, int T, int k,
+                                                            const int64_t* __restrict__ pos, int ratio,
                                                             int64_t* __restrict__ out) {
   ds4_pdl::begin();
   __shared__ int hist[256];
@@ -56,10 +62,17 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
   __shared__ int s_need;
   const int r = blockIdx.x;
   const float* row = scores + (long)r * T;
+  int64_t* dst = out + (long)r * k;
+  int n = T;  // entries that take part (k <= n <= T)
+  if (pos != nullptr) n = (int)min((long)T, max((long)k, (pos[r] + 1) / ratio));
+  if (n == k) {
+    for (int i = threadIdx.x; i < k; i += TOPK_THREADS) dst[i] = i;
+    return;
+  }
   const int i0 = threadIdx.x * P;
   uint32_t key[P];
 #pragma unroll
-  for (int p = 0; p < P; ++p) key[p] = i0 + p < T ? order_key(row[i0 + p]) : 0u;  // padding: below -inf
+  for (int p = 0; p < P; ++p) key[p] = i0 + p < n ? order_key(row[i0 + p]) : 0u;  // entries >= n: never counted
 
   uint32_t prefix = 0, mask = 0;
   int need = k;  // how many of the keys matching `prefix` on `mask` are still to be taken
@@ -69,7 +82,7 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
     __syncthreads();
 #pragma unroll
     for (int p = 0; p < P; ++p)
-      if ((key[p] & mask) == prefix) atomicAdd(&hist[(key[p] >> shift) & 0xFF], 1);
+      if (i0 + p < n && (key[p] & mask) == prefix) atomicAdd(&hist[(key[p] >> shift) & 0xFF], 1);
     __syncthreads();
     if (threadIdx.x < 32) {  // bins from the top: lane l owns bins 255-8l .. 248-8l
       const int lane = threadIdx.x;
@@ -104,15 +117,15 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
   int n_gt = 0, n_eq = 0;
 #pragma unroll
   for (int p = 0; p < P; ++p) {
-    n_gt += key[p] > prefix;
-    n_eq += key[p] == prefix;
+    n_gt += i0 + p < n && key[p] > prefix;
+    n_eq += i0 + p < n && key[p] == prefix;
   }
   int tot_gt = 0, tot_eq = 0;
   int o_gt = block_excl_scan(n_gt, warp_sums, &tot_gt);
   int o_eq = block_excl_scan(n_eq, warp_sums, &tot_eq);
-  int64_t* dst = out + (long)r * k;
 #pragma unroll
   for (int p = 0; p < P; ++p) {
+    if (i0 + p >= n) break;
     if (key[p] > prefix) {
       dst[o_gt++] = i0 + p;
     } else if (key[p] == prefix) {
@@ -124,13 +137,15 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
 
 int topk_max_len() { return TOPK_THREADS * 32; }
 
-cudaError_t launch_topk(const float* scores, int B, int T, int k, int64_t* out, cudaStream_t st) {
-  if (B < 1 || k < 1 || k > T || T > topk_max_len()) return cudaErrorInvalidValue;
+cudaError_t launch_topk(const float* scores, int B, int T, int k, const int64_t* pos, int ratio, int64_t* out,
+                        cudaStream_t st) {
+  if (B < 1 || k < 1 || k > T || T > topk_max_len() || ratio < 1) return cudaErrorInvalidValue;
   const dim3 grid(B), block(TOPK_THREADS);
-  if (T <= TOPK_THREADS * 4) return ds4_pdl::launch(topk_kernel<4>, grid, block, 0, st, scores, T, k, out);
-  if (T <= TOPK_THREADS * 8) return ds4_pdl::launch(topk_kernel<8>, grid, block, 0, st, scores, T, k, out);
-  if (T <= TOPK_THREADS * 16) return ds4_pdl::launch(topk_kernel<16>, grid, block, 0, st, scores, T, k, out);
-  return ds4_pdl::launch(topk_kernel<32>, grid, block, 0, st, scores, T, k, out);
+  if (T <= TOPK_THREADS * 4) return ds4_pdl::launch(topk_kernel<4>, grid, block, 0, st, scores, T, k, pos, ratio, out);
+  if (T <= TOPK_THREADS * 8) return ds4_pdl::launch(topk_kernel<8>, grid, block, 0, st, scores, T, k, pos, ratio, out);
+  if (T <= TOPK_THREADS * 16)
+    return ds4_pdl::launch(topk_kernel<16>, grid, block, 0, st, scores, T, k, pos, ratio, out);
+  return ds4_pdl::launch(topk_kernel<32>, grid, block, 0, st, scores, T, k, pos, ratio, out);
 }
 
 }  // namespace ds4_attn

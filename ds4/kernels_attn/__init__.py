@@ -104,9 +104,11 @@ def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_i
                                 None if freqs is None else freqs.float().contiguous())
 
 
-def topk(scores: Tensor, k: int) -> Tensor:
-    """fp32 scores [B, T] -> int64 [B, k]: indices of the k largest per row (unsorted; ties lowest index first)."""
-    return _ops().topk(scores.float().contiguous(), int(k))
+def topk(scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
+    """fp32 scores [B, T] -> int64 [B, k]: indices of the k largest per row (unsorted; ties lowest index first).
+    pos (int64 [B], decode): entries t >= (pos+1)//ratio must be -inf; then only the first
+    max((pos+1)//ratio, k) are read (the same selection, without scanning the unwritten tail)."""
+    return _ops().topk(scores.float().contiguous(), int(k), pos, int(ratio))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -40,7 +40,7 @@ def _sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs):
 
 
 @register_fake("ds4_attn::topk")
-def _topk(scores, k):
+def _topk(scores, k, pos=None, ratio=1):
     return scores.new_empty((scores.shape[0], k), dtype=torch.long)
 
 

@@ -174,7 +174,7 @@ class Attention(WeightsModule):
                         # invisible entries score -inf inside the scores op (and stay -inf through the sum)
                         sc = self.indexer.scores(qi[:, None], wi[:, None], ikv, pos=pos, ratio=self.m)
                         sc = self.comm.all_reduce(sc, "indexer")[:, 0]              # [B, T]
-                        idx = self.indexer.topk(sc, a.index_topk)
+                        idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
         with self.prof("attn.sparse"):
             o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs)
         with self.prof("attn.out"):

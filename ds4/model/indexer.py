@@ -44,9 +44,9 @@ class Indexer(WeightsModule):
         With decode positions pos [B] (S = 1), entries t >= (pos+1)//ratio (not visible yet) score -inf."""
         return self.ops.indexer.scores(q, w, keys, bf16=self.qat, pos=pos, ratio=ratio)
 
-    def topk(self, scores: Tensor, k: int) -> Tensor:
-        """Decode selection: scores [B, T] (invisible entries already -inf) -> indices [B, k]."""
-        return self.ops.indexer.topk(scores, k)
+    def topk(self, scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
+        """Decode selection: scores [B, T] (entries t >= (pos+1)//ratio already -inf) -> indices [B, k]."""
+        return self.ops.indexer.topk(scores, k, pos, ratio)
 
     def select(self, scores: Tensor, visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Top-k of the visible entries: scores [B, S, T], visible [B, S, T] bool -> (idx [B, S, k]

@@ -129,10 +129,10 @@ class FusedCudaIndexer:
             return self._ref.rope(q, positions, freqs)
         return kernels_attn.head_rope(q, positions, freqs, False, 0.0)
 
-    def topk(self, scores: Tensor, k: int) -> Tensor:
+    def topk(self, scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
         if not (scores.is_cuda and scores.dim() == 2 and k <= scores.shape[-1] <= kernels_attn.TOPK_MAX_LEN):
-            return self._ref.topk(scores, k)
-        return kernels_attn.topk(scores, k)
+            return self._ref.topk(scores, k, pos, ratio)
+        return kernels_attn.topk(scores, k, pos, ratio)
 
     def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
                ratio: int = 1) -> Tensor:

@@ -103,8 +103,10 @@ class TorchIndexer:
         """Indexer query q [N, H, d] at positions [N] -> RoPE of the last dims (no norm)."""
         return rope_heads(q, positions, freqs)
 
-    def topk(self, scores: Tensor, k: int) -> Tensor:
-        """scores [B, T] -> int64 [B, k] indices of the k largest (the selection; order irrelevant)."""
+    def topk(self, scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
+        """scores [B, T] -> int64 [B, k] indices of the k largest (the selection; order irrelevant).
+        pos / ratio: entries t >= (pos+1)//ratio are -inf (a hint for kernels that can skip them; which of
+        the tied -inf entries fill a short selection does not matter, attention masks them)."""
         return scores.float().topk(k, dim=-1).indices
 
     def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,

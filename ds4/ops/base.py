@@ -97,9 +97,9 @@ class MoEImpl(Protocol):
         ...
 
     def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> object | None:
-        """Optionally start the shared expert's first half before routing (e.g. on a side stream, so it
-        overlaps the router and the routed experts); the result goes to shared(..., up=). None: nothing
-        started."""
+        """Optionally start the shared expert's first half before routing (e.g. on a side stream while a
+        CUDA graph is captured, so it overlaps the router and the routed experts); the result goes to
+        shared(..., up=). None: nothing started."""
         ...
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ds4.model.transformer import DecodeState, Transformer
+from ds4.runtime.sampling import argmax
 
 
 class CudaGraphStep:
@@ -64,7 +65,7 @@ class CudaGraphStep:
     def _step(self) -> Tensor:
         logits = self.model.decode(self.tok, self.state, full_vocab=self.mode != "dist_argmax")
         if self.mode == "argmax":
-            return logits.argmax(-1)
+            return argmax(logits)
         if self.mode == "dist_argmax":
             return self.model.comm.argmax(logits)
         return logits

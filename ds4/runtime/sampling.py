@@ -23,10 +23,23 @@ class Sampling:
         return self.temperature == 0
 
 
+def argmax(x: Tensor, chunk: int = 128) -> Tensor:
+    """x [..., V] -> int64 [...]: index of the first maximal value, as torch.argmax(-1), in two reductions
+    (within chunks of `chunk` values, then over the chunks' maxima). torch reduces one [1, V] row in one
+    block: 36.7 us for V = 129280 on H200 (the greedy step's argmax in the decode profile)."""
+    v = x.shape[-1]
+    if v % chunk or v < 4 * chunk:
+        return x.argmax(-1)
+    xc = x.unflatten(-1, (v // chunk, chunk))                      # [..., C, chunk]
+    i = xc.argmax(-1, keepdim=True)                                # [..., C, 1] first max in each chunk
+    c = xc.gather(-1, i).squeeze(-1).argmax(-1, keepdim=True)      # [..., 1] first chunk holding the max
+    return (c * chunk + i.squeeze(-1).gather(-1, c)).squeeze(-1)
+
+
 def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None = None) -> Tensor:
     """logits [B, V] fp32 -> token ids [B] int64."""
     if s.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     logits = logits.float() / s.temperature
     if s.top_k:
         kth = logits.topk(min(s.top_k, logits.shape[-1]), -1).values[..., -1:]
