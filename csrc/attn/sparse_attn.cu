@@ -7,8 +7,9 @@
 //     denominator, p rounded to bf16 for P.V like the reference) itself, and O_c = P V for its own
 //     slice of the output dims (fp32) -> workspace, with (max, sum) per head. Chunks with no valid
 //     key write max = -inf and nothing else.
-//     H200, one call at context 64 (3 busy chunks): 17.1 us when one block served all 64 heads with
-//     16 warps recomputing S per output slice (14.5 us of block life: 3.4 loads, 3.9 S, 6.3 P.V).
+//     H200, one call at context 64 (3 busy chunks): 9.8 us like this (scripts/probe_phases.cu); 16.8 us
+//     when one block served all 64 heads with 16 warps recomputing S per output slice (14.5 us of
+//     block life: 3.4 loads, 3.9 S, 6.3 P.V).
 //   sparse_combine_kernel: per (row, head): M = max(sink, max_c), L = exp(sink - M) + sum_c l_c
 //     exp(m_c - M), o = sum_c exp(m_c - M) O_c / L  -> bf16. The sink enters only the denominator.
 //   Decode mode (SparseArgs.pos): key validity from the row's position (window ring, visible compressed
