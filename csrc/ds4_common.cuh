@@ -177,6 +177,17 @@ __device__ __forceinline__ void load_row_smem(float* dst, const __nv_bfloat16* _
   }
 }
 
+// Host: SMs of the current device (gemv.cu).
+int sm_count();
+
+// Host: blocks of `kern` that fit on the whole GPU at once (at least one per SM).
+template <typename KernelT>
+inline int resident_wave(KernelT kern, int threads, long smem) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, threads, (size_t)smem) != cudaSuccess || n < 1) n = 1;
+  return n * sm_count();
+}
+
 // Host: lets kernel k use `bytes` of dynamic shared memory (an opt-in above 48 KB).
 template <typename KernelT>
 inline cudaError_t set_smem(KernelT k, long bytes) {

@@ -11,13 +11,16 @@ int gemv_max_tokens(int fmt, int K);
 int moe_max_tokens(int fmt, int topk, int dim, int inter);
 
 // Kernel choice of the GEMV / MoE launchers: FMA kernels (any format, 1..8 tokens) or tensor-core
-// kernels (mma_dot.cuh: FP8 / FP4, one token, K a multiple of 64 / 128). AUTO takes MMA for one-token
-// FP4 products, where the FMA kernels are bound by the FP4 decode (H200: MoE down 26.2 -> 20.3 us,
-// gate+up 30.6 -> 27.6), and FMA for FP8, where the FMA kernels measured faster (wo_a 11.4 vs 16.1 us);
-// DS4_MMA=0 in the environment makes AUTO always FMA (read at every launch, for the ablation). An
+// kernels (mma_dot.cuh: FP8 / FP4, one token, K a multiple of 64 / 128). AUTO takes the tensor cores
+// for one-token FP4 products and for one-token FP8 products with K >= 2048 (the shorter FP8 rows,
+// wq_b and the indexer's wq_b at K = 1024, stay on the FMA kernels, which measured as fast or faster
+// there: H200, experiments/decode_session5_h200.md). DS4_MMA=0 in the environment makes AUTO always
+// FMA, DS4_MMA=all always tensor cores where they apply (read at every launch, for the ablation). An
 // explicit MMA request that does not apply returns cudaErrorInvalidValue.
 enum Kernel : int { KERNEL_AUTO = 0, KERNEL_FMA = 1, KERNEL_MMA = 2 };
-bool mma_auto(int fmt);
+bool mma_auto(int fmt, int K);
+// Widest run of 16-B chunks per lane and row the tensor-core kernels read (DS4_MMA_W: 1, 2, 4).
+int mma_max_width();
 
 // out[t, o] = sum_k x[t, xoff(o) + k] * W[o, k]   (t < n_tok <= 8)
 // fmt 0 bf16 / 1 fp8 (E4M3 + E8M0 128x128) / 2 fp4 (E2M1 pairs + E8M0 per 32).

@@ -2,14 +2,16 @@
 // BF16 activations, fp32 accumulation. Two kernels:
 //  * gemv_kernel (FMA): one warp owns R rows; consecutive lanes read consecutive 16-byte chunks of
 //    a row (U chunks per row in flight per lane); warp-shuffle reduction. Any format, 1..8 tokens.
-//  * gemv_mma_kernel (tensor cores, mma_dot.cuh): one token, FP8 / FP4. A warp owns 16 rows and a
-//    slice of K; the warps of a block that share rows add their slices in shared memory (fixed
-//    order: deterministic). K is split so that small-O matrices still fill the GPU.
+//  * gemv_mma_kernel (tensor cores, mma_dot.cuh): one token, FP8 / FP4. One resident wave of blocks;
+//    block b owns an even share of the 16-row tiles and its warps stream them (MmaStream: contiguous
+//    round ranges, loads in flight across tiles); the warps' partial sums meet in shared memory in a
+//    fixed order (deterministic).
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "mma_dot.cuh"
 
 #include <cstdlib>
+#include <cstring>
 
 namespace ds4 {
 
@@ -94,54 +96,48 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
   DS4_MARK(2);
 }
 
-constexpr int MMA_THREADS = 256;
-constexpr int MMA_WARPS = MMA_THREADS / 32;
+constexpr int MMA_THREADS = 32 * MMA_STREAM_WARPS;
+constexpr int MMA_MAX_TILES = 32;  // 16-row tiles per block (shared memory for the partial sums)
 
-template <int FMT, int U>
+// Tensor-core GEMV, one token: block b owns the 16-row tiles [b * tpb, (b + 1) * tpb) (tpb = tiles
+// per block, even split of the grid), its warps stream their rounds (MmaStream). Grouped rows
+// (wo_a): each group has its own activations; the groups a block's tiles touch are staged.
+template <int FMT, int U, int CW>
 __global__ void __launch_bounds__(MMA_THREADS)
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
-                int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int ks) {
+                int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb) {
+  DS4_MARK(0);
   extern __shared__ float4 smem4[];
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem4);
-  __shared__ float red[MMA_WARPS][16];
-  const int tpb = MMA_WARPS / ks;  // 16-row tiles per block; warp = (k part, tile)
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int tile = warp % tpb, part = warp / tpb;
-  const int row0 = (blockIdx.x * tpb + tile) * 16;
-  const bool live = row0 < O;  // warp-uniform; idle warps still reach the barriers
-  const long xoff = group_rows > 0 ? (long)((blockIdx.x * tpb * 16) / group_rows) * K : 0;
-  const int nr = K / mma_round_vals<FMT>();
-  const int beg = nr * part / ks, end = live ? nr * (part + 1) / ks : beg;
-  auto seg = [=](int) { return MmaSeg{W, S, xs}; };
-  auto rows = mma_rows16<FMT, U>(seg, nr, row_bytes<FMT>(K), live ? row0 : 0, O, s_ld, beg, end);
-  rows.prefetch();   // weights do not depend on the previous kernel: load them before waiting (PDL)
+  float* part = reinterpret_cast<float*>(smem4);
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + tpb * MMA_STREAM_WARPS * 16);
+  const int t0 = blockIdx.x * tpb, nt = min(tpb, (O + 15) / 16 - t0);
+  const int g0 = group_rows > 0 ? t0 * 16 / group_rows : 0;
+  const int ng = group_rows > 0 ? ((t0 + nt) * 16 - 1) / group_rows - g0 + 1 : 1;
+  auto tile = [=](int tl, int) {
+    const int row0 = (t0 + tl) * 16;
+    const int grp = group_rows > 0 ? row0 / group_rows - g0 : 0;
+    return MmaTile{W, S, xs + (long)grp * K, row0, O};
+  };
+  auto st = mma_stream<FMT, U, CW>(tile, xs, nt, 1, K / mma_round_vals<FMT, CW>(), row_bytes<FMT>(K), s_ld);
+  st.prefetch();  // weights do not depend on the previous kernel: load them before waiting (PDL)
   ds4_pdl::begin();
-  stage_mma_row<FMT>(xs, x + xoff, K);
+  mma_part_zero(part, nt);
+  stage_mma_rows<FMT>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K);
   __syncthreads();
-  const float2 v = rows.run();
-  const int g = lane >> 2, t = lane & 3;
-  auto store = [&](int r, float y) {
-    if (r >= O) return;
+  DS4_MARK(1);
+  st.run(part);
+  __syncthreads();
+  for (int i = threadIdx.x; i < nt * 16; i += blockDim.x) {
+    const int r = t0 * 16 + i;
+    if (r >= O) continue;
+    const float y = mma_part_sum(part, i >> 4, i & 15);
     if (out_f32) reinterpret_cast<float*>(out)[r] = y;
     else reinterpret_cast<__nv_bfloat16*>(out)[r] = __float2bfloat16(y);
-  };
-  if (ks == 1) {
-    if (live && t == 0) {
-      store(row0 + g, v.x);
-      store(row0 + g + 8, v.y);
-    }
-    return;
   }
-  mma_rows16_store(red[warp], v);
-  __syncthreads();
-  if (part == 0 && live && lane < 16) {
-    float y = 0.f;
-    for (int p = 0; p < ks; ++p) y += red[p * tpb + tile][lane];
-    store(row0 + lane, y);
-  }
+  DS4_MARK(2);
 }
 
-static int sm_count() {
+int sm_count() {
   static int count[64] = {0};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
@@ -149,39 +145,53 @@ static int sm_count() {
   return count[dev] > 0 ? count[dev] : 132;
 }
 
-// K split: the fewest parts (1, 2, 4, 8) that give at least two blocks per SM, keeping >= 2 rounds
-// per warp; group_rows must stay a multiple of the block's rows.
-static int gemv_mma_split(int O, int nr, int group_rows) {
-  const int tiles = (O + 15) / 16;
-  int ks = 1;
-  while (ks < MMA_WARPS && nr / (2 * ks) >= 2 &&
-         (tiles + MMA_WARPS / ks - 1) / (MMA_WARPS / ks) < 2 * sm_count())
-    ks *= 2;
-  while (group_rows > 0 && group_rows % (16 * (MMA_WARPS / ks)) != 0 && ks < MMA_WARPS) ks *= 2;
-  return ks;
+// The tensor-core kernels' widest run per lane and row (W chunks of 16 B; U = 8 / W rounds in flight,
+// so 256 B per lane either way): DS4_MMA_W = 1, 2 or 4 (default MMA_W_DEFAULT), read at every launch
+// so one process can sweep it (scripts/bench_kernels.py --widths).
+constexpr int MMA_W_DEFAULT = 2;
+int mma_max_width() {
+  const char* env = std::getenv("DS4_MMA_W");
+  const int w = env ? std::atoi(env) : MMA_W_DEFAULT;
+  return w == 1 || w == 2 ? w : 4;
+}
+
+template <int FMT, int CW>
+static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32, int O,
+                               int K, int group_rows, cudaStream_t st) {
+  auto kern = gemv_mma_kernel<FMT, 8 / CW, CW>;
+  const int T = (O + 15) / 16;
+  auto smem_for = [&](int tpb) {  // partial sums + the activations of the groups tpb tiles can touch
+    const int ng = group_rows > 0 ? (tpb * 16 + group_rows - 1) / group_rows + 1 : 1;
+    return (long)tpb * MMA_STREAM_WARPS * 16 * 4 + (long)ng * K * 2;
+  };
+  // one resident wave (register-bound occupancy), the tiles split evenly over it
+  cudaError_t e = set_smem(kern, smem_for(1));
+  if (e != cudaSuccess) return e;
+  const int wave = resident_wave(kern, MMA_THREADS, smem_for(1));
+  int tpb = (T + wave - 1) / wave;
+  if (tpb > MMA_MAX_TILES) tpb = MMA_MAX_TILES;
+  const int blocks = (T + tpb - 1) / tpb;
+  const long smem = smem_for(tpb);
+  if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
+  return ds4_pdl::launch(kern, dim3(blocks), dim3(MMA_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
+                         reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
+                         out_f32 ? 1 : 0, O, K, group_rows, tpb);
 }
 
 template <int FMT>
-static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32, int O,
-                               int K, int group_rows, cudaStream_t st) {
-  constexpr int U = 4;
-  const int nr = K / mma_round_vals<FMT>();
-  const int ks = gemv_mma_split(O, nr, group_rows);
-  if (group_rows > 0 && group_rows % (16 * (MMA_WARPS / ks)) != 0) return cudaErrorInvalidValue;
-  const long smem = 2L * K;
-  auto kern = gemv_mma_kernel<FMT, U>;
-  cudaError_t e = set_smem(kern, smem);
-  if (e != cudaSuccess) return e;
-  const int tpb = MMA_WARPS / ks;
-  dim3 grid(((O + 15) / 16 + tpb - 1) / tpb);
-  return ds4_pdl::launch(kern, grid, dim3(MMA_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
-                         reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
-                         out_f32 ? 1 : 0, O, K, group_rows, ks);
+static cudaError_t gemv_mma_width(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32,
+                                  int O, int K, int group_rows, cudaStream_t st) {
+  const int w = mma_width(FMT, K, mma_max_width());
+  if (w == 4) return gemv_mma_go<FMT, 4>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+  if (w == 2) return gemv_mma_go<FMT, 2>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+  return gemv_mma_go<FMT, 1>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
 }
 
-bool mma_auto(int fmt) {
+bool mma_auto(int fmt, int K) {
   const char* env = std::getenv("DS4_MMA");
-  return fmt == FMT_FP4 && !(env && env[0] == '0');
+  if (env && env[0] == '0') return false;
+  if (fmt == FMT_FP4 || (env && std::strcmp(env, "all") == 0)) return true;
+  return fmt == FMT_FP8 && K >= 2048;
 }
 
 template <int FMT>
@@ -226,11 +236,11 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
                         int s_ld, void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
                         cudaStream_t st) {
   if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1) return cudaErrorInvalidValue;
-  const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K);
+  const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K) && (group_rows <= 0 || group_rows % 16 == 0);
   if (kernel == KERNEL_MMA && !mma_ok) return cudaErrorInvalidValue;
-  if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt))) {
-    if (fmt == FMT_FP8) return gemv_mma_go<FMT_FP8>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
-    return gemv_mma_go<FMT_FP4>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+  if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt, K))) {
+    if (fmt == FMT_FP8) return gemv_mma_width<FMT_FP8>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+    return gemv_mma_width<FMT_FP4>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
   }
   if (group_rows > 0 && group_rows % (GEMV_WARPS * 2) != 0) return cudaErrorInvalidValue;
   // FP8, one token, K <= 4096: 4 rows per warp x 2 chunks per row in flight instead of 2 x 4 (H200 phase

@@ -1,10 +1,11 @@
 // Tensor-core dot products of FP8 / MXFP4 weight rows with one token's activations (batch-1
 // decode), for sm_80 and newer: BF16 mma.sync m16n8k16 with fp32 accumulation. No FP8/FP4 MMA.
 //
-// Why: the FMA kernels (ds4_common.cuh) spend ~3 integer ops decoding each weight plus one FFMA;
-// at FP4 that is, by instruction count, about twice the issue time the bytes take at copy bandwidth.
-// Here a weight pair costs 1.5-2 integer ops and the tensor cores do the products (H200, top-6 FP4
-// MoE: 57.6 -> 48.6 us; for FP8 the FMA kernels stayed faster, see ds4_launch.h).
+// Why: the FMA kernels (ds4_common.cuh) spend ~3 integer ops decoding each weight plus one FFMA
+// (SASS of the FP8 kernel: per weight 1 FFMA, 1 SHF, 1 LOP3, 0.75 IMAD). Here a weight pair costs
+// 1.5-2 integer ops and the tensor cores do the products. What limited these kernels at first was
+// not the arithmetic but the access pattern (see MmaStream); the default (K >= 2048 for FP8, all FP4)
+// is set in ds4_launch.h from H200 measurements.
 //
 // Decode (exact, bit placement only): an E4M3 byte s eeee mmm becomes the bf16 s 0000eeee mmm0000,
 // i.e. the true value x 2^-120 (E4M3 subnormals land on bf16 subnormals); an E2M1 nibble s e1e0 m
@@ -40,8 +41,6 @@ template <> struct Mma<FMT_FP4> {
   static constexpr float POST = 4611686018427387904.0f;  // 2^62 = 2^126 / 2^64
 };
 
-// values per round of one row: 4 lanes x one chunk
-template <int FMT> __host__ __device__ constexpr int mma_round_vals() { return 4 * Mma<FMT>::VALS; }
 
 // E4M3 bytes at bits 15..8 and 31..24 -> bf16x2 (x 2^-120)
 __device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint32_t q) {
@@ -96,142 +95,253 @@ __device__ __forceinline__ void mma_chunk<FMT_FP4>(const uint4& wg, const uint4&
   }
 }
 
-// bf16 [K] (16-byte aligned, K % 8 == 0) -> bf16 x 2^64, permuted for mma_chunk, into shared memory.
-template <int FMT>
-__device__ __forceinline__ void stage_mma_row(__nv_bfloat16* dst, const __nv_bfloat16* __restrict__ src, int K) {
-  for (int m = threadIdx.x * 8; m < K; m += blockDim.x * 8) {
-    const uint4 u = *reinterpret_cast<const uint4*>(src + m);
-    const uint32_t in[4] = {u.x, u.y, u.z, u.w};
-    uint32_t v[8];  // bf16 bits of x[m + j] * 2^64 (exact: a power-of-two scaling of a bf16 value)
+// Rows 0 .. nrows-1 of bf16 activations (row(r): 16-byte aligned, K % 8 == 0) -> bf16 x 2^64, permuted
+// for mma_chunk, into shared memory rows of K. A thread issues up to 4 16-byte loads before it
+// converts and stores any (the staging sits between a kernel's PDL wait and its first MMA).
+template <int FMT, typename RowFn>
+__device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, int nrows, int K) {
+  const int per = K / 8, total = nrows * per;
+  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
+    uint4 in4[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      v[2 * j] = __float_as_uint(__uint_as_float(in[j] << 16) * MMA_XS) >> 16;
-      v[2 * j + 1] = __float_as_uint(__uint_as_float(in[j] & 0xffff0000u) * MMA_XS) >> 16;
+      const int i = i0 + j * blockDim.x, r = i / per;
+      if (i < total) in4[j] = *reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
     }
-    uint4 o;
-    if (FMT == FMT_FP8) {  // [0 2 1 3 | 4 6 5 7]
-      o = make_uint4(v[0] | v[2] << 16, v[1] | v[3] << 16, v[4] | v[6] << 16, v[5] | v[7] << 16);
-    } else {  // [0 4 1 5 2 6 3 7]
-      o = make_uint4(v[0] | v[4] << 16, v[1] | v[5] << 16, v[2] | v[6] << 16, v[3] | v[7] << 16);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = i0 + j * blockDim.x;
+      if (i >= total) continue;
+      const uint32_t in[4] = {in4[j].x, in4[j].y, in4[j].z, in4[j].w};
+      uint32_t v[8];  // bf16 bits of x[m + j] * 2^64 (exact: a power-of-two scaling of a bf16 value)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        v[2 * q] = __float_as_uint(__uint_as_float(in[q] << 16) * MMA_XS) >> 16;
+        v[2 * q + 1] = __float_as_uint(__uint_as_float(in[q] & 0xffff0000u) * MMA_XS) >> 16;
+      }
+      uint4 o;
+      if (FMT == FMT_FP8) {  // [0 2 1 3 | 4 6 5 7]
+        o = make_uint4(v[0] | v[2] << 16, v[1] | v[3] << 16, v[4] | v[6] << 16, v[5] | v[7] << 16);
+      } else {  // [0 4 1 5 2 6 3 7]
+        o = make_uint4(v[0] | v[4] << 16, v[1] | v[5] << 16, v[2] | v[6] << 16, v[3] | v[7] << 16);
+      }
+      *reinterpret_cast<uint4*>(dst + (long)i * 8) = o;
     }
-    *reinterpret_cast<uint4*>(dst + m) = o;
   }
 }
 
-// One segment of a warp's work: a weight matrix (rows of rb bytes), its scales, the staged
-// activations it multiplies.
-struct MmaSeg {
+// One 16-row tile of a product, as one segment sees it: the weight matrix (rows of rowb bytes), its
+// scales, the staged activations the segment multiplies, the tile's first row and the matrix's rows
+// (rows >= nrows are clamped on load and dropped by the caller's epilogue).
+struct MmaTile {
   const uint8_t* W;
   const uint8_t* S;
   const __nv_bfloat16* xs;
+  int row0, nrows;
 };
 
-// A warp's 16 rows (row0 + g, row0 + g + 8; rows >= nrows are clamped and their results ignored)
-// over rounds [beg, end) of the concatenated segments seg(0), seg(1), ... (nr rounds each). U
-// rounds of weight loads are kept in flight; prefetch() issues the first ones (it may run before the
-// activations are staged), run() consumes them and returns the row sums x POST (valid in lanes t = 0:
-// .x = row0 + g, .y = row0 + g + 8).
-template <int FMT, int U, typename SegFn>
-struct MmaRows16 {
-  SegFn seg;
-  int nr, s_ld, row0, ra, rb8, beg, end;
-  long rowb;
-  int cu, cr;  // load cursor (segment, round)
-  uint4 wa[U], wb[U];
-  uint32_t sc[U];
-  int su[U], sr[U];
+constexpr int MMA_STREAM_WARPS = 8;  // warps per block of every kernel that uses MmaStream
 
-  __device__ __forceinline__ MmaRows16(SegFn f, int nr_, long rowb_, int row0_, int nrows, int s_ld_, int beg_,
-                                       int end_)
-      : seg(f), nr(nr_), s_ld(s_ld_), row0(row0_), beg(beg_), end(end_), rowb(rowb_) {
-    const int g = (threadIdx.x & 31) >> 2;
-    ra = min(row0 + g, nrows - 1);
-    rb8 = min(row0 + g + 8, nrows - 1);
-    cu = nr > 0 ? beg / nr : 0;
-    cr = beg - cu * nr;
+// A block's share of a batch-1 product, streamed: local tiles 0 .. nt-1, each the sum of nseg
+// segments of nr rounds. A round covers 4 W chunks of each of the tile's 16 rows: lane (g, t) reads W
+// consecutive 16-B chunks (4 W r + W t + w, w < W) of rows g and g + 8, so every row is read in runs of
+// 64 W contiguous bytes. The run length is what DRAM cares about: read-only kernels with this pattern
+// moved 1.9 TB/s at W = 1 and 2.9 TB/s at W = 2 on an H200 where row-contiguous reads moved 3.7
+// (scripts/probe_phases.cu, top-6 gate+up shape). MMA w of a round takes chunk w of every lane.
+// The block's (tile, segment, round) sequence is cut into one contiguous range per warp; a warp keeps
+// U rounds of weight loads in flight across tile and segment boundaries (no drain between tiles), and
+// on leaving a tile writes its partial sums (x POST) to part[(tile * MMA_STREAM_WARPS + warp) * 16 + row];
+// part must be zeroed before run() and the block synchronised after it; the caller's epilogue adds the
+// warps of a tile in a fixed order. tile(tl, s) -> MmaTile for local tile tl, segment s; every
+// MmaTile::xs lies in [xbase, xbase + 2^17).
+// Scales: FP4, per row and chunk: C column n of MMA w = lane n's chunk, scaled before accumulation.
+// FP8, per 128 x 128 block: a round of W <= 2 lies in one block (B column 0, all lanes); at W = 4 lanes
+// t = 0, 1 lie in block 2r and t = 2, 3 in block 2r + 1, so B column 0 carries the first pair's
+// activations and column 1 the second's, and C columns 0 / 1 are scaled by the two blocks.
+// Per-round bookkeeping is kept to a few instructions (row and scale pointers are recomputed only when
+// the segment changes; a slot's activation offset, tile and last-round flag share one register).
+template <int FMT, int U, int W, typename TileFn>
+struct MmaStream {
+  static constexpr int SC = FMT == FMT_FP4 ? (W == 4 ? 4 : W) : 1;  // scale registers per slot
+  TileFn tile;
+  const __nv_bfloat16* xbase;
+  int nseg, nr, s_ld, n;  // n = rounds of this warp
+  long rowb;
+  int lt, ls, lr, left;   // load cursor, rounds still to load
+  const uint8_t *pa, *pb, *psa, *psb;  // the load segment's rows g, g+8 (at the lane's chunks), scales
+  int xoff;               // the load segment's activations (+ the lane's chunks) - xbase, in elements
+  uint4 wa[U][W], wb[U][W];
+  uint32_t sc[U][SC];
+  uint32_t meta[U];       // activation offset | tile << 17 | last round of the tile for this warp << 31
+
+  __device__ __forceinline__ MmaStream(TileFn f, const __nv_bfloat16* xb, int nt, int nseg_, int nr_, long rowb_,
+                                       int s_ld_)
+      : tile(f), xbase(xb), nseg(nseg_), nr(nr_), s_ld(s_ld_), rowb(rowb_) {
+    const int warp = threadIdx.x >> 5;
+    const long total = (long)nt * nseg * nr;
+    const long beg = total * warp / MMA_STREAM_WARPS;
+    n = left = (int)(total * (warp + 1) / MMA_STREAM_WARPS - beg);
+    lr = (int)(beg % nr);
+    const long ts = beg / nr;
+    ls = (int)(ts % nseg);
+    lt = (int)(ts / nseg);
+    if (n > 0) seek();
+  }
+
+  __device__ __forceinline__ void seek() {  // pointers of segment (lt, ls)
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const MmaTile p = tile(lt, ls);
+    const int ra = min(p.row0 + g, p.nrows - 1), rb8 = min(p.row0 + g + 8, p.nrows - 1);
+    pa = p.W + (long)ra * rowb + t * W * 16;
+    pb = p.W + (long)rb8 * rowb + t * W * 16;
+    if (FMT == FMT_FP8) {
+      psa = psb = p.S + (long)(p.row0 >> 7) * s_ld;
+    } else {  // lane t needs columns 2(t&1), 2(t&1)+1: chunks 4 W r + 2 (t&1) W + [0, 2 W) of both rows
+      psa = p.S + (long)ra * s_ld + 2 * (t & 1) * W;
+      psb = p.S + (long)rb8 * s_ld + 2 * (t & 1) * W;
+    }
+    xoff = (int)(p.xs - xbase) + t * W * Mma<FMT>::VALS;
+  }
+
+  // 2W scale bytes of a row from p (4-byte aligned for W >= 2, 2-byte for W = 1) into sc words
+  __device__ __forceinline__ void fp4_scales(const uint8_t* p, uint32_t* dst) const {
+    if (W == 1) {
+      dst[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+    } else {
+#pragma unroll
+      for (int i = 0; i < W / 2; ++i) dst[i] = __ldg(reinterpret_cast<const unsigned*>(p) + i);
+    }
   }
 
   __device__ __forceinline__ void load(int k) {
-    const int t = threadIdx.x & 3;
-    const MmaSeg p = seg(cu);
-    const uint8_t* base = p.W + (long)(4 * cr + t) * 16;
-    wa[k] = ld_stream16(base + (long)ra * rowb);
-    wb[k] = ld_stream16(base + (long)rb8 * rowb);
-    if (FMT == FMT_FP8) {
-      sc[k] = __ldg(p.S + (long)(row0 >> 7) * s_ld + (cr >> 1));  // chunks 4cr..4cr+3: one 128-block
-    } else {  // the scales of chunks 4cr + 2(t&1), +1 of both rows (2 bytes each; s_ld % 4 == 0)
-      const int c = 4 * cr + 2 * (t & 1);
-      const uint32_t lo = __ldg(reinterpret_cast<const unsigned short*>(p.S + (long)ra * s_ld + c));
-      const uint32_t hi = __ldg(reinterpret_cast<const unsigned short*>(p.S + (long)rb8 * s_ld + c));
-      sc[k] = lo | hi << 16;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      wa[k][w] = ld_stream16(pa + lr * 64 * W + 16 * w);
+      wb[k][w] = ld_stream16(pb + lr * 64 * W + 16 * w);
     }
-    su[k] = cu;
-    sr[k] = cr;
-    if (++cr == nr) {
-      cr = 0;
-      ++cu;
+    if (FMT == FMT_FP8) {
+      if (W == 4) sc[k][0] = __ldg(psa + 2 * lr) | (uint32_t)__ldg(psa + 2 * lr + 1) << 8;
+      else sc[k][0] = __ldg(psa + ((W * lr) >> 1));
+    } else if (W == 1) {  // row g in the low half, row g+8 in the high half
+      uint32_t lo, hi;
+      fp4_scales(psa + 4 * lr, &lo);
+      fp4_scales(psb + 4 * lr, &hi);
+      sc[k][0] = lo | hi << 16;
+    } else {  // W/2 words of row g, then W/2 of row g+8
+      fp4_scales(psa + 4 * W * lr, &sc[k][0]);
+      fp4_scales(psb + 4 * W * lr, &sc[k][W / 2]);
+    }
+    const bool seg_end = lr + 1 == nr, tile_end = seg_end && ls + 1 == nseg;
+    meta[k] = (uint32_t)(xoff + lr * 4 * W * Mma<FMT>::VALS) | (uint32_t)lt << 17 |
+              (uint32_t)(tile_end || left == 1) << 31;
+    --left;
+    if (seg_end) {
+      lr = 0;
+      if (++ls == nseg) {
+        ls = 0;
+        ++lt;
+      }
+      if (left > 0) seek();
+    } else {
+      ++lr;
     }
   }
 
+  // the first loads: may run before the activations are staged (weights are constant)
   __device__ __forceinline__ void prefetch() {
 #pragma unroll
     for (int k = 0; k < U; ++k)
-      if (beg + k < end) load(k);
+      if (left > 0) load(k);
   }
 
-  __device__ __forceinline__ float2 run() {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const bool has_b = FMT == FMT_FP4 ? g == t : g == 0;
+  // FP4 scale byte of (row half hr: 0 = g, 1 = g+8, column j of the lane's pair, chunk w)
+  __device__ __forceinline__ float fp4_scale(int k, int hr, int j, int w) const {
+    if (W == 1) return e8m0_to_f32((sc[k][0] >> (16 * hr + 8 * j)) & 0xffu);
+    const int byte = j * W + w;  // of the row's 2W bytes
+    return e8m0_to_f32((sc[k][hr * (W / 2) + (byte >> 2)] >> (8 * (byte & 3))) & 0xffu);
+  }
+
+  __device__ __forceinline__ void run(float* part) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const bool has_b = FMT == FMT_FP4 ? g == t : (W == 4 ? g == (t >> 1) : g == 0);
+    constexpr int NB = FMT == FMT_FP8 ? 2 : 4;  // uint4 of B per chunk
     float acc0 = 0.f, acc1 = 0.f;
-    const int n = end - beg;
     for (int i0 = 0; i0 < n; i0 += U) {
 #pragma unroll
       for (int k = 0; k < U; ++k) {
         if (i0 + k < n) {
-          const MmaSeg p = seg(su[k]);
-          constexpr int NB = FMT == FMT_FP8 ? 2 : 4;  // uint4 of B per chunk
-          uint4 xb[NB];
-          const uint4* src = reinterpret_cast<const uint4*>(p.xs + (long)(4 * sr[k] + t) * Mma<FMT>::VALS);
+          const uint32_t m = meta[k];
+          const uint4* src = reinterpret_cast<const uint4*>(xbase + (m & 0x1ffffu));
+          if (FMT == FMT_FP8) {  // one accumulator over the W MMAs, then the block scale(s)
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-          for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[j] : make_uint4(0u, 0u, 0u, 0u);
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_chunk<FMT>(wa[k], wb[k], xb, d);
-          const uint32_t s = sc[k];
-          if (FMT == FMT_FP8) {
-            const float f = e8m0_to_f32(s);
-            acc0 = fmaf(d[0], f, acc0);
-            acc1 = fmaf(d[2], f, acc1);
+            for (int w = 0; w < W; ++w) {
+              uint4 xb[NB];
+#pragma unroll
+              for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[w * NB + j] : make_uint4(0u, 0u, 0u, 0u);
+              mma_chunk<FMT>(wa[k][w], wb[k][w], xb, d);
+            }
+            const float f0 = e8m0_to_f32(sc[k][0] & 0xffu);
+            acc0 = fmaf(d[0], f0, acc0);
+            acc1 = fmaf(d[2], f0, acc1);
+            if (W == 4) {
+              const float f1 = e8m0_to_f32(sc[k][0] >> 8);
+              acc0 = fmaf(d[1], f1, acc0);
+              acc1 = fmaf(d[3], f1, acc1);
+            }
           } else {
-            acc0 = fmaf(d[0], e8m0_to_f32(s & 0xffu), acc0);
-            acc0 = fmaf(d[1], e8m0_to_f32((s >> 8) & 0xffu), acc0);
-            acc1 = fmaf(d[2], e8m0_to_f32((s >> 16) & 0xffu), acc1);
-            acc1 = fmaf(d[3], e8m0_to_f32(s >> 24), acc1);
+#pragma unroll
+            for (int w = 0; w < W; ++w) {
+              uint4 xb[NB];
+#pragma unroll
+              for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[w * NB + j] : make_uint4(0u, 0u, 0u, 0u);
+              float d[4] = {0.f, 0.f, 0.f, 0.f};
+              mma_chunk<FMT>(wa[k][w], wb[k][w], xb, d);
+              acc0 = fmaf(d[0], fp4_scale(k, 0, 0, w), acc0);
+              acc0 = fmaf(d[1], fp4_scale(k, 0, 1, w), acc0);
+              acc1 = fmaf(d[2], fp4_scale(k, 1, 0, w), acc1);
+              acc1 = fmaf(d[3], fp4_scale(k, 1, 1, w), acc1);
+            }
           }
-          if (i0 + k + U < n) load(k);
+          if (m >> 31) {  // the warp leaves the tile: flush (warp-uniform)
+            // C columns live in lanes t = 0 (0, 1) and t = 1 (2, 3); other lanes hold zeros. Rows sum
+            // over the lane pair (t = 0, 1).
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+            acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+            if (t == 0) {
+              float* dst = part + (((m >> 17) & 0x3ffu) * MMA_STREAM_WARPS + warp) * 16;
+              dst[g] = acc0 * Mma<FMT>::POST;
+              dst[g + 8] = acc1 * Mma<FMT>::POST;
+            }
+            acc0 = acc1 = 0.f;
+          }
+          if (left > 0) load(k);
         }
       }
     }
-    // FP4: columns 0..3 live in lanes t = 0 (chunks 0, 1) and t = 1 (chunks 2, 3); FP8: column 0 in
-    // t = 0, lane t = 1 holds zeros. Either way rows sum over the lane pair (t = 0, 1).
-    acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
-    acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
-    return make_float2(acc0 * Mma<FMT>::POST, acc1 * Mma<FMT>::POST);
   }
 };
 
-// Stores the row sums run() returned (lanes t = 0) as red16[0..15] = rows row0 .. row0 + 15.
-__device__ __forceinline__ void mma_rows16_store(float* red16, float2 v) {
-  const int lane = threadIdx.x & 31;
-  if ((lane & 3) == 0) {
-    red16[lane >> 2] = v.x;
-    red16[(lane >> 2) + 8] = v.y;
-  }
+template <int FMT, int U, int W, typename TileFn>
+__device__ __forceinline__ MmaStream<FMT, U, W, TileFn> mma_stream(TileFn f, const __nv_bfloat16* xbase, int nt,
+                                                                   int nseg, int nr, long rowb, int s_ld) {
+  return MmaStream<FMT, U, W, TileFn>(f, xbase, nt, nseg, nr, rowb, s_ld);
 }
 
-template <int FMT, int U, typename SegFn>
-__device__ __forceinline__ MmaRows16<FMT, U, SegFn> mma_rows16(SegFn f, int nr, long rowb, int row0, int nrows,
-                                                               int s_ld, int beg, int end) {
-  return MmaRows16<FMT, U, SegFn>(f, nr, rowb, row0, nrows, s_ld, beg, end);
+// Values of a row one round covers (W chunks per lane, 4 lanes per row).
+template <int FMT, int W> __host__ __device__ constexpr int mma_round_vals() { return 4 * W * Mma<FMT>::VALS; }
+
+// Zeroes the partial sums of nt tiles (before the block's first barrier).
+__device__ __forceinline__ void mma_part_zero(float* part, int nt) {
+  for (int i = threadIdx.x; i < nt * MMA_STREAM_WARPS * 16; i += blockDim.x) part[i] = 0.f;
+}
+
+// Row r of local tile tl: the warps' partial sums added in a fixed order (deterministic).
+__device__ __forceinline__ float mma_part_sum(const float* part, int tl, int r) {
+  float y = 0.f;
+#pragma unroll
+  for (int w = 0; w < MMA_STREAM_WARPS; ++w) y += part[(tl * MMA_STREAM_WARPS + w) * 16 + r];
+  return y;
 }
 
 // Whether the MMA path takes a 1-token product of a K-wide row (FP8 / FP4 only).
@@ -239,6 +349,15 @@ __host__ __device__ inline bool mma_shape_ok(int fmt, int K) {
   if (fmt == FMT_FP8) return K % (4 * 16) == 0;
   if (fmt == FMT_FP4) return K % (4 * 32) == 0;
   return false;
+}
+
+// Chunks per lane per round for a K-wide row: the largest of 4, 2, 1 that is <= `most` and divides the
+// row into whole rounds (values per chunk: 16 FP8, 32 FP4).
+inline int mma_width(int fmt, int K, int most) {
+  const int vals = fmt == FMT_FP8 ? 16 : 32;
+  for (int w = 4; w > 1; w /= 2)
+    if (w <= most && K % (4 * w * vals) == 0) return w;
+  return 1;
 }
 
 }  // namespace ds4

@@ -16,6 +16,8 @@
 #include "ds4_launch.h"
 #include "mma_dot.cuh"
 
+#include <algorithm>
+
 namespace ds4 {
 
 constexpr int MOE_THREADS = 256;
@@ -303,8 +305,8 @@ static bool moe_shape_ok(const MoEArgs& a) {
 
 // ------------------------------------------------------------------ tensor-core variants (1 token)
 
-constexpr int MOE_MMA_THREADS = 256;
-constexpr int MOE_MMA_WARPS = MOE_MMA_THREADS / 32;
+constexpr int MOE_MMA_THREADS = 32 * MMA_STREAM_WARPS;
+constexpr int MOE_MMA_MAX_TILES = 32;  // 16-row tiles per block (shared memory for the partial sums)
 constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
 
 // Bit j set = slot j (< topk <= 32) holds a local expert (ids == nullptr: the one shared expert).
@@ -323,118 +325,150 @@ __device__ __forceinline__ int nth_bit(unsigned m, int n) {
   return __ffs(m) - 1;  // -1 when m has <= n bits
 }
 
-// grid (inter / 16, topk): block = 16 rows of w1 and w3 of local slot blockIdx.y; warps 0-3 split K
-// of w1, warps 4-7 of w3.
-template <int FMT, int U>
+// The (w1, w3) row pairs of all local slots, 16 rows each: pair p = u * RT + rt (local slot u,
+// row tile rt of `inter`). Block b streams pairs [b * ppb, (b + 1) * ppb) as local tiles 2 pl (w1) and
+// 2 pl + 1 (w3) (ppb: the pairs split evenly over the grid, from the device's count of local slots).
+// Epilogue: h[slot, row] = swiglu(gate, up) * route weight.
+template <int FMT, int U, int W>
 __global__ void __launch_bounds__(MOE_MMA_THREADS)
 moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
   ds4_pdl::begin();  // expert ids, route weights and x come from the previous kernels
   extern __shared__ float4 smem4[];
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem4);
-  __shared__ float red[MOE_MMA_WARPS][16];
-  const int slot = nth_bit(moe_local_slots(a), blockIdx.y);
-  if (slot < 0) return;  // block-uniform
-  const int e = a.ids ? (int)(a.ids[slot] - a.expert_offset) : 0;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int which = warp / 4, part = warp % 4;  // which: 0 = w1 (gate), 1 = w3 (up)
-  const int row0 = blockIdx.x * 16;
-  const uint8_t *W, *S;
-  expert_base<FMT>(a, e, which, W, S);
-  const int nr = a.dim / mma_round_vals<FMT>();
-  auto seg = [=](int) { return MmaSeg{W, S, xs}; };
-  auto rows = mma_rows16<FMT, U>(seg, nr, row_bytes<FMT>(a.dim), row0, a.inter, a.s13_ld, nr * part / 4,
-                                 nr * (part + 1) / 4);
-  rows.prefetch();
-  stage_mma_row<FMT>(xs, x, a.dim);
+  float* part = reinterpret_cast<float*>(smem4);
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + MOE_MMA_MAX_TILES * MMA_STREAM_WARPS * 16);
+  __shared__ const uint8_t* s_tw[MOE_MMA_MAX_TILES];
+  __shared__ const uint8_t* s_ts[MOE_MMA_MAX_TILES];
+  __shared__ int s_row0[MOE_MMA_MAX_TILES], s_slot[MOE_MMA_MAX_TILES / 2];
+  const unsigned m = moe_local_slots(a);
+  const int RT = (a.inter + 15) / 16, total = __popc(m) * RT;
+  const int ppb = (total + gridDim.x - 1) / gridDim.x;
+  const int p0 = blockIdx.x * ppb, np = min(ppb, total - p0);
+  if (np <= 0) return;  // block-uniform
+  if (threadIdx.x < 2 * np) {
+    const int pl = threadIdx.x >> 1, which = threadIdx.x & 1, u = (p0 + pl) / RT;
+    const int slot = nth_bit(m, u);
+    expert_base<FMT>(a, a.ids ? (int)(a.ids[slot] - a.expert_offset) : 0, which, s_tw[threadIdx.x],
+                     s_ts[threadIdx.x]);
+    s_row0[threadIdx.x] = (p0 + pl - u * RT) * 16;
+    if (which == 0) s_slot[pl] = slot;
+  }
   __syncthreads();
-  mma_rows16_store(red[warp], rows.run());
+  auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], a.inter}; };
+  auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),
+                                  a.s13_ld);
+  st.prefetch();
+  stage_mma_rows<FMT>(xs, [=](int) { return x; }, 1, a.dim);
+  mma_part_zero(part, 2 * np);
   __syncthreads();
-  if (warp == 0 && lane < 16 && row0 + lane < a.inter) {
-    float g = 0.f, up = 0.f;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      g += red[p][lane];
-      up += red[4 + p][lane];
-    }
-    h[(long)slot * a.inter + row0 + lane] = swiglu_h(g, up, a.limit, a.rw ? a.rw[slot] : 1.0f);
+  st.run(part);
+  __syncthreads();
+  for (int i = threadIdx.x; i < np * 16; i += blockDim.x) {
+    const int pl = i >> 4, r = s_row0[2 * pl] + (i & 15);
+    if (r >= a.inter) continue;
+    const int slot = s_slot[pl];
+    h[(long)slot * a.inter + r] = swiglu_h(mma_part_sum(part, 2 * pl, i & 15), mma_part_sum(part, 2 * pl + 1, i & 15),
+                                           a.limit, a.rw ? a.rw[slot] : 1.0f);
   }
 }
 
-// grid dim / 16: block = 16 output rows; its 8 warps split the (local slot, K) rounds of all slots.
-template <int FMT, int U, bool OUT_F32>
+// Row tiles of `dim`, each the sum over the local slots (segments) of their w2 rows times h; block b
+// streams tiles [b * tpb, (b + 1) * tpb).
+template <int FMT, int U, int W, bool OUT_F32>
 __global__ void __launch_bounds__(MOE_MMA_THREADS)
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const float* __restrict__ add,
-                    void* __restrict__ out) {
+                    void* __restrict__ out, int tpb) {
   ds4_pdl::begin();
   extern __shared__ float4 smem4[];
-  __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(smem4);
-  __shared__ float red[MOE_MMA_WARPS][16];
+  float* part = reinterpret_cast<float*>(smem4);
+  __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + tpb * MMA_STREAM_WARPS * 16);
   __shared__ const uint8_t* s_w[32];
   __shared__ const uint8_t* s_s[32];
+  __shared__ int s_slot[32];
   const unsigned m = moe_local_slots(a);
   const int nU = __popc(m);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (warp == 0 && ((m >> lane) & 1u)) {
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x < 32 && ((m >> lane) & 1u)) {
     const int u = __popc(m & ((1u << lane) - 1u));
     const int e = a.ids ? (int)(a.ids[lane] - a.expert_offset) : 0;
     expert_base<FMT>(a, e, 2, s_w[u], s_s[u]);
+    s_slot[u] = lane;
   }
   __syncthreads();
-  const int row0 = blockIdx.x * 16;
-  const int nr = a.inter / mma_round_vals<FMT>();
-  const int T = nU * nr;
-  auto seg = [=](int u) { return MmaSeg{s_w[u], s_s[u], hs + (long)u * a.inter}; };
-  auto rows = mma_rows16<FMT, U>(seg, nr, row_bytes<FMT>(a.inter), row0, a.dim, a.s2_ld, T * warp / MOE_MMA_WARPS,
-                                 T * (warp + 1) / MOE_MMA_WARPS);
-  rows.prefetch();
-  for (int u = 0; u < nU; ++u) stage_mma_row<FMT>(hs + (long)u * a.inter, h + (long)nth_bit(m, u) * a.inter, a.inter);
+  const int t0 = blockIdx.x * tpb, nt = min(tpb, (a.dim + 15) / 16 - t0);
+  auto tile = [=](int tl, int u) { return MmaTile{s_w[u], s_s[u], hs + (long)u * a.inter, (t0 + tl) * 16, a.dim}; };
+  auto st = mma_stream<FMT, U, W>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
+                                  a.s2_ld);
+  st.prefetch();
+  stage_mma_rows<FMT>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
+  mma_part_zero(part, nt);
   __syncthreads();
-  mma_rows16_store(red[warp], rows.run());
+  st.run(part);
   __syncthreads();
-  const int r = row0 + lane;
-  if (warp == 0 && lane < 16 && r < a.dim) {
-    float y = 0.f;
-#pragma unroll
-    for (int p = 0; p < MOE_MMA_WARPS; ++p) y += red[p][lane];
-    down_store<OUT_F32>(out, r, add, y);
+  for (int i = threadIdx.x; i < nt * 16; i += blockDim.x) {
+    const int r = t0 * 16 + i;
+    if (r < a.dim) down_store<OUT_F32>(out, r, add, mma_part_sum(part, i >> 4, i & 15));
   }
 }
 
 static bool moe_mma_ok(const MoEArgs& a) {
   if ((a.fmt != FMT_FP8 && a.fmt != FMT_FP4) || a.ptrs || a.n_tok != 1 || a.topk > 32) return false;
   if (!mma_shape_ok(a.fmt, a.dim) || !mma_shape_ok(a.fmt, a.inter)) return false;
-  return 2L * a.dim <= MOE_MMA_SMEM_CAP && 2L * a.topk * a.inter <= MOE_MMA_SMEM_CAP;
+  const long part = (long)MOE_MMA_MAX_TILES * MMA_STREAM_WARPS * 16 * 4;
+  return part + 2L * a.dim <= MOE_MMA_SMEM_CAP && part + 2L * a.topk * a.inter <= MOE_MMA_SMEM_CAP;
 }
 
 // 0: use the FMA kernels; 1: use the MMA kernels; -1: an explicit MMA request that does not apply
 static int moe_use_mma(const MoEArgs& a) {
   const bool ok = moe_mma_ok(a);
   if (a.kernel == KERNEL_MMA) return ok ? 1 : -1;
-  return a.kernel == KERNEL_AUTO && ok && mma_auto(a.fmt) ? 1 : 0;
+  return a.kernel == KERNEL_AUTO && ok && mma_auto(a.fmt, std::min(a.dim, a.inter)) ? 1 : 0;
 }
 
-template <int FMT>
+template <int FMT, int W>
 static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
-  constexpr int U = 4;
-  const long smem = 2L * a.dim;
-  auto kern = moe_gate_up_mma_kernel<FMT, U>;
+  const long smem = (long)MOE_MMA_MAX_TILES * MMA_STREAM_WARPS * 16 * 4 + 2L * a.dim;
+  auto kern = moe_gate_up_mma_kernel<FMT, 8 / W, W>;
   cudaError_t e = set_smem(kern, smem);
   if (e != cudaSuccess) return e;
-  dim3 grid((a.inter + 15) / 16, a.topk);
-  return ds4_pdl::launch(kern, grid, dim3(MOE_MMA_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
+  // pairs for the most local slots (topk); at most MOE_MMA_MAX_TILES / 2 per block
+  const int pairs = a.topk * ((a.inter + 15) / 16);
+  int grid = std::min(resident_wave(kern, MOE_MMA_THREADS, smem), pairs);
+  const int floor_grid = (pairs + MOE_MMA_MAX_TILES / 2 - 1) / (MOE_MMA_MAX_TILES / 2);
+  if (grid < floor_grid) grid = floor_grid;
+  return ds4_pdl::launch(kern, dim3(grid), dim3(MOE_MMA_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<__nv_bfloat16*>(h));
 }
 
-template <int FMT, bool F32>
+template <int FMT, int W, bool F32>
 static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
-  constexpr int U = 4;
-  const long smem = 2L * a.topk * a.inter;
-  auto kern = moe_down_mma_kernel<FMT, U, F32>;
-  cudaError_t e = set_smem(kern, smem);
+  const int T = (a.dim + 15) / 16;
+  auto kern = moe_down_mma_kernel<FMT, 8 / W, W, F32>;
+  auto smem_for = [&](int tpb) { return (long)tpb * MMA_STREAM_WARPS * 16 * 4 + 2L * a.topk * a.inter; };
+  cudaError_t e = set_smem(kern, smem_for(1));
   if (e != cudaSuccess) return e;
-  dim3 grid((a.dim + 15) / 16);
-  return ds4_pdl::launch(kern, grid, dim3(MOE_MMA_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(h),
-                         add, out);
+  const int wave = std::min(resident_wave(kern, MOE_MMA_THREADS, smem_for(1)), T);
+  int tpb = (T + wave - 1) / wave;
+  if (tpb > MOE_MMA_MAX_TILES) tpb = MOE_MMA_MAX_TILES;
+  const long smem = smem_for(tpb);
+  if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
+  return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(MOE_MMA_THREADS), smem, st, a,
+                         reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb);
+}
+
+template <int FMT>
+static cudaError_t gate_up_mma_width(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
+  const int w = mma_width(FMT, a.dim, mma_max_width());
+  if (w == 4) return gate_up_mma_go<FMT, 4>(a, x, h, st);
+  if (w == 2) return gate_up_mma_go<FMT, 2>(a, x, h, st);
+  return gate_up_mma_go<FMT, 1>(a, x, h, st);
+}
+
+template <int FMT, bool F32>
+static cudaError_t down_mma_width(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
+  const int w = mma_width(FMT, a.inter, mma_max_width());
+  if (w == 4) return down_mma_go<FMT, 4, F32>(a, h, add, out, st);
+  if (w == 2) return down_mma_go<FMT, 2, F32>(a, h, add, out, st);
+  return down_mma_go<FMT, 1, F32>(a, h, add, out, st);
 }
 
 template <int FMT, int NT>
@@ -460,7 +494,7 @@ static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStre
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const int mma = moe_use_mma(a);
   if (mma < 0) return cudaErrorInvalidValue;
-  if (mma) return a.fmt == FMT_FP8 ? gate_up_mma_go<FMT_FP8>(a, x, h, st) : gate_up_mma_go<FMT_FP4>(a, x, h, st);
+  if (mma) return a.fmt == FMT_FP8 ? gate_up_mma_width<FMT_FP8>(a, x, h, st) : gate_up_mma_width<FMT_FP4>(a, x, h, st);
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return gate_up_nt<FMT_FP4>(a, x, h, st);
   if (a.fmt == FMT_FP8) return gate_up_nt<FMT_FP8>(a, x, h, st);
@@ -493,8 +527,8 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const float* add, v
   const int mma = moe_use_mma(a);
   if (mma < 0) return cudaErrorInvalidValue;
   if (mma) {
-    if (a.fmt == FMT_FP8) return out_f32 ? down_mma_go<FMT_FP8, true>(a, h, add, out, st) : down_mma_go<FMT_FP8, false>(a, h, add, out, st);
-    return out_f32 ? down_mma_go<FMT_FP4, true>(a, h, add, out, st) : down_mma_go<FMT_FP4, false>(a, h, add, out, st);
+    if (a.fmt == FMT_FP8) return out_f32 ? down_mma_width<FMT_FP8, true>(a, h, add, out, st) : down_mma_width<FMT_FP8, false>(a, h, add, out, st);
+    return out_f32 ? down_mma_width<FMT_FP4, true>(a, h, add, out, st) : down_mma_width<FMT_FP4, false>(a, h, add, out, st);
   }
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return out_f32 ? down_nt<FMT_FP4, true>(a, h, add, out, st) : down_nt<FMT_FP4, false>(a, h, add, out, st);

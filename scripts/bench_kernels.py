@@ -10,8 +10,8 @@ the graph is replayed `--reps` times, each replay timed with CUDA events; µs = 
 Graph replay removes host launch overhead but keeps the GPU's own inter-kernel gaps. An eager column
 (events around `--calls` plain launches) is printed too. bytes = weights + scales + activations in
 and out; GB/s = bytes / µs; %copy = GB/s / copy bandwidth.
-Untagged rows run the default ("auto": tensor-core kernels for one-token FP4 products, FMA kernels for
-FP8); rows tagged [mma] / [fma] force the tensor-core / FMA kernels.
+Untagged rows run the default ("auto", see csrc/ds4_launch.h); rows tagged [fma] / [mma wN] force the
+FMA / tensor-core kernels, N = DS4_MMA_W (the widest run of 16-B chunks a lane reads per row, --widths).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="skip the [mma] / [fma] comparison rows")
+    ap.add_argument("--widths", default="4", help="DS4_MMA_W values for the [mma wN] rows (16-B chunks per lane and row)")
     args = ap.parse_args()
     kernels.load()
     n = args.tokens
@@ -143,10 +145,23 @@ def main() -> int:
         del ws
 
     print(f"GPU {torch.cuda.get_device_name()} | copy bandwidth {bw:.0f} GB/s | tokens {n}", flush=True)
-    # FP8 dense projections (V4-Flash)
     compare = not args.quick and n == 1
-    for kern in ("auto", "mma") if compare else ("auto",):
-        tag = " [mma]" if kern == "mma" else ""
+    widths = [int(d) for d in args.widths.split(",")]
+
+    def variants():
+        """(kernel, row tag) pairs; sets DS4_MMA_W (read at each launch, so at graph capture) per [mma] row."""
+        os.environ["DS4_MMA_W"] = str(widths[-1])
+        yield "auto", ""
+        if not compare:
+            return
+        yield "fma", " [fma]"
+        for d in widths:
+            os.environ["DS4_MMA_W"] = str(d)
+            yield "mma", f" [mma w{d}]"
+        os.environ["DS4_MMA_W"] = str(widths[-1])
+
+    # FP8 dense projections (V4-Flash)
+    for kern, tag in variants():
         gemv_case("fp8 wq_a+wkv 1536x4096" + tag, 1536, 4096, kernel=kern)
         gemv_case("fp8 wq_b 32768x1024" + tag, 32768, 1024, kernel=kern, target=10.5)
         gemv_case("fp8 wo_a 8x(1024x4096) grouped" + tag, 8192, 4096, groups=8, kernel=kern)
@@ -158,8 +173,8 @@ def main() -> int:
     bts = nbytes(*one) + n * 4096 * 2 + n * 2048 * 2
     ws = [one] + [rand_fp4((), 2048, 4096, g) for _ in range(max(1, math.ceil(L2_ROTATE_BYTES / bts)) - 1)][:63]
     x = torch.randn(n, 4096, device=DEV).to(torch.bfloat16)
-    for kern in ("auto", "fma") if compare else ("auto",):
-        record("fp4 gemv 2048x4096" + (" [fma]" if kern == "fma" else ""), bts,
+    for kern, tag in variants():
+        record("fp4 gemv 2048x4096" + tag, bts,
                [(lambda w=w, s=s, kern=kern: kernels.gemv(x, w, s, "fp4", kernel=kern)) for w, s in ws])
     del ws
 
@@ -182,8 +197,7 @@ def main() -> int:
     def routed(ids, kern):
         h = kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0, kernel=kern)
         return kernels.moe_down(h, ids, k, w2, s2, "fp4", 0, E, None, True, kernel=kern)
-    for kern in ("auto", "fma") if compare else ("auto",):
-        tag = " [fma]" if kern == "fma" else ""
+    for kern, tag in variants():
         record("moe fp4 gate+up (6 experts)" + tag, b_gu,
                [(lambda ids=ids, kern=kern: kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0,
                                                                  kernel=kern))
@@ -208,8 +222,8 @@ def main() -> int:
     def shared(p, kern):
         h = kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0, kernel=kern)
         return kernels.moe_down(h, None, 1, p[4], p[5], "fp8", 0, 1, None, False, kernel=kern)
-    for kern in ("auto", "mma") if compare else ("auto",):
-        record("shared expert fp8 (2 launches)" + (" [mma]" if kern == "mma" else ""), bts,
+    for kern, tag in variants():
+        record("shared expert fp8 (2 launches)" + tag, bts,
                [(lambda p=p, kern=kern: shared(p, kern)) for p in sets], target_us=8.0)
     del sets
 

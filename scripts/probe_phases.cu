@@ -4,7 +4,7 @@
 // DS4_MARKs (clock64 of thread 0 per block), plus the blocks' timeline (globaltimer): span from the
 // first block's start to the last block's end, mean block life, blocks resident at once.
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_phases.cu -o /tmp/probe && /tmp/probe
+//   nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_phases.cu -o /tmp/probe && /tmp/probe [stream]
 //
 // The FMA GEMV variants (rows per warp R, chunks in flight U) are a sweep of the template parameters
 // that the extension picks by shape; the read-only kernels give the ceiling of the same access patterns.
@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                              \
@@ -209,6 +210,68 @@ static void probe_gemv_fp8(const char* what, int O, int K, int group_rows) {
   cudaFree(out);
 }
 
+// ---- tensor-core streaming GEMV (gemv_mma_kernel through its launcher, widest run U = DS4_MMA_W)
+static void probe_gemv_mma(const char* what, int O, int K, int group_rows, int U) {
+  const size_t wbytes = (size_t)O * K;
+  const int copies = std::max(2, (int)(200e6 / wbytes) + 1);
+  std::vector<uint8_t*> Ws, Ss;
+  for (int c = 0; c < copies; ++c) {
+    Ws.push_back(dev_bytes(wbytes, 0, 0x7e));
+    Ss.push_back(dev_bytes((size_t)((O + 127) / 128) * (K / 128), 118, 126));
+  }
+  const int nx = group_rows > 0 ? O / group_rows : 1;
+  auto* x = dev_random<__nv_bfloat16>((size_t)nx * K, -1.f, 1.f);
+  __nv_bfloat16* out;
+  CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * O));
+  char u[4];
+  std::snprintf(u, sizeof u, "%d", U);
+  setenv("DS4_MMA_W", u, 1);
+  setenv("DS4_PDL", "0", 1);
+  auto f = [&](int i) {
+    CK(ds4::launch_gemv(ds4::FMT_FP8, ds4::KERNEL_MMA, x, K, 1, Ws[i % copies], Ss[i % copies], K / 128, out, false,
+                        O, O, K, group_rows, 0));
+  };
+  const float us = time_us(f);
+  char name[80];
+  std::snprintf(name, sizeof name, "mma %s W%d %5.0f GB/s", what, U, wbytes / us / 1e3);
+  phases(name, f, 3, us);
+  for (auto* p : Ws) cudaFree(p);
+  for (auto* p : Ss) cudaFree(p);
+  cudaFree(x);
+  cudaFree(out);
+}
+
+// ---- FP4 GEMV (the routed gate+up's bytes in one matrix) through the launcher: tensor-core vs FMA
+static void probe_gemv_fp4(int O, int K, int kernel, int U) {
+  const size_t wbytes = (size_t)O * K / 2;
+  const int copies = std::max(2, (int)(200e6 / wbytes) + 1);
+  std::vector<uint8_t*> Ws, Ss;
+  for (int c = 0; c < copies; ++c) {
+    Ws.push_back(dev_bytes(wbytes, 0, 255));
+    Ss.push_back(dev_bytes((size_t)O * (K / 32), 118, 126));
+  }
+  auto* x = dev_random<__nv_bfloat16>((size_t)K, -1.f, 1.f);
+  __nv_bfloat16* out;
+  CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * O));
+  char u[4];
+  std::snprintf(u, sizeof u, "%d", U);
+  setenv("DS4_MMA_W", u, 1);
+  setenv("DS4_PDL", "0", 1);
+  auto f = [&](int i) {
+    CK(ds4::launch_gemv(ds4::FMT_FP4, kernel, x, K, 1, Ws[i % copies], Ss[i % copies], K / 32, out, false, O, O, K,
+                        0, 0));
+  };
+  const float us = time_us(f);
+  char name[80];
+  std::snprintf(name, sizeof name, "fp4 %dx%d %s W%d %5.0f GB/s", O, K, kernel == ds4::KERNEL_MMA ? "mma" : "fma", U,
+                wbytes / us / 1e3);
+  phases(name, f, 3, us);
+  for (auto* p : Ws) cudaFree(p);
+  for (auto* p : Ss) cudaFree(p);
+  cudaFree(x);
+  cudaFree(out);
+}
+
 // ---- read-only access patterns over a [O, K]-byte matrix (no decode / FMA): where is the ceiling?
 // linear: thread i of the grid reads 16 B at i, i + grid, ... (U loads in flight per thread)
 template <int U>
@@ -247,6 +310,93 @@ __global__ void read_rows_kernel(const uint8_t* __restrict__ W, int O, int K, un
   if (acc == 0x12345678u) out[0] = acc;
 }
 
+// mma: the tensor-core kernels' pattern. A warp streams 16-row tiles; in round r lane (g, t) reads
+// W consecutive 16-B chunks at (4 r + t) * W of rows g and g + 8 (W = 1: 16 rows x 64 B per
+// instruction pair); U rounds in flight, reissued one by one as they are consumed (no drain).
+// IL = 0: each warp owns tpw whole tiles; IL = 1: the block's 8 tpw tiles are dealt round by round
+// (warp w takes rounds w, w + 8, ...: what MmaStream does).
+template <int U, int W, int IL>
+__global__ void read_mma_kernel(const uint8_t* __restrict__ M, int O, int rowb, int tpw, unsigned* out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int gw = blockIdx.x * 8 + warp, nr = rowb / (64 * W);
+  const int n = tpw * nr, tile0 = IL ? blockIdx.x * 8 * tpw : gw * tpw;
+  unsigned acc = 0;
+  uint4 v[U][2 * W];
+  auto load = [&](int k, int i) {
+    const int f = IL ? i * 8 + warp : i;
+    const int tile = tile0 + f / nr, r = f % nr;
+    const int ra = min(tile * 16 + g, O - 1), rb = min(tile * 16 + g + 8, O - 1);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const long off = (long)((4 * r + t) * W + w) * 16;
+      v[k][w] = ds4::ld_stream16(M + (long)ra * rowb + off);
+      v[k][W + w] = ds4::ld_stream16(M + (long)rb * rowb + off);
+    }
+  };
+#pragma unroll
+  for (int k = 0; k < U; ++k)
+    if (k < n) load(k, k);
+  for (int i0 = 0; i0 < n; i0 += U) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      if (i0 + k < n) {
+#pragma unroll
+        for (int w = 0; w < 2 * W; ++w) acc ^= v[k][w].x ^ v[k][w].y ^ v[k][w].z ^ v[k][w].w;
+        if (i0 + k + U < n) load(k, i0 + k + U);
+      }
+    }
+  }
+  if (acc == 0x12345678u) out[0] = acc;
+}
+
+// the mma pattern (contiguous tiles per warp, U rounds of W chunks) plus an L2 bulk prefetch (sm_90,
+// cp.async.bulk.prefetch): every 512 / (64 W) rounds lanes 0..15 prefetch 512 B of rows 0..15, PD
+// 512-B steps ahead of the loads
+template <int U, int W, int PD>
+__global__ void read_mma_pf_kernel(const uint8_t* __restrict__ M, int O, int rowb, int tpw, unsigned* out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int gw = blockIdx.x * 8 + warp, nr = rowb / (64 * W);
+  const int n = tpw * nr, tile0 = gw * tpw;
+  constexpr int RP = 512 / (64 * W);  // rounds per 512-B step
+  unsigned acc = 0;
+  uint4 v[U][2 * W];
+  auto prefetch = [&](int i) {  // the 512-B step that holds round i
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (lane < 16 && i < n) {
+      const int tile = tile0 + i / nr, r = i % nr;
+      const uint8_t* p = M + (long)min(tile * 16 + lane, O - 1) * rowb + (long)r * 64 * W;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], 512;" ::"l"(p) : "memory");
+    }
+#endif
+  };
+  auto load = [&](int k, int i) {
+    if (i % RP == 0) prefetch(i + PD * RP);
+    const int tile = tile0 + i / nr, r = i % nr;
+    const int ra = min(tile * 16 + g, O - 1), rb = min(tile * 16 + g + 8, O - 1);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const long off = (long)((4 * r + t) * W + w) * 16;
+      v[k][w] = ds4::ld_stream16(M + (long)ra * rowb + off);
+      v[k][W + w] = ds4::ld_stream16(M + (long)rb * rowb + off);
+    }
+  };
+  for (int p = 0; p < PD; ++p) prefetch(p * RP);
+#pragma unroll
+  for (int k = 0; k < U; ++k)
+    if (k < n) load(k, k);
+  for (int i0 = 0; i0 < n; i0 += U) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      if (i0 + k < n) {
+#pragma unroll
+        for (int w = 0; w < 2 * W; ++w) acc ^= v[k][w].x ^ v[k][w].y ^ v[k][w].z ^ v[k][w].w;
+        if (i0 + k + U < n) load(k, i0 + k + U);
+      }
+    }
+  }
+  if (acc == 0x12345678u) out[0] = acc;
+}
+
 static void probe_read_patterns(int O, int K) {
   const size_t bytes = (size_t)O * K;
   const int copies = std::max(2, (int)(200e6 / bytes) + 1);
@@ -272,6 +422,41 @@ static void probe_read_patterns(int O, int K) {
   report("rows R1 U8", time_us([&](int i) {
            read_rows_kernel<1, 8><<<(O + 7) / 8, 256>>>(Ws[i % copies], O, K, out);
          }));
+  // the mma pattern over 256 blocks of 8 warps, whole tiles per warp (needs >= 2048 tiles to fill the GPU)
+  const int tiles = O / 16, tpw = tiles / (256 * 8);
+  if (tpw < 1 || tiles % (256 * 8)) {
+    std::printf("read mma patterns: O=%d gives %d tiles, not a multiple of 2048 (skipped)\n", O, tiles);
+    for (auto* p : Ws) cudaFree(p);
+    cudaFree(out);
+    return;
+  }
+  const int nb = 256;
+  report("mma U8 W1 (16 rows x 64 B)", time_us([&](int i) {
+           read_mma_kernel<8, 1, 0><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+         }));
+  report("mma U4 W2 (16 rows x 128 B)", time_us([&](int i) {
+           read_mma_kernel<4, 2, 0><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+         }));
+  report("mma U8 W1 interleaved", time_us([&](int i) {
+           read_mma_kernel<8, 1, 1><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+         }));
+  report("mma U2 W4 (16 rows x 256 B)", time_us([&](int i) {
+           read_mma_kernel<2, 4, 0><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+         }));
+  if (K % 512 == 0) {
+    report("mma U4 W2 + L2 prefetch 1 x 512 B", time_us([&](int i) {
+             read_mma_pf_kernel<4, 2, 1><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+           }));
+    report("mma U4 W2 + L2 prefetch 2 x 512 B", time_us([&](int i) {
+             read_mma_pf_kernel<4, 2, 2><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+           }));
+    report("mma U2 W4 + L2 prefetch 2 x 512 B", time_us([&](int i) {
+             read_mma_pf_kernel<2, 4, 2><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+           }));
+    report("mma U4 W2 + L2 prefetch 4 x 512 B", time_us([&](int i) {
+             read_mma_pf_kernel<4, 2, 4><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+           }));
+  }
   for (auto* p : Ws) cudaFree(p);
   cudaFree(out);
 }
@@ -294,11 +479,29 @@ static void gemv_shapes() {
   probe_gemv_fp8<R, U>("wo_b 4096x8192", 4096, 8192, 0);
 }
 
-int main() {
+int main(int argc, char** argv) {
   cudaDeviceProp p;
   CK(cudaGetDeviceProperties(&p, 0));
   std::printf("%s, %d SMs, clock %.2f GHz\n", p.name, p.multiProcessorCount, clock_ghz());
   probe_copy();
+  if (argc > 1 && std::string(argv[1]) == "prefetch") {  // read patterns only
+    probe_read_patterns(24576, 2048);
+    probe_read_patterns(32768, 1024);
+    probe_read_patterns(32768, 4096);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "stream") {  // the streaming tensor-core kernels only
+    probe_read_patterns(24576, 2048);
+    probe_read_patterns(32768, 1024);
+    probe_read_patterns(4096, 8192);
+    for (int U : {1, 2, 4}) {  // DS4_MMA_W
+      probe_gemv_fp4(24576, 4096, ds4::KERNEL_MMA, U);
+      probe_gemv_mma("wq_b 32768x1024", 32768, 1024, 0, U);
+      probe_gemv_mma("wo_b 4096x8192", 4096, 8192, 0, U);
+    }
+    probe_gemv_fp4(24576, 4096, ds4::KERNEL_FMA, 8);
+    return 0;
+  }
   probe_hc();
   probe_sparse(63);
   probe_sparse(8191);
@@ -307,5 +510,11 @@ int main() {
   probe_read_patterns(1 << 16, 4096);
   gemv_shapes<2, 4>();
   gemv_shapes<4, 2>();
+  for (int U : {1, 2, 4}) {  // DS4_MMA_W
+    probe_gemv_mma("wq_b 32768x1024", 32768, 1024, 0, U);
+    probe_gemv_mma("wo_a 8192x4096/g", 8192, 4096, 1024, U);
+    probe_gemv_mma("wo_b 4096x8192", 4096, 8192, 0, U);
+    probe_gemv_mma("wq_a+wkv 1536x4096", 1536, 4096, 0, U);
+  }
   return 0;
 }

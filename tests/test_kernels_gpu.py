@@ -80,12 +80,14 @@ def test_gemv_fp4(o, i, n):
 
 
 # one token: "auto" takes the tensor-core kernel where K allows (FP8 K % 64, FP4 K % 128); both
-# kernels are checked explicitly, at row counts that are not multiples of the 16-row MMA tile
-@pytest.mark.parametrize("kernel", ["fma", "mma"])
+# kernels are checked explicitly, at row counts that are not multiples of the 16-row MMA tile, and the
+# tensor-core kernel at each run width it can pick (DS4_MMA_W caps it; K decides what fits)
+@pytest.mark.parametrize("kernel,width", [("fma", 4), ("mma", 1), ("mma", 2), ("mma", 4)])
 @pytest.mark.parametrize("fmt,o,i", [("fp8", 1000, 2048), ("fp8", 33, 64), ("fp8", 200, 320), ("fp8", 4096, 8192),
-                                     ("fp8", 32768, 1024), ("fp4", 1000, 2048), ("fp4", 77, 128),
-                                     ("fp4", 333, 4224), ("fp4", 2048, 4096)])
-def test_gemv_kernel_variants(kernel, fmt, o, i):
+                                     ("fp8", 32768, 1024), ("fp8", 200, 384), ("fp4", 1000, 2048), ("fp4", 77, 128),
+                                     ("fp4", 333, 4224), ("fp4", 2048, 4096), ("fp4", 96, 768)])
+def test_gemv_kernel_variants(kernel, width, fmt, o, i, monkeypatch):
+    monkeypatch.setenv("DS4_MMA_W", str(width))
     _gemv_check(fmt, o, i, 1, seed=o + i, kernel=kernel)
 
 
@@ -164,6 +166,20 @@ def test_gemv_grouped_wo_a(n, kernel, groups, o, i):
     y = kernels.gemv(x, w, s, "fp8", groups=groups, kernel=kernel)
     assert torch.isfinite(y).all()
     assert rel(y, ref) <= TOL
+
+
+# tensor-core kernel: 16-row tiles split evenly over the blocks, each block stages the groups its tiles
+# touch; 48 groups of 112 rows (7 tiles) at 336 tiles put group boundaries inside blocks of 2 tiles
+@pytest.mark.parametrize("groups,o,i", [(8, 8192, 4096), (6, 576, 320), (48, 5376, 64), (4, 64, 1024)])
+def test_gemv_grouped_mma(groups, o, i):
+    g = gen(7 + groups + o)
+    w, s = rand_fp8_weight(o, i, g)
+    x = rand_x(1, groups * i, g)
+    wd = dequant_fp8(w, s, torch.float32).view(groups, o // groups, i)
+    ref = torch.einsum("ngi,gri->ngr", x.float().view(1, groups, i), wd).reshape(1, o)
+    poison()
+    y = kernels.gemv(x, w, s, "fp8", groups=groups, kernel="mma", out_f32=True)
+    assert rel(y, ref) <= 1e-5
 
 
 def test_linear_impl_and_grouped():
@@ -249,10 +265,12 @@ ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": 
                  "dup": [40, 40, 41, 42, 43, 44], "none_local": [0, 1, 2, 3, 60, 61]}
 
 
-@pytest.mark.parametrize("kernel", ["fma", "mma"])
+@pytest.mark.parametrize("kernel,width", [("fma", 4), ("mma", 1), ("mma", 2), ("mma", 4)])
 @pytest.mark.parametrize("case", list(ONE_TOKEN_IDS))
-@pytest.mark.parametrize("fmt,dims", [("fp4", (4096, 2048)), ("fp4", (512, 384)), ("fp8", (1024, 512))])
-def test_moe_one_token_kernels(kernel, case, fmt, dims):
+@pytest.mark.parametrize("fmt,dims", [("fp4", (4096, 2048)), ("fp4", (512, 384)), ("fp8", (1024, 512)),
+                                      ("fp8", (768, 384))])
+def test_moe_one_token_kernels(kernel, width, case, fmt, dims, monkeypatch):
+    monkeypatch.setenv("DS4_MMA_W", str(width))
     dim, inter = dims
     g = gen(hash((case, dims, fmt)) % 10_000)
     (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = make_experts(16, dim, inter, g, fmt)

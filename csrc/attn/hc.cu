@@ -5,8 +5,9 @@
 //                ds4.ops.hc_torch.sinkhorn), weighted sum of the streams (D split over blocks, each
 //                block redoes the tiny Sinkhorn so no third launch is needed); with the block's
 //                attn/ffn norm weight, one block per token (HC_NORM_THREADS wide with unrolled
-//                passes over D) that also RMS-normalises the result. H200, no PDL, per call: 29.7 us
-//                at 128 threads, 13.7 us at 512, 8.6 us with sinkhorn_warp below;
+//                passes over D) that also RMS-normalises the result, its warp 0 running the Sinkhorn
+//                meanwhile. H200, no PDL, per call: 29.7 us at 128 threads, 13.7 us at 512, 8.6 us
+//                with sinkhorn_warp below;
 //   hc_post:     out[k] = post[k] x + sum_j comb[j, k] res[j], elementwise.
 #include "attn_common.cuh"
 #include "attn_launch.h"
@@ -104,6 +105,18 @@ __device__ __forceinline__ float sinkhorn_warp(float c, int iters, float hc_eps)
   return c;
 }
 
+// comb of token t (block x = 0 writes it) by sinkhorn_warp in warp 0, from the reduced partials tot.
+__device__ __forceinline__ void hc_comb_warp(const float* tot, int t, int n, int D, int mix, const float* scale,
+                                             const float* base, int iters, float hc_eps, float norm_eps,
+                                             float* __restrict__ comb) {
+  const int lane = threadIdx.x, nn = n * n;
+  const float r = rsqrtf(tot[mix] / (float)(n * D) + norm_eps);
+  const float c0 = lane < nn ? tot[2 * n + lane] * r * scale[2] + base[2 * n + lane] : 0.f;
+  const float c = n == 4 ? sinkhorn_warp<4>(c0, iters, hc_eps)
+                : n == 2 ? sinkhorn_warp<2>(c0, iters, hc_eps) : sinkhorn_warp<1>(c0, iters, hc_eps);
+  if (lane < nn && blockIdx.x == 0) comb[(long)t * nn + lane] = c;
+}
+
 // Reduces the token's partials and computes pre[] (shared memory; valid after the caller's
 // __syncthreads) and, in block x = 0, post and comb (Sinkhorn) in global memory. scale / base are
 // the kernel's shared-memory copies (read once, in parallel, before the PDL wait: one thread reading
@@ -112,7 +125,8 @@ template <int THREADS>
 __device__ __forceinline__ void hc_coeffs(const float* __restrict__ part, int t, int n, int D, int mix, int nsplit,
                                           const float* scale, const float* base, int iters,
                                           float hc_eps, float norm_eps, bool head, float* __restrict__ post,
-                                          float* __restrict__ comb, float* tot, float* pre, float* cm) {
+                                          float* __restrict__ comb, float* tot, float* pre, float* cm,
+                                          bool defer_warp_sinkhorn = false) {
   {  // one warp per mix entry: lanes stride over the splits, then a fixed shuffle tree (deterministic);
      // a serial loop over ~128 partials per thread was ~12 us of dependent L2 round trips
     const int lane = threadIdx.x & 31;
@@ -177,14 +191,8 @@ __device__ __forceinline__ void hc_coeffs(const float* __restrict__ part, int t,
         for (int i = 0; i < n * n; ++i) comb[(long)t * n * n + i] = cm[i];
     }
   }
-  if (warp_sinkhorn && threadIdx.x < 32) {
-    const int lane = threadIdx.x, nn = n * n;
-    const float r = rsqrtf(tot[mix] / (float)(n * D) + norm_eps);
-    const float c0 = lane < nn ? tot[2 * n + lane] * r * scale[2] + base[2 * n + lane] : 0.f;
-    const float c = n == 4 ? sinkhorn_warp<4>(c0, iters, hc_eps)
-                  : n == 2 ? sinkhorn_warp<2>(c0, iters, hc_eps) : sinkhorn_warp<1>(c0, iters, hc_eps);
-    if (lane < nn && blockIdx.x == 0) comb[(long)t * nn + lane] = c;
-  }
+  if (warp_sinkhorn && !defer_warp_sinkhorn && threadIdx.x < 32)
+    hc_comb_warp(tot, t, n, D, mix, scale, base, iters, hc_eps, norm_eps, comb);
 }
 
 template <int THREADS>
@@ -205,17 +213,30 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
   __shared__ float tot[HC_MAX_MIX + 1];
   __shared__ float pre[HC_MAX_N];
   __shared__ float cm[HC_MAX_N * HC_MAX_N];
+  // With the norm (one block per token), warp 0 runs the Sinkhorn while warps 1.. form x and normalise
+  // it: the two are independent (comb is only read by hc_post, after the attention / FFN), so the
+  // kernel takes the longer of them instead of their sum (H200 probe: Sinkhorn 3.5 us, weighted sum
+  // + norm 2.2 us).
+  const bool overlap = norm != nullptr && !head && (n == 1 || n == 2 || n == 4) && THREADS > 32;
   hc_coeffs<THREADS>(part, t, n, D, mix, nsplit, s_scale, s_base, iters, hc_eps, norm_eps, head, post, comb, tot, pre,
-                     cm);
+                     cm, overlap);
   __syncthreads();
   DS4_MARK(3);
   const long hoff = (long)t * n * D;
   if (norm != nullptr) {  // one block per token: x in h's dtype, then the block's RMSNorm (fp32) over it
+    if (overlap && threadIdx.x < 32) {
+      hc_comb_warp(tot, t, n, D, mix, s_scale, s_base, iters, hc_eps, norm_eps, comb);
+      DS4_MARK(4);
+      DS4_MARK(5);
+      return;
+    }
+    const int w0 = overlap ? 1 : 0;  // first warp of the x / norm work
+    const int tid = threadIdx.x - 32 * w0, nthr = THREADS - 32 * w0;
     extern __shared__ float xs[];  // [D]
     __shared__ float red[THREADS / 32];
     float ss = 0.f;
 #pragma unroll 4
-    for (int d = threadIdx.x; d < D; d += THREADS) {
+    for (int d = tid; d < D; d += nthr) {
       float acc = 0.f;
 #pragma unroll
       for (int j = 0; j < HC_MAX_N; ++j)
@@ -226,21 +247,21 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
     }
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    DS4_MARK(4);
+    if (overlap) asm volatile("bar.sync 1, %0;" ::"r"(nthr) : "memory");  // warps 1.. only
+    else __syncthreads();
     float tot_ss = 0.f;
 #pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) tot_ss += red[w];
+    for (int w = 0; w < THREADS / 32; ++w)
+      if (w >= w0) tot_ss += red[w];
     const float r = rsqrtf(tot_ss / (float)D + norm_eps);
 #pragma unroll 4
-    for (int d = threadIdx.x; d < D; d += THREADS) {
+    for (int d = tid; d < D; d += nthr) {
       const float y = xs[d] * r * ld_as_float(norm, d, norm_f32);
       if (h_f32)
         static_cast<float*>(x)[(long)t * D + d] = y;
       else
         static_cast<__nv_bfloat16*>(x)[(long)t * D + d] = __float2bfloat16(y);
     }
-    DS4_MARK(5);
     return;
   }
   for (int d = blockIdx.x * THREADS + threadIdx.x; d < D; d += gridDim.x * THREADS) {

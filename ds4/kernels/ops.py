@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 FMT = {"bf16": 0, "fp8": 1, "fp4": 2}
-# "auto": tensor-core kernels for one-token FP4 products (unless DS4_MMA=0), FMA kernels otherwise
-# (measured faster for FP8); "fma" / "mma" force one (an "mma" request it cannot serve raises).
+# "auto": tensor-core kernels for one-token FP4 products and one-token FP8 products with K >= 2048
+# (csrc/ds4_launch.h; DS4_MMA=0 / all overrides), FMA kernels otherwise; "fma" / "mma" force one (an
+# "mma" request it cannot serve raises).
 KERNEL = {"auto": 0, "fma": 1, "mma": 2}
 
 
