@@ -170,6 +170,7 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   const int wave = resident_wave(kern, MMA_THREADS, smem_for(1));
   int tpb = (T + wave - 1) / wave;
   if (tpb > MMA_MAX_TILES) tpb = MMA_MAX_TILES;
+  while (tpb > 1 && smem_for(tpb) > SMEM_CAP) tpb /= 2;  // many small groups: more blocks instead
   const int blocks = (T + tpb - 1) / tpb;
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
@@ -236,7 +237,10 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
                         int s_ld, void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
                         cudaStream_t st) {
   if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1) return cudaErrorInvalidValue;
-  const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K) && (group_rows <= 0 || group_rows % 16 == 0);
+  // tensor cores: one token, whole rounds, 16-row tiles inside groups, a tile's activations (two
+  // groups' when grouped) in shared memory
+  const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K) && (group_rows <= 0 || group_rows % 16 == 0) &&
+                      MMA_STREAM_WARPS * 16 * 4 + 2L * K * (group_rows > 0 ? 2 : 1) <= SMEM_CAP;
   if (kernel == KERNEL_MMA && !mma_ok) return cudaErrorInvalidValue;
   if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt, K))) {
     if (fmt == FMT_FP8) return gemv_mma_width<FMT_FP8>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);

@@ -16,13 +16,14 @@
 //
 // Fragments (PTX m16n8k16): lane = 4 g + t holds A rows g and g+8 at k-slots {2t, 2t+1, 2t+8, 2t+9},
 // B column g at the same k-slots, C rows g / g+8, columns 2t, 2t+1. The k order inside an MMA is
-// free as long as A and B agree, so lane (g, t) feeds the MMA straight from its own 16-byte chunk:
-// chunk 4 r + t of rows g and g+8 ("round" r covers 4 chunks of 16 rows). B is staged in shared
-// memory permuted so that one 64-bit load gives a lane its two B registers.
-//  * FP8 (scale per 128x128 block, uniform over a round): B column 0 = the activations (lanes g = 0),
-//    other columns 0; C column 0 = the round's partial dot product.
+// free as long as A and B agree, so lane (g, t) feeds an MMA straight from one of its own 16-byte
+// chunks of rows g and g+8 (which chunks: MmaStream). B is staged in shared memory permuted so that
+// one 64-bit load gives a lane its two B registers.
+//  * FP8 (scale per 128x128 block): B column 0 = the activations of the lanes whose chunks lie in one
+//    block (lanes g = 0), column 1 those of a second block when an MMA spans two (MmaStream, W = 4),
+//    other columns 0; C columns 0 / 1 = the partial dot products of the two blocks.
 //  * FP4 (scale per row and 32-value chunk = per lane chunk): B column n holds the activations only
-//    at the k-slots of lane t = n (lane (n, n)), so C column n = the partial of chunk 4 r + n, which
+//    at the k-slots of lane t = n (lane (n, n)), so C column n = the partial of lane n's chunk, which
 //    is scaled before accumulation.
 #pragma once
 #include "ds4_common.cuh"
@@ -40,7 +41,6 @@ template <> struct Mma<FMT_FP4> {
   static constexpr int VALS = 32;
   static constexpr float POST = 4611686018427387904.0f;  // 2^62 = 2^126 / 2^64
 };
-
 
 // E4M3 bytes at bits 15..8 and 31..24 -> bf16x2 (x 2^-120)
 __device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint32_t q) {
@@ -162,7 +162,7 @@ constexpr int MMA_STREAM_WARPS = 8;  // warps per block of every kernel that use
 // the segment changes; a slot's activation offset, tile and last-round flag share one register).
 template <int FMT, int U, int W, typename TileFn>
 struct MmaStream {
-  static constexpr int SC = FMT == FMT_FP4 ? (W == 4 ? 4 : W) : 1;  // scale registers per slot
+  static constexpr int SC = FMT == FMT_FP4 ? W : 1;  // scale registers per slot
   TileFn tile;
   const __nv_bfloat16* xbase;
   int nseg, nr, s_ld, n;  // n = rounds of this warp

@@ -9,9 +9,10 @@
 //     No atomics, no per-expert temporaries; slots whose expert is not local contribute nothing.
 // A token choosing one expert twice gets two entries (same weights, read twice), matching the
 // per-slot semantics of the reference.
-// One-token FP4 launches use the tensor-core variants below (mma_dot.cuh) by default, FP8 ones on
-// request (kernel = MMA): the same two launches, each entry = one local slot, K split over the warps
-// of a block.
+// One-token launches can use the tensor-core variants below (mma_dot.cuh; which ones `auto` takes:
+// ds4_launch.h): the same two launches, each a resident wave of blocks streaming 16-row tiles
+// (MmaStream) — gate+up: the (w1, w3) tile pairs of all local slots split evenly over the blocks;
+// down: output row tiles, each summing the local slots as segments.
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "mma_dot.cuh"

@@ -176,100 +176,92 @@ static void probe_sparse(int pos) {
   phases(name, chunk, 4, time_us(chunk));
 }
 
+// Buffers of one GEMV probe: weight / scale copies rotated through more than the L2 (50 MB), the
+// activations (nx rows of K) and the output (O rows).
+struct GemvBufs {
+  std::vector<uint8_t*> Ws, Ss;
+  __nv_bfloat16 *x, *out;
+  int copies;
+  GemvBufs(size_t wbytes, size_t sbytes, int w_hi, size_t nx, int K, int O) {
+    copies = std::max(2, (int)(200e6 / wbytes) + 1);
+    for (int c = 0; c < copies; ++c) {
+      Ws.push_back(dev_bytes(wbytes, 0, w_hi));
+      Ss.push_back(dev_bytes(sbytes, 118, 126));
+    }
+    x = dev_random<__nv_bfloat16>(nx * K, -1.f, 1.f);
+    CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * O));
+  }
+  GemvBufs(const GemvBufs&) = delete;
+  GemvBufs& operator=(const GemvBufs&) = delete;
+  ~GemvBufs() {
+    for (auto* p : Ws) cudaFree(p);
+    for (auto* p : Ss) cudaFree(p);
+    cudaFree(x);
+    cudaFree(out);
+  }
+};
+
+// FP8 E4M3 codes below 0x7f (no NaN), scales per 128 x 128
+static GemvBufs fp8_bufs(int O, int K, int group_rows) {
+  return GemvBufs((size_t)O * K, (size_t)((O + 127) / 128) * (K / 128), 0x7e, group_rows > 0 ? O / group_rows : 1, K,
+                  O);
+}
+
+// the launcher's tensor-core run width (DS4_MMA_W) and no PDL (plain back-to-back launches)
+static void set_mma_width(int w) {
+  char u[4];
+  std::snprintf(u, sizeof u, "%d", w);
+  setenv("DS4_MMA_W", u, 1);
+  setenv("DS4_PDL", "0", 1);
+}
+
 // ---- FP8 FMA GEMV sweep over (R, U) at the attention projections' shapes
 template <int R, int U>
 static void probe_gemv_fp8(const char* what, int O, int K, int group_rows) {
-  const size_t wbytes = (size_t)O * K;
-  const int copies = std::max(2, (int)(200e6 / wbytes) + 1);  // rotate through > L2 (50 MB)
-  std::vector<uint8_t*> Ws, Ss;
-  for (int c = 0; c < copies; ++c) {
-    Ws.push_back(dev_bytes(wbytes, 0, 0x7e));
-    Ss.push_back(dev_bytes((size_t)((O + 127) / 128) * (K / 128), 118, 126));
-  }
-  const int nx = group_rows > 0 ? O / group_rows : 1;
-  auto* x = dev_random<__nv_bfloat16>((size_t)nx * K, -1.f, 1.f);
-  __nv_bfloat16* out;
-  CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * O));
+  GemvBufs b = fp8_bufs(O, K, group_rows);
   auto kern = ds4::gemv_kernel<ds4::FMT_FP8, 1, R, U>;
   const long smem = ds4::gemv_smem<ds4::FMT_FP8>(1, K);
   CK(ds4::set_smem(kern, smem));
   const int rows_pb = ds4::GEMV_WARPS * R;
   auto f = [&](int i) {
-    kern<<<(O + rows_pb - 1) / rows_pb, ds4::GEMV_THREADS, smem>>>(x, K, 1, Ws[i % copies], Ss[i % copies], K / 128,
-                                                                    out, 0, O, O, K, group_rows);
+    kern<<<(O + rows_pb - 1) / rows_pb, ds4::GEMV_THREADS, smem>>>(b.x, K, 1, b.Ws[i % b.copies], b.Ss[i % b.copies],
+                                                                    K / 128, b.out, 0, O, O, K, group_rows);
   };
   const float us = time_us(f);
   char name[80];
   int nb = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, kern, ds4::GEMV_THREADS, smem));
-  std::snprintf(name, sizeof name, "fp8 %s R%d U%d (%d/SM) %5.0f GB/s", what, R, U, nb, wbytes / us / 1e3);
+  std::snprintf(name, sizeof name, "fp8 %s R%d U%d (%d/SM) %5.0f GB/s", what, R, U, nb, (O * (double)K) / us / 1e3);
   phases(name, f, 3, us);
-  for (auto* p : Ws) cudaFree(p);
-  for (auto* p : Ss) cudaFree(p);
-  cudaFree(x);
-  cudaFree(out);
 }
 
-// ---- tensor-core streaming GEMV (gemv_mma_kernel through its launcher, widest run U = DS4_MMA_W)
-static void probe_gemv_mma(const char* what, int O, int K, int group_rows, int U) {
-  const size_t wbytes = (size_t)O * K;
-  const int copies = std::max(2, (int)(200e6 / wbytes) + 1);
-  std::vector<uint8_t*> Ws, Ss;
-  for (int c = 0; c < copies; ++c) {
-    Ws.push_back(dev_bytes(wbytes, 0, 0x7e));
-    Ss.push_back(dev_bytes((size_t)((O + 127) / 128) * (K / 128), 118, 126));
-  }
-  const int nx = group_rows > 0 ? O / group_rows : 1;
-  auto* x = dev_random<__nv_bfloat16>((size_t)nx * K, -1.f, 1.f);
-  __nv_bfloat16* out;
-  CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * O));
-  char u[4];
-  std::snprintf(u, sizeof u, "%d", U);
-  setenv("DS4_MMA_W", u, 1);
-  setenv("DS4_PDL", "0", 1);
+// ---- tensor-core streaming GEMV (gemv_mma_kernel through its launcher, widest run W = DS4_MMA_W)
+static void probe_gemv_mma(const char* what, int O, int K, int group_rows, int W) {
+  GemvBufs b = fp8_bufs(O, K, group_rows);
+  set_mma_width(W);
   auto f = [&](int i) {
-    CK(ds4::launch_gemv(ds4::FMT_FP8, ds4::KERNEL_MMA, x, K, 1, Ws[i % copies], Ss[i % copies], K / 128, out, false,
-                        O, O, K, group_rows, 0));
+    CK(ds4::launch_gemv(ds4::FMT_FP8, ds4::KERNEL_MMA, b.x, K, 1, b.Ws[i % b.copies], b.Ss[i % b.copies], K / 128,
+                        b.out, false, O, O, K, group_rows, 0));
   };
   const float us = time_us(f);
   char name[80];
-  std::snprintf(name, sizeof name, "mma %s W%d %5.0f GB/s", what, U, wbytes / us / 1e3);
+  std::snprintf(name, sizeof name, "mma %s W%d %5.0f GB/s", what, W, (O * (double)K) / us / 1e3);
   phases(name, f, 3, us);
-  for (auto* p : Ws) cudaFree(p);
-  for (auto* p : Ss) cudaFree(p);
-  cudaFree(x);
-  cudaFree(out);
 }
 
 // ---- FP4 GEMV (the routed gate+up's bytes in one matrix) through the launcher: tensor-core vs FMA
-static void probe_gemv_fp4(int O, int K, int kernel, int U) {
-  const size_t wbytes = (size_t)O * K / 2;
-  const int copies = std::max(2, (int)(200e6 / wbytes) + 1);
-  std::vector<uint8_t*> Ws, Ss;
-  for (int c = 0; c < copies; ++c) {
-    Ws.push_back(dev_bytes(wbytes, 0, 255));
-    Ss.push_back(dev_bytes((size_t)O * (K / 32), 118, 126));
-  }
-  auto* x = dev_random<__nv_bfloat16>((size_t)K, -1.f, 1.f);
-  __nv_bfloat16* out;
-  CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * O));
-  char u[4];
-  std::snprintf(u, sizeof u, "%d", U);
-  setenv("DS4_MMA_W", u, 1);
-  setenv("DS4_PDL", "0", 1);
+static void probe_gemv_fp4(int O, int K, int kernel, int W) {
+  GemvBufs b((size_t)O * K / 2, (size_t)O * (K / 32), 255, 1, K, O);
+  set_mma_width(W);
   auto f = [&](int i) {
-    CK(ds4::launch_gemv(ds4::FMT_FP4, kernel, x, K, 1, Ws[i % copies], Ss[i % copies], K / 32, out, false, O, O, K,
-                        0, 0));
+    CK(ds4::launch_gemv(ds4::FMT_FP4, kernel, b.x, K, 1, b.Ws[i % b.copies], b.Ss[i % b.copies], K / 32, b.out, false,
+                        O, O, K, 0, 0));
   };
   const float us = time_us(f);
   char name[80];
-  std::snprintf(name, sizeof name, "fp4 %dx%d %s W%d %5.0f GB/s", O, K, kernel == ds4::KERNEL_MMA ? "mma" : "fma", U,
-                wbytes / us / 1e3);
+  std::snprintf(name, sizeof name, "fp4 %dx%d %s W%d %5.0f GB/s", O, K, kernel == ds4::KERNEL_MMA ? "mma" : "fma", W,
+                (O * (double)K / 2) / us / 1e3);
   phases(name, f, 3, us);
-  for (auto* p : Ws) cudaFree(p);
-  for (auto* p : Ss) cudaFree(p);
-  cudaFree(x);
-  cudaFree(out);
 }
 
 // ---- read-only access patterns over a [O, K]-byte matrix (no decode / FMA): where is the ceiling?
@@ -314,55 +306,20 @@ __global__ void read_rows_kernel(const uint8_t* __restrict__ W, int O, int K, un
 // W consecutive 16-B chunks at (4 r + t) * W of rows g and g + 8 (W = 1: 16 rows x 64 B per
 // instruction pair); U rounds in flight, reissued one by one as they are consumed (no drain).
 // IL = 0: each warp owns tpw whole tiles; IL = 1: the block's 8 tpw tiles are dealt round by round
-// (warp w takes rounds w, w + 8, ...: what MmaStream does).
-template <int U, int W, int IL>
+// (warp w takes rounds w, w + 8, ...). PD > 0 (IL = 0, sm_90): every 512 / (64 W) rounds lanes
+// 0..15 also issue an L2 bulk prefetch (cp.async.bulk.prefetch) of 512 B of rows 0..15, PD such
+// steps ahead of the loads.
+template <int U, int W, int IL, int PD = 0>
 __global__ void read_mma_kernel(const uint8_t* __restrict__ M, int O, int rowb, int tpw, unsigned* out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int gw = blockIdx.x * 8 + warp, nr = rowb / (64 * W);
   const int n = tpw * nr, tile0 = IL ? blockIdx.x * 8 * tpw : gw * tpw;
-  unsigned acc = 0;
-  uint4 v[U][2 * W];
-  auto load = [&](int k, int i) {
-    const int f = IL ? i * 8 + warp : i;
-    const int tile = tile0 + f / nr, r = f % nr;
-    const int ra = min(tile * 16 + g, O - 1), rb = min(tile * 16 + g + 8, O - 1);
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const long off = (long)((4 * r + t) * W + w) * 16;
-      v[k][w] = ds4::ld_stream16(M + (long)ra * rowb + off);
-      v[k][W + w] = ds4::ld_stream16(M + (long)rb * rowb + off);
-    }
-  };
-#pragma unroll
-  for (int k = 0; k < U; ++k)
-    if (k < n) load(k, k);
-  for (int i0 = 0; i0 < n; i0 += U) {
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      if (i0 + k < n) {
-#pragma unroll
-        for (int w = 0; w < 2 * W; ++w) acc ^= v[k][w].x ^ v[k][w].y ^ v[k][w].z ^ v[k][w].w;
-        if (i0 + k + U < n) load(k, i0 + k + U);
-      }
-    }
-  }
-  if (acc == 0x12345678u) out[0] = acc;
-}
-
-// the mma pattern (contiguous tiles per warp, U rounds of W chunks) plus an L2 bulk prefetch (sm_90,
-// cp.async.bulk.prefetch): every 512 / (64 W) rounds lanes 0..15 prefetch 512 B of rows 0..15, PD
-// 512-B steps ahead of the loads
-template <int U, int W, int PD>
-__global__ void read_mma_pf_kernel(const uint8_t* __restrict__ M, int O, int rowb, int tpw, unsigned* out) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int gw = blockIdx.x * 8 + warp, nr = rowb / (64 * W);
-  const int n = tpw * nr, tile0 = gw * tpw;
-  constexpr int RP = 512 / (64 * W);  // rounds per 512-B step
+  constexpr int RP = 512 / (64 * W);  // rounds per 512-B prefetch step
   unsigned acc = 0;
   uint4 v[U][2 * W];
   auto prefetch = [&](int i) {  // the 512-B step that holds round i
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (lane < 16 && i < n) {
+    if (PD > 0 && lane < 16 && i < n) {
       const int tile = tile0 + i / nr, r = i % nr;
       const uint8_t* p = M + (long)min(tile * 16 + lane, O - 1) * rowb + (long)r * 64 * W;
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], 512;" ::"l"(p) : "memory");
@@ -370,8 +327,9 @@ __global__ void read_mma_pf_kernel(const uint8_t* __restrict__ M, int O, int row
 #endif
   };
   auto load = [&](int k, int i) {
-    if (i % RP == 0) prefetch(i + PD * RP);
-    const int tile = tile0 + i / nr, r = i % nr;
+    if (PD > 0 && i % RP == 0) prefetch(i + PD * RP);
+    const int f = IL ? i * 8 + warp : i;
+    const int tile = tile0 + f / nr, r = f % nr;
     const int ra = min(tile * 16 + g, O - 1), rb = min(tile * 16 + g + 8, O - 1);
 #pragma unroll
     for (int w = 0; w < W; ++w) {
@@ -445,16 +403,16 @@ static void probe_read_patterns(int O, int K) {
          }));
   if (K % 512 == 0) {
     report("mma U4 W2 + L2 prefetch 1 x 512 B", time_us([&](int i) {
-             read_mma_pf_kernel<4, 2, 1><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+             read_mma_kernel<4, 2, 0, 1><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
            }));
     report("mma U4 W2 + L2 prefetch 2 x 512 B", time_us([&](int i) {
-             read_mma_pf_kernel<4, 2, 2><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+             read_mma_kernel<4, 2, 0, 2><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
            }));
     report("mma U2 W4 + L2 prefetch 2 x 512 B", time_us([&](int i) {
-             read_mma_pf_kernel<2, 4, 2><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+             read_mma_kernel<2, 4, 0, 2><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
            }));
     report("mma U4 W2 + L2 prefetch 4 x 512 B", time_us([&](int i) {
-             read_mma_pf_kernel<4, 2, 4><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+             read_mma_kernel<4, 2, 0, 4><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
            }));
   }
   for (auto* p : Ws) cudaFree(p);
