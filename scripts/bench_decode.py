@@ -12,8 +12,8 @@ Variants are '+'-joined tokens: ref (torch/dequant everywhere), kernels (linear=
 moe=fp4_topk), fused (attn/indexer/hc=fused_cuda), graph (runtime=cuda_graph), bf16 (reduce=bf16),
 symm (comm=symm_mem), nopdl (DS4_PDL=0: no programmatic dependent launch on sm_90), fma (DS4_MMA=0:
 the FMA kernels for the FP4 MoE too, instead of the tensor-core ones), mma8 (DS4_MMA=all: the
-tensor-core kernels for one-token FP8 products too), w1 / w2 (DS4_MMA_W: the widest run of 16-B
-chunks a lane of the tensor-core kernels reads per row, default 4), noovl (DS4_SHARED_OVERLAP=0: the
+tensor-core kernels for one-token FP8 products too), w1 / w2 / w4 (DS4_MMA_W: the widest run of
+16-B chunks a lane of the tensor-core kernels reads per row; without them the library default, 2), noovl (DS4_SHARED_OVERLAP=0: the
 shared expert's gate+up in line instead of on a side stream), wobf16 (attn=fused_cuda_wo_bf16). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -58,8 +58,13 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # nopdl: the ds4 kernels launched without programmatic dependent launch (read at each launch)
     os.environ["DS4_PDL"] = "0" if "nopdl" in toks else "1"
     os.environ["DS4_MMA"] = "0" if "fma" in toks else ("all" if "mma8" in toks else "1")
-    # w1 / w2: the tensor-core kernels' widest run of 16-B chunks per lane and row (default 4)
-    os.environ["DS4_MMA_W"] = "1" if "w1" in toks else ("2" if "w2" in toks else "4")
+    # w1 / w2 / w4: the tensor-core kernels' widest run of 16-B chunks per lane and row; without one of
+    # them the library's default applies (the variable is removed)
+    width = next((t[1:] for t in ("w1", "w2", "w4") if t in toks), None)
+    if width is None:
+        os.environ.pop("DS4_MMA_W", None)
+    else:
+        os.environ["DS4_MMA_W"] = width
     os.environ["DS4_SHARED_OVERLAP"] = "0" if "noovl" in toks else "1"
     runtime = "cuda_graph" if "graph" in toks else "eager"
     g = Generator(model, 1, len(prompt) + new_tokens + 8, runtime=runtime)

@@ -118,7 +118,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="skip the [mma] / [fma] comparison rows")
-    ap.add_argument("--widths", default="4", help="DS4_MMA_W values for the [mma wN] rows (16-B chunks per lane and row)")
+    ap.add_argument("--widths", default="2", help="DS4_MMA_W values for the [mma wN] rows (16-B chunks per lane and row)")
     args = ap.parse_args()
     kernels.load()
     n = args.tokens
@@ -149,8 +149,9 @@ def main() -> int:
     widths = [int(d) for d in args.widths.split(",")]
 
     def variants():
-        """(kernel, row tag) pairs; sets DS4_MMA_W (read at each launch, so at graph capture) per [mma] row."""
-        os.environ["DS4_MMA_W"] = str(widths[-1])
+        """(kernel, row tag) pairs; sets DS4_MMA_W (read at each launch, so at graph capture) per [mma] row
+        and removes it for the untagged row (the library's default width)."""
+        os.environ.pop("DS4_MMA_W", None)
         yield "auto", ""
         if not compare:
             return
@@ -158,7 +159,7 @@ def main() -> int:
         for d in widths:
             os.environ["DS4_MMA_W"] = str(d)
             yield "mma", f" [mma w{d}]"
-        os.environ["DS4_MMA_W"] = str(widths[-1])
+        os.environ.pop("DS4_MMA_W", None)
 
     # FP8 dense projections (V4-Flash)
     for kern, tag in variants():

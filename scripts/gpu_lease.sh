@@ -42,7 +42,7 @@ stage() {  # stage name, GPU index
   case $1 in
     kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
                     tests/test_decode_glue_gpu.py > "$L/kernel_tests.log" 2>&1 ;;
-    kbench) CUDA_VISIBLE_DEVICES=$g timeout 150 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" --widths "${MMA_WIDTHS:-4}" \
+    kbench) CUDA_VISIBLE_DEVICES=$g timeout 150 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" --widths "${MMA_WIDTHS:-2}" \
         > "$L/kbench.log" 2>&1 ;;
     probe) nvcc -std=c++17 -O3 -arch=${PROBE_ARCH:-sm_90} -DDS4_PROBE scripts/probe_phases.cu -o /tmp/ds4_probe \
         > "$L/probe.log" 2>&1 && CUDA_VISIBLE_DEVICES=$g timeout 150 /tmp/ds4_probe ${PROBE_ARGS:-} >> "$L/probe.log" 2>&1 ;;
