@@ -96,20 +96,17 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
   DS4_MARK(2);
 }
 
-constexpr int MMA_THREADS = 32 * MMA_STREAM_WARPS;
-constexpr int MMA_MAX_TILES = 32;  // 16-row tiles per block (shared memory for the partial sums)
-
 // Tensor-core GEMV, one token: block b owns the 16-row tiles [b * tpb, (b + 1) * tpb) (tpb = tiles
 // per block, even split of the grid), its warps stream their rounds (MmaStream). Grouped rows
 // (wo_a): each group has its own activations; the groups a block's tiles touch are staged.
 template <int FMT, int U, int CW>
-__global__ void __launch_bounds__(MMA_THREADS)
+__global__ void __launch_bounds__(MMA_STREAM_THREADS)
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                 int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb) {
   DS4_MARK(0);
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + tpb * MMA_STREAM_WARPS * 16);
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
   const int t0 = blockIdx.x * tpb, nt = min(tpb, (O + 15) / 16 - t0);
   const int g0 = group_rows > 0 ? t0 * 16 / group_rows : 0;
   const int ng = group_rows > 0 ? ((t0 + nt) * 16 - 1) / group_rows - g0 + 1 : 1;
@@ -162,30 +159,19 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   const int T = (O + 15) / 16;
   auto smem_for = [&](int tpb) {  // partial sums + the activations of the groups tpb tiles can touch
     const int ng = group_rows > 0 ? (tpb * 16 + group_rows - 1) / group_rows + 1 : 1;
-    return (long)tpb * MMA_STREAM_WARPS * 16 * 4 + (long)ng * K * 2;
+    return 4L * mma_part_floats(tpb) + (long)ng * K * 2;
   };
   // one resident wave (register-bound occupancy), the tiles split evenly over it
   cudaError_t e = set_smem(kern, smem_for(1));
   if (e != cudaSuccess) return e;
-  const int wave = resident_wave(kern, MMA_THREADS, smem_for(1));
-  int tpb = (T + wave - 1) / wave;
-  if (tpb > MMA_MAX_TILES) tpb = MMA_MAX_TILES;
+  int tpb = mma_tiles_per_block(T, resident_wave(kern, MMA_STREAM_THREADS, smem_for(1)));
   while (tpb > 1 && smem_for(tpb) > SMEM_CAP) tpb /= 2;  // many small groups: more blocks instead
   const int blocks = (T + tpb - 1) / tpb;
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
-  return ds4_pdl::launch(kern, dim3(blocks), dim3(MMA_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
+  return ds4_pdl::launch(kern, dim3(blocks), dim3(MMA_STREAM_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
                          out_f32 ? 1 : 0, O, K, group_rows, tpb);
-}
-
-template <int FMT>
-static cudaError_t gemv_mma_width(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32,
-                                  int O, int K, int group_rows, cudaStream_t st) {
-  const int w = mma_width(FMT, K, mma_max_width());
-  if (w == 4) return gemv_mma_go<FMT, 4>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
-  if (w == 2) return gemv_mma_go<FMT, 2>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
-  return gemv_mma_go<FMT, 1>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
 }
 
 bool mma_auto(int fmt, int K) {
@@ -240,11 +226,14 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
   // tensor cores: one token, whole rounds, 16-row tiles inside groups, a tile's activations (two
   // groups' when grouped) in shared memory
   const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K) && (group_rows <= 0 || group_rows % 16 == 0) &&
-                      MMA_STREAM_WARPS * 16 * 4 + 2L * K * (group_rows > 0 ? 2 : 1) <= SMEM_CAP;
+                      4L * mma_part_floats(1) + 2L * K * (group_rows > 0 ? 2 : 1) <= SMEM_CAP;
   if (kernel == KERNEL_MMA && !mma_ok) return cudaErrorInvalidValue;
   if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt, K))) {
-    if (fmt == FMT_FP8) return gemv_mma_width<FMT_FP8>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
-    return gemv_mma_width<FMT_FP4>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+    return with_mma_width(mma_width(fmt, K, mma_max_width()), [&](auto cw) {
+      constexpr int CW = decltype(cw)::value;
+      return fmt == FMT_FP8 ? gemv_mma_go<FMT_FP8, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st)
+                            : gemv_mma_go<FMT_FP4, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+    });
   }
   if (group_rows > 0 && group_rows % (GEMV_WARPS * 2) != 0) return cudaErrorInvalidValue;
   // FP8, one token, K <= 4096: 4 rows per warp x 2 chunks per row in flight instead of 2 x 4 (H200 phase

@@ -28,6 +28,8 @@
 #pragma once
 #include "ds4_common.cuh"
 
+#include <type_traits>
+
 namespace ds4 {
 
 constexpr float MMA_XS = 18446744073709551616.0f;  // 2^64 activation pre-scale
@@ -141,6 +143,11 @@ struct MmaTile {
 };
 
 constexpr int MMA_STREAM_WARPS = 8;  // warps per block of every kernel that uses MmaStream
+constexpr int MMA_STREAM_THREADS = 32 * MMA_STREAM_WARPS;
+constexpr int MMA_STREAM_MAX_TILES = 32;  // 16-row tiles per block (shared memory for the partial sums)
+
+// Floats of the partial sums of nt tiles (MmaStream::run's `part`).
+__host__ __device__ constexpr int mma_part_floats(int nt) { return nt * MMA_STREAM_WARPS * 16; }
 
 // A block's share of a batch-1 product, streamed: local tiles 0 .. nt-1, each the sum of nseg
 // segments of nr rounds. A round covers 4 W chunks of each of the tile's 16 rows: lane (g, t) reads W
@@ -333,7 +340,7 @@ template <int FMT, int W> __host__ __device__ constexpr int mma_round_vals() { r
 
 // Zeroes the partial sums of nt tiles (before the block's first barrier).
 __device__ __forceinline__ void mma_part_zero(float* part, int nt) {
-  for (int i = threadIdx.x; i < nt * MMA_STREAM_WARPS * 16; i += blockDim.x) part[i] = 0.f;
+  for (int i = threadIdx.x; i < mma_part_floats(nt); i += blockDim.x) part[i] = 0.f;
 }
 
 // Row r of local tile tl: the warps' partial sums added in a fixed order (deterministic).
@@ -358,6 +365,20 @@ inline int mma_width(int fmt, int K, int most) {
   for (int w = 4; w > 1; w /= 2)
     if (w <= most && K % (4 * w * vals) == 0) return w;
   return 1;
+}
+
+// Host: tiles per block when T tiles are split evenly over one resident wave of `wave` blocks.
+inline int mma_tiles_per_block(int T, int wave) {
+  const int tpb = (T + wave - 1) / wave;
+  return tpb < MMA_STREAM_MAX_TILES ? tpb : MMA_STREAM_MAX_TILES;
+}
+
+// Host: f(std::integral_constant<int, W>{}) for a run width w from mma_width (the kernels' template W).
+template <typename F>
+inline cudaError_t with_mma_width(int w, F f) {
+  if (w == 4) return f(std::integral_constant<int, 4>{});
+  if (w == 2) return f(std::integral_constant<int, 2>{});
+  return f(std::integral_constant<int, 1>{});
 }
 
 }  // namespace ds4

@@ -306,8 +306,6 @@ static bool moe_shape_ok(const MoEArgs& a) {
 
 // ------------------------------------------------------------------ tensor-core variants (1 token)
 
-constexpr int MOE_MMA_THREADS = 32 * MMA_STREAM_WARPS;
-constexpr int MOE_MMA_MAX_TILES = 32;  // 16-row tiles per block (shared memory for the partial sums)
 constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
 
 // Bit j set = slot j (< topk <= 32) holds a local expert (ids == nullptr: the one shared expert).
@@ -331,15 +329,15 @@ __device__ __forceinline__ int nth_bit(unsigned m, int n) {
 // 2 pl + 1 (w3) (ppb: the pairs split evenly over the grid, from the device's count of local slots).
 // Epilogue: h[slot, row] = swiglu(gate, up) * route weight.
 template <int FMT, int U, int W>
-__global__ void __launch_bounds__(MOE_MMA_THREADS)
+__global__ void __launch_bounds__(MMA_STREAM_THREADS)
 moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
   ds4_pdl::begin();  // expert ids, route weights and x come from the previous kernels
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + MOE_MMA_MAX_TILES * MMA_STREAM_WARPS * 16);
-  __shared__ const uint8_t* s_tw[MOE_MMA_MAX_TILES];
-  __shared__ const uint8_t* s_ts[MOE_MMA_MAX_TILES];
-  __shared__ int s_row0[MOE_MMA_MAX_TILES], s_slot[MOE_MMA_MAX_TILES / 2];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(MMA_STREAM_MAX_TILES));
+  __shared__ const uint8_t* s_tw[MMA_STREAM_MAX_TILES];
+  __shared__ const uint8_t* s_ts[MMA_STREAM_MAX_TILES];
+  __shared__ int s_row0[MMA_STREAM_MAX_TILES], s_slot[MMA_STREAM_MAX_TILES / 2];
   const unsigned m = moe_local_slots(a);
   const int RT = (a.inter + 15) / 16, total = __popc(m) * RT;
   const int ppb = (total + gridDim.x - 1) / gridDim.x;
@@ -375,13 +373,13 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 // Row tiles of `dim`, each the sum over the local slots (segments) of their w2 rows times h; block b
 // streams tiles [b * tpb, (b + 1) * tpb).
 template <int FMT, int U, int W, bool OUT_F32>
-__global__ void __launch_bounds__(MOE_MMA_THREADS)
+__global__ void __launch_bounds__(MMA_STREAM_THREADS)
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const float* __restrict__ add,
                     void* __restrict__ out, int tpb) {
   ds4_pdl::begin();
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
-  __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + tpb * MMA_STREAM_WARPS * 16);
+  __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
   __shared__ const uint8_t* s_w[32];
   __shared__ const uint8_t* s_s[32];
   __shared__ int s_slot[32];
@@ -414,7 +412,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
 static bool moe_mma_ok(const MoEArgs& a) {
   if ((a.fmt != FMT_FP8 && a.fmt != FMT_FP4) || a.ptrs || a.n_tok != 1 || a.topk > 32) return false;
   if (!mma_shape_ok(a.fmt, a.dim) || !mma_shape_ok(a.fmt, a.inter)) return false;
-  const long part = (long)MOE_MMA_MAX_TILES * MMA_STREAM_WARPS * 16 * 4;
+  const long part = 4L * mma_part_floats(MMA_STREAM_MAX_TILES);
   return part + 2L * a.dim <= MOE_MMA_SMEM_CAP && part + 2L * a.topk * a.inter <= MOE_MMA_SMEM_CAP;
 }
 
@@ -427,16 +425,16 @@ static int moe_use_mma(const MoEArgs& a) {
 
 template <int FMT, int W>
 static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
-  const long smem = (long)MOE_MMA_MAX_TILES * MMA_STREAM_WARPS * 16 * 4 + 2L * a.dim;
+  const long smem = 4L * mma_part_floats(MMA_STREAM_MAX_TILES) + 2L * a.dim;
   auto kern = moe_gate_up_mma_kernel<FMT, 8 / W, W>;
   cudaError_t e = set_smem(kern, smem);
   if (e != cudaSuccess) return e;
-  // pairs for the most local slots (topk); at most MOE_MMA_MAX_TILES / 2 per block
+  // pairs for the most local slots (topk); at most MMA_STREAM_MAX_TILES / 2 per block
   const int pairs = a.topk * ((a.inter + 15) / 16);
-  int grid = std::min(resident_wave(kern, MOE_MMA_THREADS, smem), pairs);
-  const int floor_grid = (pairs + MOE_MMA_MAX_TILES / 2 - 1) / (MOE_MMA_MAX_TILES / 2);
+  int grid = std::min(resident_wave(kern, MMA_STREAM_THREADS, smem), pairs);
+  const int floor_grid = (pairs + MMA_STREAM_MAX_TILES / 2 - 1) / (MMA_STREAM_MAX_TILES / 2);
   if (grid < floor_grid) grid = floor_grid;
-  return ds4_pdl::launch(kern, dim3(grid), dim3(MOE_MMA_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
+  return ds4_pdl::launch(kern, dim3(grid), dim3(MMA_STREAM_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<__nv_bfloat16*>(h));
 }
 
@@ -444,32 +442,14 @@ template <int FMT, int W, bool F32>
 static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
   const int T = (a.dim + 15) / 16;
   auto kern = moe_down_mma_kernel<FMT, 8 / W, W, F32>;
-  auto smem_for = [&](int tpb) { return (long)tpb * MMA_STREAM_WARPS * 16 * 4 + 2L * a.topk * a.inter; };
+  auto smem_for = [&](int tpb) { return 4L * mma_part_floats(tpb) + 2L * a.topk * a.inter; };
   cudaError_t e = set_smem(kern, smem_for(1));
   if (e != cudaSuccess) return e;
-  const int wave = std::min(resident_wave(kern, MOE_MMA_THREADS, smem_for(1)), T);
-  int tpb = (T + wave - 1) / wave;
-  if (tpb > MOE_MMA_MAX_TILES) tpb = MOE_MMA_MAX_TILES;
+  const int tpb = mma_tiles_per_block(T, std::min(resident_wave(kern, MMA_STREAM_THREADS, smem_for(1)), T));
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
-  return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(MOE_MMA_THREADS), smem, st, a,
+  return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(MMA_STREAM_THREADS), smem, st, a,
                          reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb);
-}
-
-template <int FMT>
-static cudaError_t gate_up_mma_width(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
-  const int w = mma_width(FMT, a.dim, mma_max_width());
-  if (w == 4) return gate_up_mma_go<FMT, 4>(a, x, h, st);
-  if (w == 2) return gate_up_mma_go<FMT, 2>(a, x, h, st);
-  return gate_up_mma_go<FMT, 1>(a, x, h, st);
-}
-
-template <int FMT, bool F32>
-static cudaError_t down_mma_width(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
-  const int w = mma_width(FMT, a.inter, mma_max_width());
-  if (w == 4) return down_mma_go<FMT, 4, F32>(a, h, add, out, st);
-  if (w == 2) return down_mma_go<FMT, 2, F32>(a, h, add, out, st);
-  return down_mma_go<FMT, 1, F32>(a, h, add, out, st);
 }
 
 template <int FMT, int NT>
@@ -495,7 +475,11 @@ static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStre
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const int mma = moe_use_mma(a);
   if (mma < 0) return cudaErrorInvalidValue;
-  if (mma) return a.fmt == FMT_FP8 ? gate_up_mma_width<FMT_FP8>(a, x, h, st) : gate_up_mma_width<FMT_FP4>(a, x, h, st);
+  if (mma)
+    return with_mma_width(mma_width(a.fmt, a.dim, mma_max_width()), [&](auto cw) {
+      constexpr int CW = decltype(cw)::value;
+      return a.fmt == FMT_FP8 ? gate_up_mma_go<FMT_FP8, CW>(a, x, h, st) : gate_up_mma_go<FMT_FP4, CW>(a, x, h, st);
+    });
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return gate_up_nt<FMT_FP4>(a, x, h, st);
   if (a.fmt == FMT_FP8) return gate_up_nt<FMT_FP8>(a, x, h, st);
@@ -528,8 +512,14 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const float* add, v
   const int mma = moe_use_mma(a);
   if (mma < 0) return cudaErrorInvalidValue;
   if (mma) {
-    if (a.fmt == FMT_FP8) return out_f32 ? down_mma_width<FMT_FP8, true>(a, h, add, out, st) : down_mma_width<FMT_FP8, false>(a, h, add, out, st);
-    return out_f32 ? down_mma_width<FMT_FP4, true>(a, h, add, out, st) : down_mma_width<FMT_FP4, false>(a, h, add, out, st);
+    return with_mma_width(mma_width(a.fmt, a.inter, mma_max_width()), [&](auto cw) {
+      constexpr int CW = decltype(cw)::value;
+      if (a.fmt == FMT_FP8)
+        return out_f32 ? down_mma_go<FMT_FP8, CW, true>(a, h, add, out, st)
+                       : down_mma_go<FMT_FP8, CW, false>(a, h, add, out, st);
+      return out_f32 ? down_mma_go<FMT_FP4, CW, true>(a, h, add, out, st)
+                     : down_mma_go<FMT_FP4, CW, false>(a, h, add, out, st);
+    });
   }
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return out_f32 ? down_nt<FMT_FP4, true>(a, h, add, out, st) : down_nt<FMT_FP4, false>(a, h, add, out, st);
