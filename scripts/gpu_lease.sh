@@ -9,7 +9,8 @@
 # Stages:
 #   kernel_tests   GPU kernel test modules (GEMV/MoE, attention, decode glue)
 #   kbench         GEMV/MoE micro-benchmark (scripts/bench_kernels.py: tensor-core vs FMA kernels; $MMA_WIDTHS)
-#   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH, $PROBE_ARGS)
+#   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH; $PROBE_ARGS: modes,
+#                  space-separated, e.g. "hc packed")
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
 #   tp2_tests      the 2-GPU tests (tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
 #   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
@@ -45,7 +46,10 @@ stage() {  # stage name, GPU index
     kbench) CUDA_VISIBLE_DEVICES=$g timeout 150 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" --widths "${MMA_WIDTHS:-2}" \
         > "$L/kbench.log" 2>&1 ;;
     probe) nvcc -std=c++17 -O3 -arch=${PROBE_ARCH:-sm_90} -DDS4_PROBE scripts/probe_phases.cu -o /tmp/ds4_probe \
-        > "$L/probe.log" 2>&1 && CUDA_VISIBLE_DEVICES=$g timeout 150 /tmp/ds4_probe ${PROBE_ARGS:-} >> "$L/probe.log" 2>&1 ;;
+        > "$L/probe.log" 2>&1 || return
+      local m; for m in ${PROBE_ARGS:-all}; do   # modes, space-separated (all: the default probe set)
+        CUDA_VISIBLE_DEVICES=$g timeout 150 /tmp/ds4_probe ${m/#all/} >> "$L/probe.log" 2>&1
+      done ;;
     e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 330 $PT tests/test_gpu_e2e.py -k "${E2E_K:-not tp2}" > "$L/e2e_tests.log" 2>&1 ;;
     tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_gpu_e2e.py -k "${TP2_K:-tp2}" > "$L/tp2_tests.log" 2>&1 ;;
     bench) CUDA_VISIBLE_DEVICES=$g timeout 120 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \

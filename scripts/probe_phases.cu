@@ -125,15 +125,42 @@ static void probe_hc() {
   CK(cudaMalloc(&post, sizeof(float) * n));
   CK(cudaMalloc(&comb, sizeof(float) * n * n));
   CK(cudaMalloc(&x, sizeof(__nv_bfloat16) * D));
+  auto* xo = dev_random<__nv_bfloat16>(D, -1.f, 1.f);
+  auto* pin = dev_random<float>(n, 0.f, 2.f);
+  auto* cin = dev_random<float>(n * n, 0.f, 1.f);
+  __nv_bfloat16* hout;
+  CK(cudaMalloc(&hout, sizeof(__nv_bfloat16) * K));
   auto partials = [&](int) {
-    ds4_attn::hc_partials_kernel<24><<<dim3(nsplit, 1), ds4_attn::HC_THREADS>>>(h, false, fn, K, mix, nsplit, part);
+    ds4_attn::hc_partials_kernel<24, false><<<dim3(nsplit, 1), ds4_attn::HC_THREADS>>>(h, false, fn, K, mix, nsplit,
+                                                                                       part, ds4_attn::HcPostArgs{});
+  };
+  ds4_attn::HcPostArgs pa;
+  pa.x = xo;
+  pa.post = pin;
+  pa.comb = cin;
+  pa.n = n;
+  pa.D = D;
+  pa.out = hout;
+  auto post_partials = [&](int) {
+    ds4_attn::hc_partials_kernel<24, true><<<dim3(nsplit, 1), ds4_attn::HC_THREADS>>>(h, false, fn, K, mix, nsplit,
+                                                                                      part, pa);
+  };
+  auto post_only = [&](int) {
+    ds4_attn::hc_post_kernel<<<dim3(K / 256), 256>>>(xo, false, h, false, pin, cin, 1, n, D, hout);
   };
   auto finish = [&](int) {
     ds4_attn::hc_finish_kernel<ds4_attn::HC_NORM_THREADS><<<dim3(1, 1), ds4_attn::HC_NORM_THREADS, D * 4>>>(
         h, false, part, n, D, mix, nsplit, scale, base, 20, 1e-6f, 1e-6f, false, x, post, comb, norm, false);
   };
   phases("hc_partials (nsplit 128)", partials, 3, time_us(partials));
+  phases("hc_partials POST (post fused)", post_partials, 3, time_us(post_partials));
+  std::printf("hc_post alone: %.2f us\n", time_us(post_only));
   phases("hc_finish + norm (512 thr)", finish, 6, time_us(finish));
+  auto finish_norm = [&](int) {
+    ds4_attn::hc_finish_norm_kernel<4><<<dim3(1, 1), ds4_attn::HCN_THREADS>>>(
+        h, part, D, mix, nsplit, scale, base, 20, 1e-6f, 1e-6f, x, post, comb, norm, false);
+  };
+  phases("hc_finish_norm (vectorised)", finish_norm, 4, time_us(finish_norm));
 }
 
 // ---- sparse attention decode: 64 heads x 512, window 128, 512 selected of T/4 compressed entries
@@ -308,8 +335,9 @@ __global__ void read_rows_kernel(const uint8_t* __restrict__ W, int O, int K, un
 // IL = 0: each warp owns tpw whole tiles; IL = 1: the block's 8 tpw tiles are dealt round by round
 // (warp w takes rounds w, w + 8, ...). PD > 0 (IL = 0, sm_90): every 512 / (64 W) rounds lanes
 // 0..15 also issue an L2 bulk prefetch (cp.async.bulk.prefetch) of 512 B of rows 0..15, PD such
-// steps ahead of the loads.
-template <int U, int W, int IL, int PD = 0>
+// steps ahead of the loads. PK = 1 (IL = 0): the matrix repacked in fragment order, so that for each
+// tile and round the 2 W loads of the warp are each 512 contiguous bytes (lane-ordered 16-B chunks).
+template <int U, int W, int IL, int PD = 0, int PK = 0>
 __global__ void read_mma_kernel(const uint8_t* __restrict__ M, int O, int rowb, int tpw, unsigned* out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int gw = blockIdx.x * 8 + warp, nr = rowb / (64 * W);
@@ -331,6 +359,12 @@ __global__ void read_mma_kernel(const uint8_t* __restrict__ M, int O, int rowb, 
     const int f = IL ? i * 8 + warp : i;
     const int tile = tile0 + f / nr, r = f % nr;
     const int ra = min(tile * 16 + g, O - 1), rb = min(tile * 16 + g + 8, O - 1);
+    if (PK) {
+      const uint8_t* base = M + ((long)min(tile, O / 16 - 1) * nr + r) * (2 * W) * 512 + lane * 16;
+#pragma unroll
+      for (int w = 0; w < 2 * W; ++w) v[k][w] = ds4::ld_stream16(base + w * 512);
+      return;
+    }
 #pragma unroll
     for (int w = 0; w < W; ++w) {
       const long off = (long)((4 * r + t) * W + w) * 16;
@@ -401,6 +435,18 @@ static void probe_read_patterns(int O, int K) {
   report("mma U2 W4 (16 rows x 256 B)", time_us([&](int i) {
            read_mma_kernel<2, 4, 0><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
          }));
+  report("mma U8 W1 packed (512 B/instr)", time_us([&](int i) {
+           read_mma_kernel<8, 1, 0, 0, 1><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+         }));
+  report("mma U4 W2 packed (512 B/instr)", time_us([&](int i) {
+           read_mma_kernel<4, 2, 0, 0, 1><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+         }));
+  report("mma U2 W4 packed (512 B/instr)", time_us([&](int i) {
+           read_mma_kernel<2, 4, 0, 0, 1><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+         }));
+  report("mma U8 W2 packed (512 B/instr)", time_us([&](int i) {
+           read_mma_kernel<8, 2, 0, 0, 1><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
+         }));
   if (K % 512 == 0) {
     report("mma U4 W2 + L2 prefetch 1 x 512 B", time_us([&](int i) {
              read_mma_kernel<4, 2, 0, 1><<<nb, 256>>>(Ws[i % copies], O, K, tpw, out);
@@ -442,6 +488,16 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&p, 0));
   std::printf("%s, %d SMs, clock %.2f GHz\n", p.name, p.multiProcessorCount, clock_ghz());
   probe_copy();
+  if (argc > 1 && std::string(argv[1]) == "hc") {  // the mHC kernels only
+    probe_hc();
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "packed") {  // read patterns only (incl. fragment-order repack)
+    probe_read_patterns(24576, 2048);
+    probe_read_patterns(32768, 4096);
+    probe_read_patterns(4096, 8192);
+    return 0;
+  }
   if (argc > 1 && std::string(argv[1]) == "prefetch") {  // read patterns only
     probe_read_patterns(24576, 2048);
     probe_read_patterns(32768, 1024);

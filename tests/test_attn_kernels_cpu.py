@@ -102,6 +102,8 @@ def test_decode_glue_cpu_tensors_go_to_the_twin():
     for impl, (skv, ssc, cache) in zip((fa, ta), states):
         impl.compress_step(kvz, ape, w, pos, f, skv, ssc, cache, 4, True, 1e-6, "fp8")
     assert all(torch.equal(a, b) for a, b in zip(*states))
+    wc = torch.randn(32, 64, generator=g).bfloat16()
+    assert torch.equal(fa.compress_project(x[:, 0], wc), ta.compress_project(x[:, 0], wc))
     q, win, ext = x.float(), torch.randn(2, 8, 64, generator=g), torch.randn(2, 16, 64, generator=g)
     sink, idx = torch.randn(4, generator=g), torch.tensor([[0, 5, 9], [2, 3, 1]])
     for e, i, r in ((None, None, 1), (ext, None, 16), (ext, idx, 4)):
@@ -110,6 +112,10 @@ def test_decode_glue_cpu_tensors_go_to_the_twin():
     fn, sc, base, nw = torch.randn(24, 64, generator=g) * 0.1, torch.ones(3), torch.zeros(24), torch.rand(16, generator=g)
     for a, b in zip(FusedCudaHC().pre(h, fn, sc, base, 20, 1e-6, 1e-6, nw), TorchHC().pre(h, fn, sc, base, 20, 1e-6, 1e-6, nw)):
         assert torch.equal(a, b)
+    xo, post, comb = torch.randn(3, 16, generator=g), torch.rand(3, 4, generator=g), torch.rand(3, 4, 4, generator=g)
+    got = FusedCudaHC().post_pre(xo, h, post, comb, fn, sc, base, 20, 1e-6, 1e-6, nw)
+    want = TorchHC().post_pre(xo, h, post, comb, fn, sc, base, 20, 1e-6, 1e-6, nw)
+    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_indexer_scores_with_positions_mask_invisible_entries():

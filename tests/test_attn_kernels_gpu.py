@@ -61,6 +61,30 @@ def test_hc_pre_post_head(N, n, D, dtype):
     assert rel(y, ry) <= (TOL if dtype == BF16 else 1e-5)
 
 
+@pytest.mark.parametrize("N,n,D,dtype,with_norm", [(1, 4, 4096, BF16, True), (3, 4, 4096, BF16, False),
+                                                   (2, 4, 1024, torch.float32, True), (5, 3, 136, BF16, True),
+                                                   (2, 8, 520, BF16, False), (1, 2, 64, torch.float32, False)])
+def test_hc_post_pre(N, n, D, dtype, with_norm):
+    """A block's post fused into the next site's pre (2 launches) against TorchHC's post then pre."""
+    g = gen(N * 7000 + n * 10 + D)
+    res = randn(N, n, D, g=g, dtype=dtype, scale=2.0)
+    x = randn(N, D, g=g, dtype=dtype)
+    post = torch.rand(N, n, device=DEV, generator=g) * 2
+    comb = torch.rand(N, n, n, device=DEV, generator=g)
+    fn, scale, base = hc_weights(n, D, g)
+    norm = (1 + 0.1 * randn(D, g=g)) if with_norm else None
+    poison()
+    h, xn, pn, cn = kernels_attn.hc_post_pre(x, res, post, comb, fn, scale, base, 20, 1e-6, 1e-6, norm)
+    rh, rxn, rpn, rcn = TorchHC().post_pre(x, res, post, comb, fn, scale, base, 20, 1e-6, 1e-6, norm)
+    for a, b in ((h, rh), (xn, rxn), (pn, rpn), (cn, rcn)):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.isfinite(a).all(), "unwritten outputs"
+    tol = TOL if dtype == BF16 else 1e-5
+    assert rel(h, rh) <= tol and rel(xn, rxn) <= tol, (rel(h, rh), rel(xn, rxn))
+    assert rel(pn, rpn) <= 1e-5 and rel(cn, rcn) <= 1e-5, (rel(pn, rpn), rel(cn, rcn))
+    # the new streams are what hc_post writes (the same arithmetic; at most a rounding apart)
+    assert rel(h, kernels_attn.hc_post(x, res, post, comb)) <= (1e-3 if dtype == BF16 else 1e-6)
+
+
 def test_hc_post_mixed_dtypes():
     g = gen(77)
     res = randn(3, 4, 4096, g=g, dtype=BF16)

@@ -42,7 +42,7 @@ at::Tensor hc_mixes_partials(const at::Tensor& h, const at::Tensor& fn, int64_t&
   const int64_t N = h.size(0), K = h.size(1) * h.size(2), mix = fn.size(0);
   TORCH_CHECK(fn.dim() == 2 && fn.size(1) == K, "ds4_attn.hc: fn must be [mix, hc*D]");
   nsplit = ds4_attn::hc_nsplit((int)K);
-  auto part = at::empty({N, nsplit, mix + 1}, h.options().dtype(at::kFloat));
+  auto part = at::empty({N, mix + 1, nsplit}, h.options().dtype(at::kFloat));
   check_launch(ds4_attn::launch_hc_partials(h.data_ptr(), f32, fn.data_ptr<float>(), (int)N, (int)K, (int)mix,
                                             (int)nsplit, part.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream()),
                "hc_partials");
@@ -61,31 +61,86 @@ void check_hc_inputs(const at::Tensor& h, const at::Tensor& fn, const at::Tensor
   TORCH_CHECK(h.dim() == 3, "ds4_attn.", op, ": h must be [N, hc, D]");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const at::Tensor& fn,
-                                                      const at::Tensor& scale, const at::Tensor& base, int64_t iters,
-                                                      double hc_eps, double norm_eps,
-                                                      const std::optional<at::Tensor>& norm) {
-  check_hc_inputs(h, fn, scale, base, "hc_pre");
+// The finishing launch of hc_pre / hc_post_pre: x, post, comb of h from its partials.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_finish(const at::Tensor& h, const at::Tensor& part, int64_t nsplit,
+                                                             int64_t mix, const at::Tensor& scale,
+                                                             const at::Tensor& base, int64_t iters, double hc_eps,
+                                                             double norm_eps, const std::optional<at::Tensor>& norm,
+                                                             bool nf) {
   const int64_t N = h.size(0), n = h.size(1), D = h.size(2);
-  TORCH_CHECK(fn.size(0) == (2 + n) * n && base.numel() == (2 + n) * n && scale.numel() >= 3,
-              "ds4_attn.hc_pre: fn/base/scale shapes");
-  TORCH_CHECK(iters >= 1, "ds4_attn.hc_pre: iters must be >= 1");
-  const bool nf = norm.has_value() ? norm_weight_f32(*norm, D, "hc_pre") : false;
-  c10::cuda::CUDAGuard guard(h.device());
   auto x = at::empty({N, D}, h.options());
   auto post = at::empty({N, n}, h.options().dtype(at::kFloat));
   auto comb = at::empty({N, n, n}, h.options().dtype(at::kFloat));
-  if (N == 0) return {x, post, comb};
-  int64_t nsplit = 0;
-  auto part = hc_mixes_partials(h, fn, nsplit);
   check_launch(ds4_attn::launch_hc_finish(h.data_ptr(), h.scalar_type() == at::kFloat, part.data_ptr<float>(), (int)N,
-                                          (int)n, (int)D, (int)fn.size(0), (int)nsplit, scale.data_ptr<float>(),
+                                          (int)n, (int)D, (int)mix, (int)nsplit, scale.data_ptr<float>(),
                                           base.data_ptr<float>(), (int)iters, (float)hc_eps, (float)norm_eps, false,
                                           x.data_ptr(), post.data_ptr<float>(), comb.data_ptr<float>(),
                                           norm.has_value() ? norm->data_ptr() : nullptr, nf,
                                           c10::cuda::getCurrentCUDAStream().stream()),
                "hc_finish");
   return {x, post, comb};
+}
+
+void check_pre_weights(const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base, int64_t n,
+                       int64_t iters, const char* op) {
+  check_f32(fn, "fn");
+  check_f32(scale, "scale");
+  check_f32(base, "base");
+  TORCH_CHECK(fn.dim() == 2 && fn.size(0) == (2 + n) * n && base.numel() == (2 + n) * n && scale.numel() >= 3,
+              "ds4_attn.", op, ": fn/base/scale shapes");
+  TORCH_CHECK(iters >= 1, "ds4_attn.", op, ": iters must be >= 1");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const at::Tensor& fn,
+                                                      const at::Tensor& scale, const at::Tensor& base, int64_t iters,
+                                                      double hc_eps, double norm_eps,
+                                                      const std::optional<at::Tensor>& norm) {
+  check_cuda(h, "h");
+  TORCH_CHECK(h.dim() == 3, "ds4_attn.hc_pre: h must be [N, hc, D]");
+  const int64_t N = h.size(0), n = h.size(1), D = h.size(2);
+  check_pre_weights(fn, scale, base, n, iters, "hc_pre");
+  const bool nf = norm.has_value() ? norm_weight_f32(*norm, D, "hc_pre") : false;
+  c10::cuda::CUDAGuard guard(h.device());
+  if (N == 0)
+    return {at::empty({N, D}, h.options()), at::empty({N, n}, h.options().dtype(at::kFloat)),
+            at::empty({N, n, n}, h.options().dtype(at::kFloat))};
+  int64_t nsplit = 0;
+  auto part = hc_mixes_partials(h, fn, nsplit);
+  return hc_pre_finish(h, part, nsplit, fn.size(0), scale, base, iters, hc_eps, norm_eps, norm, nf);
+}
+
+// hc_post(x, res, post, comb) followed by hc_pre of the result with the next site's weights, in 2 launches:
+// -> (h, x_next, post_next, comb_next).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
+    const at::Tensor& x, const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb, const at::Tensor& fn,
+    const at::Tensor& scale, const at::Tensor& base, int64_t iters, double hc_eps, double norm_eps,
+    const std::optional<at::Tensor>& norm) {
+  check_cuda(x, "x");
+  check_cuda(res, "res");
+  check_f32(post, "post");
+  check_f32(comb, "comb");
+  const bool xf = is_f32_act(x, "x"), rf = is_f32_act(res, "res");
+  TORCH_CHECK(res.dim() == 3 && x.dim() == 2, "ds4_attn.hc_post_pre: x [N, D], res [N, hc, D]");
+  const int64_t N = res.size(0), n = res.size(1), D = res.size(2);
+  TORCH_CHECK(x.size(0) == N && x.size(1) == D, "ds4_attn.hc_post_pre: x shape");
+  TORCH_CHECK(post.numel() == N * n && comb.numel() == N * n * n, "ds4_attn.hc_post_pre: post/comb shapes");
+  check_pre_weights(fn, scale, base, n, iters, "hc_post_pre");
+  TORCH_CHECK(fn.size(1) == n * D, "ds4_attn.hc_post_pre: fn must be [mix, hc*D]");
+  const bool nf = norm.has_value() ? norm_weight_f32(*norm, D, "hc_post_pre") : false;
+  c10::cuda::CUDAGuard guard(res.device());
+  auto h = at::empty_like(res);
+  if (N == 0)
+    return {h, at::empty({N, D}, res.options()), at::empty({N, n}, res.options().dtype(at::kFloat)),
+            at::empty({N, n, n}, res.options().dtype(at::kFloat))};
+  const int64_t mix = fn.size(0), nsplit = ds4_attn::hc_nsplit((int)(n * D));
+  auto part = at::empty({N, mix + 1, nsplit}, res.options().dtype(at::kFloat));
+  check_launch(ds4_attn::launch_hc_post_partials(x.data_ptr(), xf, res.data_ptr(), rf, post.data_ptr<float>(),
+                                                 comb.data_ptr<float>(), (int)N, (int)n, (int)D, h.data_ptr(),
+                                                 fn.data_ptr<float>(), (int)mix, (int)nsplit, part.data_ptr<float>(),
+                                                 c10::cuda::getCurrentCUDAStream().stream()),
+               "hc_post_partials");
+  auto [xn, pn, cn] = hc_pre_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, norm, nf);
+  return {h, xn, pn, cn};
 }
 
 at::Tensor hc_head(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,
@@ -420,6 +475,8 @@ TORCH_LIBRARY(ds4_attn, m) {
         "Tensor? norm=None) -> (Tensor, Tensor, Tensor)");
   m.def("hc_head(Tensor h, Tensor fn, Tensor scale, Tensor base, float hc_eps, float norm_eps) -> Tensor");
   m.def("hc_post(Tensor x, Tensor res, Tensor post, Tensor comb) -> Tensor");
+  m.def("hc_post_pre(Tensor x, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, int iters, "
+        "float hc_eps, float norm_eps, Tensor? norm=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sparse_attn(Tensor q, Tensor kv, Tensor valid, Tensor? sel_kv, Tensor? sel_valid, Tensor sink, "
         "float scale) -> Tensor");
   m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1) -> Tensor");
@@ -437,6 +494,7 @@ TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
   m.impl("hc_pre", &hc_pre);
   m.impl("hc_head", &hc_head);
   m.impl("hc_post", &hc_post);
+  m.impl("hc_post_pre", &hc_post_pre);
   m.impl("sparse_attn", &sparse_attn);
   m.impl("indexer_scores", &indexer_scores);
   m.impl("sparse_decode", &sparse_decode);

@@ -9,11 +9,16 @@ namespace ds4_attn {
 
 // ---- mHC (spec §4) -------------------------------------------------------------------------------
 // Partials of mix = fn . vec(h) and of sum(vec(h)^2) for each token, K = hc*D split over nsplit
-// blocks: part [N, nsplit, mix + 1] fp32 (last entry = sum of squares). h is bf16 (h_f32 = false)
+// blocks: part [N, mix + 1, nsplit] fp32 (entry mix = sum of squares). h is bf16 (h_f32 = false)
 // or fp32, [N, hc, D] contiguous; fn fp32 [mix, K] contiguous. mix <= 80.
 int hc_nsplit(int K);
 cudaError_t launch_hc_partials(const void* h, bool h_f32, const float* fn, int N, int K, int mix, int nsplit,
                                float* part, cudaStream_t st);
+// The same partials of the streams that hc_post (below) produces from x, res, post, comb, which are
+// also written to out ([N, n, D], res's dtype): a post followed by the next site's pre (K = n * D).
+cudaError_t launch_hc_post_partials(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,
+                                    const float* comb, int N, int n, int D, void* out, const float* fn, int mix,
+                                    int nsplit, float* part, cudaStream_t st);
 // Finish: reduce partials, r = rsqrt(mean(v^2) + norm_eps), mixes m = partial * r; then
 //  head = false (hc_pre): pre = sigmoid(m[:n]*scale[0] + base[:n]) + hc_eps,
 //     post = 2 sigmoid(m[n:2n]*scale[1] + base[n:2n]), comb = Sinkhorn(m[2n:]*scale[2] + base[2n:]);

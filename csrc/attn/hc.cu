@@ -1,13 +1,17 @@
-// mHC pre / post / head (spec §4) in three small launches per call site:
+// mHC pre / post / head (spec §4) in small launches per call site:
 //   hc_partials: the (2+hc)*hc x hc*D fp32 matvec and the sum of squares, K split over ~128 blocks
-//                per token (partials in a small fp32 workspace);
+//                per token (partials in a small fp32 workspace); the fn values of a thread's first
+//                pass are loaded before the PDL wait (weights). Its POST form first computes the
+//                elements of the previous site's hc_post (below) and writes them: a block's post
+//                followed by the next site's pre is 2 launches, not 3 (hc_post_pre);
 //   hc_finish:   reduce the partials, RMS factor, sigmoids, Sinkhorn (exact op order of
 //                ds4.ops.hc_torch.sinkhorn), weighted sum of the streams (D split over blocks, each
 //                block redoes the tiny Sinkhorn so no third launch is needed); with the block's
 //                attn/ffn norm weight, one block per token (HC_NORM_THREADS wide with unrolled
 //                passes over D) that also RMS-normalises the result, its warp 0 running the Sinkhorn
 //                meanwhile. H200, no PDL, per call: 29.7 us at 128 threads, 13.7 us at 512, 8.6 us
-//                with sinkhorn_warp below;
+//                with a shuffle-based Sinkhorn in one warp, 8.0 us with it overlapped (session 5);
+//                the Sinkhorn now runs in one thread's registers (sinkhorn_regs);
 //   hc_post:     out[k] = post[k] x + sum_j comb[j, k] res[j], elementwise.
 #include "attn_common.cuh"
 #include "attn_launch.h"
@@ -26,25 +30,69 @@ int hc_nsplit(int K) {
   return (K + chunk - 1) / chunk;
 }
 
-template <int MAXM>
+// The previous site's hc_post, fused into hc_partials (POST): x = that block's output [N, D],
+// res = the residual streams it updates [N, n, D], out = the new streams (res's dtype).
+struct HcPostArgs {
+  const void* x = nullptr;
+  bool x_f32 = false;
+  const float* post = nullptr;  // [N, n]
+  const float* comb = nullptr;  // [N, n, n]
+  int n = 0, D = 0;
+  void* out = nullptr;
+};
+
+// Element k = j * D + d of token t's new streams: post[j] x[d] + sum_i comb[i, j] res[i, d] in fp32
+// (hc_post_kernel's order), stored in res's dtype; returns the stored value.
+__device__ __forceinline__ float hc_post_elem(const HcPostArgs& a, const void* res, bool res_f32, int t, int k) {
+  const int j = k / a.D, d = k - j * a.D;
+  const float* cb = a.comb + (long)t * a.n * a.n;
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < HC_MAX_N; ++i)
+    if (i < a.n) acc += cb[i * a.n + j] * ld_as_float(res, ((long)t * a.n + i) * a.D + d, res_f32);
+  const float v = a.post[(long)t * a.n + j] * ld_as_float(a.x, (long)t * a.D + d, a.x_f32) + acc;
+  const long o = (long)t * a.n * a.D + k;
+  if (res_f32) {
+    static_cast<float*>(a.out)[o] = v;
+    return v;
+  }
+  const __nv_bfloat16 b = __float2bfloat16(v);
+  static_cast<__nv_bfloat16*>(a.out)[o] = b;
+  return __bfloat162float(b);
+}
+
+// part[t, m, split] (m = mix: the sum of squares), split-contiguous so that hc_coeffs' lanes read
+// consecutive words.
+template <int MAXM, bool POST>
 __global__ void __launch_bounds__(HC_THREADS) hc_partials_kernel(const void* __restrict__ h, bool h_f32,
                                                                   const float* __restrict__ fn, int K, int mix,
-                                                                  int nsplit, float* __restrict__ part) {
+                                                                  int nsplit, float* __restrict__ part, HcPostArgs pa) {
   DS4_MARK(0);
-  ds4_pdl::begin();
   const int split = blockIdx.x, t = blockIdx.y;
   const int chunk = (K + nsplit - 1) / nsplit;
   const int k0 = split * chunk, k1 = min(K, k0 + chunk);
+  // fn is a weight: the first pass's values are loaded before the wait for the previous kernel
+  float f[MAXM];
+  int k = k0 + threadIdx.x;
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) f[m] = (m < mix && k < k1) ? __ldg(fn + (long)m * K + k) : 0.f;
+  ds4_pdl::begin();
   float acc[MAXM + 1];
 #pragma unroll
   for (int m = 0; m <= MAXM; ++m) acc[m] = 0.f;
   const long hoff = (long)t * K;
-  for (int k = k0 + threadIdx.x; k < k1; k += HC_THREADS) {
-    const float v = ld_as_float(h, hoff + k, h_f32);
+  for (; k < k1; k += HC_THREADS) {
+    const float v = POST ? hc_post_elem(pa, h, h_f32, t, k) : ld_as_float(h, hoff + k, h_f32);
     acc[MAXM] += v * v;
 #pragma unroll
     for (int m = 0; m < MAXM; ++m)
-      if (m < mix) acc[m] += __ldg(fn + (long)m * K + k) * v;
+      if (m < mix) acc[m] += f[m] * v;
+    const int kn = k + HC_THREADS;
+    if (kn < k1) {
+#pragma unroll
+      for (int m = 0; m < MAXM; ++m)
+        if (m < mix) f[m] = __ldg(fn + (long)m * K + kn);
+    }
   }
   DS4_MARK(1);
   __shared__ float red[HC_THREADS / 32][MAXM + 1];
@@ -62,59 +110,95 @@ __global__ void __launch_bounds__(HC_THREADS) hc_partials_kernel(const void* __r
     float v = 0.f;
 #pragma unroll
     for (int w = 0; w < HC_THREADS / 32; ++w) v += red[w][src];
-    part[((long)t * nsplit + split) * (mix + 1) + m] = v;
+    part[((long)t * (mix + 1) + m) * nsplit + split] = v;
   }
   DS4_MARK(2);
 }
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
 
-// Sinkhorn of an N x N matrix (N = 1, 2, 4) in one warp, lane j*N + k holding C[j][k] (c: the logits),
-// in ds4.ops.hc_torch.sinkhorn's op order: row softmax + eps, column normalise, then iters - 1 rounds
-// of row and column normalisation. Rows / columns are reduced with shuffles (row partners differ in
-// the low log2(N) lane bits, column partners in the next ones). Lanes >= N*N run the same steps on
-// their own values (xor offsets < N*N never leave that range) starting from 0, so they stay finite:
-// a division with a NaN or zero operand takes the slow path of the IEEE division for the whole warp
-// (H200: 8.7 us for 20 iterations when those lanes carried NaN, 5.4 us with a runtime N).
-template <int N>
-__device__ __forceinline__ float sinkhorn_warp(float c, int iters, float hc_eps) {
-  constexpr unsigned full = 0xffffffffu;
-  constexpr int NN = N * N;
-  float mx = c;
-#pragma unroll
-  for (int o = 1; o < N; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(full, mx, o));
-  const float e = expf(c - mx);
-  float sum = e;
-#pragma unroll
-  for (int o = 1; o < N; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
-  c = e / sum + hc_eps;  // row softmax + eps
-  sum = c;
-#pragma unroll
-  for (int o = N; o < NN; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
-  c = c / (sum + hc_eps);  // column normalise
-  for (int it = 1; it < iters; ++it) {
-    sum = c;
-#pragma unroll
-    for (int o = 1; o < N; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
-    c = c / (sum + hc_eps);  // rows
-    sum = c;
-#pragma unroll
-    for (int o = N; o < NN; o <<= 1) sum += __shfl_xor_sync(full, sum, o);
-    c = c / (sum + hc_eps);  // columns
-  }
-  return c;
+// reciprocal, MUFU approximation (<= 1 ulp; the sums here lie in [eps, n + eps], never subnormal)
+__device__ __forceinline__ float rcp_approx(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
 }
 
-// comb of token t (block x = 0 writes it) by sinkhorn_warp in warp 0, from the reduced partials tot.
-__device__ __forceinline__ void hc_comb_warp(const float* tot, int t, int n, int D, int mix, const float* scale,
-                                             const float* base, int iters, float hc_eps, float norm_eps,
-                                             float* __restrict__ comb) {
-  const int lane = threadIdx.x, nn = n * n;
-  const float r = rsqrtf(tot[mix] / (float)(n * D) + norm_eps);
-  const float c0 = lane < nn ? tot[2 * n + lane] * r * scale[2] + base[2 * n + lane] : 0.f;
-  const float c = n == 4 ? sinkhorn_warp<4>(c0, iters, hc_eps)
-                : n == 2 ? sinkhorn_warp<2>(c0, iters, hc_eps) : sinkhorn_warp<1>(c0, iters, hc_eps);
-  if (lane < nn && blockIdx.x == 0) comb[(long)t * nn + lane] = c;
+// Sinkhorn of an N x N matrix held in one thread's registers (c: the logits), in
+// ds4.ops.hc_torch.sinkhorn's op order: row softmax + eps, column normalise, then iters - 1 rounds of
+// row and column normalisation. Each row / column is scaled by the reciprocal of its sum instead of
+// divided by the sum: comb then differs from the reference's divisions by a few ulp (fp32), where 20
+// iterations of divisions and shuffles across lanes were ~3 us of latency on the critical path.
+template <int N>
+__device__ __forceinline__ void sinkhorn_regs(float (&c)[N * N], int iters, float hc_eps) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {  // row softmax + eps
+    float mx = c[j * N];
+#pragma unroll
+    for (int k = 1; k < N; ++k) mx = fmaxf(mx, c[j * N + k]);
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      c[j * N + k] = expf(c[j * N + k] - mx);
+      sum += c[j * N + k];
+    }
+    const float r = rcp_approx(sum);
+#pragma unroll
+    for (int k = 0; k < N; ++k) c[j * N + k] = c[j * N + k] * r + hc_eps;
+  }
+  auto cols = [&]() {
+    float r[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < N; ++j) sum += c[j * N + k];
+      r[k] = rcp_approx(sum + hc_eps);
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int k = 0; k < N; ++k) c[j * N + k] *= r[k];
+  };
+  cols();
+  for (int it = 1; it < iters; ++it) {
+    float r[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < N; ++k) sum += c[j * N + k];
+      r[j] = rcp_approx(sum + hc_eps);
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int k = 0; k < N; ++k) c[j * N + k] *= r[j];
+    cols();
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void hc_comb_n(const float* tot, int t, int D, int mix, const float* scale, const float* base,
+                                          int iters, float hc_eps, float norm_eps, float* __restrict__ comb) {
+  const float r = rsqrtf(tot[mix] / (float)(N * D) + norm_eps);
+  float c[N * N];
+#pragma unroll
+  for (int i = 0; i < N * N; ++i) c[i] = tot[2 * N + i] * r * scale[2] + base[2 * N + i];
+  sinkhorn_regs<N>(c, iters, hc_eps);
+  if (blockIdx.x == 0) {
+#pragma unroll
+    for (int i = 0; i < N * N; ++i) comb[(long)t * N * N + i] = c[i];
+  }
+}
+
+// comb of token t (block x = 0 writes it), computed by the calling thread alone (n = 1, 2, 4).
+__device__ __forceinline__ void hc_comb_thread(const float* tot, int t, int n, int D, int mix, const float* scale,
+                                               const float* base, int iters, float hc_eps, float norm_eps,
+                                               float* __restrict__ comb) {
+  if (n == 4) hc_comb_n<4>(tot, t, D, mix, scale, base, iters, hc_eps, norm_eps, comb);
+  else if (n == 2) hc_comb_n<2>(tot, t, D, mix, scale, base, iters, hc_eps, norm_eps, comb);
+  else hc_comb_n<1>(tot, t, D, mix, scale, base, iters, hc_eps, norm_eps, comb);
 }
 
 // Reduces the token's partials and computes pre[] (shared memory; valid after the caller's
@@ -127,21 +211,35 @@ __device__ __forceinline__ void hc_coeffs(const float* __restrict__ part, int t,
                                           float hc_eps, float norm_eps, bool head, float* __restrict__ post,
                                           float* __restrict__ comb, float* tot, float* pre, float* cm,
                                           bool defer_warp_sinkhorn = false) {
-  {  // one warp per mix entry: lanes stride over the splits, then a fixed shuffle tree (deterministic);
-     // a serial loop over ~128 partials per thread was ~12 us of dependent L2 round trips
+  {  // one warp per mix entry (two per pass, their loads issued together): lanes stride over the
+     // splits, then a fixed shuffle tree (deterministic); a serial loop over ~128 partials per thread
+     // was ~12 us of dependent L2 round trips
+    constexpr int NW = THREADS / 32;
     const int lane = threadIdx.x & 31;
-    for (int m = threadIdx.x >> 5; m <= mix; m += THREADS / 32) {
-      float v = 0.f;
+    for (int m0 = threadIdx.x >> 5; m0 <= mix; m0 += 2 * NW) {
+      const int m1 = m0 + NW;
+      const float* p0 = part + ((long)t * (mix + 1) + m0) * nsplit;
+      const float* p1 = part + ((long)t * (mix + 1) + min(m1, mix)) * nsplit;
+      float v0 = 0.f, v1 = 0.f;
 #pragma unroll 4
-      for (int s = lane; s < nsplit; s += 32) v += part[((long)t * nsplit + s) * (mix + 1) + m];
-      for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) tot[m] = v;
+      for (int s = lane; s < nsplit; s += 32) {
+        v0 += p0[s];
+        v1 += p1[s];
+      }
+      for (int o = 16; o; o >>= 1) {
+        v0 += __shfl_xor_sync(0xffffffffu, v0, o);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+      }
+      if (lane == 0) {
+        tot[m0] = v0;
+        if (m1 <= mix) tot[m1] = v1;
+      }
     }
   }
   __syncthreads();
   DS4_MARK(2);
-  // n a power of two <= 4 (V4: n = 4): warp 0 runs Sinkhorn in registers (sinkhorn_warp); other n use
-  // the serial loop below (~20 dependent divisions deep per iteration on one thread).
+  // n = 1, 2, 4 (V4: n = 4): one thread runs the Sinkhorn in registers (hc_comb_thread); other n use
+  // the serial loop below (true divisions, ~20 dependent divisions deep per iteration).
   const bool warp_sinkhorn = !head && (n == 1 || n == 2 || n == 4);
   if (threadIdx.x < 32) {  // lane j: pre[j]; lane n + j: post[j] (n <= 8)
     const int lane = threadIdx.x;
@@ -191,8 +289,8 @@ __device__ __forceinline__ void hc_coeffs(const float* __restrict__ part, int t,
         for (int i = 0; i < n * n; ++i) comb[(long)t * n * n + i] = cm[i];
     }
   }
-  if (warp_sinkhorn && !defer_warp_sinkhorn && threadIdx.x < 32)
-    hc_comb_warp(tot, t, n, D, mix, scale, base, iters, hc_eps, norm_eps, comb);
+  if (warp_sinkhorn && !defer_warp_sinkhorn && threadIdx.x == 0)
+    hc_comb_thread(tot, t, n, D, mix, scale, base, iters, hc_eps, norm_eps, comb);
 }
 
 template <int THREADS>
@@ -215,8 +313,8 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
   __shared__ float cm[HC_MAX_N * HC_MAX_N];
   // With the norm (one block per token), warp 0 runs the Sinkhorn while warps 1.. form x and normalise
   // it: the two are independent (comb is only read by hc_post, after the attention / FFN), so the
-  // kernel takes the longer of them instead of their sum (H200 probe: Sinkhorn 3.5 us, weighted sum
-  // + norm 2.2 us).
+  // kernel takes the longer of them instead of their sum (H200 probe, session 4: Sinkhorn 3.5 us across
+  // a warp, weighted sum + norm 2.2 us).
   const bool overlap = norm != nullptr && !head && (n == 1 || n == 2 || n == 4) && THREADS > 32;
   hc_coeffs<THREADS>(part, t, n, D, mix, nsplit, s_scale, s_base, iters, hc_eps, norm_eps, head, post, comb, tot, pre,
                      cm, overlap);
@@ -225,7 +323,7 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
   const long hoff = (long)t * n * D;
   if (norm != nullptr) {  // one block per token: x in h's dtype, then the block's RMSNorm (fp32) over it
     if (overlap && threadIdx.x < 32) {
-      hc_comb_warp(tot, t, n, D, mix, s_scale, s_base, iters, hc_eps, norm_eps, comb);
+      if (threadIdx.x == 0) hc_comb_thread(tot, t, n, D, mix, s_scale, s_base, iters, hc_eps, norm_eps, comb);
       DS4_MARK(4);
       DS4_MARK(5);
       return;
@@ -274,6 +372,147 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
   }
 }
 
+// hc_finish with the block norm for the V4 case (bf16 h, n = 1, 2, 4, D % 8 == 0, D <= 8 * HCN_VEC * 32 *
+// HCN_WARPS), one block per token: HCN_WARPS warps form x and normalise it in registers (8-value
+// chunks, HCN_VEC per thread), one more warp runs the Sinkhorn meanwhile. Before the PDL wait a
+// thread loads its norm weights (a weight); right after it, it issues the loads of its h chunks,
+// which are consumed only after the partial reduction. The generic kernel above instead makes ~5
+// dependent passes over global / shared memory (H200 probe: 8.2 us per launch with the Sinkhorn
+// overlapped, its thread-0 timeline 3.9 us).
+constexpr int HCN_WARPS = 16;
+constexpr int HCN_THREADS = 32 * (HCN_WARPS + 1);
+constexpr int HCN_VEC = 2;
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& u, float* f) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+template <int N>
+__global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
+    const __nv_bfloat16* __restrict__ h, const float* __restrict__ part, int D, int mix, int nsplit,
+    const float* __restrict__ scale, const float* __restrict__ base, int iters, float hc_eps, float norm_eps,
+    __nv_bfloat16* __restrict__ x, float* __restrict__ post, float* __restrict__ comb, const void* __restrict__ norm,
+    bool norm_f32) {
+  DS4_MARK(0);
+  __shared__ float s_scale[3], s_base[HC_MAX_MIX], tot[HC_MAX_MIX + 1], pre[HC_MAX_N], red[HCN_WARPS];
+  const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool sk_warp = warp == HCN_WARPS;  // the last warp: thread 0 (the probe's timeline) is an x / norm thread
+  const int nch = D / 8;
+  for (int i = threadIdx.x; i < mix; i += HCN_THREADS) s_base[i] = base[i];
+  if (threadIdx.x < 3) s_scale[threadIdx.x] = scale[threadIdx.x];
+  float wn[HCN_VEC][8];
+#pragma unroll
+  for (int v = 0; v < HCN_VEC; ++v) {
+    const int c = threadIdx.x + v * 32 * HCN_WARPS;
+    if (sk_warp || c >= nch) continue;
+    if (norm_f32) {
+      const float4 a = reinterpret_cast<const float4*>(norm)[2 * c], b = reinterpret_cast<const float4*>(norm)[2 * c + 1];
+      const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) wn[v][e] = f[e];
+    } else {
+      bf16x8_to_float(reinterpret_cast<const uint4*>(norm)[c], wn[v]);
+    }
+  }
+  ds4_pdl::begin();
+  DS4_MARK(1);
+  uint4 hv[HCN_VEC][N];
+  const __nv_bfloat16* ht = h + (long)t * N * D;
+#pragma unroll
+  for (int v = 0; v < HCN_VEC; ++v) {
+    const int c = threadIdx.x + v * 32 * HCN_WARPS;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (!sk_warp && c < nch) hv[v][j] = reinterpret_cast<const uint4*>(ht + (long)j * D)[c];
+  }
+  {  // the token's partials (as hc_coeffs): one warp per mix entry, two per pass
+    constexpr int NW = HCN_THREADS / 32;
+    for (int m0 = warp; m0 <= mix; m0 += 2 * NW) {
+      const int m1 = m0 + NW;
+      const float* p0 = part + ((long)t * (mix + 1) + m0) * nsplit;
+      const float* p1 = part + ((long)t * (mix + 1) + min(m1, mix)) * nsplit;
+      float v0 = 0.f, v1 = 0.f;
+#pragma unroll 4
+      for (int s = lane; s < nsplit; s += 32) {
+        v0 += p0[s];
+        v1 += p1[s];
+      }
+      for (int o = 16; o; o >>= 1) {
+        v0 += __shfl_xor_sync(0xffffffffu, v0, o);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+      }
+      if (lane == 0) {
+        tot[m0] = v0;
+        if (m1 <= mix) tot[m1] = v1;
+      }
+    }
+  }
+  __syncthreads();
+  DS4_MARK(2);
+  if (sk_warp) {
+    if (lane == 0) hc_comb_n<N>(tot, t, D, mix, s_scale, s_base, iters, hc_eps, norm_eps, comb);
+    return;
+  }
+  constexpr int NT = 32 * HCN_WARPS;  // the x / norm threads (named barrier 1)
+  if (warp == 0) {  // lane j: pre[j]; lane N + j: post[j]
+    const float r = rsqrtf(tot[mix] / (float)(N * D) + norm_eps);
+    if (lane < N)
+      pre[lane] = sigmoidf_(tot[lane] * r * s_scale[0] + s_base[lane]) + hc_eps;
+    else if (lane < 2 * N)
+      post[(long)t * N + lane - N] = 2.f * sigmoidf_(tot[lane] * r * s_scale[1] + s_base[lane]);
+  }
+  asm volatile("bar.sync 1, %0;" ::"r"(NT) : "memory");
+  float pj[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) pj[j] = pre[j];
+  float xv[HCN_VEC][8], ss = 0.f;
+#pragma unroll
+  for (int v = 0; v < HCN_VEC; ++v) {
+    const int c = threadIdx.x + v * NT;
+    if (c >= nch) continue;
+    float hf[N][8];
+#pragma unroll
+    for (int j = 0; j < N; ++j) bf16x8_to_float(hv[v][j], hf[j]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < N; ++j) acc += pj[j] * hf[j][e];
+      xv[v][e] = bf16r(acc);  // x in h's dtype, as hc_pre returns it before the norm
+      ss += xv[v][e] * xv[v][e];
+    }
+  }
+  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (lane == 0) red[warp] = ss;
+  asm volatile("bar.sync 1, %0;" ::"r"(NT) : "memory");
+  float tot_ss = 0.f;
+#pragma unroll
+  for (int w = 0; w < HCN_WARPS; ++w) tot_ss += red[w];
+  const float r = rsqrtf(tot_ss / (float)D + norm_eps);
+#pragma unroll
+  for (int v = 0; v < HCN_VEC; ++v) {
+    const int c = threadIdx.x + v * NT;
+    if (c >= nch) continue;
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      o[i] = pack_bf16(xv[v][2 * i] * r * wn[v][2 * i], xv[v][2 * i + 1] * r * wn[v][2 * i + 1]);
+    reinterpret_cast<uint4*>(x + (long)t * D)[c] = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+  DS4_MARK(3);
+}
+
+static bool hc_finish_norm_ok(const void* h, bool h_f32, int n, int D, const void* x, const void* norm) {
+  const bool aligned = ((reinterpret_cast<uintptr_t>(h) | reinterpret_cast<uintptr_t>(x) |
+                         reinterpret_cast<uintptr_t>(norm)) & 15) == 0;  // 16-byte chunk loads / stores
+  return aligned && !h_f32 && (n == 1 || n == 2 || n == 4) && D % 8 == 0 && D / 8 <= HCN_VEC * 32 * HCN_WARPS;
+}
+
 __global__ void hc_post_kernel(const void* __restrict__ x, bool x_f32, const void* __restrict__ res, bool res_f32,
                                const float* __restrict__ post, const float* __restrict__ comb, int N, int n, int D,
                                void* out) {
@@ -300,13 +539,34 @@ __global__ void hc_post_kernel(const void* __restrict__ x, bool x_f32, const voi
   }
 }
 
-cudaError_t launch_hc_partials(const void* h, bool h_f32, const float* fn, int N, int K, int mix, int nsplit,
-                               float* part, cudaStream_t st) {
+template <bool POST>
+static cudaError_t launch_partials(const void* h, bool h_f32, const float* fn, int N, int K, int mix, int nsplit,
+                                   float* part, const HcPostArgs& pa, cudaStream_t st) {
   if (mix < 1 || mix > HC_MAX_MIX || N < 1 || K < 1 || nsplit < 1 || N > 65535) return cudaErrorInvalidValue;
   dim3 grid(nsplit, N);
-  auto kern = mix <= 4 ? hc_partials_kernel<4> : mix <= 24 ? hc_partials_kernel<24>
-            : mix <= 48 ? hc_partials_kernel<48> : hc_partials_kernel<80>;
-  return ds4_pdl::launch(kern, grid, dim3(HC_THREADS), 0, st, h, h_f32, fn, K, mix, nsplit, part);
+  auto kern = mix <= 4 ? hc_partials_kernel<4, POST> : mix <= 24 ? hc_partials_kernel<24, POST>
+            : mix <= 48 ? hc_partials_kernel<48, POST> : hc_partials_kernel<80, POST>;
+  return ds4_pdl::launch(kern, grid, dim3(HC_THREADS), 0, st, h, h_f32, fn, K, mix, nsplit, part, pa);
+}
+
+cudaError_t launch_hc_partials(const void* h, bool h_f32, const float* fn, int N, int K, int mix, int nsplit,
+                               float* part, cudaStream_t st) {
+  return launch_partials<false>(h, h_f32, fn, N, K, mix, nsplit, part, HcPostArgs{}, st);
+}
+
+cudaError_t launch_hc_post_partials(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,
+                                    const float* comb, int N, int n, int D, void* out, const float* fn, int mix,
+                                    int nsplit, float* part, cudaStream_t st) {
+  if (n < 1 || n > HC_MAX_N) return cudaErrorInvalidValue;
+  HcPostArgs pa;
+  pa.x = x;
+  pa.x_f32 = x_f32;
+  pa.post = post;
+  pa.comb = comb;
+  pa.n = n;
+  pa.D = D;
+  pa.out = out;
+  return launch_partials<true>(res, res_f32, fn, N, n * D, mix, nsplit, part, pa, st);
 }
 
 cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N, int n, int D, int mix, int nsplit,
@@ -316,6 +576,12 @@ cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N
   if (n < 1 || n > HC_MAX_N || mix > HC_MAX_MIX || N < 1 || N > 65535) return cudaErrorInvalidValue;
   if (head ? mix != n : mix != (2 + n) * n) return cudaErrorInvalidValue;
   if (norm != nullptr && (long)D * 4 > 48 * 1024) return cudaErrorInvalidValue;
+  if (norm != nullptr && !head && hc_finish_norm_ok(h, h_f32, n, D, x, norm)) {
+    auto kern = n == 4 ? hc_finish_norm_kernel<4> : n == 2 ? hc_finish_norm_kernel<2> : hc_finish_norm_kernel<1>;
+    return ds4_pdl::launch(kern, dim3(1, N), dim3(HCN_THREADS), 0, st, static_cast<const __nv_bfloat16*>(h), part, D,
+                           mix, nsplit, scale, base, iters, hc_eps, norm_eps, static_cast<__nv_bfloat16*>(x), post,
+                           comb, norm, norm_f32);
+  }
   if (norm != nullptr)
     return ds4_pdl::launch(hc_finish_kernel<HC_NORM_THREADS>, dim3(1, N), dim3(HC_NORM_THREADS), (size_t)D * sizeof(float),
                            st, h, h_f32, part, n, D, mix, nsplit, scale, base, iters, hc_eps, norm_eps, head, x, post,

@@ -66,6 +66,16 @@ def hc_post(x: Tensor, res: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     return _ops().hc_post(x.contiguous(), res.contiguous(), post.float().contiguous(), comb.float().contiguous())
 
 
+def hc_post_pre(x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+                iters: int, hc_eps: float, norm_eps: float,
+                norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """hc_post(x, res, post, comb) -> h, then hc_pre(h, fn, scale, base, ..., norm), in two launches (the
+    post's elements are formed inside the pre's matvec): -> (h, x_next, post_next, comb_next)."""
+    return _ops().hc_post_pre(x.contiguous(), res.contiguous(), post.float().contiguous(), comb.float().contiguous(),
+                              fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous(),
+                              int(iters), float(hc_eps), float(norm_eps), None if norm is None else norm.contiguous())
+
+
 def _rows_ok(t: Tensor) -> Tensor:
     ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
         t.stride(i) % 8 == 0 or t.shape[i] == 1 for i in range(t.dim() - 1))
@@ -135,5 +145,5 @@ def compress_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Te
                          bool(fp8_nope))
 
 
-__all__ = ["load", "unavailable_reason", "build_dir", "hc_pre", "hc_head", "hc_post", "sparse_attn",
+__all__ = ["load", "unavailable_reason", "build_dir", "hc_pre", "hc_head", "hc_post", "hc_post_pre", "sparse_attn",
            "indexer_scores", "sparse_decode", "rms_norm", "head_rope", "kv_store", "compress_step", "topk"]

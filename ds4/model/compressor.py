@@ -44,15 +44,8 @@ class Compressor(WeightsModule):
 
     # ---- shared pieces ----------------------------------------------------------------------
     def project_merged(self, x: Tensor) -> Tensor:
-        """x [..., dim] -> [kv | z] [..., 2*coff*w] fp32 (no ape yet).
-
-        The reference holds these weights in fp32 (BF16 values) and multiplies fp32 inputs. BF16 x
-        BF16 products are exact in fp32, so on CUDA a BF16 matmul with fp32 accumulation and output
-        gives the same numbers (up to summation order) without an fp32 copy of the weights."""
-        w = self.wkv_gate
-        if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
-            return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-        return x.float() @ w.float().t()
+        """x [..., dim] -> [kv | z] [..., 2*coff*w] fp32 (no ape yet)."""
+        return project_f32(x, self.wkv_gate)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [..., dim] -> kv, z [..., coff*w] fp32 (no ape yet)."""
@@ -100,10 +93,21 @@ class Compressor(WeightsModule):
     # ---- decode: one token per row at positions pos [B] --------------------------------------
     def decode(self, x: Tensor, pos: Tensor, freqs: Tensor, qat: bool, state: dict[str, Tensor],
                cache: Tensor, attn) -> None:
-        """x [B, dim]; `attn.compress_step` writes the token into the state and the entry into
-        cache[b, pos//m] (see `decode_step`)."""
-        attn.compress_step(self.project_merged(x), self.ape, self.norm, pos, freqs, state["kv"], state["score"], cache,
-                           self.m, self.overlap, self.args.norm_eps, self.quant if qat else None)
+        """x [B, dim]; `attn.compress_project` is the merged projection, `attn.compress_step` writes the token
+        into the state and the entry into cache[b, pos//m] (see `decode_step`)."""
+        kvz = attn.compress_project(x, self.wkv_gate)
+        attn.compress_step(kvz, self.ape, self.norm, pos, freqs, state["kv"], state["score"], cache, self.m,
+                           self.overlap, self.args.norm_eps, self.quant if qat else None)
+
+
+def project_f32(x: Tensor, w: Tensor) -> Tensor:
+    """x [..., dim] @ w[rows, dim]^T in fp32. The reference holds the compressor weights in fp32 (BF16
+    values) and multiplies fp32 inputs. BF16 x BF16 products are exact in fp32, so on CUDA a BF16 matmul
+    with fp32 accumulation and output gives the same numbers (up to summation order) without an fp32
+    copy of the weights."""
+    if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
+        return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+    return x.float() @ w.float().t()
 
 
 def finish_entry(x: Tensor, weight: Tensor, eps: float, positions: Tensor, freqs: Tensor,

@@ -23,6 +23,10 @@ from ds4.model.weights_module import WeightsModule, weight_format
 from ds4.profile import NULL_PROFILER, Profiler
 
 
+# (x, res, post, comb): a block output whose hc.post onto the streams `res` is pending (Block.forward)
+Carry = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
 @dataclass
 class DecodeState:
     """Everything decode reads and writes, preallocated for (max_batch, max_seq_len) (spec §9)."""
@@ -54,21 +58,32 @@ class Block(WeightsModule):
         self.attn.load(t, f"{p}.attn")
         self.ffn.load(t, f"{p}.ffn")
 
-    def forward(self, h: Tensor, token_ids: Tensor, attend: Callable[[Attention, Tensor], Tensor]) -> Tensor:
-        """h [N, hc, dim] residual streams; `attend(attn, x)` runs prefill or decode attention."""
+    def forward(self, h: Tensor, token_ids: Tensor, attend: Callable[[Attention, Tensor], Tensor],
+                carry: Carry | None = None) -> tuple[Tensor, Carry]:
+        """h [N, hc, dim] residual streams; `attend(attn, x)` runs prefill or decode attention.
+        carry: the previous block's FFN output with its post / comb, whose hc.post onto h is still to be
+        done: it is done here together with this block's first hc.pre (hc.post_pre: one step, which the
+        CUDA implementation runs in 2 launches instead of 3). Returns (h, carry) with this block's own
+        last hc.post left to the caller in the same way (`finish_streams` applies it)."""
         a, hc = self.args, self.ops.hc
-        with self.prof("hc.pre"):  # hc.pre returns the collapsed stream already RMS-normed with attn_norm
-            x, post, comb = hc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
-                                   a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
+        with self.prof("hc.pre"):  # x comes back already RMS-normed with attn_norm
+            if carry is None:
+                x, post, comb = hc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
+                                       a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
+            else:
+                h, x, post, comb = hc.post_pre(*carry, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
+                                               a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
         x = attend(self.attn, x)
-        with self.prof("hc.post"):
-            h = hc.post(x, h, post, comb)
-        with self.prof("hc.pre"):
-            x, post, comb = hc.pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
-                                   a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.ffn_norm)
+        with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN
+            h, x, post, comb = hc.post_pre(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
+                                           a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.ffn_norm)
         x = self.ffn(x, token_ids)
+        return h, (x, h, post, comb)
+
+    def finish_streams(self, carry: Carry) -> Tensor:
+        """The pending hc.post of a carry: the block's output streams [N, hc, dim]."""
         with self.prof("hc.post"):
-            return hc.post(x, h, post, comb)
+            return self.ops.hc.post(*carry)
 
 
 class MTPBlock(Block):
@@ -181,6 +196,14 @@ class Transformer(WeightsModule):
         with self.prof("comm.head"):
             return self.comm.gather_vocab(out)
 
+    def _run_blocks(self, h: Tensor, ids: Tensor, attend, state: DecodeState) -> Tensor:
+        """The blocks over h [N, hc, dim]; `attend(attn, x, layer_state)`. Each block's last hc.post is
+        fused into the next block's first hc.pre (Block.forward's carry)."""
+        carry = None
+        for blk, st in zip(self.layers, state.layers):
+            h, carry = blk(h, ids, lambda attn, x, st=st: attend(attn, x, st), carry)
+        return h if carry is None else self.layers[-1].finish_streams(carry)
+
     # ---- prefill / decode ---------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids: Tensor, state: DecodeState, row: int, return_hidden: bool = False,
@@ -190,9 +213,7 @@ class Transformer(WeightsModule):
         S = ids.shape[0]
         if S > state.max_seq_len:
             raise ValueError(f"prompt of {S} tokens is longer than max_seq_len={state.max_seq_len}")
-        h = self._embed(ids)
-        for blk, st in zip(self.layers, state.layers):
-            h = blk(h, ids, lambda attn, x, st=st: attn.prefill(x, st, row))
+        h = self._run_blocks(self._embed(ids), ids, lambda attn, x, st: attn.prefill(x, st, row), state)
         state.pos[row] = S
         out = self.logits(h[-1:], full_vocab=full_vocab)[0]
         return (out, h) if return_hidden else out
@@ -201,9 +222,7 @@ class Transformer(WeightsModule):
     def decode(self, ids: Tensor, state: DecodeState, full_vocab: bool = True) -> Tensor:
         """ids [B] (next token of every row) at positions state.pos -> logits [B, vocab] fp32; advances pos."""
         pos = state.pos[: ids.shape[0]]
-        h = self._embed(ids)
-        for blk, st in zip(self.layers, state.layers):
-            h = blk(h, ids, lambda attn, x, st=st: attn.decode(x, pos, st))
+        h = self._run_blocks(self._embed(ids), ids, lambda attn, x, st: attn.decode(x, pos, st), state)
         pos.add_(1)
         return self.logits(h, full_vocab=full_vocab)
 
@@ -219,7 +238,8 @@ class Transformer(WeightsModule):
         hh = rms_norm(h, blk.hnorm, a.norm_eps)
         x = self.ops.linear(e, blk.e_proj).unsqueeze(1) + self.ops.linear(hh, blk.h_proj)
         st = blk.attn.alloc_state(1, S, self.dtype, self.device)
-        x = blk(x, next_ids, lambda attn, xx: attn.prefill(xx, st, 0))
+        _, carry = blk(x, next_ids, lambda attn, xx: attn.prefill(xx, st, 0))
+        x = blk.finish_streams(carry)
         return self.logits(x, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, blk.norm)
 
     # ---- accounting ---------------------------------------------------------------------------

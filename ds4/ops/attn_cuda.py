@@ -3,7 +3,8 @@
 Decode glue, one launch each: rms_norm (q_norm), head_rope (per-head norm + RoPE of q; RoPE of the
 indexer q), kv_store (kv_norm + RoPE + (qat) FP8 nope + ring write), compress_step (state write,
 and on the completing step the pooled entry's norm + RoPE + (qat) FP8 + cache write, both decided
-per row on the device). Inputs these kernels do not take (CPU, non-bf16, the indexer compressor's
+per row on the device), compress_project (the compressor's BF16 [wkv; wgate] GEMV with fp32 output,
+through the ds4 GEMV kernel, so attn=fused_cuda needs both extensions). Inputs these kernels do not take (CPU, non-bf16, the indexer compressor's
 qat Hadamard + FP4) run the TorchAttention twin: chosen by dtype / flag, never by values.
 
 FusedCudaAttention.decode — the decode form: validity from the row's position (window ring,
@@ -28,12 +29,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ds4 import kernels_attn
+from ds4 import kernels, kernels_attn
 from ds4.ops.attn_torch import TorchAttention, TorchIndexer
 from ds4.ops.base import QWeight
 
 BF16 = torch.bfloat16
 INDEXER_MAX_ROWS = 16
+GEMV_MAX_ROWS = 8  # the compressor projection's decode sizes (ds4.kernels.gemv, one launch)
 
 
 def _cuda_bf16(*ts: Tensor) -> bool:
@@ -62,6 +64,13 @@ class FusedCudaAttention:
         if not _cuda_bf16(win, kv):
             return self._ref.kv_store(win, kv, weight, pos, freqs, eps, fp8_nope)
         kernels_attn.kv_store(win, kv, weight, pos, freqs, eps, fp8_nope)
+
+    def compress_project(self, x: Tensor, w: Tensor) -> Tensor:
+        # one launch of the BF16 GEMV kernel (fp32 out; its weight loads start before the PDL wait) where
+        # cuBLAS ran a split-K GEMV and a reduce kernel; prefill-sized inputs keep the torch twin
+        if not (_cuda_bf16(x, w) and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS):
+            return self._ref.compress_project(x, w)
+        return kernels.gemv(x.contiguous(), w, None, "bf16", out_f32=True)
 
     def compress_step(self, kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tensor, skv: Tensor,
                       ssc: Tensor, cache: Tensor, m: int, overlap: bool, eps: float, quant: str | None) -> None:

@@ -1,6 +1,7 @@
 """Registry entries of the ds4_attn CUDA implementations (imported by ds4.registry when present).
 
-They use their own availability check (the ds4_attn extension), not the GEMV/MoE extension's."""
+They use their own availability check (the ds4_attn extension); the attention entries also need the
+GEMV/MoE extension (the compressor projection)."""
 from __future__ import annotations
 
 import torch
@@ -18,13 +19,22 @@ def check(device: torch.device) -> str | None:
     return kernels_attn.unavailable_reason()
 
 
+def check_attn(device: torch.device) -> str | None:
+    """attn=fused_cuda also runs the compressor projection on the ds4 extension's BF16 GEMV."""
+    why = check(device)
+    if why is None:
+        from ds4 import kernels
+        why = kernels.unavailable_reason()
+    return why
+
+
 def entries(_shared_check=None):
     return [
-        (Entry("attn", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaAttention", check, 10,
+        (Entry("attn", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaAttention", check_attn, 10,
                "CUDA decode attention side: q norm/RoPE, window KV write, compressor step, position-masked MQA "
                "flash-decoding (keys loaded once for all heads, BF16 MMA, top-k gather, sink and output "
                "de-rotation in the combine); prefill-sized calls use the torch twins"), ("fused",)),
-        (Entry("attn", "fused_cuda_wo_bf16", "ds4.ops.attn_cuda:MergedWoAttention", check, 5,
+        (Entry("attn", "fused_cuda_wo_bf16", "ds4.ops.attn_cuda:MergedWoAttention", check_attn, 5,
                "fused_cuda with the seed's phase-6 output projection: wo_b.wo_a precomputed in BF16 (reads 4x "
                "the bytes; an ablation option, never chosen by auto over fused_cuda)"), ()),
         (Entry("indexer", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaIndexer", check, 10,

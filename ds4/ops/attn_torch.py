@@ -36,6 +36,11 @@ class TorchAttention:
         rows = torch.arange(kv.shape[0], device=kv.device)
         win[rows, pos % win.shape[1]] = compressor.finish_entry(kv, weight, eps, pos, freqs, "fp8" if fp8_nope else None)
 
+    def compress_project(self, x: Tensor, w: Tensor) -> Tensor:
+        """The compressor's merged [wkv; wgate] projection: x [N, dim] -> fp32 [N, rows] (w [rows, dim], the
+        reference's fp32-held BF16 values; see ds4.model.compressor.project_f32)."""
+        return compressor.project_f32(x, w)
+
     def compress_step(self, kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tensor, skv: Tensor,
                       ssc: Tensor, cache: Tensor, m: int, overlap: bool, eps: float, quant: str | None) -> None:
         """The compressor decode step (ds4.model.compressor.decode_step)."""

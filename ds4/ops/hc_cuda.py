@@ -5,6 +5,8 @@ pre:  2 launches (RMS + the (2+hc)*hc x hc*D fp32 matvec split over ~128 blocks 
       order, and the weighted sum of the streams; given the block's norm weight, one block per token
       that also RMS-normalises the collapsed stream — still 2 launches).
 head: the same 2 launches without post/comb/Sinkhorn.  post: 1 elementwise launch.
+post_pre (a block's post followed by the next site's pre): 2 launches; the first forms the post's
+      elements inside the pre's matvec and writes them (no separate post launch).
 Same arguments, outputs and dtypes as TorchHC. Inputs other than bf16/fp32 or hc > 8 streams go to
 TorchHC (chosen by dtype/shape only, never by values) — part of this implementation.
 """
@@ -43,6 +45,14 @@ class FusedCudaHC:
         if not (_ok(res) and x.dtype in _ACT):
             return self._ref.post(x, res, post, comb)
         return kernels_attn.hc_post(x, res, post, comb)
+
+    def post_pre(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+                 iters: int, hc_eps: float, norm_eps: float,
+                 norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if not (_ok(res) and x.dtype in _ACT) or (norm is not None and res.shape[-1] * 4 > 48 * 1024):
+            h = self.post(x, res, post, comb)
+            return (h, *self.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm))
+        return kernels_attn.hc_post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm)
 
     def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
         if not _ok(h):

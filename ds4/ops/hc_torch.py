@@ -47,6 +47,14 @@ class TorchHC:
         out = post.unsqueeze(-1) * x.float().unsqueeze(-2) + torch.einsum("njk,njd->nkd", comb, res.float())
         return out.to(res.dtype)
 
+    def post_pre(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+                 iters: int, hc_eps: float, norm_eps: float,
+                 norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """post(x, res, post, comb) -> h, then pre(h, fn, ...): (h, x_next, post_next, comb_next). One
+        block's output step followed by the next site's input step (fused by the CUDA implementation)."""
+        h = self.post(x, res, post, comb)
+        return (h, *self.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm))
+
     def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
         """Final collapse (spec §4.4): h [N, hc, D] -> [N, D]."""
         m = _mixes(h, fn, norm_eps)
