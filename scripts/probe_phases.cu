@@ -277,17 +277,19 @@ static void probe_gemv_mma(const char* what, int O, int K, int group_rows, int W
 }
 
 // ---- FP4 GEMV (the routed gate+up's bytes in one matrix) through the launcher: tensor-core vs FMA
-static void probe_gemv_fp4(int O, int K, int kernel, int W) {
+// shared_scales: every row reads row 0's scales (scale row stride 0, so the scale loads hit L1): the
+// time the scale reads of the real layout cost (the output is then meaningless; timing only).
+static void probe_gemv_fp4(int O, int K, int kernel, int W, bool shared_scales = false) {
   GemvBufs b((size_t)O * K / 2, (size_t)O * (K / 32), 255, 1, K, O);
   set_mma_width(W);
   auto f = [&](int i) {
-    CK(ds4::launch_gemv(ds4::FMT_FP4, kernel, b.x, K, 1, b.Ws[i % b.copies], b.Ss[i % b.copies], K / 32, b.out, false,
-                        O, O, K, 0, 0));
+    CK(ds4::launch_gemv(ds4::FMT_FP4, kernel, b.x, K, 1, b.Ws[i % b.copies], b.Ss[i % b.copies],
+                        shared_scales ? 0 : K / 32, b.out, false, O, O, K, 0, 0));
   };
   const float us = time_us(f);
   char name[80];
-  std::snprintf(name, sizeof name, "fp4 %dx%d %s W%d %5.0f GB/s", O, K, kernel == ds4::KERNEL_MMA ? "mma" : "fma", W,
-                (O * (double)K / 2) / us / 1e3);
+  std::snprintf(name, sizeof name, "fp4 %dx%d %s W%d%s %5.0f GB/s", O, K, kernel == ds4::KERNEL_MMA ? "mma" : "fma", W,
+                shared_scales ? " shared-scales" : "", (O * (double)K / 2) / us / 1e3);
   phases(name, f, 3, us);
 }
 
@@ -488,6 +490,12 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&p, 0));
   std::printf("%s, %d SMs, clock %.2f GHz\n", p.name, p.multiProcessorCount, clock_ghz());
   probe_copy();
+  if (argc > 1 && std::string(argv[1]) == "scales") {  // what the FP4 scale reads cost the tensor-core GEMV
+    for (int W : {2, 4})
+      for (bool sh : {false, true}) probe_gemv_fp4(24576, 4096, ds4::KERNEL_MMA, W, sh);
+    for (bool sh : {false, true}) probe_gemv_fp4(12288, 4096, ds4::KERNEL_MMA, 2, sh);
+    return 0;
+  }
   if (argc > 1 && std::string(argv[1]) == "hc") {  // the mHC kernels only
     probe_hc();
     return 0;

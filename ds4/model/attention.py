@@ -153,20 +153,28 @@ class Attention(WeightsModule):
         de-rotation), so a fused implementation runs a layer in a few launches."""
         a, B, attn = self.args, x.shape[0], self.ops.attn
         st = {k: v[:B] for k, v in st.items()}  # views: the first B rows of the preallocated state
+        # The compressor steps read only x and write only their states / caches: issued first, in their
+        # own branch (a side stream while a CUDA graph is captured, see attn.compress_branch), joined
+        # before the caches are read.
+        branch = attn.compress_branch(x) if self.compressor is not None else None
+        if branch is not None:
+            with branch, self.prof("attn.compress"):
+                self.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "comp"), st["ckv"], attn)
+                if self.kind == CSA:
+                    self.indexer.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "icomp"), st["ikv"], attn)
         with self.prof("attn.q"):
             qa, kv = self._qkv_a(x)
             q, qr = self._q(qa, pos)
         with self.prof("attn.kv"):
             attn.kv_store(st["win"], kv, self.kv_norm, pos, self.freqs, a.norm_eps, self.qat)
+        if branch is not None:
+            branch.join()
         ext = idx = None
         if self.compressor is not None:
-            with self.prof("attn.compress"):
-                self.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "comp"), st["ckv"], attn)
             ext = st["ckv"]
             if self.kind == CSA:
                 with self.prof("attn.indexer"):
                     ikv = st["ikv"]
-                    self.indexer.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "icomp"), ikv, attn)
                     # A cache of at most index_topk entries (short max_seq_len) makes top-k select all of
                     # them: attend to every visible entry as HCA does (same keys; decided by shape only).
                     if ikv.shape[1] > a.index_topk:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ds4 import kernels, kernels_attn
+from ds4.ops import side_stream
 from ds4.ops.attn_torch import TorchAttention, TorchIndexer
 from ds4.ops.base import QWeight
 
@@ -64,6 +65,16 @@ class FusedCudaAttention:
         if not _cuda_bf16(win, kv):
             return self._ref.kv_store(win, kv, weight, pos, freqs, eps, fp8_nope)
         kernels_attn.kv_store(win, kv, weight, pos, freqs, eps, fp8_nope)
+
+    def compress_branch(self, x: Tensor) -> side_stream.Branch:
+        # While a decode graph is captured the compressor steps (they read only x and write only the
+        # compressor states and caches) run on a side stream beside the q / window-KV path and join
+        # before the indexer scores / attention read the caches; DS4_COMPRESS_OVERLAP=0 keeps them in line
+        # (the ablation). Eager steps keep them in line (ds4.ops.side_stream).
+        side = None
+        if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+            side = side_stream.fork(x.device, "DS4_COMPRESS_OVERLAP")
+        return side_stream.Branch(side, x.device)
 
     def compress_project(self, x: Tensor, w: Tensor) -> Tensor:
         # one launch of the BF16 GEMV kernel (fp32 out; its weight loads start before the PDL wait) where

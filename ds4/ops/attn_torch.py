@@ -13,6 +13,7 @@ from torch import Tensor
 from ds4.model import compressor
 from ds4.model.norm import rms_norm, unweighted_rms_norm
 from ds4.model.rope import rope_heads
+from ds4.ops import side_stream
 from ds4.ops.base import QWeight
 
 
@@ -35,6 +36,11 @@ class TorchAttention:
         """win [B, W, D] ring buffer; kv [B, D] raw wkv output -> win[b, pos % W] = norm, RoPE, (qat) FP8 nope."""
         rows = torch.arange(kv.shape[0], device=kv.device)
         win[rows, pos % win.shape[1]] = compressor.finish_entry(kv, weight, eps, pos, freqs, "fp8" if fp8_nope else None)
+
+    def compress_branch(self, x: Tensor) -> side_stream.Branch:
+        """Where the step's compressor work runs (compress_project / compress_step of both compressors):
+        `with branch:` around it, `branch.join()` before anything reads the compressed caches. In line here."""
+        return side_stream.Branch(None, x.device)
 
     def compress_project(self, x: Tensor, w: Tensor) -> Tensor:
         """The compressor's merged [wkv; wgate] projection: x [N, dim] -> fp32 [N, rows] (w [rows, dim], the

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ds4 import kernels
+from ds4.ops import side_stream
 from ds4.ops.base import MoEWeights
 
 PREFILL_TOKENS = 8
@@ -49,16 +50,6 @@ def _act_quant_sim(t: Tensor) -> Tensor:
 
 def _bf16(x: Tensor) -> Tensor:
     return x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
-
-
-_SIDE: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE:
-        _SIDE[idx] = torch.cuda.Stream(device)
-    return _SIDE[idx]
 
 
 class Fp4TopkMoE:
@@ -106,14 +97,12 @@ class Fp4TopkMoE:
     def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> tuple[Tensor, object] | None:
         if not (x.is_cuda and 1 <= x.shape[0] <= PREFILL_TOKENS):
             return None
-        side = _side_stream(x.device)  # created at the eager warm-up steps, before any capture
-        if not torch.cuda.is_current_stream_capturing() or os.environ.get("DS4_SHARED_OVERLAP") == "0":
-            return None
-        main = torch.cuda.current_stream(x.device)
         # The side stream waits for everything before it (x is ready, and any kernel still reading an h
         # of an earlier call is ordered before the next allocation on the side stream).
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        side = side_stream.fork(x.device, "DS4_SHARED_OVERLAP")
+        if side is None:
+            return None
+        with side_stream.on(side):
             h = self._shared_h(x, mw, act_quant)
         return h, side
 
@@ -129,7 +118,7 @@ class Fp4TopkMoE:
         w2 = mw.shared_w2
         if up is not None:
             h, side = up
-            torch.cuda.current_stream(x.device).wait_stream(side)
+            side_stream.join(side, x.device)
         else:
             h = self._shared_h(x, mw, act_quant)
         if act_quant and w2.fmt != "bf16":

@@ -1,0 +1,69 @@
+"""Side-stream branches of a captured decode step.
+
+While a CUDA graph is being captured, an implementation may run work that is independent of the
+main chain on a side stream: the fork (side waits for main) and the join (main waits for side)
+become two graph edges, and the branch's kernels overlap the main chain's (their ramps and tails
+fill each other's idle bandwidth). Eager steps keep everything in line: there a fork and join would
+only add host work to a host-bound step. Used by moe=fp4_topk (the shared expert's gate+up) and
+attn=fused_cuda (the compressor steps).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The process's side stream of `device` (created at the eager warm-up steps, before any capture)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE:
+        _SIDE[idx] = torch.cuda.Stream(device)
+    return _SIDE[idx]
+
+
+def fork(device: torch.device, env: str) -> torch.cuda.Stream | None:
+    """The side stream, made to wait for everything issued so far on the current stream, while a graph is
+    captured and the environment variable `env` is not "0" (the ablation); else None (stay in line)."""
+    if device.type != "cuda":
+        return None
+    side = side_stream(device)
+    if not torch.cuda.is_current_stream_capturing() or os.environ.get(env) == "0":
+        return None
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def on(side: torch.cuda.Stream | None):
+    """Context: issue on `side` (nothing changes for None)."""
+    return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+
+
+def join(side: torch.cuda.Stream | None, device: torch.device) -> None:
+    """The current stream waits for the branch on `side` (no-op for None)."""
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
+
+
+class Branch:
+    """A branch of a step: `with branch:` issues on its side stream (in line when it has none); `join()`
+    makes the current stream wait for it. Branch(None, device) is the in-line branch."""
+
+    def __init__(self, side: torch.cuda.Stream | None, device: torch.device):
+        self.side, self.device = side, device
+        self._ctx = None
+
+    def __enter__(self) -> "Branch":
+        self._ctx = on(self.side)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+        self._ctx = None
+
+    def join(self) -> None:
+        join(self.side, self.device)
