@@ -16,7 +16,8 @@
 #   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
 #   profile        per-kernel profile of an 8-layer step and its time at position 65536 (PROFILE_PDL=0:
 #                  without PDL, so each kernel's time is its own)
-#   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart
+#   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart ($SEED_JOBS:
+#                  the sweep's experiment=... list, default all of it)
 #   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope); alone in a group
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group)
 set -u
@@ -30,7 +31,7 @@ else
   export PYTHONPATH=$PWD
 fi
 BENCH_VARIANTS=${BENCH_VARIANTS:-kernels+fused+graph}
-SEED_JOBS=experiment=seed_phase1,ds4_best,ds4_cuda_graph,seed_phase4,seed_phase6,seed_phase2,seed_phase3,seed_phase5
+SEED_JOBS=${SEED_JOBS:-experiment=seed_phase1,ds4_best,ds4_cuda_graph,seed_phase4,seed_phase6,seed_phase2,seed_phase3,seed_phase5}
 TP_VARIANTS=${TP_VARIANTS:-kernels+fused+graph,kernels+fused+graph+bf16,kernels+fused+graph+symm}
 PT="python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short"
 NGPU=$(nvidia-smi -L | wc -l); nvidia-smi -L; date -u

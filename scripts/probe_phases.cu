@@ -361,17 +361,17 @@ __global__ void read_mma_kernel(const uint8_t* __restrict__ M, int O, int rowb, 
     const int f = IL ? i * 8 + warp : i;
     const int tile = tile0 + f / nr, r = f % nr;
     const int ra = min(tile * 16 + g, O - 1), rb = min(tile * 16 + g + 8, O - 1);
-    if (PK) {
+    if constexpr (PK) {
       const uint8_t* base = M + ((long)min(tile, O / 16 - 1) * nr + r) * (2 * W) * 512 + lane * 16;
 #pragma unroll
       for (int w = 0; w < 2 * W; ++w) v[k][w] = ds4::ld_stream16(base + w * 512);
-      return;
-    }
+    } else {
 #pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const long off = (long)((4 * r + t) * W + w) * 16;
-      v[k][w] = ds4::ld_stream16(M + (long)ra * rowb + off);
-      v[k][W + w] = ds4::ld_stream16(M + (long)rb * rowb + off);
+      for (int w = 0; w < W; ++w) {
+        const long off = (long)((4 * r + t) * W + w) * 16;
+        v[k][w] = ds4::ld_stream16(M + (long)ra * rowb + off);
+        v[k][W + w] = ds4::ld_stream16(M + (long)rb * rowb + off);
+      }
     }
   };
   for (int p = 0; p < PD; ++p) prefetch(p * RP);

@@ -11,7 +11,8 @@
 //                passes over D) that also RMS-normalises the result, its warp 0 running the Sinkhorn
 //                meanwhile. H200, no PDL, per call: 29.7 us at 128 threads, 13.7 us at 512, 8.6 us
 //                with a shuffle-based Sinkhorn in one warp, 8.0 us with it overlapped (session 5);
-//                the Sinkhorn now runs in one thread's registers (sinkhorn_regs);
+//                the Sinkhorn now runs in one thread's registers (sinkhorn_regs). The V4 case (bf16,
+//                n = 4) takes hc_finish_norm_kernel instead: x and its norm in registers, 5.0 us;
 //   hc_post:     out[k] = post[k] x + sum_j comb[j, k] res[j], elementwise.
 #include "attn_common.cuh"
 #include "attn_launch.h"

@@ -4,8 +4,10 @@ Decode glue, one launch each: rms_norm (q_norm), head_rope (per-head norm + RoPE
 indexer q), kv_store (kv_norm + RoPE + (qat) FP8 nope + ring write), compress_step (state write,
 and on the completing step the pooled entry's norm + RoPE + (qat) FP8 + cache write, both decided
 per row on the device), compress_project (the compressor's BF16 [wkv; wgate] GEMV with fp32 output,
-through the ds4 GEMV kernel, so attn=fused_cuda needs both extensions). Inputs these kernels do not take (CPU, non-bf16, the indexer compressor's
-qat Hadamard + FP4) run the TorchAttention twin: chosen by dtype / flag, never by values.
+through the ds4 GEMV kernel, so attn=fused_cuda needs both extensions; compress_branch puts both
+compressors' steps on a side stream while a decode graph is captured). Inputs these kernels do not
+take (CPU, non-bf16, the indexer compressor's qat Hadamard + FP4) run the TorchAttention twin:
+chosen by dtype / flag, never by values.
 
 FusedCudaAttention.decode — the decode form: validity from the row's position (window ring,
 visible compressed entries), CSA entries gathered by the top-k index inside the kernel, output RoPE
