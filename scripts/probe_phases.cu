@@ -134,13 +134,7 @@ static void probe_hc() {
     ds4_attn::hc_partials_kernel<24, false><<<dim3(nsplit, 1), ds4_attn::HC_THREADS>>>(h, false, fn, K, mix, nsplit,
                                                                                        part, ds4_attn::HcPostArgs{});
   };
-  ds4_attn::HcPostArgs pa;
-  pa.x = xo;
-  pa.post = pin;
-  pa.comb = cin;
-  pa.n = n;
-  pa.D = D;
-  pa.out = hout;
+  const ds4_attn::HcPostArgs pa{xo, false, pin, cin, n, D, hout};
   auto post_partials = [&](int) {
     ds4_attn::hc_partials_kernel<24, true><<<dim3(nsplit, 1), ds4_attn::HC_THREADS>>>(h, false, fn, K, mix, nsplit,
                                                                                       part, pa);

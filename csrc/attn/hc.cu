@@ -202,6 +202,35 @@ __device__ __forceinline__ void hc_comb_thread(const float* tot, int t, int n, i
   else hc_comb_n<1>(tot, t, D, mix, scale, base, iters, hc_eps, norm_eps, comb);
 }
 
+// tot[m] = sum over the splits of token t's partial m (m <= mix), by NW warps: one warp per entry, two
+// entries per pass with their loads issued together; lanes stride over the splits, then a fixed
+// shuffle tree (deterministic). A serial loop over ~128 partials per thread was ~12 us of dependent L2
+// round trips.
+template <int NW>
+__device__ __forceinline__ void hc_reduce_partials(const float* __restrict__ part, int t, int mix, int nsplit,
+                                                   float* tot) {
+  const int lane = threadIdx.x & 31;
+  for (int m0 = threadIdx.x >> 5; m0 <= mix; m0 += 2 * NW) {
+    const int m1 = m0 + NW;
+    const float* p0 = part + ((long)t * (mix + 1) + m0) * nsplit;
+    const float* p1 = part + ((long)t * (mix + 1) + min(m1, mix)) * nsplit;
+    float v0 = 0.f, v1 = 0.f;
+#pragma unroll 4
+    for (int s = lane; s < nsplit; s += 32) {
+      v0 += p0[s];
+      v1 += p1[s];
+    }
+    for (int o = 16; o; o >>= 1) {
+      v0 += __shfl_xor_sync(0xffffffffu, v0, o);
+      v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+    }
+    if (lane == 0) {
+      tot[m0] = v0;
+      if (m1 <= mix) tot[m1] = v1;
+    }
+  }
+}
+
 // Reduces the token's partials and computes pre[] (shared memory; valid after the caller's
 // __syncthreads) and, in block x = 0, post and comb (Sinkhorn) in global memory. scale / base are
 // the kernel's shared-memory copies (read once, in parallel, before the PDL wait: one thread reading
@@ -212,31 +241,7 @@ __device__ __forceinline__ void hc_coeffs(const float* __restrict__ part, int t,
                                           float hc_eps, float norm_eps, bool head, float* __restrict__ post,
                                           float* __restrict__ comb, float* tot, float* pre, float* cm,
                                           bool defer_warp_sinkhorn = false) {
-  {  // one warp per mix entry (two per pass, their loads issued together): lanes stride over the
-     // splits, then a fixed shuffle tree (deterministic); a serial loop over ~128 partials per thread
-     // was ~12 us of dependent L2 round trips
-    constexpr int NW = THREADS / 32;
-    const int lane = threadIdx.x & 31;
-    for (int m0 = threadIdx.x >> 5; m0 <= mix; m0 += 2 * NW) {
-      const int m1 = m0 + NW;
-      const float* p0 = part + ((long)t * (mix + 1) + m0) * nsplit;
-      const float* p1 = part + ((long)t * (mix + 1) + min(m1, mix)) * nsplit;
-      float v0 = 0.f, v1 = 0.f;
-#pragma unroll 4
-      for (int s = lane; s < nsplit; s += 32) {
-        v0 += p0[s];
-        v1 += p1[s];
-      }
-      for (int o = 16; o; o >>= 1) {
-        v0 += __shfl_xor_sync(0xffffffffu, v0, o);
-        v1 += __shfl_xor_sync(0xffffffffu, v1, o);
-      }
-      if (lane == 0) {
-        tot[m0] = v0;
-        if (m1 <= mix) tot[m1] = v1;
-      }
-    }
-  }
+  hc_reduce_partials<THREADS / 32>(part, t, mix, nsplit, tot);
   __syncthreads();
   DS4_MARK(2);
   // n = 1, 2, 4 (V4: n = 4): one thread runs the Sinkhorn in registers (hc_comb_thread); other n use
@@ -431,28 +436,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
     for (int j = 0; j < N; ++j)
       if (!sk_warp && c < nch) hv[v][j] = reinterpret_cast<const uint4*>(ht + (long)j * D)[c];
   }
-  {  // the token's partials (as hc_coeffs): one warp per mix entry, two per pass
-    constexpr int NW = HCN_THREADS / 32;
-    for (int m0 = warp; m0 <= mix; m0 += 2 * NW) {
-      const int m1 = m0 + NW;
-      const float* p0 = part + ((long)t * (mix + 1) + m0) * nsplit;
-      const float* p1 = part + ((long)t * (mix + 1) + min(m1, mix)) * nsplit;
-      float v0 = 0.f, v1 = 0.f;
-#pragma unroll 4
-      for (int s = lane; s < nsplit; s += 32) {
-        v0 += p0[s];
-        v1 += p1[s];
-      }
-      for (int o = 16; o; o >>= 1) {
-        v0 += __shfl_xor_sync(0xffffffffu, v0, o);
-        v1 += __shfl_xor_sync(0xffffffffu, v1, o);
-      }
-      if (lane == 0) {
-        tot[m0] = v0;
-        if (m1 <= mix) tot[m1] = v1;
-      }
-    }
-  }
+  hc_reduce_partials<HCN_THREADS / 32>(part, t, mix, nsplit, tot);
   __syncthreads();
   DS4_MARK(2);
   if (sk_warp) {
@@ -559,15 +543,8 @@ cudaError_t launch_hc_post_partials(const void* x, bool x_f32, const void* res, 
                                     const float* comb, int N, int n, int D, void* out, const float* fn, int mix,
                                     int nsplit, float* part, cudaStream_t st) {
   if (n < 1 || n > HC_MAX_N) return cudaErrorInvalidValue;
-  HcPostArgs pa;
-  pa.x = x;
-  pa.x_f32 = x_f32;
-  pa.post = post;
-  pa.comb = comb;
-  pa.n = n;
-  pa.D = D;
-  pa.out = out;
-  return launch_partials<true>(res, res_f32, fn, N, n * D, mix, nsplit, part, pa, st);
+  return launch_partials<true>(res, res_f32, fn, N, n * D, mix, nsplit, part,
+                               HcPostArgs{x, x_f32, post, comb, n, D, out}, st);
 }
 
 cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N, int n, int D, int mix, int nsplit,
