@@ -109,21 +109,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const
   return hc_pre_finish(h, part, nsplit, fn.size(0), scale, base, iters, hc_eps, norm_eps, norm, nf);
 }
 
+// The inputs of hc_post / hc_post_pre: x [N, D] and res [N, hc, D] (bf16 / fp32), post [N, hc] and
+// comb [N, hc, hc] fp32 -> (N, hc, D, x is fp32, res is fp32).
+std::tuple<int64_t, int64_t, int64_t, bool, bool> check_post_inputs(const at::Tensor& x, const at::Tensor& res,
+                                                                    const at::Tensor& post, const at::Tensor& comb,
+                                                                    const char* op) {
+  check_cuda(x, "x");
+  check_cuda(res, "res");
+  check_f32(post, "post");
+  check_f32(comb, "comb");
+  const bool xf = is_f32_act(x, "x"), rf = is_f32_act(res, "res");
+  TORCH_CHECK(res.dim() == 3 && x.dim() == 2, "ds4_attn.", op, ": x [N, D], res [N, hc, D]");
+  const int64_t N = res.size(0), n = res.size(1), D = res.size(2);
+  TORCH_CHECK(x.size(0) == N && x.size(1) == D, "ds4_attn.", op, ": x shape");
+  TORCH_CHECK(post.numel() == N * n && comb.numel() == N * n * n, "ds4_attn.", op, ": post/comb shapes");
+  return {N, n, D, xf, rf};
+}
+
 // hc_post(x, res, post, comb) followed by hc_pre of the result with the next site's weights, in 2 launches:
 // -> (h, x_next, post_next, comb_next).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
     const at::Tensor& x, const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb, const at::Tensor& fn,
     const at::Tensor& scale, const at::Tensor& base, int64_t iters, double hc_eps, double norm_eps,
     const std::optional<at::Tensor>& norm) {
-  check_cuda(x, "x");
-  check_cuda(res, "res");
-  check_f32(post, "post");
-  check_f32(comb, "comb");
-  const bool xf = is_f32_act(x, "x"), rf = is_f32_act(res, "res");
-  TORCH_CHECK(res.dim() == 3 && x.dim() == 2, "ds4_attn.hc_post_pre: x [N, D], res [N, hc, D]");
-  const int64_t N = res.size(0), n = res.size(1), D = res.size(2);
-  TORCH_CHECK(x.size(0) == N && x.size(1) == D, "ds4_attn.hc_post_pre: x shape");
-  TORCH_CHECK(post.numel() == N * n && comb.numel() == N * n * n, "ds4_attn.hc_post_pre: post/comb shapes");
+  const auto [N, n, D, xf, rf] = check_post_inputs(x, res, post, comb, "hc_post_pre");
   check_pre_weights(fn, scale, base, n, iters, "hc_post_pre");
   TORCH_CHECK(fn.size(1) == n * D, "ds4_attn.hc_post_pre: fn must be [mix, hc*D]");
   const bool nf = norm.has_value() ? norm_weight_f32(*norm, D, "hc_post_pre") : false;
@@ -163,15 +172,7 @@ at::Tensor hc_head(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& 
 }
 
 at::Tensor hc_post(const at::Tensor& x, const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb) {
-  check_cuda(x, "x");
-  check_cuda(res, "res");
-  check_f32(post, "post");
-  check_f32(comb, "comb");
-  const bool xf = is_f32_act(x, "x"), rf = is_f32_act(res, "res");
-  TORCH_CHECK(res.dim() == 3 && x.dim() == 2, "ds4_attn.hc_post: x [N, D], res [N, hc, D]");
-  const int64_t N = res.size(0), n = res.size(1), D = res.size(2);
-  TORCH_CHECK(x.size(0) == N && x.size(1) == D, "ds4_attn.hc_post: x shape");
-  TORCH_CHECK(post.numel() == N * n && comb.numel() == N * n * n, "ds4_attn.hc_post: post/comb shapes");
+  const auto [N, n, D, xf, rf] = check_post_inputs(x, res, post, comb, "hc_post");
   c10::cuda::CUDAGuard guard(res.device());
   auto out = at::empty_like(res);
   if (N == 0) return out;

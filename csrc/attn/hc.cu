@@ -125,6 +125,23 @@ __device__ __forceinline__ float rcp_approx(float x) {
   return r;
 }
 
+// Every row (ROWS) or column of c scaled by the reciprocal of its sum + eps.
+template <int N, bool ROWS>
+__device__ __forceinline__ void sinkhorn_scale(float (&c)[N * N], float hc_eps) {
+  float r[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < N; ++e) sum += c[ROWS ? i * N + e : e * N + i];
+    r[i] = rcp_approx(sum + hc_eps);
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int k = 0; k < N; ++k) c[j * N + k] *= r[ROWS ? j : k];
+}
+
 // Sinkhorn of an N x N matrix held in one thread's registers (c: the logits), in
 // ds4.ops.hc_torch.sinkhorn's op order: row softmax + eps, column normalise, then iters - 1 rounds of
 // row and column normalisation. Each row / column is scaled by the reciprocal of its sum instead of
@@ -147,35 +164,10 @@ __device__ __forceinline__ void sinkhorn_regs(float (&c)[N * N], int iters, floa
 #pragma unroll
     for (int k = 0; k < N; ++k) c[j * N + k] = c[j * N + k] * r + hc_eps;
   }
-  auto cols = [&]() {
-    float r[N];
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < N; ++j) sum += c[j * N + k];
-      r[k] = rcp_approx(sum + hc_eps);
-    }
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-#pragma unroll
-      for (int k = 0; k < N; ++k) c[j * N + k] *= r[k];
-  };
-  cols();
+  sinkhorn_scale<N, false>(c, hc_eps);  // column normalise
   for (int it = 1; it < iters; ++it) {
-    float r[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      float sum = 0.f;
-#pragma unroll
-      for (int k = 0; k < N; ++k) sum += c[j * N + k];
-      r[j] = rcp_approx(sum + hc_eps);
-    }
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-#pragma unroll
-      for (int k = 0; k < N; ++k) c[j * N + k] *= r[j];
-    cols();
+    sinkhorn_scale<N, true>(c, hc_eps);   // rows
+    sinkhorn_scale<N, false>(c, hc_eps);  // columns
   }
 }
 

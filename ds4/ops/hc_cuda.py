@@ -26,6 +26,11 @@ def _ok(h: Tensor) -> bool:
     return h.is_cuda and h.dtype in _ACT and h.dim() == 3 and 1 <= h.shape[-2] <= 8
 
 
+def _norm_fuses(norm: Tensor | None, d: int) -> bool:
+    """The finishing kernel can apply the block norm (the generic one holds a row in shared memory)."""
+    return norm is None or d * 4 <= 48 * 1024
+
+
 class FusedCudaHC:
     name = "fused_cuda"
 
@@ -36,7 +41,7 @@ class FusedCudaHC:
             norm_eps: float, norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         if not _ok(h):
             return self._ref.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm)
-        if norm is not None and h.shape[-1] * 4 > 48 * 1024:  # the fused norm holds a row in shared memory
+        if not _norm_fuses(norm, h.shape[-1]):
             x, post, comb = kernels_attn.hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps)
             return rms_norm(x, norm, norm_eps), post, comb
         return kernels_attn.hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm)
@@ -49,7 +54,7 @@ class FusedCudaHC:
     def post_pre(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
                  iters: int, hc_eps: float, norm_eps: float,
                  norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        if not (_ok(res) and x.dtype in _ACT) or (norm is not None and res.shape[-1] * 4 > 48 * 1024):
+        if not (_ok(res) and x.dtype in _ACT and _norm_fuses(norm, res.shape[-1])):
             h = self.post(x, res, post, comb)
             return (h, *self.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm))
         return kernels_attn.hc_post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm)

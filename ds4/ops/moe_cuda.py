@@ -102,9 +102,9 @@ class Fp4TopkMoE:
         side = side_stream.fork(x.device, "DS4_SHARED_OVERLAP")
         if side is None:
             return None
-        with side_stream.on(side):
+        with side_stream.Branch(side, x.device) as branch:
             h = self._shared_h(x, mw, act_quant)
-        return h, side
+        return h, branch
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
                up: tuple[Tensor, object] | None = None) -> Tensor:
@@ -117,8 +117,8 @@ class Fp4TopkMoE:
                               for i in range(0, n, PREFILL_TOKENS)])
         w2 = mw.shared_w2
         if up is not None:
-            h, side = up
-            side_stream.join(side, x.device)
+            h, branch = up
+            branch.join()
         else:
             h = self._shared_h(x, mw, act_quant)
         if act_quant and w2.fmt != "bf16":

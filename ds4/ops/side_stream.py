@@ -37,17 +37,6 @@ def fork(device: torch.device, env: str) -> torch.cuda.Stream | None:
     return side
 
 
-def on(side: torch.cuda.Stream | None):
-    """Context: issue on `side` (nothing changes for None)."""
-    return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
-
-
-def join(side: torch.cuda.Stream | None, device: torch.device) -> None:
-    """The current stream waits for the branch on `side` (no-op for None)."""
-    if side is not None:
-        torch.cuda.current_stream(device).wait_stream(side)
-
-
 class Branch:
     """A branch of a step: `with branch:` issues on its side stream (in line when it has none); `join()`
     makes the current stream wait for it. Branch(None, device) is the in-line branch."""
@@ -57,7 +46,7 @@ class Branch:
         self._ctx = None
 
     def __enter__(self) -> "Branch":
-        self._ctx = on(self.side)
+        self._ctx = torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
         self._ctx.__enter__()
         return self
 
@@ -66,4 +55,5 @@ class Branch:
         self._ctx = None
 
     def join(self) -> None:
-        join(self.side, self.device)
+        if self.side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
