@@ -190,9 +190,12 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
   }
   if (add.has_value()) {
     check_cuda(*add, "add");
-    TORCH_CHECK(add->scalar_type() == at::kFloat && add->numel() == N * dim, "ds4.moe_down: add must be f32 [N, dim]");
+    TORCH_CHECK((add->scalar_type() == at::kFloat || add->scalar_type() == at::kBFloat16) && add->numel() == N * dim &&
+                    add->is_contiguous(),
+                "ds4.moe_down: add must be contiguous f32 or bf16 [N, dim]");
   }
   fill_moe(a, fmt, w2, std::nullopt, w2, std::nullopt, w2, s2, ptrs, expert_offset, n_local);
+  a.add_bf16 = add.has_value() && add->scalar_type() == at::kBFloat16;
   if (!ptrs.has_value()) {
     const int64_t s_ld = scale_ld(s2, fmt, "w2");
     if (fmt == FMT_FP8) TORCH_CHECK(s_ld == (inter + 127) / 128 && s2->size(-2) == (dim + 127) / 128, "fp8 scale shape");
@@ -220,7 +223,8 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
     c.n_tok = (int)std::min<int64_t>(step, N - t0);
     c.ids = ids.has_value() ? static_cast<const int64_t*>(ids->data_ptr()) + t0 * topk : nullptr;
     check_launch(ds4::launch_moe_down(c, static_cast<const at::BFloat16*>(h.data_ptr()) + t0 * topk * inter,
-                                      add.has_value() ? static_cast<const float*>(add->data_ptr()) + t0 * dim : nullptr,
+                                      add.has_value() ? static_cast<const char*>(add->data_ptr()) +
+                                                            t0 * dim * add->element_size() : nullptr,
                                       static_cast<char*>(out.data_ptr()) + t0 * dim * esz, out_f32, st),
                  "moe_down");
   }

@@ -46,11 +46,13 @@ struct MoEArgs {
   int dim = 0, inter = 0;
   float limit = 10.f;
   int kernel = KERNEL_AUTO;
+  bool add_bf16 = false;           // moe_down's add is bf16 (see down_store), else fp32
 };
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, dim]*/,
                                void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st);
 // out[t, :] = (add ? add[t, :] : 0) + sum over the local (token, slot) pairs of h[t*topk+j] @ w2[e]^T
-cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const float* add, void* out, bool out_f32,
+// (add fp32, or bf16 with a.add_bf16; the rounding order is down_store's in moe.cu)
+cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st);
 
 // Router tail: logits f32 [n_tok, E] -> scores sqrt(softplus); ids (top-k of score + bias, or

@@ -97,11 +97,17 @@ __device__ __forceinline__ __nv_bfloat16 swiglu_h(float g, float up, float lim, 
   return __float2bfloat16(g / (1.0f + expf(-g)) * up * w);
 }
 
-// out[o] of a down projection v: fp32 out = add + v (accumulation); bf16 out = bf16(add + bf16(v)),
-// the reference's order when the shared expert's bf16 output is added to the fp32 routed sum.
+// out[o] of a down projection v:
+//   fp32 add: fp32 out = add + v (accumulation); bf16 out = bf16(add + bf16(v)), the reference's order
+//     when the shared expert's output (v, rounded to bf16) is added to the fp32 routed sum (add);
+//   bf16 add (a.add_bf16: the shared expert's output, already rounded): out = add + v, v the fp32 routed
+//     sum — the same sum, for when the shared expert ran first.
 template <bool OUT_F32>
-__device__ __forceinline__ void down_store(void* out, long o, const float* add, float v) {
-  const float y = add ? add[o] + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v))) : v;
+__device__ __forceinline__ void down_store(void* out, long o, const void* add, bool add_bf16, float v) {
+  float y = v;
+  if (add != nullptr)
+    y = add_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(add)[o]) + v
+                 : static_cast<const float*>(add)[o] + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v)));
   if (OUT_F32) reinterpret_cast<float*>(out)[o] = y;
   else reinterpret_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(y);
 }
@@ -198,7 +204,7 @@ moe_gate_up_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bf
 
 template <int FMT, int NT, int R, int U, bool OUT_F32>
 __global__ void __launch_bounds__(MOE_THREADS)
-moe_down_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const float* __restrict__ add,
+moe_down_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
                 void* __restrict__ out) {
   ds4_pdl::begin();
   extern __shared__ float4 smem4[];
@@ -278,7 +284,7 @@ moe_down_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const floa
     for (int t = 0; t < NT; ++t) {
       const float v = warp_sum(acc[j][t]) * post;
       if (lane == 0 && rbase + j < a.dim && t < a.n_tok) {
-        down_store<OUT_F32>(out, (long)t * a.dim + rbase + j, add, v);
+        down_store<OUT_F32>(out, (long)t * a.dim + rbase + j, add, a.add_bf16, v);
       }
     }
 }
@@ -374,7 +380,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 // streams tiles [b * tpb, (b + 1) * tpb).
 template <int FMT, int U, int W, bool OUT_F32>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS)
-moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const float* __restrict__ add,
+moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
                     void* __restrict__ out, int tpb) {
   ds4_pdl::begin();
   extern __shared__ float4 smem4[];
@@ -405,7 +411,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   __syncthreads();
   for (int i = threadIdx.x; i < nt * 16; i += blockDim.x) {
     const int r = t0 * 16 + i;
-    if (r < a.dim) down_store<OUT_F32>(out, r, add, mma_part_sum(part, i >> 4, i & 15));
+    if (r < a.dim) down_store<OUT_F32>(out, r, add, a.add_bf16, mma_part_sum(part, i >> 4, i & 15));
   }
 }
 
@@ -439,7 +445,7 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
 }
 
 template <int FMT, int W, bool F32>
-static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
+static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st) {
   const int T = (a.dim + 15) / 16;
   auto kern = moe_down_mma_kernel<FMT, 8 / W, W, F32>;
   auto smem_for = [&](int tpb) { return 4L * mma_part_floats(tpb) + 2L * a.topk * a.inter; };
@@ -488,7 +494,7 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStr
 }
 
 template <int FMT, int NT, int R, bool F32>
-static cudaError_t down_go(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
+static cudaError_t down_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st) {
   constexpr int U = 4;
   const long smem = (long)a.n_tok * a.topk * moe_row_bytes(FMT, a.inter);
   auto kern = moe_down_kernel<FMT, NT, R, U, F32>;
@@ -500,14 +506,14 @@ static cudaError_t down_go(const MoEArgs& a, const void* h, const float* add, vo
 }
 
 template <int FMT, bool F32>
-static cudaError_t down_nt(const MoEArgs& a, const void* h, const float* add, void* out, cudaStream_t st) {
+static cudaError_t down_nt(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st) {
   if (a.n_tok <= 1) return down_go<FMT, 1, 2, F32>(a, h, add, out, st);
   if (a.n_tok <= 2) return down_go<FMT, 2, 2, F32>(a, h, add, out, st);
   if (a.n_tok <= 4) return down_go<FMT, 4, 2, F32>(a, h, add, out, st);
   return down_go<FMT, 8, 2, F32>(a, h, add, out, st);
 }
 
-cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const float* add, void* out, bool out_f32,
+cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st) {
   const int mma = moe_use_mma(a);
   if (mma < 0) return cudaErrorInvalidValue;

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One lease of a lent H200 machine (1, 2 or 4 GPUs): build both CUDA extensions once, then run the
-# named stages. Groups run one after the other; the stages of a group joined by "+" run side by side,
-# one GPU each (stage i of a group on GPU i), so a short lease covers more. Logs, JSON, tables and
-# charts go under $OUT; a summary is printed at the end.
+# named stages. Groups run one after the other; the lanes of a group joined by "+" run side by side,
+# one GPU each (lane i of a group on GPU i), and the stages of a lane joined by "," one after the
+# other, so a short lease covers more. Logs, JSON, tables and charts go under $OUT; a summary is
+# printed at the end.
 #
-#   bash scripts/gpu_lease.sh kernel_tests+bench seed+e2e_tests+profile tp2
+#   bash scripts/gpu_lease.sh kernel_tests,bench+e2e_tests seed+profile tp2
 #
 # Stages:
 #   kernel_tests   GPU kernel test modules (GEMV/MoE, attention, decode glue)
@@ -53,7 +54,7 @@ stage() {  # stage name, GPU index
       done ;;
     e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 330 $PT tests/test_gpu_e2e.py -k "${E2E_K:-not tp2}" > "$L/e2e_tests.log" 2>&1 ;;
     tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_gpu_e2e.py -k "${TP2_K:-tp2}" > "$L/tp2_tests.log" 2>&1 ;;
-    bench) CUDA_VISIBLE_DEVICES=$g timeout 120 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
+    bench) CUDA_VISIBLE_DEVICES=$g timeout 240 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
         --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu.json" > "$L/bench_1gpu.log" 2>&1 ;;
     profile) DS4_PDL=${PROFILE_PDL:-1} CUDA_VISIBLE_DEVICES=$g timeout 60 python3 scripts/profile_step.py --layers 8 --variant kernels+fused \
         --long-context 65536 --out "$OUT/profile_step.json" > "$L/profile.log" 2>&1 ;;
@@ -79,8 +80,8 @@ stage() {  # stage name, GPU index
 for group in "$@"; do
   stamp "$group"
   i=0
-  for s in ${group//+/ }; do
-    stage "$s" $(( i % NGPU )) &
+  for lane in ${group//+/ }; do
+    ( g=$(( i % NGPU )); for s in ${lane//,/ }; do stage "$s" $g; done ) &
     i=$(( i + 1 ))
   done
   wait

@@ -472,6 +472,108 @@ static void probe_copy() {
   cudaFree(b);
 }
 
+// ---- L2 prefetch: how fast does a GEMV read weights that an earlier kernel pulled into the L2?
+// (decode has ~40 us per layer of latency-bound kernels during which the DRAM idles)
+__global__ void l2_prefetch_lines_kernel(const char* __restrict__ p, long bytes) {
+  const long stride = (long)gridDim.x * blockDim.x * 128;
+  for (long off = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 128; off < bytes; off += stride)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DS4_BULK_PREFETCH 1
+#endif
+__global__ void l2_prefetch_bulk_kernel(const char* __restrict__ p, long bytes, int chunk) {
+#ifdef DS4_BULK_PREFETCH
+  const long off = ((long)blockIdx.x * blockDim.x + threadIdx.x) * chunk;
+  if (off < bytes) {
+    const int n = (int)(bytes - off < chunk ? bytes - off : chunk);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
+  }
+#endif
+}
+__global__ void l2_touch_kernel(const uint4* __restrict__ p, long n16, unsigned* out) {
+  unsigned acc = 0;
+  const long stride = (long)gridDim.x * blockDim.x;
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p + i));
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+__global__ void spin_kernel(long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while ((long)(t - t0) < ns);
+}
+
+// median of reps single-launch times of `timed` (event pair around it), each after `setup` on the stream
+template <typename S, typename F>
+static float median_us(S setup, F timed, int reps = 15) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> v;
+  for (int r = 0; r < reps + 2; ++r) {
+    setup();
+    CK(cudaEventRecord(a));
+    timed();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0.f;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    if (r >= 2) v.push_back(ms * 1e3f);
+  }
+  CK(cudaGetLastError());
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+static void probe_l2(const char* what, int fmt, int O, int K, int group_rows) {
+  const size_t wbytes = fmt == ds4::FMT_FP4 ? (size_t)O * K / 2 : (size_t)O * K;
+  const size_t sbytes = fmt == ds4::FMT_FP4 ? (size_t)O * (K / 32) : (size_t)((O + 127) / 128) * (K / 128);
+  const int sld = fmt == ds4::FMT_FP4 ? K / 32 : K / 128;
+  uint8_t* W = dev_bytes(wbytes, 0, fmt == ds4::FMT_FP4 ? 255 : 0x7e);
+  uint8_t* S = dev_bytes(sbytes, 118, 126);
+  auto* x = dev_random<__nv_bfloat16>(K, -1.f, 1.f);
+  __nv_bfloat16* out;
+  CK(cudaMalloc(&out, 2 * O));
+  char* flush;
+  const size_t fl = 256ull << 20;
+  CK(cudaMalloc(&flush, fl));
+  unsigned* sink;
+  CK(cudaMalloc(&sink, 4));
+  set_mma_width(2);
+  auto gemv = [&] {
+    CK(ds4::launch_gemv(fmt, ds4::KERNEL_MMA, x, K, 1, W, S, sld, out, false, O, O, K, group_rows, 0));
+  };
+  auto cold = [&] { CK(cudaMemsetAsync(flush, 1, fl)); };
+  const int sms = 132;
+  auto pf_lines = [&](size_t bytes) { l2_prefetch_lines_kernel<<<2 * sms, 256>>>((const char*)W, (long)bytes); };
+  auto pf_bulk = [&](size_t bytes) {
+    const int chunk = 16384;
+    const long n = ((long)bytes + chunk - 1) / chunk;
+    l2_prefetch_bulk_kernel<<<(n + 127) / 128, 128>>>((const char*)W, (long)bytes, chunk);
+  };
+  auto touch = [&](size_t bytes) { l2_touch_kernel<<<4 * sms, 512>>>((const uint4*)W, (long)(bytes / 16), sink); };
+  const float t_cold = median_us(cold, gemv);
+  const float t_lines = median_us([&] { cold(); pf_lines(wbytes); spin_kernel<<<1, 1>>>(30000); }, gemv);
+  const float t_bulk = median_us([&] { cold(); pf_bulk(wbytes); spin_kernel<<<1, 1>>>(30000); }, gemv);
+  const float t_touch = median_us([&] { cold(); touch(wbytes); }, gemv);
+  const float t_half = median_us([&] { cold(); touch(wbytes / 2); }, gemv);
+  // the prefetchers' own time (kernel duration) and a GEMV issued right behind them (no idle gap)
+  const float k_lines = median_us(cold, [&] { pf_lines(wbytes); });
+  const float k_bulk = median_us(cold, [&] { pf_bulk(wbytes); });
+  const float k_touch = median_us(cold, [&] { touch(wbytes); });
+  const float bulk_then = median_us(cold, [&] { pf_bulk(wbytes); gemv(); });
+  const float mb = wbytes / 1e6;
+  std::printf("l2 %-22s %5.1f MB | gemv cold %6.2f | after prefetch.L2 %6.2f, bulk %6.2f, ld.cg %6.2f (half %6.2f) | "
+              "prefetcher lines %6.2f bulk %6.2f ld.cg %6.2f (%4.0f GB/s) | bulk+gemv %6.2f us\n",
+              what, mb, t_cold, t_lines, t_bulk, t_touch, t_half, k_lines, k_bulk, k_touch, wbytes / k_touch / 1e3,
+              bulk_then);
+  cudaFree(W), cudaFree(S), cudaFree(x), cudaFree(out), cudaFree(flush), cudaFree(sink);
+}
+
 template <int R, int U>
 static void gemv_shapes() {
   probe_gemv_fp8<R, U>("wq_b 32768x1024", 32768, 1024, 0);
@@ -488,6 +590,15 @@ int main(int argc, char** argv) {
     for (int W : {2, 4})
       for (bool sh : {false, true}) probe_gemv_fp4(24576, 4096, ds4::KERNEL_MMA, W, sh);
     for (bool sh : {false, true}) probe_gemv_fp4(12288, 4096, ds4::KERNEL_MMA, 2, sh);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "l2") {  // weights read from the L2 after a prefetch
+    probe_l2("wq_b 32768x1024", ds4::FMT_FP8, 32768, 1024, 0);
+    probe_l2("wo_a 8192x4096/g", ds4::FMT_FP8, 8192, 4096, 1024);
+    probe_l2("wo_b 4096x8192", ds4::FMT_FP8, 4096, 8192, 0);
+    probe_l2("shared w13 4096x4096", ds4::FMT_FP8, 4096, 4096, 0);
+    probe_l2("wq_a+wkv 1536x4096", ds4::FMT_FP8, 1536, 4096, 0);
+    probe_l2("fp4 12288x4096", ds4::FMT_FP4, 12288, 4096, 0);
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "hc") {  // the mHC kernels only

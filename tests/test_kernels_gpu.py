@@ -259,6 +259,11 @@ def test_moe_routed_fp4(case, dims):
         assert y.abs().max() == 0
     else:
         assert rel(y, ref) <= TOL, rel(y, ref)
+    # a bf16 add (the finished shared expert): bf16(fp32 sum + add), the sum not rounded first
+    addb = rand_x(n, dim, g)
+    poison()
+    yb = kernels.moe_down(h, ids, 6, w2, s2, "fp4", 32, 16, addb, False)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, (y + addb.float()).to(torch.bfloat16))
 
 
 ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": [31, 32, 47, 48, 0, 63],
@@ -285,6 +290,12 @@ def test_moe_one_token_kernels(kernel, width, case, fmt, dims, monkeypatch):
     y = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, add, True, kernel=kernel)
     assert torch.isfinite(y).all()
     assert rel(y - add, ref) <= TOL if ref.norm() > 0 else torch.equal(y, add)
+    # a bf16 add (the finished shared expert): bf16(fp32 sum + add), the sum not rounded first
+    addb = add.to(torch.bfloat16)
+    poison()
+    yb = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, addb, False, kernel=kernel)
+    y0 = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, None, True, kernel=kernel)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, (y0 + addb.float()).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("n", [1, 3, 8])
@@ -396,8 +407,27 @@ def test_fp4_topk_impl_end_to_end(n):
         up, out = block()
     graph.replay()
     torch.cuda.synchronize()
-    assert up is not None
+    assert up is not None and not up.whole
     assert torch.equal(out, yb)
+    # one rank: the whole shared expert on the side stream, added by the routed down kernel: same bits
+    assert impl.shared_up(x, mw, whole=True) is None
+
+    def block_whole():
+        up = impl.shared_up(x, mw, whole=True)
+        w, ids = impl.route(x, tok, mw)
+        return up, impl.routed(x, w, ids, mw, shared=up)
+
+    with torch.cuda.stream(side):
+        block_whole()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    poison()
+    with torch.cuda.graph(graph):
+        up, out = block_whole()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert up is not None and up.whole
+    assert out.dtype == x.dtype and torch.equal(out, yb)
 
 
 def test_bf16_cache_impl():

@@ -55,8 +55,9 @@ def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | 
              expert_offset: int = 0, n_local: int | None = None, add: Tensor | None = None,
              out_f32: bool = True, ptrs: Tensor | None = None, kernel: str = "auto") -> Tensor:
     """y [N, dim] = add + sum over local slots (t, j) of h[t*k+j] @ w2[ids[t, j]]^T, fp32 accumulation.
-    With a bf16 output (out_f32=False) the sum is rounded to bf16 before `add` is added (the reference's
-    shared-expert output added to the fp32 routed sum)."""
+    `add` fp32: with a bf16 output (out_f32=False) the sum is rounded to bf16 before `add` is added (the
+    reference's shared-expert output added to the fp32 routed sum). `add` bf16 (the finished shared
+    expert's output): bf16(sum + add), the fp32 sum not rounded first — the same block output."""
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
     k = _kernel(kernel)

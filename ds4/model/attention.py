@@ -85,10 +85,13 @@ class Attention(WeightsModule):
     def _q(self, qa: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """qa [N, q_lora] (wq_a output) at positions [N] -> q [N, H, D] (per-head normed, rotated),
         qr [N, q_lora] (q_norm'ed, shared with the indexer)."""
-        lin, attn, eps = self.ops.linear, self.ops.attn, self.args.norm_eps
-        qr = attn.rms_norm(qa, self.q_norm, eps)
-        q = lin(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.head_dim))
-        return attn.head_rope(q, positions, self.freqs, True, eps), qr
+        qr = self.ops.attn.rms_norm(qa, self.q_norm, self.args.norm_eps)
+        return self._q_heads(qr, positions), qr
+
+    def _q_heads(self, qr: Tensor, positions: Tensor) -> Tensor:
+        """qr [N, q_lora] -> q [N, H, D]: wq_b, per-head RMS, RoPE."""
+        q = self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.head_dim))
+        return self.ops.attn.head_rope(q, positions, self.freqs, True, self.args.norm_eps)
 
     def _out(self, o: Tensor) -> Tensor:
         """o [N, H, D] (already de-rotated) -> [N, dim]: grouped wo_a, wo_b, all-reduce."""
@@ -151,38 +154,57 @@ class Attention(WeightsModule):
         Every step between the projections is an attention / indexer implementation op (window
         write, compressor step, masked indexer scores, position-masked attention with the output
         de-rotation), so a fused implementation runs a layer in a few launches."""
-        a, B, attn = self.args, x.shape[0], self.ops.attn
+        a, B, attn, eps = self.args, x.shape[0], self.ops.attn, self.args.norm_eps
         st = {k: v[:B] for k, v in st.items()}  # views: the first B rows of the preallocated state
-        # The compressor steps read only x and write only their states / caches: issued first, in their
-        # own branch (a side stream while a CUDA graph is captured, see attn.compress_branch), joined
-        # before the caches are read.
-        branch = attn.compress_branch(x) if self.compressor is not None else None
-        if branch is not None:
-            with branch, self.prof("attn.compress"):
+        # A CSA cache of at most index_topk entries (short max_seq_len) makes top-k select all of them:
+        # attend to every visible entry as HCA does (same keys; decided by shape only).
+        select = self.kind == CSA and st["ikv"].shape[1] > a.index_topk
+        # Independent pieces run in branches (attn.branch: side streams while a CUDA graph is captured,
+        # in line otherwise), each joined before its output is read:
+        #   compress   the compressor step: reads x, writes its state and cache;
+        #   icompress  the indexer compressor's step and the indexer head weights: read x;
+        #   kv         the window write: reads the wkv output;
+        #   indexer    the indexer query, scores (and top-k on one rank): reads qr and the indexer cache.
+        branches = []
+        if self.compressor is not None:
+            comp = attn.branch(x, "compress")
+            with comp, self.prof("attn.compress"):
                 self.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "comp"), st["ckv"], attn)
-                if self.kind == CSA:
-                    self.indexer.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "icomp"), st["ikv"], attn)
+            branches.append(comp)
+        if self.kind == CSA:
+            icomp = attn.branch(x, "icompress")
+            with icomp, self.prof("attn.indexer"):
+                self.indexer.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "icomp"), st["ikv"], attn)
+                wi = self.indexer.head_weights(x) if select else None
+            branches.append(icomp)
         with self.prof("attn.q"):
             qa, kv = self._qkv_a(x)
-            q, qr = self._q(qa, pos)
-        with self.prof("attn.kv"):
-            attn.kv_store(st["win"], kv, self.kv_norm, pos, self.freqs, a.norm_eps, self.qat)
-        if branch is not None:
-            branch.join()
-        ext = idx = None
-        if self.compressor is not None:
-            ext = st["ckv"]
-            if self.kind == CSA:
-                with self.prof("attn.indexer"):
-                    ikv = st["ikv"]
-                    # A cache of at most index_topk entries (short max_seq_len) makes top-k select all of
-                    # them: attend to every visible entry as HCA does (same keys; decided by shape only).
-                    if ikv.shape[1] > a.index_topk:
-                        qi, wi = self.indexer.query(qr, x, pos, self.freqs)
-                        # invisible entries score -inf inside the scores op (and stay -inf through the sum)
-                        sc = self.indexer.scores(qi[:, None], wi[:, None], ikv, pos=pos, ratio=self.m)
-                        sc = self.comm.all_reduce(sc, "indexer")[:, 0]              # [B, T]
-                        idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
+        kvb = attn.branch(x, "kv")
+        with kvb, self.prof("attn.kv"):
+            attn.kv_store(st["win"], kv, self.kv_norm, pos, self.freqs, eps, self.qat)
+        branches.append(kvb)
+        with self.prof("attn.q"):
+            qr = attn.rms_norm(qa, self.q_norm, eps)
+        sc = idx = None
+        if select:
+            ib = attn.branch(x, "indexer")
+            with ib, self.prof("attn.indexer"):
+                qi = self.indexer.query_heads(qr, pos, self.freqs)
+                icomp.join()  # the indexer cache entry of this step
+                # invisible entries score -inf inside the scores op (and stay -inf through the sum)
+                sc = self.indexer.scores(qi[:, None], wi[:, None], st["ikv"], pos=pos, ratio=self.m)[:, 0]  # [B, T]
+                if self.comm.world == 1:  # nothing to sum over ranks: the top-k runs in the branch too
+                    idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
+            branches.append(ib)
+        with self.prof("attn.q"):
+            q = self._q_heads(qr, pos)
+        for br in branches:
+            br.join()
+        if select and idx is None:
+            with self.prof("attn.indexer"):
+                sc = self.comm.all_reduce(sc, "indexer")
+                idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
+        ext = st["ckv"] if self.compressor is not None else None
         with self.prof("attn.sparse"):
             o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs)
         with self.prof("attn.out"):

@@ -31,13 +31,20 @@ class Indexer(WeightsModule):
 
     def query(self, qr: Tensor, x: Tensor, positions: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
         """qr [..., q_lora], x [..., dim], positions [...] -> qI [..., H, d], head weights [..., H] fp32."""
-        a, d = self.args, self.args.index_head_dim
-        q = self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, d))
+        return self.query_heads(qr, positions, freqs), self.head_weights(x)
+
+    def query_heads(self, qr: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+        """qr [..., q_lora] (q_norm'ed latent), positions [...] -> qI [..., H, d] (rotated; qat: Hadamard + FP4)."""
+        q = self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.index_head_dim))
         q = self.ops.indexer.rope(q, positions, freqs)
         if self.qat:
             q = fp4_act_quant_sim(hadamard(q), 32)
-        w = F.linear(x, self.weights_proj.to(x.dtype)).float() * (d ** -0.5 * a.index_n_heads ** -0.5)
-        return q, w
+        return q
+
+    def head_weights(self, x: Tensor) -> Tensor:
+        """x [..., dim] -> per-head weights [..., H] fp32: bf16(weights_proj(x)) * d^-0.5 * H^-0.5."""
+        a = self.args
+        return F.linear(x, self.weights_proj.to(x.dtype)).float() * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
 
     def scores(self, q: Tensor, w: Tensor, keys: Tensor, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
         """q [B, S, H, d], w [B, S, H], keys [B, T, d] -> [B, S, T] (partial sum over local heads).

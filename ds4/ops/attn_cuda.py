@@ -4,8 +4,8 @@ Decode glue, one launch each: rms_norm (q_norm), head_rope (per-head norm + RoPE
 indexer q), kv_store (kv_norm + RoPE + (qat) FP8 nope + ring write), compress_step (state write,
 and on the completing step the pooled entry's norm + RoPE + (qat) FP8 + cache write, both decided
 per row on the device), compress_project (the compressor's BF16 [wkv; wgate] GEMV with fp32 output,
-through the ds4 GEMV kernel, so attn=fused_cuda needs both extensions; compress_branch puts both
-compressors' steps on a side stream while a decode graph is captured). Inputs these kernels do not
+through the ds4 GEMV kernel, so attn=fused_cuda needs both extensions). While a decode graph is
+captured, `branch` puts the compressors' steps, the window write and the indexer on side streams. Inputs these kernels do not
 take (CPU, non-bf16, the indexer compressor's qat Hadamard + FP4) run the TorchAttention twin:
 chosen by dtype / flag, never by values.
 
@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ds4 import kernels, kernels_attn
 from ds4.ops import side_stream
-from ds4.ops.attn_torch import TorchAttention, TorchIndexer
+from ds4.ops.attn_torch import TorchAttention, TorchIndexer, branch_env_slot
 from ds4.ops.base import QWeight
 
 BF16 = torch.bfloat16
@@ -68,14 +68,16 @@ class FusedCudaAttention:
             return self._ref.kv_store(win, kv, weight, pos, freqs, eps, fp8_nope)
         kernels_attn.kv_store(win, kv, weight, pos, freqs, eps, fp8_nope)
 
-    def compress_branch(self, x: Tensor) -> side_stream.Branch:
-        # While a decode graph is captured the compressor steps (they read only x and write only the
-        # compressor states and caches) run on a side stream beside the q / window-KV path and join
-        # before the indexer scores / attention read the caches; DS4_COMPRESS_OVERLAP=0 keeps them in line
-        # (the ablation). Eager steps keep them in line (ds4.ops.side_stream).
+    def branch(self, x: Tensor, name: str) -> side_stream.Branch:
+        # While a decode graph is captured, each independent piece of the step (the two compressors' steps,
+        # the window write, the indexer query / scores / top-k) runs on its own side stream beside the
+        # q path and joins before its output is read, so its chain of small kernels leaves the critical
+        # path. DS4_COMPRESS_OVERLAP=0 / DS4_ATTN_OVERLAP=0 keep them in line (the ablations); eager
+        # steps keep them in line (ds4.ops.side_stream).
+        env, slot = branch_env_slot(name)
         side = None
         if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
-            side = side_stream.fork(x.device, "DS4_COMPRESS_OVERLAP")
+            side = side_stream.fork(x.device, env, slot)
         return side_stream.Branch(side, x.device)
 
     def compress_project(self, x: Tensor, w: Tensor) -> Tensor:

@@ -17,6 +17,18 @@ from ds4.ops import side_stream
 from ds4.ops.base import QWeight
 
 
+# The decode branches an attention implementation may put on side streams: name -> (the environment
+# variable that keeps it in line when "0", side-stream slot). Branches live at once have distinct slots.
+BRANCHES = {"compress": ("DS4_COMPRESS_OVERLAP", 0), "icompress": ("DS4_COMPRESS_OVERLAP", 1),
+            "kv": ("DS4_ATTN_OVERLAP", 2), "indexer": ("DS4_ATTN_OVERLAP", 3)}
+
+
+def branch_env_slot(name: str) -> tuple[str, int]:
+    if name not in BRANCHES:
+        raise ValueError(f"unknown decode branch {name!r} (one of {sorted(BRANCHES)})")
+    return BRANCHES[name]
+
+
 class TorchAttention:
     name = "torch"
 
@@ -37,9 +49,11 @@ class TorchAttention:
         rows = torch.arange(kv.shape[0], device=kv.device)
         win[rows, pos % win.shape[1]] = compressor.finish_entry(kv, weight, eps, pos, freqs, "fp8" if fp8_nope else None)
 
-    def compress_branch(self, x: Tensor) -> side_stream.Branch:
-        """Where the step's compressor work runs (compress_project / compress_step of both compressors):
-        `with branch:` around it, `branch.join()` before anything reads the compressed caches. In line here."""
+    def branch(self, x: Tensor, name: str) -> side_stream.Branch:
+        """Where a decode step's independent piece runs (`name`: "compress" / "icompress" — the compressor
+        steps, "kv" — the window write, "indexer" — the indexer query and scores): `with branch:` around
+        it, `branch.join()` before anything reads what it writes. In line here."""
+        branch_env_slot(name)
         return side_stream.Branch(None, x.device)
 
     def compress_project(self, x: Tensor, w: Tensor) -> Tensor:

@@ -8,11 +8,14 @@ moe=fp4_topk
           experts in registers, no atomics). Slots whose expert is not held locally add 0.
   shared: the FP8 shared expert through the same two kernels (one expert, no route weight); the
           routed sum is added in the down kernel's epilogue (no separate add / casts). While a CUDA
-          graph is being captured (decode sizes), its gate+up launch (shared_up) goes to a side stream
-          that forks from the current one before routing and joins it before the down launch: two
-          graph edges, and the launch overlaps the router and the routed experts (H200, 8 -> 12
-          layers: 196.2 -> 188.1 us per layer). Eager steps keep it in line: there the fork and join
-          would only add host work to a host-bound step. DS4_SHARED_OVERLAP=0 in the environment
+          graph is being captured (decode sizes), shared_up puts it on a side stream that forks from
+          the current one before routing: two graph edges, and its launches overlap the router and the
+          routed experts (H200, gate+up only, 8 -> 12 layers: 196.2 -> 188.1 us per layer). With one
+          rank (`whole`: no all-reduce between the routed sum and the shared add) both its launches run
+          there and the routed down kernel adds its bf16 output in its epilogue (same sum and rounding),
+          so the shared expert leaves the critical path; with several ranks only its gate+up does, and
+          its down launch adds the reduced routed sum. Eager steps keep it in line: there the fork and
+          join would only add host work to a host-bound step. DS4_SHARED_OVERLAP=0 in the environment
           keeps it in line in graphs too (the ablation).
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -52,6 +56,13 @@ def _bf16(x: Tensor) -> Tensor:
     return x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
 
 
+class SharedUp(NamedTuple):
+    """The shared expert issued on a side stream: its gate+up output h, or (whole) its bf16 output."""
+    out: Tensor
+    branch: side_stream.Branch
+    whole: bool
+
+
 class Fp4TopkMoE:
     name = "fp4_topk"
 
@@ -67,7 +78,8 @@ class Fp4TopkMoE:
             return kernels.router(x2, gate, None, mw.tid2eid.contiguous(), tok, mw.topk, mw.route_scale)
         return kernels.router(x2, gate, mw.bias.float().contiguous(), None, None, mw.topk, mw.route_scale)
 
-    def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool) -> Tensor:
+    def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool,
+                         shared: SharedUp | None = None) -> Tensor:
         fmt = mw.w1.fmt
         xq = _act_quant_sim(x) if act_quant else x
         h = kernels.moe_gate_up(_bf16(xq), ids, weights.float().contiguous(), mw.w1.weight, mw.w1.scale,
@@ -75,11 +87,20 @@ class Fp4TopkMoE:
                                 mw.swiglu_limit)
         if act_quant:
             h = _act_quant_sim(h)
+        add = None
+        if shared is not None:  # the finished shared expert (bf16) added in the epilogue: a bf16 block output
+            shared.branch.join()
+            add = shared.out
         return kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt, mw.expert_offset,
-                                mw.w2.weight.shape[0], None, True)
+                                mw.w2.weight.shape[0], add, add is None)
 
-    def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+    def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
+               shared: SharedUp | None = None) -> Tensor:
         n = x.shape[0]
+        if shared is not None:
+            if not shared.whole or n > PREFILL_TOKENS:
+                raise ValueError("routed(shared=...) takes a whole shared_up result of a decode-sized call")
+            return self._routed_launches(x, weights, ids.to(torch.int64).contiguous(), mw, act_quant, shared)
         if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().routed(x, weights, ids, mw, act_quant)
         ids = ids.to(torch.int64).contiguous()
@@ -94,7 +115,15 @@ class Fp4TopkMoE:
         return kernels.moe_gate_up(_bf16(xq), None, None, w1.weight, w1.scale, w3.weight, w3.scale, w1.fmt, 0, 1,
                                    mw.swiglu_limit)
 
-    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> tuple[Tensor, object] | None:
+    def _shared_down(self, x: Tensor, h: Tensor, mw: MoEWeights, act_quant: bool, add: Tensor | None) -> Tensor:
+        w2 = mw.shared_w2
+        if act_quant and w2.fmt != "bf16":
+            h = _act_quant_sim(h)
+        # with `add`: bf16(add + bf16(shared)) in the down kernel's epilogue (the reference's rounding)
+        add = None if add is None else add.float().contiguous()
+        return kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, add, False)
+
+    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, whole: bool = False) -> SharedUp | None:
         if not (x.is_cuda and 1 <= x.shape[0] <= PREFILL_TOKENS):
             return None
         # The side stream waits for everything before it (x is ready, and any kernel still reading an h
@@ -104,10 +133,11 @@ class Fp4TopkMoE:
             return None
         with side_stream.Branch(side, x.device) as branch:
             h = self._shared_h(x, mw, act_quant)
-        return h, branch
+            out = self._shared_down(x, h, mw, act_quant, None) if whole else h
+        return SharedUp(out, branch, whole)
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
-               up: tuple[Tensor, object] | None = None) -> Tensor:
+               up: SharedUp | None = None) -> Tensor:
         n = x.shape[0]
         if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().shared(x, mw, act_quant, add)
@@ -115,18 +145,14 @@ class Fp4TopkMoE:
             return torch.cat([self.shared(x[i:i + PREFILL_TOKENS], mw, act_quant,
                                           None if add is None else add[i:i + PREFILL_TOKENS])
                               for i in range(0, n, PREFILL_TOKENS)])
-        w2 = mw.shared_w2
         if up is not None:
-            h, branch = up
-            branch.join()
+            if up.whole:
+                raise ValueError("shared(up=...) takes a gate+up shared_up result; a whole one goes to routed()")
+            up.branch.join()
+            h = up.out
         else:
             h = self._shared_h(x, mw, act_quant)
-        if act_quant and w2.fmt != "bf16":
-            h = _act_quant_sim(h)
-        # with `add`: bf16(add + bf16(shared)) in the down kernel's epilogue (the reference's rounding)
-        add = None if add is None else add.float().contiguous()
-        y = kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, add, False)
-        return y.to(x.dtype)
+        return self._shared_down(x, h, mw, act_quant, add).to(x.dtype)
 
 
 class _LayerCache:
@@ -167,7 +193,15 @@ class Bf16CacheMoE(Fp4TopkMoE):
         cache.experts[e] = (w1, w3, w2)
         self.bytes += need
 
-    def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, whole: bool = False) -> SharedUp | None:
+        # the routed path ends in one of two down launches (FP4 or cached BF16 experts): the shared add stays
+        # in shared()
+        return super().shared_up(x, mw, act_quant, whole=False)
+
+    def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
+               shared: None = None) -> Tensor:
+        if shared is not None:
+            raise ValueError("moe=bf16_cache: routed() takes no shared-expert result")
         if x.shape[0] > PREFILL_TOKENS or x.shape[0] == 0:
             return self._reference().routed(x, weights, ids, mw, act_quant)
         ids = ids.to(torch.int64).contiguous()

@@ -44,7 +44,10 @@ class DequantMoE:
     def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
         return route(x, token_ids, mw)
 
-    def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+    def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
+               shared: None = None) -> Tensor:
+        if shared is not None:
+            raise ValueError(f"moe={self.name}: routed() takes no shared-expert result (its shared_up starts nothing)")
         n, k = ids.shape
         e_local = mw.w1.weight.shape[0]
         local = ids - mw.expert_offset
@@ -82,7 +85,7 @@ class DequantMoE:
             y.index_add_(0, rows, F.linear(a, mw.w2[e].dequant(x.dtype)).float())
         return y
 
-    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> None:
+    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, whole: bool = False) -> None:
         return None
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,

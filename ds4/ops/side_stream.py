@@ -3,9 +3,13 @@
 While a CUDA graph is being captured, an implementation may run work that is independent of the
 main chain on a side stream: the fork (side waits for main) and the join (main waits for side)
 become two graph edges, and the branch's kernels overlap the main chain's (their ramps and tails
-fill each other's idle bandwidth). Eager steps keep everything in line: there a fork and join would
-only add host work to a host-bound step. Used by moe=fp4_topk (the shared expert's gate+up) and
-attn=fused_cuda (the compressor steps).
+fill each other's idle bandwidth; a chain of small kernels leaves the critical path). Eager steps keep
+everything in line: there a fork and join would only add host work to a host-bound step. Used by
+moe=fp4_topk (the shared expert) and attn=fused_cuda (compressor steps, window write, indexer).
+
+Branches live at the same time use different slots (one stream each). Tensors a branch reads stay
+referenced until it is joined (the callers hold them), so no allocation on the main stream can reuse
+their memory while the branch still reads it.
 """
 from __future__ import annotations
 
@@ -14,23 +18,23 @@ import os
 
 import torch
 
-_SIDE: dict[int, torch.cuda.Stream] = {}
+_SIDE: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The process's side stream of `device` (created at the eager warm-up steps, before any capture)."""
+def side_stream(device: torch.device, slot: int = 0) -> torch.cuda.Stream:
+    """The process's side stream `slot` of `device` (created at the eager warm-up steps, before any capture)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE:
-        _SIDE[idx] = torch.cuda.Stream(device)
-    return _SIDE[idx]
+    if (idx, slot) not in _SIDE:
+        _SIDE[idx, slot] = torch.cuda.Stream(device)
+    return _SIDE[idx, slot]
 
 
-def fork(device: torch.device, env: str) -> torch.cuda.Stream | None:
-    """The side stream, made to wait for everything issued so far on the current stream, while a graph is
+def fork(device: torch.device, env: str, slot: int = 0) -> torch.cuda.Stream | None:
+    """Side stream `slot`, made to wait for everything issued so far on the current stream, while a graph is
     captured and the environment variable `env` is not "0" (the ablation); else None (stay in line)."""
     if device.type != "cuda":
         return None
-    side = side_stream(device)
+    side = side_stream(device, slot)
     if not torch.cuda.is_current_stream_capturing() or os.environ.get(env) == "0":
         return None
     side.wait_stream(torch.cuda.current_stream(device))
