@@ -20,7 +20,7 @@
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart ($SEED_JOBS:
 #                  the sweep's experiment=... list, default all of it)
 #   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope); alone in a group
-#   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group)
+#   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group; $SEED_TP2_TIMEOUT s, default 540)
 set -u
 OUT=${OUT:-/tmp/ds4_out}; L=/tmp/ds4_logs; mkdir -p "$OUT" "$L"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 MAX_JOBS=32
@@ -64,7 +64,7 @@ stage() {  # stage name, GPU index
       python3 -m ds4.compare "$L/seed_1gpu" --baseline seed_phase1 --md "$OUT/seed_phases_1gpu.md" \
         --out "$OUT/seed_phases_1gpu.png" > "$L/compare_1gpu.log" 2>&1 ;;
     seed_tp2)
-      CUDA_VISIBLE_DEVICES=0,1 timeout 540 torchrun --nproc-per-node 2 -m ds4 ablation=seed_phases parallel.tp=2 \
+      CUDA_VISIBLE_DEVICES=0,1 timeout ${SEED_TP2_TIMEOUT:-540} torchrun --nproc-per-node 2 -m ds4 ablation=seed_phases parallel.tp=2 \
         task.fidelity=false tracking=none max_new_tokens=32 $SEED_JOBS hydra.sweep.dir="$L/seed_tp2" > "$L/seed_tp2.log" 2>&1
       python3 -m ds4.compare "$L/seed_tp2" --baseline seed_phase1 --md "$OUT/seed_phases_tp2.md" \
         --out "$OUT/seed_phases_tp2.png" > "$L/compare_tp2.log" 2>&1 ;;
