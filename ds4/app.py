@@ -257,8 +257,10 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
         comm = TensorParallel(spec.reduce, spec.comm, device=spec.device)
     model = Transformer(args, ops, numerics=spec.numerics, dtype=spec.dtype, device=spec.device, profiler=profiler,
                         rank=spec.rank, world=spec.tp, comm=comm)
-    model.load_weights(weights)
-    del weights  # the model holds every tensor it needs; per-expert originals can be freed
+    # consume: each layer's per-expert originals are freed as they are stacked (held twice, the full
+    # model's experts overflow an H200 at tp=2)
+    model.load_weights(weights, consume=True)
+    del weights
     record["load_s"] = time.perf_counter() - t0
     ctx = Context(spec=spec, args=args, ops=ops, model=model, tokenizer=tok, weights=None, profiler=profiler)
     result = task.run(ctx, plan)

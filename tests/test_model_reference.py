@@ -3,6 +3,8 @@ consistency in both numerics modes, no host synchronisation inside a decode step
 from __future__ import annotations
 
 
+from types import MappingProxyType
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -191,3 +193,22 @@ def test_official_config_json_gives_v4_flash():
     a = v4_flash()
     assert [a.layer_type(i) for i in (0, 1, 2, 3, 4, 41, 42)] == ["swa", "swa", "csa", "hca", "csa", "hca", "csa"]
     assert a.layer_type(43) == "swa" and not a.is_hash(3) and a.is_hash(2)
+
+
+def test_load_weights_consume_frees_the_stacked_expert_originals():
+    """consume=True (the app's load): the caller's dict loses the per-expert tensors once they are stacked,
+    so the full model's experts are never held twice; the default leaves the dict as it was."""
+    args = tiny()
+    w = random_weights(args, seed=0, include_mtp=False)
+    n0 = len(w)
+    kept = Transformer(args, torch_reference_ops(), "plain", torch.float32)
+    kept.load_weights(w)
+    assert len(w) == n0
+    consumed = Transformer(args, torch_reference_ops(), "plain", torch.float32)
+    consumed.load_weights(w, consume=True)
+    routed = [k for k in w if ".experts." in k and ".shared_experts." not in k]
+    assert routed == [] and 0 < len(w) < n0
+    for a, b in zip(kept.layers, consumed.layers):
+        assert torch.equal(a.ffn.mw.w1.weight, b.ffn.mw.w1.weight)
+    with pytest.raises(TypeError, match="needs a dict"):
+        Transformer(args, torch_reference_ops(), "plain", torch.float32).load_weights(MappingProxyType(w), consume=True)

@@ -145,12 +145,22 @@ class Transformer(WeightsModule):
             self.configure(ops=saved[0], numerics=saved[1])
 
     # ---- weights ----------------------------------------------------------------------------
-    def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
+    def load_weights(self, tensors: Mapping[str, Tensor], consume: bool = False) -> None:
         """Take tensors (official naming, native formats, this rank's slices). Tensors already on
         the model's device are used as they are (no copy); others are moved. Routed experts are
-        stacked per layer (one copy); when the caller keeps no reference to `tensors`, each
-        layer's per-expert originals are freed as soon as they are stacked."""
-        t = {k: (v if v.device == self.device else v.to(self.device)) for k, v in tensors.items()}
+        stacked per layer (one copy); each layer's per-expert originals are freed as soon as they
+        are stacked when nothing else references them: the caller keeps no reference to `tensors`,
+        or passes consume=True (a dict, emptied of what the model took: the full model's experts
+        would otherwise be held twice at the peak)."""
+        if consume:
+            if not isinstance(tensors, dict):
+                raise TypeError("load_weights(consume=True) needs a dict")
+            for k, v in tensors.items():
+                if v.device != self.device:
+                    tensors[k] = v.to(self.device)
+            t = tensors
+        else:
+            t = {k: (v if v.device == self.device else v.to(self.device)) for k, v in tensors.items()}
         del tensors  # only `t` (and the caller, if it kept one) references the originals now
         self.embed = self.take("embed", t, "embed.weight")
         self.head = self.take("head", t, "head.weight")
