@@ -388,46 +388,41 @@ def test_fp4_topk_impl_end_to_end(n):
     yb = impl.shared(x, mw, add=y)
     assert yb.dtype == x.dtype and rel(yb, DequantMoE().shared(x, mw, add=y)) <= TOL
     assert rel(yb, (y + ys.float()).to(x.dtype)) <= TOL
-    # captured in a CUDA graph, gate+up runs on a side stream before routing (shared_up): same bits;
-    # eager steps keep it in line (shared_up returns None)
+    # captured in a CUDA graph, the shared expert runs on a side stream before routing (shared_up) and
+    # its output is added after the (here absent) reduction in one launch, or by the routed down kernel's
+    # epilogue (one rank): the same bits either way; eager steps keep it in line (shared_up returns None)
     assert impl.shared_up(x, mw) is None
+    # the add after a reduction (fp32, or bf16 under reduce=bf16) = the down kernel's fused add, bit for bit
+    from ds4.ops import side_stream
+    from ds4.ops.moe_cuda import SharedUp, add_shared
+    done = SharedUp(ys, side_stream.Branch(None, x.device))
+    for red in (y, y.to(torch.bfloat16)):
+        assert torch.equal(add_shared(red, done), impl.shared(x, mw, add=red)), red.dtype
 
-    def block():
+    def block_reduced():
         up = impl.shared_up(x, mw)
         w, ids = impl.route(x, tok, mw)
         return up, impl.shared(x, mw, add=impl.routed(x, w, ids, mw), up=up)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        block()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        up, out = block()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert up is not None and not up.whole
-    assert torch.equal(out, yb)
-    # one rank: the whole shared expert on the side stream, added by the routed down kernel: same bits
-    assert impl.shared_up(x, mw, whole=True) is None
-
-    def block_whole():
-        up = impl.shared_up(x, mw, whole=True)
+    def block_one_rank():
+        up = impl.shared_up(x, mw)
         w, ids = impl.route(x, tok, mw)
         return up, impl.routed(x, w, ids, mw, shared=up)
 
-    with torch.cuda.stream(side):
-        block_whole()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    poison()
-    with torch.cuda.graph(graph):
-        up, out = block_whole()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert up is not None and up.whole
-    assert out.dtype == x.dtype and torch.equal(out, yb)
+    side = torch.cuda.Stream()
+    for block in (block_reduced, block_one_rank):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            block()  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        poison()
+        with torch.cuda.graph(graph):
+            up, out = block()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert up is not None, block.__name__
+        assert out.dtype == x.dtype and torch.equal(out, yb), block.__name__
 
 
 def test_bf16_cache_impl():

@@ -49,14 +49,12 @@ class MoE(WeightsModule):
     def forward(self, x: Tensor, token_ids: Tensor) -> Tensor:
         """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert."""
         moe = self.ops.moe
-        # may start on a side stream, overlapping routing and the routed experts; with one rank (no all-reduce
-        # between the routed sum and the shared add) the whole shared expert may, and routed() adds it
-        with self.prof("moe.shared_up"):
-            up = moe.shared_up(x, self.mw, act_quant=self.qat, whole=self.comm.world == 1)
+        with self.prof("moe.shared_up"):  # may start on a side stream, overlapping routing and routed experts
+            up = moe.shared_up(x, self.mw, act_quant=self.qat)
         with self.prof("moe.gate"):
             w, ids = moe.route(x, token_ids, self.mw)
-        if up is not None and up.whole:
-            with self.prof("moe.routed"):  # returns (routed + shared.float()).to(x.dtype)
+        if up is not None and self.comm.world == 1:
+            with self.prof("moe.routed"):  # nothing to reduce: returns (routed + shared.float()).to(x.dtype)
                 return moe.routed(x, w, ids, self.mw, act_quant=self.qat, shared=up)
         with self.prof("moe.routed"):
             y = moe.routed(x, w, ids, self.mw, act_quant=self.qat)

@@ -95,15 +95,14 @@ class MoEImpl(Protocol):
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
                shared: object | None = None) -> Tensor:
         """Sum over the k selected experts held on this rank (others contribute 0): f32 [N, dim]. With
-        `shared` (a whole shared_up result) the block output instead: (sum + shared.float()).to(x.dtype)."""
+        `shared` (a shared_up result; only when nothing is summed over ranks after this) the block output
+        instead: (sum + shared.float()).to(x.dtype)."""
         ...
 
-    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, whole: bool = False) -> object | None:
+    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> object | None:
         """Optionally start the shared expert before routing (e.g. on a side stream while a CUDA graph is
-        captured, so it overlaps the router and the routed experts): its first half, whose result goes to
-        shared(..., up=), or with `whole` (allowed when nothing is summed over ranks between the routed
-        experts and the shared add) all of it, whose result goes to routed(..., shared=) and replaces
-        shared(). None: nothing started."""
+        captured, so it overlaps the router and the routed experts); the result goes to routed(shared=)
+        or shared(up=). None: nothing started."""
         ...
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,

@@ -6,17 +6,16 @@ moe=fp4_topk
   routed: all top-k experts of the layer in two launches reading the expert ids from the device
           tensor: gate+up (+clamp, SiLU, route weight, BF16 h) and down (fp32 accumulation over the
           experts in registers, no atomics). Slots whose expert is not held locally add 0.
-  shared: the FP8 shared expert through the same two kernels (one expert, no route weight); the
-          routed sum is added in the down kernel's epilogue (no separate add / casts). While a CUDA
-          graph is being captured (decode sizes), shared_up puts it on a side stream that forks from
-          the current one before routing: two graph edges, and its launches overlap the router and the
-          routed experts (H200, gate+up only, 8 -> 12 layers: 196.2 -> 188.1 us per layer). With one
-          rank (`whole`: no all-reduce between the routed sum and the shared add) both its launches run
-          there and the routed down kernel adds its bf16 output in its epilogue (same sum and rounding),
-          so the shared expert leaves the critical path; with several ranks only its gate+up does, and
-          its down launch adds the reduced routed sum. Eager steps keep it in line: there the fork and
-          join would only add host work to a host-bound step. DS4_SHARED_OVERLAP=0 in the environment
-          keeps it in line in graphs too (the ablation).
+  shared: the FP8 shared expert through the same two kernels (one expert, no route weight); in line,
+          the routed sum is added in its down kernel's epilogue (no separate add / casts). While a CUDA
+          graph is being captured (decode sizes), shared_up runs both its launches on a side stream that
+          forks from the current one before routing, overlapping the router and the routed experts, so
+          the shared expert leaves the critical path (H200, 1 GPU, 4 -> 12 layers: 146.0 -> 137.0 us per
+          layer against in line; session 6 ran only its gate+up there: 143.0). Its bf16 output is added
+          by the routed down kernel's epilogue with one rank (routed(shared=)), or after the all-reduce
+          in one elementwise launch (shared(up=)): the same sum and rounding either way. Eager steps keep
+          it in line: there the fork and join would only add host work to a host-bound step.
+          DS4_SHARED_OVERLAP=0 in the environment keeps it in line in graphs too (the ablation).
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -57,10 +56,16 @@ def _bf16(x: Tensor) -> Tensor:
 
 
 class SharedUp(NamedTuple):
-    """The shared expert issued on a side stream: its gate+up output h, or (whole) its bf16 output."""
+    """The shared expert issued on a side stream: its bf16 output, ready once `branch` is joined."""
     out: Tensor
     branch: side_stream.Branch
-    whole: bool
+
+
+def add_shared(y: Tensor, up: SharedUp) -> Tensor:
+    """bf16(y + shared) for the routed sum y (fp32, or bf16 after a bf16 reduction): one elementwise
+    launch computing in fp32 and rounding once, the down kernel epilogue's sum and rounding."""
+    up.branch.join()
+    return torch.add(y, up.out, out=torch.empty_like(up.out))
 
 
 class Fp4TopkMoE:
@@ -98,8 +103,8 @@ class Fp4TopkMoE:
                shared: SharedUp | None = None) -> Tensor:
         n = x.shape[0]
         if shared is not None:
-            if not shared.whole or n > PREFILL_TOKENS:
-                raise ValueError("routed(shared=...) takes a whole shared_up result of a decode-sized call")
+            if n > PREFILL_TOKENS:
+                raise ValueError("routed(shared=...) takes the shared_up result of a decode-sized call")
             return self._routed_launches(x, weights, ids.to(torch.int64).contiguous(), mw, act_quant, shared)
         if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().routed(x, weights, ids, mw, act_quant)
@@ -123,18 +128,17 @@ class Fp4TopkMoE:
         add = None if add is None else add.float().contiguous()
         return kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, add, False)
 
-    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, whole: bool = False) -> SharedUp | None:
+    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> SharedUp | None:
         if not (x.is_cuda and 1 <= x.shape[0] <= PREFILL_TOKENS):
             return None
-        # The side stream waits for everything before it (x is ready, and any kernel still reading an h
-        # of an earlier call is ordered before the next allocation on the side stream).
+        # The side stream waits for everything before it (x is ready, and any kernel still reading an
+        # output of an earlier call is ordered before the next allocation on the side stream).
         side = side_stream.fork(x.device, "DS4_SHARED_OVERLAP")
         if side is None:
             return None
         with side_stream.Branch(side, x.device) as branch:
-            h = self._shared_h(x, mw, act_quant)
-            out = self._shared_down(x, h, mw, act_quant, None) if whole else h
-        return SharedUp(out, branch, whole)
+            out = self._shared_down(x, self._shared_h(x, mw, act_quant), mw, act_quant, None)
+        return SharedUp(out, branch)
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
                up: SharedUp | None = None) -> Tensor:
@@ -146,13 +150,8 @@ class Fp4TopkMoE:
                                           None if add is None else add[i:i + PREFILL_TOKENS])
                               for i in range(0, n, PREFILL_TOKENS)])
         if up is not None:
-            if up.whole:
-                raise ValueError("shared(up=...) takes a gate+up shared_up result; a whole one goes to routed()")
-            up.branch.join()
-            h = up.out
-        else:
-            h = self._shared_h(x, mw, act_quant)
-        return self._shared_down(x, h, mw, act_quant, add).to(x.dtype)
+            return up.out if add is None else add_shared(add, up)
+        return self._shared_down(x, self._shared_h(x, mw, act_quant), mw, act_quant, add).to(x.dtype)
 
 
 class _LayerCache:
@@ -193,15 +192,10 @@ class Bf16CacheMoE(Fp4TopkMoE):
         cache.experts[e] = (w1, w3, w2)
         self.bytes += need
 
-    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, whole: bool = False) -> SharedUp | None:
-        # the routed path ends in one of two down launches (FP4 or cached BF16 experts): the shared add stays
-        # in shared()
-        return super().shared_up(x, mw, act_quant, whole=False)
-
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
-               shared: None = None) -> Tensor:
-        if shared is not None:
-            raise ValueError("moe=bf16_cache: routed() takes no shared-expert result")
+               shared: SharedUp | None = None) -> Tensor:
+        if shared is not None:  # its routed sum ends in one of two down launches: the shared output added after
+            return add_shared(self.routed(x, weights, ids, mw, act_quant), shared)
         if x.shape[0] > PREFILL_TOKENS or x.shape[0] == 0:
             return self._reference().routed(x, weights, ids, mw, act_quant)
         ids = ids.to(torch.int64).contiguous()

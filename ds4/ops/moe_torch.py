@@ -85,7 +85,7 @@ class DequantMoE:
             y.index_add_(0, rows, F.linear(a, mw.w2[e].dequant(x.dtype)).float())
         return y
 
-    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, whole: bool = False) -> None:
+    def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> None:
         return None
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
