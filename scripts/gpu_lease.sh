@@ -16,7 +16,8 @@
 #   tp2_tests      the 2-GPU tests (tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
 #   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
 #   profile        per-kernel profile of an 8-layer step and its time at position 65536 (PROFILE_PDL=0:
-#                  without PDL, so each kernel's time is its own)
+#                  without PDL; PROFILE_INLINE=1: side-stream branches in line too — both, and each
+#                  kernel's time is its own)
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart ($SEED_JOBS:
 #                  the sweep's experiment=... list, default all of it)
 #   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope); alone in a group
@@ -56,7 +57,10 @@ stage() {  # stage name, GPU index
     tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_gpu_e2e.py -k "${TP2_K:-tp2}" > "$L/tp2_tests.log" 2>&1 ;;
     bench) CUDA_VISIBLE_DEVICES=$g timeout 240 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
         --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu.json" > "$L/bench_1gpu.log" 2>&1 ;;
-    profile) DS4_PDL=${PROFILE_PDL:-1} CUDA_VISIBLE_DEVICES=$g timeout 60 python3 scripts/profile_step.py --layers 8 --variant kernels+fused \
+    profile)
+      local ovl=1; [ "${PROFILE_INLINE:-0}" = 1 ] && ovl=0
+      DS4_PDL=${PROFILE_PDL:-1} DS4_COMPRESS_OVERLAP=$ovl DS4_ATTN_OVERLAP=$ovl DS4_SHARED_OVERLAP=$ovl \
+        CUDA_VISIBLE_DEVICES=$g timeout 60 python3 scripts/profile_step.py --layers 8 --variant kernels+fused \
         --long-context 65536 --out "$OUT/profile_step.json" > "$L/profile.log" 2>&1 ;;
     seed)
       CUDA_VISIBLE_DEVICES=$g timeout 240 python3 -m ds4 ablation=seed_phases model.n_layers=8 tracking=none \

@@ -6,6 +6,10 @@ The captured step is replayed under torch.profiler (CUPTI sees every kernel insi
 per kernel name, the GPU time per step and per layer, and the step's wall time, whose difference
 to the summed kernel time is the launch gaps between kernels. Variant tokens as in
 bench_decode.py (kernels, fused, wobf16).
+
+PDL and the side-stream branches overlap kernels inside the graph, so a kernel's time then includes
+its neighbours' contention (and the wall time is below the summed kernel time). For each kernel's
+own time run with DS4_PDL=0 DS4_COMPRESS_OVERLAP=0 DS4_ATTN_OVERLAP=0 DS4_SHARED_OVERLAP=0.
 """
 from __future__ import annotations
 
