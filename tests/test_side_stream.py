@@ -1,4 +1,5 @@
-"""ds4.ops.side_stream outside a CUDA-graph capture: every branch stays in line (no stream switch)."""
+"""ds4.ops.side_stream outside a CUDA-graph capture (every branch stays in line), and the decode step's branch
+discipline (each branch joined before its output is read) with recording branches."""
 from __future__ import annotations
 
 import torch
@@ -51,3 +52,76 @@ def test_branch_propagates_exceptions():
         assert str(e) == "inside"
     else:
         raise AssertionError("the exception was swallowed")
+
+
+class _RecordingBranch(side_stream.Branch):
+    """An in-line branch that records what ran inside it and whether it was joined."""
+
+    def __init__(self, name, log):
+        super().__init__(None, torch.device("cpu"))
+        self.name, self.log, self.joined = name, log, False
+
+    def __enter__(self):
+        self.log.append(("enter", self.name))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.log.append(("exit", self.name))
+        return super().__exit__(*exc)
+
+    def join(self):
+        self.joined = True
+        self.log.append(("join", self.name))
+
+
+def test_decode_joins_every_branch_before_its_output_is_read():
+    """The decode step's branch discipline (what makes the side streams of a captured graph safe):
+    the indexer scores run only after the indexer-compressor branch (the cache entry of this step) is
+    joined, and the attention kernel only after every branch is; same logits as plain in-line ops."""
+    import dataclasses
+
+    from ds4.model.args import tiny
+    from ds4.model.transformer import Transformer
+    from ds4.registry import torch_reference_ops
+    from ds4.runtime.generate import Generator
+    from ds4.weights.synthetic import random_weights
+
+    log, made = [], []
+
+    class RecordingAttention(TorchAttention):
+        def branch(self, x, name):
+            super().branch(x, name)  # the name check
+            b = _RecordingBranch(name, log)
+            made.append(b)
+            return b
+
+        def decode(self, *args, **kw):
+            assert made and all(b.joined for b in made), [(b.name, b.joined) for b in made]
+            log.append(("decode", None))
+            made.clear()
+            return super().decode(*args, **kw)
+
+    ref_ops = torch_reference_ops()
+
+    class RecordingIndexer(type(ref_ops.indexer)):
+        def scores(self, *args, **kw):
+            if kw.get("pos") is not None:  # decode (prefill has no branches)
+                icomp = [b for b in made if b.name == "icompress"]
+                assert icomp and icomp[-1].joined, "indexer scores before the indexer cache entry was joined"
+                log.append(("scores", None))
+            return super().scores(*args, **kw)
+
+    a = tiny().replace(index_topk=16)           # a 256-token state holds 64 entries > 16: the indexer runs
+    w = random_weights(a, seed=4, include_mtp=False)
+    rec_ops = dataclasses.replace(ref_ops, attn=RecordingAttention(), indexer=RecordingIndexer())
+    logits = []
+    for ops in (ref_ops, rec_ops):
+        m = Transformer(a, ops, "plain", torch.float32)
+        m.load_weights(w)
+        g = Generator(m, 1, 256)
+        g.prefill([[(7 * i + 3) % a.vocab_size for i in range(20)]])
+        logits.append(torch.stack([g.decode(torch.tensor([t]))[0] for t in (5, 9, 11, 2, 8)]))
+    assert torch.equal(logits[0], logits[1])
+    names = {n for e, n in log if e == "enter"}
+    assert names == set(BRANCHES), names           # tiny has SWA, CSA and HCA layers: every branch is used
+    assert ("scores", None) in log and log.count(("decode", None)) == 5 * a.n_layers

@@ -150,8 +150,9 @@ class Transformer(WeightsModule):
         the model's device are used as they are (no copy); others are moved. Routed experts are
         stacked per layer (one copy); each layer's per-expert originals are freed as soon as they
         are stacked when nothing else references them: the caller keeps no reference to `tensors`,
-        or passes consume=True (a dict, emptied of what the model took: the full model's experts
-        would otherwise be held twice at the peak)."""
+        or passes consume=True (a dict: its tensors are moved to the device in place and its
+        per-expert entries removed as they are stacked; the full model's experts would otherwise be
+        held twice at the peak)."""
         if consume:
             if not isinstance(tensors, dict):
                 raise TypeError("load_weights(consume=True) needs a dict")

@@ -5,9 +5,9 @@ indexer q), kv_store (kv_norm + RoPE + (qat) FP8 nope + ring write), compress_st
 and on the completing step the pooled entry's norm + RoPE + (qat) FP8 + cache write, both decided
 per row on the device), compress_project (the compressor's BF16 [wkv; wgate] GEMV with fp32 output,
 through the ds4 GEMV kernel, so attn=fused_cuda needs both extensions). While a decode graph is
-captured, `branch` puts the compressors' steps, the window write and the indexer on side streams. Inputs these kernels do not
-take (CPU, non-bf16, the indexer compressor's qat Hadamard + FP4) run the TorchAttention twin:
-chosen by dtype / flag, never by values.
+captured, `branch` puts the compressors' steps, the window write and the indexer on side streams.
+Inputs these kernels do not take (CPU, non-bf16, the indexer compressor's qat Hadamard + FP4) run the
+TorchAttention twin: chosen by dtype / flag, never by values.
 
 FusedCudaAttention.decode — the decode form: validity from the row's position (window ring,
 visible compressed entries), CSA entries gathered by the top-k index inside the kernel, output RoPE
