@@ -185,7 +185,7 @@ class Attention(WeightsModule):
         branches.append(kvb)
         with self.prof("attn.q"):
             qr = attn.rms_norm(qa, self.q_norm, eps)
-        sc = idx = None
+        idx = None
         if select:
             ib = attn.branch(x, "indexer")
             with ib, self.prof("attn.indexer"):

@@ -43,13 +43,9 @@ class Compressor(WeightsModule):
         self.norm = self.take("norm", t, f"{prefix}.norm.weight")
 
     # ---- shared pieces ----------------------------------------------------------------------
-    def project_merged(self, x: Tensor) -> Tensor:
-        """x [..., dim] -> [kv | z] [..., 2*coff*w] fp32 (no ape yet)."""
-        return project_f32(x, self.wkv_gate)
-
     def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [..., dim] -> kv, z [..., coff*w] fp32 (no ape yet)."""
-        return self.project_merged(x).chunk(2, -1)
+        return project_f32(x, self.wkv_gate).chunk(2, -1)  # the merged [wkv; wgate] rows
 
     @property
     def quant(self) -> str:
