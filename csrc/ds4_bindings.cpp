@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -238,8 +239,23 @@ std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor&
                                           double route_scale) {
   check_cuda(gate, "gate");
   TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && gate.dim() == 2, "ds4.router: gate must be bf16 [E, dim]");
-  const int64_t N = x.size(0), E = gate.size(0);
-  at::Tensor logits = gemv(x, gate, std::nullopt, FMT_BF16, 1, 0, true);
+  const int64_t N = x.size(0), E = gate.size(0), dim = gate.size(1);
+  // The BF16 GEMV, then the tail kernel; DS4_ROUTER_FUSED=1 (read at every call) takes one fused launch
+  // for decode sizes instead — not the default: in the decode step it measured 1.8-4.8 us per layer
+  // slower (H200, experiments/decode_session8_h200.md; its 64 blocks compete with the shared expert's
+  // side-stream kernels, which start at the same time, before its last block can run the tail).
+  const char* env = std::getenv("DS4_ROUTER_FUSED");
+  const bool fused = env && env[0] == '1' && ds4::router_fused_ok((int)N, (int)E, (int)dim);
+  at::Tensor logits;
+  if (fused) {
+    check_cuda(x, "x");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == dim && x.is_contiguous(),
+                "ds4.router: x must be contiguous bf16 [N, dim]");
+    TORCH_CHECK(gate.is_contiguous(), "ds4.router: gate must be contiguous");
+    logits = at::empty({N, E}, x.options().dtype(at::kFloat));
+  } else {
+    logits = gemv(x, gate, std::nullopt, FMT_BF16, 1, 0, true);
+  }
   const float* b = nullptr;
   if (bias.has_value() && !tid2eid.has_value()) {
     check_cuda(*bias, "bias");
@@ -267,6 +283,14 @@ std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor&
   auto w = at::empty({N, topk}, x.options().dtype(at::kFloat));
   auto ids = at::empty({N, topk}, x.options().dtype(at::kLong));
   if (N == 0) return {w, ids};
+  if (fused) {
+    check_launch(ds4::launch_router_fused(x.data_ptr(), (int)N, gate.data_ptr(), (int)E, (int)dim, b, tid, tid64, tok,
+                                          (int)topk, (float)route_scale, static_cast<float*>(logits.data_ptr()),
+                                          static_cast<float*>(w.data_ptr()), static_cast<int64_t*>(ids.data_ptr()),
+                                          at::cuda::getCurrentCUDAStream()),
+                 "router_fused");
+    return {w, ids};
+  }
   check_launch(ds4::launch_router_topk(static_cast<const float*>(logits.data_ptr()), (int)N, (int)E, b, tid, tid64,
                                        tok, (int)topk, (float)route_scale, static_cast<float*>(w.data_ptr()),
                                        static_cast<int64_t*>(ids.data_ptr()), at::cuda::getCurrentCUDAStream()),

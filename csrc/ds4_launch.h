@@ -21,6 +21,8 @@ enum Kernel : int { KERNEL_AUTO = 0, KERNEL_FMA = 1, KERNEL_MMA = 2 };
 bool mma_auto(int fmt, int K);
 // Widest run of 16-B chunks per lane and row the tensor-core kernels read (DS4_MMA_W: 1, 2, 4).
 int mma_max_width();
+// Chunks per lane and row the tensor-core kernels keep in flight (DS4_MMA_DEPTH: 8, 4, 2; mma_dot.cuh).
+int mma_depth();
 
 // out[t, o] = sum_k x[t, xoff(o) + k] * W[o, k]   (t < n_tok <= 8)
 // fmt 0 bf16 / 1 fp8 (E4M3 + E8M0 128x128) / 2 fp4 (E2M1 pairs + E8M0 per 32).
@@ -51,7 +53,9 @@ struct MoEArgs {
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, dim]*/,
                                void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st);
 // out[t, :] = (add ? add[t, :] : 0) + sum over the local (token, slot) pairs of h[t*topk+j] @ w2[e]^T
-// (add fp32, or bf16 with a.add_bf16; the rounding order is down_store's in moe.cu)
+// (add fp32, or bf16 with a.add_bf16; the rounding order is down_store's in moe.cu). The one-token
+// tensor-core kernel reads ids before its PDL wait: ids must not be written by the launch right before
+// (in the decode step they come from the router, before the gate+up launch).
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st);
 
@@ -60,5 +64,15 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, vo
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias,
                                const void* tid2eid, bool tid64, const int64_t* token_ids, int topk,
                                float route_scale, float* w_out, int64_t* ids_out, cudaStream_t st);
+
+// The whole router in one launch for decode-sized inputs (opt-in, DS4_ROUTER_FUSED=1; router_fused_ok:
+// n_tok <= ROUTER_FUSED_TOKENS, n_tok * E <= ROUTER_FUSED_SLOTS, dim % 8 == 0): x bf16 [n_tok, dim], gate
+// bf16 [E, dim]; logits is an fp32 [n_tok, E] workspace. Same outputs as the BF16 GEMV + launch_router_topk.
+constexpr int ROUTER_FUSED_TOKENS = 8;
+constexpr int ROUTER_FUSED_SLOTS = 4096;
+bool router_fused_ok(int n_tok, int E, int dim);
+cudaError_t launch_router_fused(const void* x, int n_tok, const void* gate, int E, int dim, const float* bias,
+                                const void* tid2eid, bool tid64, const int64_t* token_ids, int topk,
+                                float route_scale, float* logits, float* w_out, int64_t* ids_out, cudaStream_t st);
 
 }  // namespace ds4

@@ -100,7 +100,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
 // per block, even split of the grid), its warps stream their rounds (MmaStream). Grouped rows
 // (wo_a): each group has its own activations; the groups a block's tiles touch are staged.
 template <int FMT, int U, int CW>
-__global__ void __launch_bounds__(MMA_STREAM_THREADS)
+__global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, CW>()))
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                 int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb) {
   DS4_MARK(0);
@@ -142,20 +142,27 @@ int sm_count() {
   return count[dev] > 0 ? count[dev] : 132;
 }
 
-// The tensor-core kernels' widest run per lane and row (W chunks of 16 B; U = 8 / W rounds in flight,
-// so 256 B per lane either way): DS4_MMA_W = 1, 2 or 4 (default MMA_W_DEFAULT), read at every launch
-// so one process can sweep it (scripts/bench_kernels.py --widths).
+// The tensor-core kernels' widest run per lane and row (W chunks of 16 B): DS4_MMA_W = 1, 2 or 4
+// (default MMA_W_DEFAULT), and their depth (chunks per lane and row in flight, U = depth / W rounds):
+// DS4_MMA_DEPTH = 8, 4 or 2 (default MMA_DEPTH_DEFAULT; mma_min_blocks). Both read at every launch so
+// one process can sweep them (scripts/bench_kernels.py --widths / --depths).
 constexpr int MMA_W_DEFAULT = 2;
+constexpr int MMA_DEPTH_DEFAULT = 8;
 int mma_max_width() {
   const char* env = std::getenv("DS4_MMA_W");
   const int w = env ? std::atoi(env) : MMA_W_DEFAULT;
   return w == 1 || w == 2 ? w : 4;
 }
+int mma_depth() {
+  const char* env = std::getenv("DS4_MMA_DEPTH");
+  const int d = env ? std::atoi(env) : MMA_DEPTH_DEFAULT;
+  return d >= 8 ? 8 : d >= 4 ? 4 : 2;
+}
 
-template <int FMT, int CW>
+template <int FMT, int U, int CW>
 static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32, int O,
                                int K, int group_rows, cudaStream_t st) {
-  auto kern = gemv_mma_kernel<FMT, 8 / CW, CW>;
+  auto kern = gemv_mma_kernel<FMT, U, CW>;
   const int T = (O + 15) / 16;
   auto smem_for = [&](int tpb) {  // partial sums + the activations of the groups tpb tiles can touch
     const int ng = group_rows > 0 ? (tpb * 16 + group_rows - 1) / group_rows + 1 : 1;
@@ -229,10 +236,10 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
                       4L * mma_part_floats(1) + 2L * K * (group_rows > 0 ? 2 : 1) <= SMEM_CAP;
   if (kernel == KERNEL_MMA && !mma_ok) return cudaErrorInvalidValue;
   if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt, K))) {
-    return with_mma_width(mma_width(fmt, K, mma_max_width()), [&](auto cw) {
-      constexpr int CW = decltype(cw)::value;
-      return fmt == FMT_FP8 ? gemv_mma_go<FMT_FP8, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st)
-                            : gemv_mma_go<FMT_FP4, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+    return with_mma_shape(mma_width(fmt, K, mma_max_width()), mma_depth(), [&](auto cw, auto u) {
+      constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
+      return fmt == FMT_FP8 ? gemv_mma_go<FMT_FP8, U, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st)
+                            : gemv_mma_go<FMT_FP4, U, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
     });
   }
   if (group_rows > 0 && group_rows % (GEMV_WARPS * 2) != 0) return cudaErrorInvalidValue;

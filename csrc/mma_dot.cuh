@@ -373,12 +373,32 @@ inline int mma_tiles_per_block(int T, int wave) {
   return tpb < MMA_STREAM_MAX_TILES ? tpb : MMA_STREAM_MAX_TILES;
 }
 
-// Host: f(std::integral_constant<int, W>{}) for a run width w from mma_width (the kernels' template W).
+// Chunks per lane and row in flight (U rounds x W chunks), the "depth", and the kernels' occupancy
+// floor: depth 8 asks for 2 blocks of 8 warps per SM (<= 128 registers per thread; ~120 without the
+// bound), depth 4 / 2 for 3 / 4 blocks (<= 85 / 64 registers), trading bytes in flight per warp for
+// more warps to hide the decode's instruction latency (ncu, H200: the depth-8 kernels issue on ~40 % of
+// cycles with 4 warps per scheduler, neither DRAM- nor ALU-bound).
+template <int U, int W> __host__ __device__ constexpr int mma_min_blocks() {
+  return U * W >= 8 ? 2 : U * W >= 4 ? 3 : 4;
+}
+
+// Host: f(std::integral_constant<int, W>{}, std::integral_constant<int, U>{}) for a run width w from
+// mma_width and a depth (chunks per lane and row in flight: 8, 4 or 2; U = max(1, depth / w)).
 template <typename F>
-inline cudaError_t with_mma_width(int w, F f) {
-  if (w == 4) return f(std::integral_constant<int, 4>{});
-  if (w == 2) return f(std::integral_constant<int, 2>{});
-  return f(std::integral_constant<int, 1>{});
+inline cudaError_t with_mma_shape(int w, int depth, F f) {
+  using std::integral_constant;
+  if (w == 4) {
+    if (depth >= 8) return f(integral_constant<int, 4>{}, integral_constant<int, 2>{});
+    return f(integral_constant<int, 4>{}, integral_constant<int, 1>{});
+  }
+  if (w == 2) {
+    if (depth >= 8) return f(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+    if (depth >= 4) return f(integral_constant<int, 2>{}, integral_constant<int, 2>{});
+    return f(integral_constant<int, 2>{}, integral_constant<int, 1>{});
+  }
+  if (depth >= 8) return f(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+  if (depth >= 4) return f(integral_constant<int, 1>{}, integral_constant<int, 4>{});
+  return f(integral_constant<int, 1>{}, integral_constant<int, 2>{});
 }
 
 }  // namespace ds4

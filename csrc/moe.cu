@@ -335,7 +335,7 @@ __device__ __forceinline__ int nth_bit(unsigned m, int n) {
 // 2 pl + 1 (w3) (ppb: the pairs split evenly over the grid, from the device's count of local slots).
 // Epilogue: h[slot, row] = swiglu(gate, up) * route weight.
 template <int FMT, int U, int W>
-__global__ void __launch_bounds__(MMA_STREAM_THREADS)
+__global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
 moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
   ds4_pdl::begin();  // expert ids, route weights and x come from the previous kernels
   extern __shared__ float4 smem4[];
@@ -378,11 +378,14 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 
 // Row tiles of `dim`, each the sum over the local slots (segments) of their w2 rows times h; block b
 // streams tiles [b * tpb, (b + 1) * tpb).
+// The expert ids are read, and the first weight rounds loaded, before the PDL wait: in the decode step
+// the ids come from the router, two launches back (the gate+up kernel in between waits for the router
+// before it lets this kernel launch), so they are final here; only h and add come from the kernel right
+// before. Contract (ds4_launch.h): a down launch's ids are not written by the launch just before it.
 template <int FMT, int U, int W, bool OUT_F32>
-__global__ void __launch_bounds__(MMA_STREAM_THREADS)
+__global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
                     void* __restrict__ out, int tpb) {
-  ds4_pdl::begin();
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
@@ -404,6 +407,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   auto st = mma_stream<FMT, U, W>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
                                   a.s2_ld);
   st.prefetch();
+  ds4_pdl::begin();  // h and add come from the previous kernels
   stage_mma_rows<FMT>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   mma_part_zero(part, nt);
   __syncthreads();
@@ -429,10 +433,10 @@ static int moe_use_mma(const MoEArgs& a) {
   return a.kernel == KERNEL_AUTO && ok && mma_auto(a.fmt, std::min(a.dim, a.inter)) ? 1 : 0;
 }
 
-template <int FMT, int W>
+template <int FMT, int U, int W>
 static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const long smem = 4L * mma_part_floats(MMA_STREAM_MAX_TILES) + 2L * a.dim;
-  auto kern = moe_gate_up_mma_kernel<FMT, 8 / W, W>;
+  auto kern = moe_gate_up_mma_kernel<FMT, U, W>;
   cudaError_t e = set_smem(kern, smem);
   if (e != cudaSuccess) return e;
   // pairs for the most local slots (topk); at most MMA_STREAM_MAX_TILES / 2 per block
@@ -444,10 +448,10 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
                          reinterpret_cast<__nv_bfloat16*>(h));
 }
 
-template <int FMT, int W, bool F32>
+template <int FMT, int U, int W, bool F32>
 static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st) {
   const int T = (a.dim + 15) / 16;
-  auto kern = moe_down_mma_kernel<FMT, 8 / W, W, F32>;
+  auto kern = moe_down_mma_kernel<FMT, U, W, F32>;
   auto smem_for = [&](int tpb) { return 4L * mma_part_floats(tpb) + 2L * a.topk * a.inter; };
   cudaError_t e = set_smem(kern, smem_for(1));
   if (e != cudaSuccess) return e;
@@ -482,9 +486,10 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStr
   const int mma = moe_use_mma(a);
   if (mma < 0) return cudaErrorInvalidValue;
   if (mma)
-    return with_mma_width(mma_width(a.fmt, a.dim, mma_max_width()), [&](auto cw) {
-      constexpr int CW = decltype(cw)::value;
-      return a.fmt == FMT_FP8 ? gate_up_mma_go<FMT_FP8, CW>(a, x, h, st) : gate_up_mma_go<FMT_FP4, CW>(a, x, h, st);
+    return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), mma_depth(), [&](auto cw, auto u) {
+      constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
+      return a.fmt == FMT_FP8 ? gate_up_mma_go<FMT_FP8, U, CW>(a, x, h, st)
+                              : gate_up_mma_go<FMT_FP4, U, CW>(a, x, h, st);
     });
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return gate_up_nt<FMT_FP4>(a, x, h, st);
@@ -518,13 +523,13 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, vo
   const int mma = moe_use_mma(a);
   if (mma < 0) return cudaErrorInvalidValue;
   if (mma) {
-    return with_mma_width(mma_width(a.fmt, a.inter, mma_max_width()), [&](auto cw) {
-      constexpr int CW = decltype(cw)::value;
+    return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(), [&](auto cw, auto u) {
+      constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
       if (a.fmt == FMT_FP8)
-        return out_f32 ? down_mma_go<FMT_FP8, CW, true>(a, h, add, out, st)
-                       : down_mma_go<FMT_FP8, CW, false>(a, h, add, out, st);
-      return out_f32 ? down_mma_go<FMT_FP4, CW, true>(a, h, add, out, st)
-                     : down_mma_go<FMT_FP4, CW, false>(a, h, add, out, st);
+        return out_f32 ? down_mma_go<FMT_FP8, U, CW, true>(a, h, add, out, st)
+                       : down_mma_go<FMT_FP8, U, CW, false>(a, h, add, out, st);
+      return out_f32 ? down_mma_go<FMT_FP4, U, CW, true>(a, h, add, out, st)
+                     : down_mma_go<FMT_FP4, U, CW, false>(a, h, add, out, st);
     });
   }
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;

@@ -1,7 +1,17 @@
-// Router tail on the device (spec §6.1): one block per token, one thread per expert.
+// Router on the device (spec §6.1): logits = x . gate^T (BF16 weights, fp32 accumulation);
 // scores = sqrt(softplus(logits)) (torch's threshold 20); learned layers: top-k of scores + bias
-// (k rounds of a block arg-max, ties to the lower expert id); hash layers: ids = tid2eid[token].
-// weights = scores[ids] / sum * route_scale. The logits come from the BF16 GEMV (gemv.cu).
+// (ties to the lower expert id); hash layers: ids = tid2eid[token]; weights = scores[ids] / sum *
+// route_scale (the selected scores summed in selection order).
+//   router_fused_kernel (decode, <= ROUTER_FUSED_TOKENS tokens; opt-in, DS4_ROUTER_FUSED=1, see
+//     ds4_bindings.cpp): one launch. Each warp owns one gate
+//     row, loads it before the PDL wait (a weight) and writes its logits; the last block to arrive
+//     (an arrival counter in device memory, reset by that block) runs the tail, one warp per token:
+//     each lane scans its strided share of the biased scores and a shuffle arg-max picks the expert.
+//     Before, the GEMV and a one-block tail with two barriers per round were two launches (H200
+//     micro-benchmark: 10.6 us for both). A lane's activation loads are issued together: one at a
+//     time (a loop that could exit early) the kernel took 16.6 us per call in the decode step.
+//   router_topk_kernel (the default): the tail alone, one block per token, one thread per expert
+//     (k rounds of a block arg-max); the logits come from the BF16 GEMV (gemv.cu).
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 
@@ -71,6 +81,145 @@ __global__ void router_topk_kernel(const float* __restrict__ logits, int E, cons
       ids_out[(long)t * topk + k] = sel[k];
     }
   }
+}
+
+constexpr int RF_WARPS = 4;  // gate rows per block of the fused kernel (one per warp)
+constexpr int RF_BATCH = 16; // 16-byte weight chunks per lane in registers (a 4096-wide row: all of it)
+
+// Blocks of the current router_fused_kernel launch that have written their logits. Zero at module
+// load; the last block resets it. One fused router runs at a time per device: the decode step runs
+// them in stream order, and with PDL a kernel starts only after the one two launches before it ended.
+__device__ unsigned router_arrivals = 0;
+
+__device__ __forceinline__ void bf16x8_f32(const uint4& u, float* f) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+// smem: scores [n_tok][E] then biased scores [n_tok][E] (fp32)
+__global__ void __launch_bounds__(RF_WARPS * 32) router_fused_kernel(
+    const __nv_bfloat16* __restrict__ x, int n_tok, const __nv_bfloat16* __restrict__ gate, int E, int dim,
+    const float* __restrict__ bias, const void* __restrict__ tid2eid, int tid64, const int64_t* __restrict__ token_ids,
+    int topk, float route_scale, float* __restrict__ logits, float* __restrict__ w_out, int64_t* __restrict__ ids_out) {
+  extern __shared__ float rs[];
+  __shared__ int s_last;
+  __shared__ int sel[ROUTER_FUSED_TOKENS][ROUTER_MAX_K];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = blockIdx.x * RF_WARPS + warp;
+  const int nch = dim / 8;
+  const uint4* wr = reinterpret_cast<const uint4*>(gate) + (long)min(row, E - 1) * nch;
+  uint4 wv[RF_BATCH];
+#pragma unroll
+  for (int j = 0; j < RF_BATCH; ++j)  // the gate is a weight: its loads go out before the PDL wait
+    if (lane + 32 * j < nch) wv[j] = __ldg(wr + lane + 32 * j);
+  ds4_pdl::begin();
+  const bool one_batch = nch <= 32 * RF_BATCH;  // the whole row stays in registers across tokens
+  for (int t = 0; t < n_tok; ++t) {
+    float acc = 0.f;
+    for (int c0 = 0; c0 < nch; c0 += 32 * RF_BATCH) {
+      if (!one_batch && (t > 0 || c0 > 0)) {
+#pragma unroll
+        for (int j = 0; j < RF_BATCH; ++j)
+          if (c0 + lane + 32 * j < nch) wv[j] = __ldg(wr + c0 + lane + 32 * j);
+      }
+      // all of the batch's activation loads first (issued together: one L2 round trip, not RF_BATCH)
+      const uint4* xr = reinterpret_cast<const uint4*>(x + (long)t * dim);
+      uint4 xv[RF_BATCH];
+#pragma unroll
+      for (int j = 0; j < RF_BATCH; ++j)
+        if (c0 + lane + 32 * j < nch) xv[j] = xr[c0 + lane + 32 * j];
+#pragma unroll
+      for (int j = 0; j < RF_BATCH; ++j) {
+        if (c0 + lane + 32 * j < nch) {
+          float wf[8], xf[8];
+          bf16x8_f32(wv[j], wf);
+          bf16x8_f32(xv[j], xf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[e], acc);
+        }
+      }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0 && row < E) logits[(long)t * E + row] = acc;
+  }
+  // the last block to arrive runs the tail over every block's logits
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&router_arrivals, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (threadIdx.x == 0) router_arrivals = 0;
+  float* sc = rs;                 // [n_tok][E]
+  float* bs = rs + n_tok * E;     // [n_tok][E]
+  for (int i = threadIdx.x; i < n_tok * E; i += blockDim.x) {
+    const int e = i % E;
+    const float l = __ldcg(logits + i);  // other blocks' writes: read from L2
+    const float s = sqrtf(l > 20.f ? l : log1pf(expf(l)));
+    sc[i] = s;
+    bs[i] = s + (bias ? bias[e] : 0.f);
+  }
+  __syncthreads();
+  for (int t = warp; t < n_tok; t += RF_WARPS) {
+    int* st = sel[t];
+    if (tid2eid) {
+      if (lane < topk) {
+        const long tok = token_ids[t];
+        st[lane] = tid64 ? (int)reinterpret_cast<const int64_t*>(tid2eid)[tok * topk + lane]
+                         : reinterpret_cast<const int32_t*>(tid2eid)[tok * topk + lane];
+      }
+    } else {
+      float* b = bs + t * E;
+      for (int k = 0; k < topk; ++k) {
+        float v = -INFINITY;
+        int i = 0x7fffffff;
+        for (int e = lane; e < E; e += 32) {  // ascending: the first of equal values is the lowest id
+          const float be = b[e];
+          if (be > v || (be == v && e < i)) { v = be; i = e; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+          const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+          if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+        }
+        i = i < E ? i : 0;  // only NaN scores leave no candidate: keep the index in range
+        if (lane == 0) st[k] = i;
+        if ((i & 31) == lane) b[i] = -INFINITY;  // the owning lane removes the winner
+        __syncwarp();
+      }
+    }
+    __syncwarp();
+    if (lane == 0) {
+      const float* s = sc + t * E;
+      float sum = 0.f;
+      for (int k = 0; k < topk; ++k) sum += s[st[k]];
+      const float inv = route_scale / sum;
+      for (int k = 0; k < topk; ++k) {
+        w_out[(long)t * topk + k] = s[st[k]] * inv;
+        ids_out[(long)t * topk + k] = st[k];
+      }
+    }
+  }
+}
+
+bool router_fused_ok(int n_tok, int E, int dim) {
+  return n_tok >= 1 && n_tok <= ROUTER_FUSED_TOKENS && E >= 1 && (long)n_tok * E <= ROUTER_FUSED_SLOTS && dim >= 8 &&
+         dim % 8 == 0;
+}
+
+cudaError_t launch_router_fused(const void* x, int n_tok, const void* gate, int E, int dim, const float* bias,
+                                const void* tid2eid, bool tid64, const int64_t* token_ids, int topk,
+                                float route_scale, float* logits, float* w_out, int64_t* ids_out, cudaStream_t st) {
+  if (!router_fused_ok(n_tok, E, dim) || topk < 1 || topk > ROUTER_MAX_K || topk > E) return cudaErrorInvalidValue;
+  const int blocks = (E + RF_WARPS - 1) / RF_WARPS;
+  return ds4_pdl::launch(router_fused_kernel, dim3(blocks), dim3(RF_WARPS * 32), 2L * n_tok * E * sizeof(float), st,
+                         static_cast<const __nv_bfloat16*>(x), n_tok, static_cast<const __nv_bfloat16*>(gate), E, dim,
+                         bias, tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, logits, w_out, ids_out);
 }
 
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias, const void* tid2eid,

@@ -13,10 +13,12 @@ moe=fp4_topk), fused (attn/indexer/hc=fused_cuda), graph (runtime=cuda_graph), b
 symm (comm=symm_mem), nopdl (DS4_PDL=0: no programmatic dependent launch on sm_90), fma (DS4_MMA=0:
 the FMA kernels for the FP4 MoE too, instead of the tensor-core ones), mma8 (DS4_MMA=all: the
 tensor-core kernels for one-token FP8 products too), w1 / w2 / w4 (DS4_MMA_W: the widest run of
-16-B chunks a lane of the tensor-core kernels reads per row; without them the library default, 2), noovl
+16-B chunks a lane of the tensor-core kernels reads per row; without them the library default, 2), d8 / d4 /
+d2 (DS4_MMA_DEPTH: the chunks per lane and row those kernels keep in flight; the library default: 8), noovl
 (DS4_SHARED_OVERLAP=0: the shared expert in line instead of on a side stream), nocovl
 (DS4_COMPRESS_OVERLAP=0: the compressor steps in line instead of on side streams), noaovl
-(DS4_ATTN_OVERLAP=0: the window write and the indexer in line instead of on side streams), wobf16
+(DS4_ATTN_OVERLAP=0: the window write and the indexer in line instead of on side streams), rtr1
+(DS4_ROUTER_FUSED=1: the router in one fused launch instead of the BF16 GEMV + tail kernel), wobf16
 (attn=fused_cuda_wo_bf16). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -68,9 +70,15 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
         os.environ.pop("DS4_MMA_W", None)
     else:
         os.environ["DS4_MMA_W"] = width
+    depth = next((t[1:] for t in ("d8", "d4", "d2") if t in toks), None)
+    if depth is None:
+        os.environ.pop("DS4_MMA_DEPTH", None)
+    else:
+        os.environ["DS4_MMA_DEPTH"] = depth
     os.environ["DS4_SHARED_OVERLAP"] = "0" if "noovl" in toks else "1"
     os.environ["DS4_COMPRESS_OVERLAP"] = "0" if "nocovl" in toks else "1"
     os.environ["DS4_ATTN_OVERLAP"] = "0" if "noaovl" in toks else "1"
+    os.environ["DS4_ROUTER_FUSED"] = "1" if "rtr1" in toks else "0"
     runtime = "cuda_graph" if "graph" in toks else "eager"
     g = Generator(model, 1, len(prompt) + new_tokens + 8, runtime=runtime)
     t0 = time.perf_counter()

@@ -10,8 +10,9 @@ the graph is replayed `--reps` times, each replay timed with CUDA events; µs = 
 Graph replay removes host launch overhead but keeps the GPU's own inter-kernel gaps. An eager column
 (events around `--calls` plain launches) is printed too. bytes = weights + scales + activations in
 and out; GB/s = bytes / µs; %copy = GB/s / copy bandwidth.
-Untagged rows run the default ("auto", see csrc/ds4_launch.h); rows tagged [fma] / [mma wN] force the
-FMA / tensor-core kernels, N = DS4_MMA_W (the widest run of 16-B chunks a lane reads per row, --widths).
+Untagged rows run the default ("auto", see csrc/ds4_launch.h); rows tagged [fma] / [mma wN dM] force the
+FMA / tensor-core kernels, N = DS4_MMA_W (the widest run of 16-B chunks a lane reads per row), M =
+DS4_MMA_DEPTH (16-B chunks per lane and row in flight; fewer buy more resident warps), from --mma.
 """
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="skip the [mma] / [fma] comparison rows")
-    ap.add_argument("--widths", default="2", help="DS4_MMA_W values for the [mma wN] rows (16-B chunks per lane and row)")
+    ap.add_argument("--mma", default="w2d8",
+                    help="[mma wNdM] rows: comma-separated DS4_MMA_W (N) / DS4_MMA_DEPTH (M) pairs, e.g. w2d8,w2d4")
     args = ap.parse_args()
     kernels.load()
     n = args.tokens
@@ -146,20 +148,22 @@ def main() -> int:
 
     print(f"GPU {torch.cuda.get_device_name()} | copy bandwidth {bw:.0f} GB/s | tokens {n}", flush=True)
     compare = not args.quick and n == 1
-    widths = [int(d) for d in args.widths.split(",")]
+    shapes = [tuple(int(v) for v in t.strip().lstrip("w").split("d")) for t in args.mma.split(",") if t.strip()]
 
     def variants():
-        """(kernel, row tag) pairs; sets DS4_MMA_W (read at each launch, so at graph capture) per [mma] row
-        and removes it for the untagged row (the library's default width)."""
+        """(kernel, row tag) pairs; sets DS4_MMA_W / DS4_MMA_DEPTH (read at each launch, so at graph capture)
+        per [mma] row and removes them for the untagged row (the library's defaults)."""
         os.environ.pop("DS4_MMA_W", None)
+        os.environ.pop("DS4_MMA_DEPTH", None)
         yield "auto", ""
         if not compare:
             return
         yield "fma", " [fma]"
-        for d in widths:
-            os.environ["DS4_MMA_W"] = str(d)
-            yield "mma", f" [mma w{d}]"
+        for w, d in shapes:
+            os.environ["DS4_MMA_W"], os.environ["DS4_MMA_DEPTH"] = str(w), str(d)
+            yield "mma", f" [mma w{w} d{d}]"
         os.environ.pop("DS4_MMA_W", None)
+        os.environ.pop("DS4_MMA_DEPTH", None)
 
     # FP8 dense projections (V4-Flash)
     for kern, tag in variants():

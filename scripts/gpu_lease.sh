@@ -9,7 +9,10 @@
 #
 # Stages:
 #   kernel_tests   GPU kernel test modules (GEMV/MoE, attention, decode glue)
-#   kbench         GEMV/MoE micro-benchmark (scripts/bench_kernels.py: tensor-core vs FMA kernels; $MMA_WIDTHS)
+#   kbench         GEMV/MoE micro-benchmark (scripts/bench_kernels.py: tensor-core vs FMA kernels; $MMA_SHAPES:
+#                  its --mma list, e.g. w2d8,w2d4)
+#   ncu            Nsight Compute counters of the batch-1 weight kernels alone (scripts/ncu_kernels.py; ncu.txt
+#                  and ncu_pipes.txt under $OUT) and the SASS of the GEMV / MoE kernels (sass_moe_gemv.txt.gz)
 #   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH; $PROBE_ARGS: modes,
 #                  space-separated, e.g. "hc packed")
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
@@ -46,8 +49,22 @@ stage() {  # stage name, GPU index
   case $1 in
     kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
                     tests/test_decode_glue_gpu.py > "$L/kernel_tests.log" 2>&1 ;;
-    kbench) CUDA_VISIBLE_DEVICES=$g timeout 150 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" --widths "${MMA_WIDTHS:-2}" \
+    kbench) CUDA_VISIBLE_DEVICES=$g timeout 300 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" --mma "${MMA_SHAPES:-w2d8}" \
         > "$L/kbench.log" 2>&1 ;;
+    ncu)
+      local so; so=$(ls .ext_build/*/ds4_ext*.so .ext_build/*.so 2>/dev/null | head -n 1)
+      [ -n "$so" ] && cuobjdump --dump-sass "$so" 2>&1 | gzip > "$OUT/sass_moe_gemv.txt.gz"
+      CUDA_VISIBLE_DEVICES=$g timeout 200 ncu --clock-control none --kernel-name regex:"moe_|gemv" \
+        --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section Occupancy \
+        --section LaunchStats --section MemoryWorkloadAnalysis python3 scripts/ncu_kernels.py > "$OUT/ncu.txt" 2>&1
+      CUDA_VISIBLE_DEVICES=$g timeout 120 ncu --clock-control none --kernel-name regex:"moe_|gemv" --csv --metrics \
+"gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,\
+sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,\
+sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,\
+sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" python3 scripts/ncu_kernels.py \
+        > "$OUT/ncu_pipes.txt" 2>&1
+      grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Stall|Achieved Occ|Registers Per" \
+        "$OUT/ncu.txt" > "$L/ncu.log" 2>&1 ;;
     probe) nvcc -std=c++17 -O3 -arch=${PROBE_ARCH:-sm_90} -DDS4_PROBE scripts/probe_phases.cu -o /tmp/ds4_probe \
         > "$L/probe.log" 2>&1 || return
       local m; for m in ${PROBE_ARGS:-all}; do   # modes, space-separated (all: the default probe set)
@@ -95,6 +112,7 @@ for f in "$L"/*.log; do echo "##### $f"; cat "$f"; done > "$OUT/all_logs.txt"
 for f in kernel_tests e2e_tests tp2_tests; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -E "passed|failed|Error|^FAILED|^E  " "$L/$f.log" | tail -n 14; }
 done
+[ -f "$L/ncu.log" ] && { echo "--- ncu"; head -n 120 "$L/ncu.log"; }
 [ -f "$L/probe.log" ] && { echo "--- probe"; grep -v -i warn "$L/probe.log"; }
 [ -f "$L/kbench.log" ] && { echo "--- kbench"; sed -n '/^kernel /,$p' "$L/kbench.log"; }
 for f in bench_1gpu bench_tp2 bench_tp4; do

@@ -108,6 +108,8 @@ def test_decode_glue_cpu_tensors_go_to_the_twin():
     sink, idx = torch.randn(4, generator=g), torch.tensor([[0, 5, 9], [2, 3, 1]])
     for e, i, r in ((None, None, 1), (ext, None, 16), (ext, idx, 4)):
         assert torch.equal(fa.decode(q, win, pos, e, i, r, sink, 0.125, f), ta.decode(q, win, pos, e, i, r, sink, 0.125, f))
+        assert torch.equal(fa.decode(q, win, pos, e, i, r, sink, 0.125, f, 1e-6),
+                           ta.decode(q, win, pos, e, i, r, sink, 0.125, f, 1e-6))
     h = torch.randn(3, 4, 16, generator=g)
     fn, sc, base, nw = torch.randn(24, 64, generator=g) * 0.1, torch.ones(3), torch.zeros(24), torch.rand(16, generator=g)
     for a, b in zip(FusedCudaHC().pre(h, fn, sc, base, 20, 1e-6, 1e-6, nw), TorchHC().pre(h, fn, sc, base, 20, 1e-6, 1e-6, nw)):
@@ -143,6 +145,21 @@ def test_decode_attention_twin_masks_by_position():
     assert torch.equal(out, TorchAttention().decode(q, win2, pos, ext2, None, 4, sink, 0.125, f))
     ext2[0, 0] = 3.0
     assert not torch.equal(out, TorchAttention().decode(q, win2, pos, ext2, None, 4, sink, 0.125, f))
+
+
+def test_decode_attention_twin_applies_head_rope_to_raw_q():
+    """decode(q_raw, ..., q_norm_eps=eps) is decode(head_rope(q_raw, pos, freqs, True, eps), ...): the
+    model hands attention the wq_b output and the fused kernel does the per-head RMS and RoPE itself."""
+    from ds4.ops.attn_torch import TorchAttention
+    g = torch.Generator().manual_seed(4)
+    ta = TorchAttention()
+    q = (torch.randn(2, 4, 64, generator=g) * 3).bfloat16()
+    win, ext = torch.randn(2, 8, 64, generator=g).bfloat16(), torch.randn(2, 5, 64, generator=g).bfloat16()
+    sink, f, pos = torch.randn(4, generator=g), torch.rand(8, generator=g), torch.tensor([5, 30])
+    got = ta.decode(q, win, pos, ext, None, 4, sink, 0.125, f, 1e-6)
+    want = ta.decode(ta.head_rope(q, pos, f, True, 1e-6), win, pos, ext, None, 4, sink, 0.125, f)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, ta.decode(q, win, pos, ext, None, 4, sink, 0.125, f))
 
 
 def test_merged_wo_bf16_output_projection():

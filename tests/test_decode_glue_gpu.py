@@ -115,9 +115,11 @@ def test_compress_step_over_many_boundaries(m, w, overlap, quant):
 
 
 # ---------------------------------------------------------------------------------------- attention
+# prep: q is the raw wq_b output and the chunk kernel applies head_rope (per-head RMS + RoPE) to it
+@pytest.mark.parametrize("prep", [False, True])
 @pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
 @pytest.mark.parametrize("pos", [(5,), (130, 4000), (3, 700, 9000, 70000)])
-def test_decode_attention(kind, pos):
+def test_decode_attention(kind, pos, prep):
     g = gen(len(pos) + len(kind))
     B, H, D, W = len(pos), 64, 512, 128
     q = randn(B, H, D, g=g, dtype=BF16)
@@ -134,9 +136,12 @@ def test_decode_attention(kind, pos):
         idx = torch.stack([torch.randperm(T, device=DEV, generator=g)[:512] for _ in range(B)])
         idx[:, :8] = torch.arange(8, device=DEV)  # always some visible entries, boundary id 0 included
     f = freqs(4 if kind == "csa" else 128 if kind == "hca" else 0)
+    eps = 1e-6 if prep else None
+    if prep:
+        q = q * 7  # not unit RMS, so the norm matters
     poison()
-    got = FUSED.decode(q, win, p, ext, idx, ratio, sink, D ** -0.5, f)
-    ref = REF.decode(q, win, p, ext, idx, ratio, sink, D ** -0.5, f)
+    got = FUSED.decode(q, win, p, ext, idx, ratio, sink, D ** -0.5, f, eps)
+    ref = REF.decode(q, win, p, ext, idx, ratio, sink, D ** -0.5, f, eps)
     assert torch.isfinite(got).all() and rel(got, ref) <= TOL
 
 

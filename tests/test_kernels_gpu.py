@@ -81,13 +81,19 @@ def test_gemv_fp4(o, i, n):
 
 # one token: "auto" takes the tensor-core kernel where K allows (FP8 K % 64, FP4 K % 128); both
 # kernels are checked explicitly, at row counts that are not multiples of the 16-row MMA tile, and the
-# tensor-core kernel at each run width it can pick (DS4_MMA_W caps it; K decides what fits)
-@pytest.mark.parametrize("kernel,width", [("fma", 4), ("mma", 1), ("mma", 2), ("mma", 4)])
+# tensor-core kernel at each run width it can pick (DS4_MMA_W caps it; K decides what fits) and at each
+# depth (DS4_MMA_DEPTH: chunks in flight per lane and row; U = depth / width rounds, at least 1)
+MMA_SHAPES = [("fma", 4, 8), ("mma", 1, 8), ("mma", 2, 8), ("mma", 4, 8), ("mma", 1, 4), ("mma", 2, 4), ("mma", 4, 4),
+              ("mma", 1, 2), ("mma", 2, 2)]
+
+
+@pytest.mark.parametrize("kernel,width,depth", MMA_SHAPES)
 @pytest.mark.parametrize("fmt,o,i", [("fp8", 1000, 2048), ("fp8", 33, 64), ("fp8", 200, 320), ("fp8", 4096, 8192),
                                      ("fp8", 32768, 1024), ("fp8", 200, 384), ("fp4", 1000, 2048), ("fp4", 77, 128),
                                      ("fp4", 333, 4224), ("fp4", 2048, 4096), ("fp4", 96, 768)])
-def test_gemv_kernel_variants(kernel, width, fmt, o, i, monkeypatch):
+def test_gemv_kernel_variants(kernel, width, depth, fmt, o, i, monkeypatch):
     monkeypatch.setenv("DS4_MMA_W", str(width))
+    monkeypatch.setenv("DS4_MMA_DEPTH", str(depth))
     _gemv_check(fmt, o, i, 1, seed=o + i, kernel=kernel)
 
 
@@ -270,12 +276,13 @@ ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": 
                  "dup": [40, 40, 41, 42, 43, 44], "none_local": [0, 1, 2, 3, 60, 61]}
 
 
-@pytest.mark.parametrize("kernel,width", [("fma", 4), ("mma", 1), ("mma", 2), ("mma", 4)])
+@pytest.mark.parametrize("kernel,width,depth", MMA_SHAPES)
 @pytest.mark.parametrize("case", list(ONE_TOKEN_IDS))
 @pytest.mark.parametrize("fmt,dims", [("fp4", (4096, 2048)), ("fp4", (512, 384)), ("fp8", (1024, 512)),
                                       ("fp8", (768, 384))])
-def test_moe_one_token_kernels(kernel, width, case, fmt, dims, monkeypatch):
+def test_moe_one_token_kernels(kernel, width, depth, case, fmt, dims, monkeypatch):
     monkeypatch.setenv("DS4_MMA_W", str(width))
+    monkeypatch.setenv("DS4_MMA_DEPTH", str(depth))
     dim, inter = dims
     g = gen(hash((case, dims, fmt)) % 10_000)
     (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = make_experts(16, dim, inter, g, fmt)
@@ -343,10 +350,14 @@ def ref_route(x, token_ids, mw):
     return w / w.sum(-1, keepdim=True) * mw.route_scale, ids
 
 
+# fused (DS4_ROUTER_FUSED=1) with n <= 8 (and n * E <= 4096): the one-launch router (its last block runs
+# the tail); otherwise (and n = 20 either way): the BF16 GEMV + tail kernel
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("hash_layer", [False, True])
-@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("n", [1, 5, 20])
 @pytest.mark.parametrize("dim,n_experts", [(4096, 256), (512, 64)])
-def test_router(hash_layer, n, dim, n_experts):
+def test_router(hash_layer, n, dim, n_experts, fused, monkeypatch):
+    monkeypatch.setenv("DS4_ROUTER_FUSED", "1" if fused else "0")
     g = gen(900 + n + 2 * hash_layer + dim)
     mw, _ = _moe_weights(g, dim=dim, inter=256, n_experts=n_experts, hash_layer=hash_layer)
     x = rand_x(n, dim, g)
@@ -364,6 +375,10 @@ def test_router(hash_layer, n, dim, n_experts):
         tid64 = mw.tid2eid.long()
         w2, ids2 = kernels.router(x, mw.gate, None, tid64, tok, 6, 1.5)
         assert torch.equal(ids2, ids)
+    # back-to-back launches (the fused kernel's arrival counter is reset by its last block) give the same
+    for _ in range(3):
+        w3, ids3 = kernels.router(x, mw.gate, mw.bias, mw.tid2eid, tok if hash_layer else None, 6, 1.5)
+        assert torch.equal(ids3, ids) and torch.equal(w3, w)
 
 
 @pytest.mark.parametrize("n", [1, 4])

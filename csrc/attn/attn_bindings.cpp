@@ -290,7 +290,8 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
 // ---- decode attention (positions instead of masks, gather by index, output de-rotation) ---------------
 at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& win, const at::Tensor& pos,
                          const std::optional<at::Tensor>& ext, const std::optional<at::Tensor>& ext_idx, int64_t ratio,
-                         const at::Tensor& sink, double scale, const std::optional<at::Tensor>& freqs) {
+                         const at::Tensor& sink, double scale, const std::optional<at::Tensor>& freqs,
+                         std::optional<double> q_norm_eps) {
   check_cuda(q, "q");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3, "ds4_attn.sparse_decode: q must be bf16 [B, H, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -334,6 +335,10 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& win, const at::T
     check_freqs(*freqs, "sparse_decode");
     a.freqs = freqs->data_ptr<float>();
     a.R = (int)(2 * freqs->numel());
+  }
+  if (q_norm_eps.has_value()) {  // q before head_rope: the kernel applies it (same freqs as the de-rotation)
+    a.q_prep = true;
+    a.qnorm_eps = (float)*q_norm_eps;
   }
   c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({B, H, D}, q.options());
@@ -482,7 +487,7 @@ TORCH_LIBRARY(ds4_attn, m) {
         "float scale) -> Tensor");
   m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1) -> Tensor");
   m.def("sparse_decode(Tensor q, Tensor win, Tensor pos, Tensor? ext, Tensor? ext_idx, int ratio, Tensor sink, "
-        "float scale, Tensor? freqs) -> Tensor");
+        "float scale, Tensor? freqs, float? q_norm_eps=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("topk(Tensor scores, int k, Tensor? pos=None, int ratio=1) -> Tensor");
   m.def("head_rope(Tensor x, Tensor pos, Tensor freqs, bool norm, float eps) -> Tensor");

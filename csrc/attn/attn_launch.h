@@ -60,6 +60,11 @@ struct SparseArgs {
   // Combine: de-rotate the last R output dims at pos[b] (RoPE with -angle; R = 0: none), fp32 freqs [R/2].
   const float* freqs = nullptr;
   int R = 0;
+  // Decode mode: q is the raw wq_b output; each block gives its 16 heads head_rope's per-head RMS
+  // (unweighted, the factor rounded to bf16, eps qnorm_eps) and the RoPE of the last R dims at pos[b]
+  // as it loads them (no separate head_rope launch).
+  bool q_prep = false;
+  float qnorm_eps = 0.f;
 };
 int sparse_keys_per_block();
 // workspace: opart fp32 [B*S, nsplit, H, D], ml fp32 [B*S, nsplit, H, 2]; out bf16 [B, S, H, D].

@@ -24,6 +24,7 @@ constexpr int SP_KC = 32;        // keys per block
 constexpr int SP_WARPS = 8;
 constexpr int SP_THREADS = SP_WARPS * 32;
 constexpr int SP_ROWS_PER_WARP = SP_KC / SP_WARPS;
+constexpr int SP_MAX_ROPE = 512;  // RoPE dims the q_prep table holds
 
 int sparse_keys_per_block() { return SP_KC; }
 
@@ -60,6 +61,13 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
   }
   // ---- keys: warp w loads rows w, w + 8, ... (row sources first, so the index loads overlap), 16 B per lane
   const long pos_b = a.pos ? a.pos[b] : 0;
+  __shared__ float2 s_rot[SP_MAX_ROPE / 2];  // q_prep: (cos, sin) of the RoPE pairs at pos_b, same for all heads
+  if (a.q_prep)
+    for (int i = threadIdx.x; i < a.R / 2; i += SP_THREADS) {
+      float sn, cs;
+      sincosf((float)pos_b * a.freqs[i], &sn, &cs);
+      s_rot[i] = make_float2(cs, sn);
+    }
   const long n_vis = a.pos ? (pos_b + 1) / a.ratio : 0;
   const uint16_t* src[SP_ROWS_PER_WARP];
   bool ok[SP_ROWS_PER_WARP];
@@ -107,6 +115,31 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
     *reinterpret_cast<uint4*>(qs + h * LD + v * 8) = val;
   }
   any = __syncthreads_or(any);
+  if (a.q_prep && any) {  // head_rope on the block's 16 heads, in shared memory (warp per head)
+    for (int hh = warp; hh < 16; hh += SP_WARPS) {
+      __nv_bfloat162* qh = reinterpret_cast<__nv_bfloat162*>(qs + hh * LD);
+      float ss = 0.f;
+      for (int d = 2 * lane; d < D; d += 64) {
+        const float2 f = __bfloat1622float2(qh[d / 2]);
+        ss += f.x * f.x + f.y * f.y;
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      const float rb = bf16r(rsqrtf(ss / (float)D + a.qnorm_eps));
+      for (int d = 2 * lane; d < D; d += 64) {
+        const float2 f = __bfloat1622float2(qh[d / 2]);
+        float x0 = bf16r(f.x * rb), x1 = bf16r(f.y * rb);
+        if (d >= D - a.R) {  // RoPE pair (d, d + 1)
+          const float2 r = s_rot[(d - (D - a.R)) / 2];
+          const float y0 = x0 * r.x - x1 * r.y, y1 = x0 * r.y + x1 * r.x;
+          x0 = y0;
+          x1 = y1;
+        }
+        qh[d / 2] = __floats2bfloat162_rn(x0, x1);
+      }
+    }
+    __syncthreads();
+  }
   DS4_MARK(1);
   const long mlbase = ((long)r * nsplit + split) * H;
   const int h0 = mt * 16 + g, h1 = h0 + 8;
@@ -277,6 +310,7 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   if (a.pos != nullptr && (a.S != 1 || a.ratio < 1)) return cudaErrorInvalidValue;
   if (a.R < 0 || a.R % 4 || a.R > a.D || (a.R > 0 && (a.pos == nullptr || a.freqs == nullptr)))
     return cudaErrorInvalidValue;
+  if (a.q_prep && (a.pos == nullptr || a.R > SP_MAX_ROPE)) return cudaErrorInvalidValue;
   const size_t smem = sparse_smem(a.D);
   if (smem > 200 * 1024) return cudaErrorInvalidValue;
   if (smem > 48 * 1024) {

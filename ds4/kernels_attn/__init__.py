@@ -103,15 +103,17 @@ def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: 
 
 
 def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
-                  sink: Tensor, scale: float, freqs: Tensor | None) -> Tensor:
+                  sink: Tensor, scale: float, freqs: Tensor | None, q_norm_eps: float | None = None) -> Tensor:
     """bf16 q [B, H, D], window ring win [B, W, D], pos int64 [B], compressed entries ext [B, T, D] (all,
     or the ext_idx int64 [B, k] selected), sink f32 [H] -> bf16 [B, H, D], last 2*len(freqs) dims
-    de-rotated at pos. Two launches."""
+    de-rotated at pos. q_norm_eps given: q is taken before head_rope(q, pos, freqs, True, q_norm_eps),
+    which the kernel applies as it loads q. Two launches."""
     return _ops().sparse_decode(q.contiguous(), _rows_ok(win), pos.contiguous(),
                                 None if ext is None else _rows_ok(ext),
                                 None if ext_idx is None else ext_idx.contiguous(), int(ratio),
                                 sink.float().contiguous(), float(scale),
-                                None if freqs is None else freqs.float().contiguous())
+                                None if freqs is None else freqs.float().contiguous(),
+                                None if q_norm_eps is None else float(q_norm_eps))
 
 
 def topk(scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:

@@ -42,7 +42,7 @@ def _indexer_scores(q, w, keys, bf16, pos=None, ratio=1):
 
 
 @register_fake("ds4_attn::sparse_decode")
-def _sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs):
+def _sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps=None):
     return torch.empty_like(q)
 
 

@@ -90,8 +90,11 @@ class Attention(WeightsModule):
 
     def _q_heads(self, qr: Tensor, positions: Tensor) -> Tensor:
         """qr [N, q_lora] -> q [N, H, D]: wq_b, per-head RMS, RoPE."""
-        q = self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.head_dim))
-        return self.ops.attn.head_rope(q, positions, self.freqs, True, self.args.norm_eps)
+        return self.ops.attn.head_rope(self._wq_b(qr), positions, self.freqs, True, self.args.norm_eps)
+
+    def _wq_b(self, qr: Tensor) -> Tensor:
+        """qr [N, q_lora] -> q [N, H, D] before the per-head RMS and RoPE."""
+        return self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.head_dim))
 
     def _out(self, o: Tensor) -> Tensor:
         """o [N, H, D] (already de-rotated) -> [N, dim]: grouped wo_a, wo_b, all-reduce."""
@@ -196,8 +199,8 @@ class Attention(WeightsModule):
                 if self.comm.world == 1:  # nothing to sum over ranks: the top-k runs in the branch too
                     idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
             branches.append(ib)
-        with self.prof("attn.q"):
-            q = self._q_heads(qr, pos)
+        with self.prof("attn.q"):  # the per-head RMS and RoPE happen inside attn.decode
+            q = self._wq_b(qr)
         for br in branches:
             br.join()
         if select and idx is None:
@@ -206,7 +209,7 @@ class Attention(WeightsModule):
                 idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
         ext = st["ckv"] if self.compressor is not None else None
         with self.prof("attn.sparse"):
-            o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs)
+            o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs, eps)
         with self.prof("attn.out"):
             return self._out(o)
 

@@ -1,7 +1,7 @@
 """attn=fused_cuda (alias fused) and indexer=fused_cuda: CUDA kernels of the ds4_attn extension.
 
-Decode glue, one launch each: rms_norm (q_norm), head_rope (per-head norm + RoPE of q; RoPE of the
-indexer q), kv_store (kv_norm + RoPE + (qat) FP8 nope + ring write), compress_step (state write,
+Decode glue, one launch each: rms_norm (q_norm), head_rope (per-head norm + RoPE of q in prefill —
+in decode the attention kernel does it; RoPE of the indexer q), kv_store (kv_norm + RoPE + (qat) FP8 nope + ring write), compress_step (state write,
 and on the completing step the pooled entry's norm + RoPE + (qat) FP8 + cache write, both decided
 per row on the device), compress_project (the compressor's BF16 [wkv; wgate] GEMV with fp32 output,
 through the ds4 GEMV kernel, so attn=fused_cuda needs both extensions). While a decode graph is
@@ -11,7 +11,8 @@ TorchAttention twin: chosen by dtype / flag, never by values.
 
 FusedCudaAttention.decode — the decode form: validity from the row's position (window ring,
 visible compressed entries), CSA entries gathered by the top-k index inside the kernel, output RoPE
-dims de-rotated in the combine. Same kernels as .sparse below.
+dims de-rotated in the combine; given q_norm_eps, q arrives straight from wq_b and each block applies
+head_rope's per-head RMS and RoPE to its heads as it loads them. Same kernels as .sparse below.
 
 FusedCudaAttention.sparse — decode (S = 1 query per row, any B): MQA flash-decoding. Each block
 loads 32 key rows once (window/HCA keys, then the row's selected keys) and serves all H heads with
@@ -39,6 +40,7 @@ from ds4.ops.base import QWeight
 BF16 = torch.bfloat16
 INDEXER_MAX_ROWS = 16
 GEMV_MAX_ROWS = 8  # the compressor projection's decode sizes (ds4.kernels.gemv, one launch)
+QPREP_MAX_ROPE = 512  # RoPE dims the attention kernel's q table holds (SP_MAX_ROPE in sparse_attn.cu)
 
 
 def _cuda_bf16(*ts: Tensor) -> bool:
@@ -107,12 +109,13 @@ class FusedCudaAttention:
         return kernels_attn.sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale)
 
     def decode(self, q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
-               sink: Tensor, scale: float, freqs: Tensor) -> Tensor:
+               sink: Tensor, scale: float, freqs: Tensor, q_norm_eps: float | None = None) -> Tensor:
         use = (_cuda_bf16(q, win) and (ext is None or ext.dtype == BF16) and q.shape[-1] % 64 == 0
-               and (2 * freqs.numel()) % 4 == 0)
+               and (2 * freqs.numel()) % 4 == 0 and (q_norm_eps is None or 2 * freqs.numel() <= QPREP_MAX_ROPE))
         if not use:
-            return self._ref.decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs)
-        return kernels_attn.sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs)
+            return self._ref.decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps)
+        # with q_norm_eps the chunk kernel applies head_rope to q as it loads it (one launch fewer)
+        return kernels_attn.sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps)
 
 
 class MergedWoAttention(FusedCudaAttention):

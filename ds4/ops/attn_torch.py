@@ -99,12 +99,15 @@ class TorchAttention:
         return out.to(q.dtype)
 
     def decode(self, q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
-               sink: Tensor, scale: float, freqs: Tensor) -> Tensor:
+               sink: Tensor, scale: float, freqs: Tensor, q_norm_eps: float | None = None) -> Tensor:
         """Decode attention of one query per row at positions pos [B], output de-rotated.
 
-        q [B, H, D]; win [B, W, D] window ring (slot j valid iff j <= pos); ext [B, T, D] compressed
+        q [B, H, D] (q_norm_eps given: before head_rope(q, pos, freqs, True, q_norm_eps), applied
+        here first); win [B, W, D] window ring (slot j valid iff j <= pos); ext [B, T, D] compressed
         entries (entry e visible iff e < (pos+1)//ratio): all of them (HCA, ext_idx None) or the
         ext_idx [B, k] selected ones (CSA). -> [B, H, D] with the RoPE dims rotated back by pos."""
+        if q_norm_eps is not None:
+            q = self.head_rope(q, pos, freqs, True, q_norm_eps)
         B, W = win.shape[:2]
         dev = q.device
         valid = torch.arange(W, device=dev).unsqueeze(0) <= pos.unsqueeze(-1)       # [B, W]

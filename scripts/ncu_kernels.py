@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""Launch the batch-1 weight kernels at V4-Flash shapes a few times each, for Nsight Compute.
+
+    ncu --clock-control none --launch-skip 6 --kernel-name regex:"moe|gemv" \\
+        --section SpeedOfLight --section WarpStateStats python scripts/ncu_kernels.py
+
+Each kernel runs `--reps` times on its own weights copy (eager, so ncu sees one launch per call);
+ncu serialises and times each launch with flushed caches, so these are the kernels alone — no PDL
+overlap, no neighbours. The names printed before each group let the ncu report be read in order.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds4 import kernels  # noqa: E402
+from scripts.bench_kernels import DEV, rand_fp4, rand_fp8  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    kernels.load()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    E, dim, inter, k = 256, 4096, 2048, 6
+    x = torch.randn(1, dim, device=DEV).to(torch.bfloat16)
+    w1, s1 = rand_fp4((E,), inter, dim, g)
+    w3, s3 = rand_fp4((E,), inter, dim, g)
+    w2, s2 = rand_fp4((E,), dim, inter, g)
+    rw = torch.rand(1, k, device=DEV) + 0.1
+    cases = []
+    for r in range(args.reps):
+        ids = torch.randperm(E, device=DEV, generator=g)[:k].view(1, k)
+        cases.append(("moe fp4 gate+up", lambda ids=ids: kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E,
+                                                                              10.0)))
+    h = kernels.moe_gate_up(x, torch.arange(k, device=DEV).view(1, k), rw, w1, s1, w3, s3, "fp4", 0, E, 10.0)
+    for r in range(args.reps):
+        ids = torch.randperm(E, device=DEV, generator=g)[:k].view(1, k)
+        cases.append(("moe fp4 down", lambda ids=ids: kernels.moe_down(h, ids, k, w2, s2, "fp4", 0, E, None, True)))
+    for name, o, i in (("fp8 wq_b 32768x1024", 32768, 1024), ("fp8 wo_b 4096x8192", 4096, 8192)):
+        ws = [rand_fp8(o, i, g) for _ in range(args.reps)]
+        xi = torch.randn(1, i, device=DEV).to(torch.bfloat16)
+        for w, s in ws:
+            cases.append((name, lambda w=w, s=s, xi=xi: kernels.gemv(xi, w, s, "fp8")))
+    torch.cuda.synchronize()
+    for name, fn in cases:
+        print(name, flush=True)
+        fn()
+        torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
