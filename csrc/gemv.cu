@@ -145,7 +145,7 @@ int sm_count() {
 // The tensor-core kernels' widest run per lane and row (W chunks of 16 B): DS4_MMA_W = 1, 2 or 4
 // (default MMA_W_DEFAULT), and their depth (chunks per lane and row in flight, U = depth / W rounds):
 // DS4_MMA_DEPTH = 8, 4 or 2 (default MMA_DEPTH_DEFAULT; mma_min_blocks). Both read at every launch so
-// one process can sweep them (scripts/bench_kernels.py --widths / --depths).
+// one process can sweep them (scripts/bench_kernels.py --mma w2d8,w2d4,...).
 constexpr int MMA_W_DEFAULT = 2;
 constexpr int MMA_DEPTH_DEFAULT = 8;
 int mma_max_width() {

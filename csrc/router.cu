@@ -19,6 +19,26 @@ namespace ds4 {
 
 constexpr int ROUTER_MAX_K = 16;
 
+// Token t's outputs from its scores and selected ids: weights = scores[ids] / (their sum, in selection
+// order) * route_scale (one thread).
+__device__ __forceinline__ void store_route(const float* scores, const int* sel, int t, int topk, float route_scale,
+                                            float* w_out, int64_t* ids_out) {
+  float sum = 0.f;
+  for (int k = 0; k < topk; ++k) sum += scores[sel[k]];
+  const float inv = route_scale / sum;
+  for (int k = 0; k < topk; ++k) {
+    w_out[(long)t * topk + k] = scores[sel[k]] * inv;
+    ids_out[(long)t * topk + k] = sel[k];
+  }
+}
+
+// Hash layers: the k-th expert of token t is tid2eid[token_ids[t], k] (int64 or int32 table).
+__device__ __forceinline__ int hash_expert(const void* tid2eid, int tid64, const int64_t* token_ids, int t, int topk,
+                                           int k) {
+  const long i = token_ids[t] * topk + k;
+  return tid64 ? (int)reinterpret_cast<const int64_t*>(tid2eid)[i] : reinterpret_cast<const int32_t*>(tid2eid)[i];
+}
+
 __global__ void router_topk_kernel(const float* __restrict__ logits, int E, const float* __restrict__ bias,
                                    const void* __restrict__ tid2eid, int tid64,
                                    const int64_t* __restrict__ token_ids, int topk, float route_scale,
@@ -38,11 +58,7 @@ __global__ void router_topk_kernel(const float* __restrict__ logits, int E, cons
   }
   __syncthreads();
   if (tid2eid) {
-    if (e < topk) {
-      const long tok = token_ids[t];
-      sel[e] = tid64 ? (int)reinterpret_cast<const int64_t*>(tid2eid)[tok * topk + e]
-                     : reinterpret_cast<const int32_t*>(tid2eid)[tok * topk + e];
-    }
+    if (e < topk) sel[e] = hash_expert(tid2eid, tid64, token_ids, t, topk, e);
   } else {
     const int lane = e & 31, warp = e >> 5, nw = (blockDim.x + 31) >> 5;
     for (int k = 0; k < topk; ++k) {
@@ -72,15 +88,7 @@ __global__ void router_topk_kernel(const float* __restrict__ logits, int E, cons
     }
   }
   __syncthreads();
-  if (e == 0) {
-    float sum = 0.f;
-    for (int k = 0; k < topk; ++k) sum += sh[sel[k]];
-    const float inv = route_scale / sum;
-    for (int k = 0; k < topk; ++k) {
-      w_out[(long)t * topk + k] = sh[sel[k]] * inv;
-      ids_out[(long)t * topk + k] = sel[k];
-    }
-  }
+  if (e == 0) store_route(sh, sel, t, topk, route_scale, w_out, ids_out);
 }
 
 constexpr int RF_WARPS = 4;  // gate rows per block of the fused kernel (one per warp)
@@ -91,13 +99,12 @@ constexpr int RF_BATCH = 16; // 16-byte weight chunks per lane in registers (a 4
 // them in stream order, and with PDL a kernel starts only after the one two launches before it ended.
 __device__ unsigned router_arrivals = 0;
 
+// 8 bf16 values of a 16-byte chunk -> fp32 (exact)
 __device__ __forceinline__ void bf16x8_f32(const uint4& u, float* f) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
+  Dec<FMT_BF16>::word(u.x, f);
+  Dec<FMT_BF16>::word(u.y, f + 2);
+  Dec<FMT_BF16>::word(u.z, f + 4);
+  Dec<FMT_BF16>::word(u.w, f + 6);
 }
 
 // smem: scores [n_tok][E] then biased scores [n_tok][E] (fp32)
@@ -167,11 +174,7 @@ __global__ void __launch_bounds__(RF_WARPS * 32) router_fused_kernel(
   for (int t = warp; t < n_tok; t += RF_WARPS) {
     int* st = sel[t];
     if (tid2eid) {
-      if (lane < topk) {
-        const long tok = token_ids[t];
-        st[lane] = tid64 ? (int)reinterpret_cast<const int64_t*>(tid2eid)[tok * topk + lane]
-                         : reinterpret_cast<const int32_t*>(tid2eid)[tok * topk + lane];
-      }
+      if (lane < topk) st[lane] = hash_expert(tid2eid, tid64, token_ids, t, topk, lane);
     } else {
       float* b = bs + t * E;
       for (int k = 0; k < topk; ++k) {
@@ -194,16 +197,7 @@ __global__ void __launch_bounds__(RF_WARPS * 32) router_fused_kernel(
       }
     }
     __syncwarp();
-    if (lane == 0) {
-      const float* s = sc + t * E;
-      float sum = 0.f;
-      for (int k = 0; k < topk; ++k) sum += s[st[k]];
-      const float inv = route_scale / sum;
-      for (int k = 0; k < topk; ++k) {
-        w_out[(long)t * topk + k] = s[st[k]] * inv;
-        ids_out[(long)t * topk + k] = st[k];
-      }
-    }
+    if (lane == 0) store_route(sc + t * E, st, t, topk, route_scale, w_out, ids_out);
   }
 }
 
