@@ -115,7 +115,8 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
     const int grp = group_rows > 0 ? row0 / group_rows - g0 : 0;
     return MmaTile{W, S, xs + (long)grp * K, row0, O};
   };
-  auto st = mma_stream<FMT, U, CW>(tile, xs, nt, 1, K / mma_round_vals<FMT, CW>(), row_bytes<FMT>(K), s_ld);
+  auto st = mma_stream<FMT, U, CW>(tile, xs, nt, 1, K / mma_round_vals<FMT, CW>(), row_bytes<FMT>(K), s_ld,
+                                   reinterpret_cast<uint8_t*>(xs + (long)ng * K));
   st.prefetch();  // weights do not depend on the previous kernel: load them before waiting (PDL)
   ds4_pdl::begin();
   mma_part_zero(part, nt);
@@ -144,8 +145,9 @@ int sm_count() {
 
 // The tensor-core kernels' widest run per lane and row (W chunks of 16 B): DS4_MMA_W = 1, 2 or 4
 // (default MMA_W_DEFAULT), and their depth (chunks per lane and row in flight, U = depth / W rounds):
-// DS4_MMA_DEPTH = 8, 4 or 2 (default MMA_DEPTH_DEFAULT; mma_min_blocks). Both read at every launch so
-// one process can sweep them (scripts/bench_kernels.py --mma w2d8,w2d4,...).
+// DS4_MMA_DEPTH = 8, 4 or 2 (default MMA_DEPTH_DEFAULT; mma_min_blocks); DS4_MMA_LOAD=smem takes the
+// shared-memory stream instead (MmaSmemStream; depth 0). All read at every launch so one process can
+// sweep them (scripts/bench_kernels.py --mma w2d8,w2d4,w2s,...).
 constexpr int MMA_W_DEFAULT = 2;
 constexpr int MMA_DEPTH_DEFAULT = 8;
 int mma_max_width() {
@@ -154,6 +156,8 @@ int mma_max_width() {
   return w == 1 || w == 2 ? w : 4;
 }
 int mma_depth() {
+  const char* load = std::getenv("DS4_MMA_LOAD");  // "smem": the shared-memory stream (depth 0)
+  if (load && std::strcmp(load, "smem") == 0) return 0;
   const char* env = std::getenv("DS4_MMA_DEPTH");
   const int d = env ? std::atoi(env) : MMA_DEPTH_DEFAULT;
   return d >= 8 ? 8 : d >= 4 ? 4 : 2;
@@ -164,10 +168,13 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
                                int K, int group_rows, cudaStream_t st) {
   auto kern = gemv_mma_kernel<FMT, U, CW>;
   const int T = (O + 15) / 16;
-  auto smem_for = [&](int tpb) {  // partial sums + the activations of the groups tpb tiles can touch
+  auto smem_for = [&](int tpb) {  // partial sums + the activations of the groups tpb tiles can touch (+ stream)
     const int ng = group_rows > 0 ? (tpb * 16 + group_rows - 1) / group_rows + 1 : 1;
-    return 4L * mma_part_floats(tpb) + (long)ng * K * 2;
+    return 4L * mma_part_floats(tpb) + (long)ng * K * 2 + mma_stream_smem<FMT, U, CW>();
   };
+  if constexpr (U == 0) {  // the shared-memory stream does not fit beside these activations: registers
+    if (smem_for(1) > SMEM_CAP) return gemv_mma_go<FMT, 8 / CW, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+  }
   // one resident wave (register-bound occupancy), the tiles split evenly over it
   cudaError_t e = set_smem(kern, smem_for(1));
   if (e != cudaSuccess) return e;

@@ -329,10 +329,204 @@ struct MmaStream {
   }
 };
 
+// ---- the same work through shared memory (U == 0 in the kernels' template: DS4_MMA_LOAD=smem) ----------
+// Why: MmaStream's lanes load their fragments straight from global memory, so a warp's requests are
+// 16 rows x 128 B runs (W = 2) and the bytes in flight live in registers (~120 per thread, 2 blocks per
+// SM). A read-only kernel with that pattern moves 2.9-3.1 TB/s on an H200 where row-contiguous reads
+// move 3.7-3.8 (scripts/probe_phases.cu), and ncu shows the kernels latency-bound (issue slots ~40 %
+// busy). Here the block copies each stage — 16 rows x 8 rounds of a (tile, segment), with its scales —
+// row-contiguously into shared memory with cp.async (sm_80+; nothing in flight holds a register),
+// MMA_SMEM_STAGES stages in flight; each warp then takes one round of the stage (its fragments from
+// shared memory, the same MMAs and scale order as MmaStream). Warps meet at a barrier per stage.
+// Stage buffer: 16 rows of 8 rounds (512 W bytes) + a pad that spreads a phase's 8 lanes over the
+// banks, then the scales (FP4: 16 rows x 32 W bytes, 4-byte copies — K % 128 == 0 keeps them aligned;
+// FP8: the 4-byte words around the stage's <= 4 W bytes of the tile's scale row, and their offset).
+// W = 1 or 2 (mma_smem_width).
+constexpr int MMA_SMEM_STAGES = 4;
+constexpr int MMA_SMEM_ROUNDS = MMA_STREAM_WARPS;  // rounds per stage: one per warp
+
+template <int W> __host__ __device__ constexpr int mma_smem_row_bytes() { return 512 * W + (W == 1 ? 64 : 16); }
+template <int FMT, int W> __host__ __device__ constexpr int mma_smem_scale_bytes() {
+  return FMT == FMT_FP4 ? 16 * 32 * W : 32;
+}
+template <int FMT, int W> __host__ __device__ constexpr int mma_smem_stage_bytes() {
+  return 16 * mma_smem_row_bytes<W>() + mma_smem_scale_bytes<FMT, W>();
+}
+// Host: the dynamic shared memory a kernel adds for the stream (U == 0; plus 16 for alignment).
+template <int FMT, int U, int W> __host__ __device__ constexpr long mma_stream_smem() {
+  return U == 0 ? (long)MMA_SMEM_STAGES * mma_smem_stage_bytes<FMT, W>() + 16 : 0;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+template <int FMT, int W, typename TileFn>
+struct MmaSmemStream {
+  static_assert(W == 1 || W == 2, "the shared-memory stream reads runs of 1 or 2 chunks per lane");
+  static constexpr int RB = mma_smem_row_bytes<W>(), SB = mma_smem_stage_bytes<FMT, W>();
+  TileFn tile;
+  const __nv_bfloat16* xbase;
+  uint8_t* buf;  // MMA_SMEM_STAGES stage buffers (16-byte aligned)
+  int nt, nseg, nr, s_ld, cps, ns;  // cps: stages per (tile, segment); ns: the block's stages
+  long rowb;
+
+  __device__ __forceinline__ MmaSmemStream(TileFn f, const __nv_bfloat16* xb, int nt_, int nseg_, int nr_, long rowb_,
+                                           int s_ld_, uint8_t* buf_)
+      : tile(f), xbase(xb), buf(buf_), nt(nt_), nseg(nseg_), nr(nr_), s_ld(s_ld_), rowb(rowb_) {
+    cps = (nr + MMA_SMEM_ROUNDS - 1) / MMA_SMEM_ROUNDS;
+    ns = nt * nseg * cps;
+  }
+
+  // stage i -> local tile, segment, first round, rounds
+  __device__ __forceinline__ void where(int i, int& tl, int& sg, int& r0, int& nrs) const {
+    const int c = i % cps, u = i / cps;
+    sg = u % nseg;
+    tl = u / nseg;
+    r0 = c * MMA_SMEM_ROUNDS;
+    nrs = min(MMA_SMEM_ROUNDS, nr - r0);
+  }
+
+  // every thread's share of stage i's copies into its buffer (no commit)
+  __device__ __forceinline__ void issue(int i) {
+    int tl, sg, r0, nrs;
+    where(i, tl, sg, r0, nrs);
+    const MmaTile p = tile(tl, sg);
+    uint8_t* b = buf + (i % MMA_SMEM_STAGES) * SB;
+    const int per_row = nrs * 4 * W;  // 16-byte chunks of a row in this stage
+    for (int q = threadIdx.x; q < 16 * per_row; q += blockDim.x) {
+      const int r = q / per_row, c = q - r * per_row;
+      const long row = min(p.row0 + r, p.nrows - 1);
+      cp_async16(b + r * RB + c * 16, p.W + row * rowb + (long)r0 * 64 * W + c * 16);
+    }
+    uint8_t* sb = b + 16 * RB;
+    if (FMT == FMT_FP4) {  // per row: the scale bytes of chunks 4 W r0 .. 4 W (r0 + nrs), 4-byte aligned
+      const int words = nrs * W;  // 4 W bytes per round
+      for (int q = threadIdx.x; q < 16 * words; q += blockDim.x) {
+        const int r = q / words, c = q - r * words;
+        const long row = min(p.row0 + r, p.nrows - 1);
+        cp_async4(sb + r * 32 * W + c * 4, p.S + row * s_ld + (long)r0 * 4 * W + c * 4);
+      }
+    } else {  // FP8: bytes (W r) >> 1 of the tile's scale row for the stage's rounds
+      const uint8_t* srow = p.S + (long)(p.row0 >> 7) * s_ld;
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(srow + ((W * r0) >> 1));
+      const uintptr_t hi = reinterpret_cast<uintptr_t>(srow + ((W * (r0 + nrs - 1)) >> 1)) + 1;
+      const uintptr_t a0 = lo & ~uintptr_t(3);
+      const int nw = (int)((hi - a0 + 3) >> 2);  // <= 3 words (the scale tensor's allocation covers them)
+      if (threadIdx.x < nw) cp_async4(sb + 4 + 4 * threadIdx.x, reinterpret_cast<const void*>(a0 + 4 * threadIdx.x));
+      if (threadIdx.x == 0) *reinterpret_cast<int*>(sb) = (int)(lo - a0);
+    }
+  }
+
+  // the first MMA_SMEM_STAGES - 1 stages (weights only: may run before the PDL wait)
+  __device__ __forceinline__ void prefetch() {
+#pragma unroll
+    for (int i = 0; i < MMA_SMEM_STAGES - 1; ++i) {
+      if (i < ns) issue(i);
+      cp_async_commit();
+    }
+  }
+
+  __device__ __forceinline__ void run(float* part) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const bool has_b = FMT == FMT_FP4 ? g == t : g == 0;
+    constexpr int NB = FMT == FMT_FP8 ? 2 : 4;  // uint4 of B per chunk
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int i = 0; i < ns; ++i) {
+      cp_async_wait<MMA_SMEM_STAGES - 2>();  // this thread's copies of stage i have landed
+      __syncthreads();                          // everyone's, and stage i - 1's buffer is free again
+      if (i + MMA_SMEM_STAGES - 1 < ns) issue(i + MMA_SMEM_STAGES - 1);
+      cp_async_commit();
+      int tl, sg, r0, nrs;
+      where(i, tl, sg, r0, nrs);
+      const uint8_t* b = buf + (i % MMA_SMEM_STAGES) * SB;
+      const uint8_t* sb = b + 16 * RB;
+      if (warp < nrs) {
+        const int rr = r0 + warp;  // this warp's round
+        const MmaTile p = tile(tl, sg);
+        const uint4* src = reinterpret_cast<const uint4*>(p.xs + (long)rr * 4 * W * Mma<FMT>::VALS +
+                                                          t * W * Mma<FMT>::VALS);
+        const uint8_t* ra = b + g * RB + warp * 64 * W + t * 16 * W;
+        const uint8_t* rb8 = ra + 8 * RB;
+        if (FMT == FMT_FP8) {
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int w = 0; w < W; ++w) {
+            uint4 xb[NB];
+#pragma unroll
+            for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[w * NB + j] : make_uint4(0u, 0u, 0u, 0u);
+            mma_chunk<FMT>(*reinterpret_cast<const uint4*>(ra + 16 * w), *reinterpret_cast<const uint4*>(rb8 + 16 * w),
+                           xb, d);
+          }
+          const int off = *reinterpret_cast<const int*>(sb);
+          const float f0 = e8m0_to_f32(sb[4 + off + ((W * rr) >> 1) - ((W * r0) >> 1)]);
+          acc0 = fmaf(d[0], f0, acc0);
+          acc1 = fmaf(d[2], f0, acc1);
+        } else {
+          // scale bytes of rows g / g + 8 for this round: 4 W per row, lane t's pair from 2 (t & 1) W
+          const uint8_t* sa = sb + g * 32 * W + warp * 4 * W + 2 * (t & 1) * W;
+          const uint8_t* s8 = sa + 8 * 32 * W;
+#pragma unroll
+          for (int w = 0; w < W; ++w) {
+            uint4 xb[NB];
+#pragma unroll
+            for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[w * NB + j] : make_uint4(0u, 0u, 0u, 0u);
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_chunk<FMT>(*reinterpret_cast<const uint4*>(ra + 16 * w), *reinterpret_cast<const uint4*>(rb8 + 16 * w),
+                           xb, d);
+            acc0 = fmaf(d[0], e8m0_to_f32(sa[w]), acc0);
+            acc0 = fmaf(d[1], e8m0_to_f32(sa[W + w]), acc0);
+            acc1 = fmaf(d[2], e8m0_to_f32(s8[w]), acc1);
+            acc1 = fmaf(d[3], e8m0_to_f32(s8[W + w]), acc1);
+          }
+        }
+      }
+      const bool tile_end = i + 1 == ns || (i + 1) / (cps * nseg) != tl;
+      if (tile_end) {  // block-uniform: every warp writes its partial sums of the tile
+        acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+        acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+        if (t == 0) {
+          float* dst = part + (tl * MMA_STREAM_WARPS + warp) * 16;
+          dst[g] = acc0 * Mma<FMT>::POST;
+          dst[g + 8] = acc1 * Mma<FMT>::POST;
+        }
+        acc0 = acc1 = 0.f;
+      }
+    }
+    cp_async_wait<0>();
+  }
+};
+
+// The kernels' stream: U > 0 rounds in flight per warp in registers (MmaStream), U == 0 the
+// shared-memory stages (MmaSmemStream; sbuf: mma_stream_smem bytes of dynamic shared memory).
 template <int FMT, int U, int W, typename TileFn>
-__device__ __forceinline__ MmaStream<FMT, U, W, TileFn> mma_stream(TileFn f, const __nv_bfloat16* xbase, int nt,
-                                                                   int nseg, int nr, long rowb, int s_ld) {
-  return MmaStream<FMT, U, W, TileFn>(f, xbase, nt, nseg, nr, rowb, s_ld);
+__device__ __forceinline__ auto mma_stream(TileFn f, const __nv_bfloat16* xbase, int nt, int nseg, int nr, long rowb,
+                                           int s_ld, uint8_t* sbuf) {
+  if constexpr (U == 0) {
+    uint8_t* b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(sbuf) + 15) & ~uintptr_t(15));
+    return MmaSmemStream<FMT, W, TileFn>(f, xbase, nt, nseg, nr, rowb, s_ld, b);
+  } else {
+    return MmaStream<FMT, U, W, TileFn>(f, xbase, nt, nseg, nr, rowb, s_ld);
+  }
 }
 
 // Values of a row one round covers (W chunks per lane, 4 lanes per row).
@@ -379,14 +573,19 @@ inline int mma_tiles_per_block(int T, int wave) {
 // more warps to hide the decode's instruction latency (ncu, H200: the depth-8 kernels issue on ~40 % of
 // cycles with 4 warps per scheduler, neither DRAM- nor ALU-bound).
 template <int U, int W> __host__ __device__ constexpr int mma_min_blocks() {
-  return U * W >= 8 ? 2 : U * W >= 4 ? 3 : 4;
+  return U == 0 ? 2 : U * W >= 8 ? 2 : U * W >= 4 ? 3 : 4;  // U == 0: the shared-memory stream
 }
 
 // Host: f(std::integral_constant<int, W>{}, std::integral_constant<int, U>{}) for a run width w from
-// mma_width and a depth (chunks per lane and row in flight: 8, 4 or 2; U = max(1, depth / w)).
+// mma_width and a depth (chunks per lane and row in flight: 8, 4 or 2; U = max(1, depth / w)); depth 0:
+// the shared-memory stream (U = 0, W at most 2).
 template <typename F>
 inline cudaError_t with_mma_shape(int w, int depth, F f) {
   using std::integral_constant;
+  if (depth == 0) {
+    if (w == 1) return f(integral_constant<int, 1>{}, integral_constant<int, 0>{});
+    return f(integral_constant<int, 2>{}, integral_constant<int, 0>{});
+  }
   if (w == 4) {
     if (depth >= 8) return f(integral_constant<int, 4>{}, integral_constant<int, 2>{});
     return f(integral_constant<int, 4>{}, integral_constant<int, 1>{});

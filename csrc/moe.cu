@@ -360,7 +360,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   __syncthreads();
   auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], a.inter}; };
   auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),
-                                  a.s13_ld);
+                                  a.s13_ld, reinterpret_cast<uint8_t*>(xs + a.dim));
   st.prefetch();
   stage_mma_rows<FMT>(xs, [=](int) { return x; }, 1, a.dim);
   mma_part_zero(part, 2 * np);
@@ -405,7 +405,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   const int t0 = blockIdx.x * tpb, nt = min(tpb, (a.dim + 15) / 16 - t0);
   auto tile = [=](int tl, int u) { return MmaTile{s_w[u], s_s[u], hs + (long)u * a.inter, (t0 + tl) * 16, a.dim}; };
   auto st = mma_stream<FMT, U, W>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
-                                  a.s2_ld);
+                                  a.s2_ld, reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter));
   st.prefetch();
   ds4_pdl::begin();  // h and add come from the previous kernels
   stage_mma_rows<FMT>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
@@ -435,7 +435,10 @@ static int moe_use_mma(const MoEArgs& a) {
 
 template <int FMT, int U, int W>
 static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
-  const long smem = 4L * mma_part_floats(MMA_STREAM_MAX_TILES) + 2L * a.dim;
+  const long smem = 4L * mma_part_floats(MMA_STREAM_MAX_TILES) + 2L * a.dim + mma_stream_smem<FMT, U, W>();
+  if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
+    if (smem > MOE_MMA_SMEM_CAP) return gate_up_mma_go<FMT, 8 / W, W>(a, x, h, st);
+  }
   auto kern = moe_gate_up_mma_kernel<FMT, U, W>;
   cudaError_t e = set_smem(kern, smem);
   if (e != cudaSuccess) return e;
@@ -452,7 +455,12 @@ template <int FMT, int U, int W, bool F32>
 static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st) {
   const int T = (a.dim + 15) / 16;
   auto kern = moe_down_mma_kernel<FMT, U, W, F32>;
-  auto smem_for = [&](int tpb) { return 4L * mma_part_floats(tpb) + 2L * a.topk * a.inter; };
+  auto smem_for = [&](int tpb) {
+    return 4L * mma_part_floats(tpb) + 2L * a.topk * a.inter + mma_stream_smem<FMT, U, W>();
+  };
+  if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
+    if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32>(a, h, add, out, st);
+  }
   cudaError_t e = set_smem(kern, smem_for(1));
   if (e != cudaSuccess) return e;
   const int tpb = mma_tiles_per_block(T, std::min(resident_wave(kern, MMA_STREAM_THREADS, smem_for(1)), T));

@@ -14,7 +14,8 @@ symm (comm=symm_mem), nopdl (DS4_PDL=0: no programmatic dependent launch on sm_9
 the FMA kernels for the FP4 MoE too, instead of the tensor-core ones), mma8 (DS4_MMA=all: the
 tensor-core kernels for one-token FP8 products too), w1 / w2 / w4 (DS4_MMA_W: the widest run of
 16-B chunks a lane of the tensor-core kernels reads per row; without them the library default, 2), d8 / d4 /
-d2 (DS4_MMA_DEPTH: the chunks per lane and row those kernels keep in flight; the library default: 8), noovl
+d2 (DS4_MMA_DEPTH: the chunks per lane and row those kernels keep in flight; the library default: 8), smem
+(DS4_MMA_LOAD=smem: those kernels stream the weights through shared memory with cp.async), noovl
 (DS4_SHARED_OVERLAP=0: the shared expert in line instead of on a side stream), nocovl
 (DS4_COMPRESS_OVERLAP=0: the compressor steps in line instead of on side streams), noaovl
 (DS4_ATTN_OVERLAP=0: the window write and the indexer in line instead of on side streams), rtr1
@@ -70,6 +71,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
         os.environ.pop("DS4_MMA_W", None)
     else:
         os.environ["DS4_MMA_W"] = width
+    os.environ["DS4_MMA_LOAD"] = "smem" if "smem" in toks else "reg"
     depth = next((t[1:] for t in ("d8", "d4", "d2") if t in toks), None)
     if depth is None:
         os.environ.pop("DS4_MMA_DEPTH", None)

@@ -12,7 +12,8 @@ Graph replay removes host launch overhead but keeps the GPU's own inter-kernel g
 and out; GB/s = bytes / µs; %copy = GB/s / copy bandwidth.
 Untagged rows run the default ("auto", see csrc/ds4_launch.h); rows tagged [fma] / [mma wN dM] force the
 FMA / tensor-core kernels, N = DS4_MMA_W (the widest run of 16-B chunks a lane reads per row), M =
-DS4_MMA_DEPTH (16-B chunks per lane and row in flight; fewer buy more resident warps), from --mma.
+DS4_MMA_DEPTH (16-B chunks per lane and row in flight; fewer buy more resident warps; d0 = the
+shared-memory stream, DS4_MMA_LOAD=smem), from --mma.
 """
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="skip the [mma] / [fma] comparison rows")
     ap.add_argument("--mma", default="w2d8",
-                    help="[mma wNdM] rows: comma-separated DS4_MMA_W (N) / DS4_MMA_DEPTH (M) pairs, e.g. w2d8,w2d4")
+                    help="[mma wNdM] rows: comma-separated DS4_MMA_W (N) / DS4_MMA_DEPTH (M) pairs, e.g. w2d8,w2d4; "
+                         "M = 0: the shared-memory stream (DS4_MMA_LOAD=smem)")
     args = ap.parse_args()
     kernels.load()
     n = args.tokens
@@ -153,17 +155,18 @@ def main() -> int:
     def variants():
         """(kernel, row tag) pairs; sets DS4_MMA_W / DS4_MMA_DEPTH (read at each launch, so at graph capture)
         per [mma] row and removes them for the untagged row (the library's defaults)."""
-        os.environ.pop("DS4_MMA_W", None)
-        os.environ.pop("DS4_MMA_DEPTH", None)
+        for v in ("DS4_MMA_W", "DS4_MMA_DEPTH", "DS4_MMA_LOAD"):
+            os.environ.pop(v, None)
         yield "auto", ""
         if not compare:
             return
         yield "fma", " [fma]"
         for w, d in shapes:
-            os.environ["DS4_MMA_W"], os.environ["DS4_MMA_DEPTH"] = str(w), str(d)
+            os.environ["DS4_MMA_W"], os.environ["DS4_MMA_DEPTH"] = str(w), str(max(d, 2))
+            os.environ["DS4_MMA_LOAD"] = "smem" if d == 0 else "reg"
             yield "mma", f" [mma w{w} d{d}]"
-        os.environ.pop("DS4_MMA_W", None)
-        os.environ.pop("DS4_MMA_DEPTH", None)
+        for v in ("DS4_MMA_W", "DS4_MMA_DEPTH", "DS4_MMA_LOAD"):
+            os.environ.pop(v, None)
 
     # FP8 dense projections (V4-Flash)
     for kern, tag in variants():

@@ -82,9 +82,20 @@ def test_gemv_fp4(o, i, n):
 # one token: "auto" takes the tensor-core kernel where K allows (FP8 K % 64, FP4 K % 128); both
 # kernels are checked explicitly, at row counts that are not multiples of the 16-row MMA tile, and the
 # tensor-core kernel at each run width it can pick (DS4_MMA_W caps it; K decides what fits) and at each
-# depth (DS4_MMA_DEPTH: chunks in flight per lane and row; U = depth / width rounds, at least 1)
+# depth (DS4_MMA_DEPTH: chunks in flight per lane and row; U = depth / width rounds, at least 1); depth 0:
+# the shared-memory stream (DS4_MMA_LOAD=smem; widths 1 and 2)
 MMA_SHAPES = [("fma", 4, 8), ("mma", 1, 8), ("mma", 2, 8), ("mma", 4, 8), ("mma", 1, 4), ("mma", 2, 4), ("mma", 4, 4),
-              ("mma", 1, 2), ("mma", 2, 2)]
+              ("mma", 1, 2), ("mma", 2, 2), ("mma", 1, 0), ("mma", 2, 0), ("mma", 4, 0)]
+
+
+def set_mma_shape(monkeypatch, width, depth):
+    monkeypatch.setenv("DS4_MMA_W", str(width))
+    if depth == 0:
+        monkeypatch.setenv("DS4_MMA_LOAD", "smem")
+        monkeypatch.delenv("DS4_MMA_DEPTH", raising=False)
+    else:
+        monkeypatch.delenv("DS4_MMA_LOAD", raising=False)
+        monkeypatch.setenv("DS4_MMA_DEPTH", str(depth))
 
 
 @pytest.mark.parametrize("kernel,width,depth", MMA_SHAPES)
@@ -92,8 +103,7 @@ MMA_SHAPES = [("fma", 4, 8), ("mma", 1, 8), ("mma", 2, 8), ("mma", 4, 8), ("mma"
                                      ("fp8", 32768, 1024), ("fp8", 200, 384), ("fp4", 1000, 2048), ("fp4", 77, 128),
                                      ("fp4", 333, 4224), ("fp4", 2048, 4096), ("fp4", 96, 768)])
 def test_gemv_kernel_variants(kernel, width, depth, fmt, o, i, monkeypatch):
-    monkeypatch.setenv("DS4_MMA_W", str(width))
-    monkeypatch.setenv("DS4_MMA_DEPTH", str(depth))
+    set_mma_shape(monkeypatch, width, depth)
     _gemv_check(fmt, o, i, 1, seed=o + i, kernel=kernel)
 
 
@@ -176,8 +186,10 @@ def test_gemv_grouped_wo_a(n, kernel, groups, o, i):
 
 # tensor-core kernel: 16-row tiles split evenly over the blocks, each block stages the groups its tiles
 # touch; 48 groups of 112 rows (7 tiles) at 336 tiles put group boundaries inside blocks of 2 tiles
+@pytest.mark.parametrize("smem", [False, True])
 @pytest.mark.parametrize("groups,o,i", [(8, 8192, 4096), (6, 576, 320), (48, 5376, 64), (4, 64, 1024)])
-def test_gemv_grouped_mma(groups, o, i):
+def test_gemv_grouped_mma(groups, o, i, smem, monkeypatch):
+    set_mma_shape(monkeypatch, 2, 0 if smem else 8)
     g = gen(7 + groups + o)
     w, s = rand_fp8_weight(o, i, g)
     x = rand_x(1, groups * i, g)
@@ -281,8 +293,7 @@ ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": 
 @pytest.mark.parametrize("fmt,dims", [("fp4", (4096, 2048)), ("fp4", (512, 384)), ("fp8", (1024, 512)),
                                       ("fp8", (768, 384))])
 def test_moe_one_token_kernels(kernel, width, depth, case, fmt, dims, monkeypatch):
-    monkeypatch.setenv("DS4_MMA_W", str(width))
-    monkeypatch.setenv("DS4_MMA_DEPTH", str(depth))
+    set_mma_shape(monkeypatch, width, depth)
     dim, inter = dims
     g = gen(hash((case, dims, fmt)) % 10_000)
     (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = make_experts(16, dim, inter, g, fmt)
