@@ -97,6 +97,18 @@ __device__ __forceinline__ void mma_chunk<FMT_FP4>(const uint4& wg, const uint4&
   }
 }
 
+// d += chunk w of a round: the lane's 16-byte chunks of rows g / g+8 (wg / wg8) times its B values at
+// src (lanes that carry B; the others feed zeros).
+template <int FMT>
+__device__ __forceinline__ void mma_round_chunk(const uint4& wg, const uint4& wg8, const uint4* src, int w, bool has_b,
+                                                float (&d)[4]) {
+  constexpr int NB = FMT == FMT_FP8 ? 2 : 4;  // uint4 of B per chunk
+  uint4 xb[NB];
+#pragma unroll
+  for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[w * NB + j] : make_uint4(0u, 0u, 0u, 0u);
+  mma_chunk<FMT>(wg, wg8, xb, d);
+}
+
 // Rows 0 .. nrows-1 of bf16 activations (row(r): 16-byte aligned, K % 8 == 0) -> bf16 x 2^64, permuted
 // for mma_chunk, into shared memory rows of K. A thread issues up to 4 16-byte loads before it
 // converts and stores any (the staging sits between a kernel's PDL wait and its first MMA).
@@ -271,7 +283,6 @@ struct MmaStream {
   __device__ __forceinline__ void run(float* part) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const bool has_b = FMT == FMT_FP4 ? g == t : (W == 4 ? g == (t >> 1) : g == 0);
-    constexpr int NB = FMT == FMT_FP8 ? 2 : 4;  // uint4 of B per chunk
     float acc0 = 0.f, acc1 = 0.f;
     for (int i0 = 0; i0 < n; i0 += U) {
 #pragma unroll
@@ -282,12 +293,7 @@ struct MmaStream {
           if (FMT == FMT_FP8) {  // one accumulator over the W MMAs, then the block scale(s)
             float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int w = 0; w < W; ++w) {
-              uint4 xb[NB];
-#pragma unroll
-              for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[w * NB + j] : make_uint4(0u, 0u, 0u, 0u);
-              mma_chunk<FMT>(wa[k][w], wb[k][w], xb, d);
-            }
+            for (int w = 0; w < W; ++w) mma_round_chunk<FMT>(wa[k][w], wb[k][w], src, w, has_b, d);
             const float f0 = e8m0_to_f32(sc[k][0] & 0xffu);
             acc0 = fmaf(d[0], f0, acc0);
             acc1 = fmaf(d[2], f0, acc1);
@@ -299,11 +305,8 @@ struct MmaStream {
           } else {
 #pragma unroll
             for (int w = 0; w < W; ++w) {
-              uint4 xb[NB];
-#pragma unroll
-              for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[w * NB + j] : make_uint4(0u, 0u, 0u, 0u);
               float d[4] = {0.f, 0.f, 0.f, 0.f};
-              mma_chunk<FMT>(wa[k][w], wb[k][w], xb, d);
+              mma_round_chunk<FMT>(wa[k][w], wb[k][w], src, w, has_b, d);
               acc0 = fmaf(d[0], fp4_scale(k, 0, 0, w), acc0);
               acc0 = fmaf(d[1], fp4_scale(k, 0, 1, w), acc0);
               acc1 = fmaf(d[2], fp4_scale(k, 1, 0, w), acc1);
@@ -449,7 +452,6 @@ struct MmaSmemStream {
   __device__ __forceinline__ void run(float* part) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const bool has_b = FMT == FMT_FP4 ? g == t : g == 0;
-    constexpr int NB = FMT == FMT_FP8 ? 2 : 4;  // uint4 of B per chunk
     float acc0 = 0.f, acc1 = 0.f;
     for (int i = 0; i < ns; ++i) {
       cp_async_wait<MMA_SMEM_STAGES - 2>();  // this thread's copies of stage i have landed
@@ -470,13 +472,9 @@ struct MmaSmemStream {
         if (FMT == FMT_FP8) {
           float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-          for (int w = 0; w < W; ++w) {
-            uint4 xb[NB];
-#pragma unroll
-            for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[w * NB + j] : make_uint4(0u, 0u, 0u, 0u);
-            mma_chunk<FMT>(*reinterpret_cast<const uint4*>(ra + 16 * w), *reinterpret_cast<const uint4*>(rb8 + 16 * w),
-                           xb, d);
-          }
+          for (int w = 0; w < W; ++w)
+            mma_round_chunk<FMT>(*reinterpret_cast<const uint4*>(ra + 16 * w),
+                                 *reinterpret_cast<const uint4*>(rb8 + 16 * w), src, w, has_b, d);
           const int off = *reinterpret_cast<const int*>(sb);
           const float f0 = e8m0_to_f32(sb[4 + off + ((W * rr) >> 1) - ((W * r0) >> 1)]);
           acc0 = fmaf(d[0], f0, acc0);
@@ -487,12 +485,9 @@ struct MmaSmemStream {
           const uint8_t* s8 = sa + 8 * 32 * W;
 #pragma unroll
           for (int w = 0; w < W; ++w) {
-            uint4 xb[NB];
-#pragma unroll
-            for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[w * NB + j] : make_uint4(0u, 0u, 0u, 0u);
             float d[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_chunk<FMT>(*reinterpret_cast<const uint4*>(ra + 16 * w), *reinterpret_cast<const uint4*>(rb8 + 16 * w),
-                           xb, d);
+            mma_round_chunk<FMT>(*reinterpret_cast<const uint4*>(ra + 16 * w),
+                                 *reinterpret_cast<const uint4*>(rb8 + 16 * w), src, w, has_b, d);
             acc0 = fmaf(d[0], e8m0_to_f32(sa[w]), acc0);
             acc0 = fmaf(d[1], e8m0_to_f32(sa[W + w]), acc0);
             acc1 = fmaf(d[2], e8m0_to_f32(s8[w]), acc1);
