@@ -336,7 +336,7 @@ struct MmaStream {
 // Why: MmaStream's lanes load their fragments straight from global memory, so a warp's requests are
 // 16 rows x 128 B runs (W = 2) and the bytes in flight live in registers (~120 per thread, 2 blocks per
 // SM). A read-only kernel with that pattern moves 2.9-3.1 TB/s on an H200 where row-contiguous reads
-// move 3.7-3.8 (scripts/probe_phases.cu), and ncu shows the kernels latency-bound (issue slots ~40 %
+// move 3.7-3.8 (scripts/probe_phases.cu), and ncu shows the kernels latency-bound (issue slots 27-39 %
 // busy). Here the block copies each stage — 16 rows x 8 rounds of a (tile, segment), with its scales —
 // row-contiguously into shared memory with cp.async (sm_80+; nothing in flight holds a register),
 // MMA_SMEM_STAGES stages in flight; each warp then takes one round of the stage (its fragments from
@@ -565,7 +565,7 @@ inline int mma_tiles_per_block(int T, int wave) {
 // Chunks per lane and row in flight (U rounds x W chunks), the "depth", and the kernels' occupancy
 // floor: depth 8 asks for 2 blocks of 8 warps per SM (<= 128 registers per thread; ~120 without the
 // bound), depth 4 / 2 for 3 / 4 blocks (<= 85 / 64 registers), trading bytes in flight per warp for
-// more warps to hide the decode's instruction latency (ncu, H200: the depth-8 kernels issue on ~40 % of
+// more warps to hide the decode's instruction latency (ncu, H200: the depth-8 kernels issue on 27-39 % of
 // cycles with 4 warps per scheduler, neither DRAM- nor ALU-bound).
 template <int U, int W> __host__ __device__ constexpr int mma_min_blocks() {
   return U == 0 ? 2 : U * W >= 8 ? 2 : U * W >= 4 ? 3 : 4;  // U == 0: the shared-memory stream
