@@ -147,7 +147,7 @@ int sm_count() {
 // (default MMA_W_DEFAULT), and their depth (chunks per lane and row in flight, U = depth / W rounds):
 // DS4_MMA_DEPTH = 8, 4 or 2 (default MMA_DEPTH_DEFAULT; mma_min_blocks); DS4_MMA_LOAD=smem takes the
 // shared-memory stream instead (MmaSmemStream; depth 0). All read at every launch so one process can
-// sweep them (scripts/bench_kernels.py --mma w2d8,w2d4,w2s,...).
+// sweep them (scripts/bench_kernels.py --mma w2d8,w2d4,w2d0,...).
 constexpr int MMA_W_DEFAULT = 2;
 constexpr int MMA_DEPTH_DEFAULT = 8;
 int mma_max_width() {

@@ -387,15 +387,13 @@ template <int FMT, int W, typename TileFn>
 struct MmaSmemStream {
   static_assert(W == 1 || W == 2, "the shared-memory stream reads runs of 1 or 2 chunks per lane");
   static constexpr int RB = mma_smem_row_bytes<W>(), SB = mma_smem_stage_bytes<FMT, W>();
-  TileFn tile;
-  const __nv_bfloat16* xbase;
+  TileFn tile;   // (local tile, segment) -> MmaTile; its xs are the activations the segment multiplies
   uint8_t* buf;  // MMA_SMEM_STAGES stage buffers (16-byte aligned)
-  int nt, nseg, nr, s_ld, cps, ns;  // cps: stages per (tile, segment); ns: the block's stages
+  int nseg, nr, s_ld, cps, ns;  // cps: stages per (tile, segment); ns: the block's stages
   long rowb;
 
-  __device__ __forceinline__ MmaSmemStream(TileFn f, const __nv_bfloat16* xb, int nt_, int nseg_, int nr_, long rowb_,
-                                           int s_ld_, uint8_t* buf_)
-      : tile(f), xbase(xb), buf(buf_), nt(nt_), nseg(nseg_), nr(nr_), s_ld(s_ld_), rowb(rowb_) {
+  __device__ __forceinline__ MmaSmemStream(TileFn f, int nt, int nseg_, int nr_, long rowb_, int s_ld_, uint8_t* buf_)
+      : tile(f), buf(buf_), nseg(nseg_), nr(nr_), s_ld(s_ld_), rowb(rowb_) {
     cps = (nr + MMA_SMEM_ROUNDS - 1) / MMA_SMEM_ROUNDS;
     ns = nt * nseg * cps;
   }
@@ -518,7 +516,7 @@ __device__ __forceinline__ auto mma_stream(TileFn f, const __nv_bfloat16* xbase,
                                            int s_ld, uint8_t* sbuf) {
   if constexpr (U == 0) {
     uint8_t* b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(sbuf) + 15) & ~uintptr_t(15));
-    return MmaSmemStream<FMT, W, TileFn>(f, xbase, nt, nseg, nr, rowb, s_ld, b);
+    return MmaSmemStream<FMT, W, TileFn>(f, nt, nseg, nr, rowb, s_ld, b);
   } else {
     return MmaStream<FMT, U, W, TileFn>(f, xbase, nt, nseg, nr, rowb, s_ld);
   }
