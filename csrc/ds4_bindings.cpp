@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <optional>
 #include <tuple>
@@ -80,6 +81,42 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
                  "gemv");
   }
   return out;
+}
+
+// q_norm + wq_b in one launch (decode, one token): bf16 [1, O] = rms_norm(x, norm_weight, eps) @ W^T.
+at::Tensor gemv_rmsnorm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
+                        const at::Tensor& norm_weight, double eps) {
+  check_cuda(x, "x");
+  check_cuda(w, "w");
+  check_cuda(norm_weight, "norm_weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(),
+              "ds4.gemv_rmsnorm: x must be one contiguous bf16 row [1, K]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "ds4.gemv_rmsnorm: x must be 16-byte aligned");
+  TORCH_CHECK(w.dim() == 2, "ds4.gemv_rmsnorm: w must be 2-D");
+  check_weight(w, fmt, "w");
+  const int64_t O = w.size(0), K = logical_in(w, fmt);
+  TORCH_CHECK(x.size(1) == K, "ds4.gemv_rmsnorm: x has ", x.size(1), " columns, expected ", K);
+  TORCH_CHECK(ds4::gemv_rmsnorm_ok((int)fmt, (int)O, (int)K), "ds4.gemv_rmsnorm: no tensor-core kernel for fmt ", fmt,
+              " at ", O, " x ", K, " (see gemv_rmsnorm_ok)");
+  const int64_t s_ld = scale_ld(scale, fmt, "w");
+  if (fmt == FMT_FP8)
+    TORCH_CHECK(scale->size(0) == (O + 127) / 128 && s_ld == (K + 127) / 128, "ds4.gemv_rmsnorm: fp8 scale shape");
+  if (fmt == FMT_FP4) TORCH_CHECK(scale->size(0) == O && s_ld == K / 32, "ds4.gemv_rmsnorm: fp4 scale shape");
+  const bool nw_f32 = norm_weight.scalar_type() == at::kFloat;
+  TORCH_CHECK((nw_f32 || norm_weight.scalar_type() == at::kBFloat16) && norm_weight.dim() == 1 &&
+                  norm_weight.size(0) == K && norm_weight.is_contiguous(),
+              "ds4.gemv_rmsnorm: norm_weight must be a contiguous fp32 or bf16 [K]");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({1, O}, x.options());
+  check_launch(ds4::launch_gemv_rmsnorm((int)fmt, x.data_ptr(), w.data_ptr(), opt_ptr(scale), (int)s_ld, out.data_ptr(),
+                                        false, (int)O, (int)K, norm_weight.data_ptr(), nw_f32, (float)eps,
+                                        at::cuda::getCurrentCUDAStream()),
+               "gemv_rmsnorm");
+  return out;
+}
+
+bool gemv_rmsnorm_ok(int64_t fmt, int64_t rows, int64_t cols) {
+  return ds4::gemv_rmsnorm_ok((int)fmt, (int)rows, (int)cols);
 }
 
 // Fills the weight part of MoEArgs from stacked [E, O, I] (or single [O, I]) tensors.
@@ -308,6 +345,8 @@ TORCH_LIBRARY(ds4, m) {
         "int expert_offset, int n_local, Tensor? add, bool out_f32, int kernel=0) -> Tensor");
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
         "float route_scale) -> (Tensor, Tensor)");
+  m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps) -> Tensor");
+  m.def("gemv_rmsnorm_ok(int fmt, int rows, int cols) -> bool", &gemv_rmsnorm_ok);  // host-only question
 }
 
 TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
@@ -315,4 +354,5 @@ TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
   m.impl("moe_gate_up", &moe_gate_up);
   m.impl("moe_down", &moe_down);
   m.impl("router", &router);
+  m.impl("gemv_rmsnorm", &gemv_rmsnorm);
 }

@@ -12,17 +12,21 @@ int moe_max_tokens(int fmt, int topk, int dim, int inter);
 
 // Kernel choice of the GEMV / MoE launchers: FMA kernels (any format, 1..8 tokens) or tensor-core
 // kernels (mma_dot.cuh: FP8 / FP4, one token, K a multiple of 64 / 128). AUTO takes the tensor cores
-// for one-token FP4 products and for one-token FP8 products with K >= 2048 (the shorter FP8 rows,
-// wq_b and the indexer's wq_b at K = 1024, stay on the FMA kernels, which measured as fast or faster
-// there: H200, experiments/decode_session5_h200.md). DS4_MMA=0 in the environment makes AUTO always
-// FMA, DS4_MMA=all always tensor cores where they apply (read at every launch, for the ablation). An
-// explicit MMA request that does not apply returns cudaErrorInvalidValue.
+// for one-token FP4 products, for one-token FP8 products with K >= 2048, and for FP8 at K = 1024 with
+// O >= 16384 rows (wq_b: 9.84 us at depth 2 against 11.0 on the FMA kernel, H200,
+// experiments/decode_session8_h200.md); the indexer's wq_b (8192 x 1024) stays on the FMA kernel, which
+// measured faster there (experiments/decode_session5_h200.md). DS4_MMA=0 in the environment makes AUTO
+// always FMA, DS4_MMA=all always tensor cores where they apply, DS4_MMA=k2048 the FP8 rule before wq_b
+// moved (read at every launch, for the ablation). An explicit MMA request that does not apply returns
+// cudaErrorInvalidValue.
 enum Kernel : int { KERNEL_AUTO = 0, KERNEL_FMA = 1, KERNEL_MMA = 2 };
-bool mma_auto(int fmt, int K);
+bool mma_auto(int fmt, int K, int O);
 // Widest run of 16-B chunks per lane and row the tensor-core kernels read (DS4_MMA_W: 1, 2, 4).
 int mma_max_width();
-// Chunks per lane and row the tensor-core kernels keep in flight (DS4_MMA_DEPTH: 8, 4, 2; mma_dot.cuh).
-int mma_depth();
+// Chunks per lane and row the tensor-core kernels keep in flight for rows of K (grouped: wo_a's
+// per-group rows): DS4_MMA_DEPTH = 8, 4, 2 for all, else the per-shape default (gemv.cu); 0 with
+// DS4_MMA_LOAD=smem (mma_dot.cuh).
+int mma_depth(int K, bool grouped);
 
 // out[t, o] = sum_k x[t, xoff(o) + k] * W[o, k]   (t < n_tok <= 8)
 // fmt 0 bf16 / 1 fp8 (E4M3 + E8M0 128x128) / 2 fp4 (E2M1 pairs + E8M0 per 32).
@@ -30,6 +34,14 @@ int mma_depth();
 cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok,
                         const void* W, const void* S, int s_ld, void* out, bool out_f32, long out_ld,
                         int O, int K, int group_rows, cudaStream_t st);
+
+// One token: out[0, o] = sum_k rms_norm(x)[k] * W[o, k] with rms_norm(x) = bf16(x * rsqrt(mean(x^2) + eps)
+// * nw) (nw fp32 or bf16 [K]), rounded as ds4_attn's rms_norm computes it; the tensor-core kernel with
+// the norm in its activation staging (q_norm + wq_b in one launch). gemv_rmsnorm_ok: whether it
+// applies (FP8 / FP4, K <= 8192, the shapes launch_gemv's AUTO sends to the tensor cores).
+bool gemv_rmsnorm_ok(int fmt, int O, int K);
+cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32,
+                                int O, int K, const void* nw, bool nw_f32, float eps, cudaStream_t st);
 
 // Routed / shared expert gate+up: for every distinct local expert of ids [n_tok, topk] and every
 // token that selected it: h[t*topk + j, :] = bf16(silu(min(g, lim)) * clamp(u, +-lim) * rw[t, j]).

@@ -96,13 +96,79 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
   DS4_MARK(2);
 }
 
+// The RMSNorm in front of a GEMV (gemv_rmsnorm: q_norm before wq_b): one row x of K bf16 ->
+// bf16(x * rsqrt(mean(x^2) + eps) * nw) staged like stage_mma_rows. Same arithmetic, in the same order,
+// as ds4_attn's rms_norm_vec_kernel (decode_glue.cu, also 256 threads): each thread sums the squares
+// of its 16-byte vectors j = thread + i * 256, the warp sums are added in warp order, and each value
+// is rounded once as bf16(x * r * w). Every block of the GEMV recomputes it (K <= 8192: a few KB from
+// L2), which costs less than the launch it replaces on the decode step's critical path.
+constexpr int RMS_VPT = 4;  // 16-byte vectors per thread: K <= 8 * MMA_STREAM_THREADS * RMS_VPT
+template <int FMT>
+__device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv_bfloat16* x, int K,
+                                                  const void* nw, bool nw_f32, float eps) {
+  __shared__ float red[MMA_STREAM_WARPS];
+  const int nvec = K / 8;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < RMS_VPT; ++i) {
+    const int j = threadIdx.x + i * MMA_STREAM_THREADS;
+    if (j < nvec) {
+      const uint4 v = xv[j];
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(p[k]);
+        ss += f.x * f.x + f.y * f.y;
+      }
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float t = 0.f;
+  for (int w = 0; w < MMA_STREAM_WARPS; ++w) t += red[w];  // fixed order: same value in every thread
+  const float r = rsqrtf(t / (float)K + eps);
+  // second pass: x again (L1 / L2 hits) rather than held in registers beside the weight prefetch
+#pragma unroll 1
+  for (int j = threadIdx.x; j < nvec; j += MMA_STREAM_THREADS) {
+    const uint4 v = xv[j];
+    float w[8];
+    if (nw_f32) {
+      const float4 a = reinterpret_cast<const float4*>(nw)[2 * j], b = reinterpret_cast<const float4*>(nw)[2 * j + 1];
+      w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    } else {
+      const uint4 wv = reinterpret_cast<const uint4*>(nw)[j];
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(p[k]);
+        w[2 * k] = f.x;
+        w[2 * k + 1] = f.y;
+      }
+    }
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+    uint4 o;
+    __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(p[k]);
+      q[k] = __floats2bfloat162_rn(f.x * r * w[2 * k], f.y * r * w[2 * k + 1]);
+    }
+    *reinterpret_cast<uint4*>(dst + (long)j * 8) = mma_stage_vec<FMT>(o);
+  }
+}
+
 // Tensor-core GEMV, one token: block b owns the 16-row tiles [b * tpb, (b + 1) * tpb) (tpb = tiles
 // per block, even split of the grid), its warps stream their rounds (MmaStream). Grouped rows
-// (wo_a): each group has its own activations; the groups a block's tiles touch are staged.
-template <int FMT, int U, int CW>
+// (wo_a): each group has its own activations; the groups a block's tiles touch are staged. NORM (one
+// ungrouped row): x is RMS-normalised with the weight nw first (stage_mma_rmsnorm); a separate
+// instantiation, so the plain kernels' registers are not touched by it.
+template <int FMT, int U, int CW, bool NORM = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, CW>()))
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
-                int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb) {
+                int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb,
+                const void* __restrict__ nw, int nw_f32, float eps) {
   DS4_MARK(0);
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
@@ -120,7 +186,8 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
   st.prefetch();  // weights do not depend on the previous kernel: load them before waiting (PDL)
   ds4_pdl::begin();
   mma_part_zero(part, nt);
-  stage_mma_rows<FMT>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K);
+  if constexpr (NORM) stage_mma_rmsnorm<FMT>(xs, x, K, nw, nw_f32 != 0, eps);
+  else stage_mma_rows<FMT>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K);
   __syncthreads();
   DS4_MARK(1);
   st.run(part);
@@ -145,35 +212,41 @@ int sm_count() {
 
 // The tensor-core kernels' widest run per lane and row (W chunks of 16 B): DS4_MMA_W = 1, 2 or 4
 // (default MMA_W_DEFAULT), and their depth (chunks per lane and row in flight, U = depth / W rounds):
-// DS4_MMA_DEPTH = 8, 4 or 2 (default MMA_DEPTH_DEFAULT; mma_min_blocks); DS4_MMA_LOAD=smem takes the
-// shared-memory stream instead (MmaSmemStream; depth 0). All read at every launch so one process can
-// sweep them (scripts/bench_kernels.py --mma w2d8,w2d4,w2d0,...).
+// DS4_MMA_DEPTH = 8, 4 or 2 for every launch, else mma_depth_default (mma_min_blocks); DS4_MMA_LOAD=smem
+// takes the shared-memory stream instead (MmaSmemStream; depth 0). All read at every launch so one
+// process can sweep them (scripts/bench_kernels.py --mma w2d8,w2d4,w2d0,...).
 constexpr int MMA_W_DEFAULT = 2;
-constexpr int MMA_DEPTH_DEFAULT = 8;
 int mma_max_width() {
   const char* env = std::getenv("DS4_MMA_W");
   const int w = env ? std::atoi(env) : MMA_W_DEFAULT;
   return w == 1 || w == 2 ? w : 4;
 }
-int mma_depth() {
+// Default depth per shape (H200 micro-benchmark, experiments/decode_session8_h200.md, depth 8 / 2):
+// rows of K <= 2048 and the grouped wo_a gain from the extra resident warps of depth 2 (wq_b 11.40 ->
+// 9.84 us, grouped wo_a 11.52 -> 10.39, routed down 16.45 -> 15.37); the longer rows keep depth 8 (wo_b
+// 11.52 vs 12.75 at depth 2, routed gate+up 25.37 vs 28.39).
+int mma_depth_default(int K, bool grouped) { return K <= 2048 || grouped ? 2 : 8; }
+int mma_depth(int K, bool grouped) {
   const char* load = std::getenv("DS4_MMA_LOAD");  // "smem": the shared-memory stream (depth 0)
   if (load && std::strcmp(load, "smem") == 0) return 0;
   const char* env = std::getenv("DS4_MMA_DEPTH");
-  const int d = env ? std::atoi(env) : MMA_DEPTH_DEFAULT;
+  const int d = env ? std::atoi(env) : mma_depth_default(K, grouped);
   return d >= 8 ? 8 : d >= 4 ? 4 : 2;
 }
 
-template <int FMT, int U, int CW>
+template <int FMT, int U, int CW, bool NORM = false>
 static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32, int O,
-                               int K, int group_rows, cudaStream_t st) {
-  auto kern = gemv_mma_kernel<FMT, U, CW>;
+                               int K, int group_rows, cudaStream_t st, const void* nw = nullptr, bool nw_f32 = false,
+                               float eps = 0.f) {
+  auto kern = gemv_mma_kernel<FMT, U, CW, NORM>;
   const int T = (O + 15) / 16;
   auto smem_for = [&](int tpb) {  // partial sums + the activations of the groups tpb tiles can touch (+ stream)
     const int ng = group_rows > 0 ? (tpb * 16 + group_rows - 1) / group_rows + 1 : 1;
     return 4L * mma_part_floats(tpb) + (long)ng * K * 2 + mma_stream_smem<FMT, U, CW>();
   };
   if constexpr (U == 0) {  // the shared-memory stream does not fit beside these activations: registers
-    if (smem_for(1) > SMEM_CAP) return gemv_mma_go<FMT, 8 / CW, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+    if (smem_for(1) > SMEM_CAP)
+      return gemv_mma_go<FMT, 8 / CW, CW, NORM>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st, nw, nw_f32, eps);
   }
   // one resident wave (register-bound occupancy), the tiles split evenly over it
   cudaError_t e = set_smem(kern, smem_for(1));
@@ -185,14 +258,16 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
   return ds4_pdl::launch(kern, dim3(blocks), dim3(MMA_STREAM_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
-                         out_f32 ? 1 : 0, O, K, group_rows, tpb);
+                         out_f32 ? 1 : 0, O, K, group_rows, tpb, nw, nw_f32 ? 1 : 0, eps);
 }
 
-bool mma_auto(int fmt, int K) {
+bool mma_auto(int fmt, int K, int O) {
   const char* env = std::getenv("DS4_MMA");
   if (env && env[0] == '0') return false;
   if (fmt == FMT_FP4 || (env && std::strcmp(env, "all") == 0)) return true;
-  return fmt == FMT_FP8 && K >= 2048;
+  // DS4_MMA=k2048: the rule before wq_b moved (FP8 rows of K >= 2048 only), for the ablation
+  const bool wide_only = env && std::strcmp(env, "k2048") == 0;
+  return fmt == FMT_FP8 && (K >= 2048 || (!wide_only && K >= 1024 && O >= 16384));
 }
 
 template <int FMT>
@@ -242,8 +317,8 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
   const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K) && (group_rows <= 0 || group_rows % 16 == 0) &&
                       4L * mma_part_floats(1) + 2L * K * (group_rows > 0 ? 2 : 1) <= SMEM_CAP;
   if (kernel == KERNEL_MMA && !mma_ok) return cudaErrorInvalidValue;
-  if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt, K))) {
-    return with_mma_shape(mma_width(fmt, K, mma_max_width()), mma_depth(), [&](auto cw, auto u) {
+  if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt, K, O))) {
+    return with_mma_shape(mma_width(fmt, K, mma_max_width()), mma_depth(K, group_rows > 0), [&](auto cw, auto u) {
       constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
       return fmt == FMT_FP8 ? gemv_mma_go<FMT_FP8, U, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st)
                             : gemv_mma_go<FMT_FP4, U, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
@@ -259,6 +334,22 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
   if (fmt == FMT_FP4) return gemv_nt<FMT_FP4, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   if (fmt == FMT_BF16) return gemv_nt<FMT_BF16, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   return cudaErrorInvalidValue;
+}
+
+bool gemv_rmsnorm_ok(int fmt, int O, int K) {
+  return (fmt == FMT_FP8 || fmt == FMT_FP4) && O >= 1 && K >= 8 && K % 8 == 0 &&
+         K <= 8 * MMA_STREAM_THREADS * RMS_VPT && mma_shape_ok(fmt, K) && 4L * mma_part_floats(1) + 2L * K <= SMEM_CAP &&
+         mma_auto(fmt, K, O);
+}
+
+cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32,
+                                int O, int K, const void* nw, bool nw_f32, float eps, cudaStream_t st) {
+  if (!gemv_rmsnorm_ok(fmt, O, K) || nw == nullptr) return cudaErrorInvalidValue;
+  return with_mma_shape(mma_width(fmt, K, mma_max_width()), mma_depth(K, false), [&](auto cw, auto u) {
+    constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
+    return fmt == FMT_FP8 ? gemv_mma_go<FMT_FP8, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps)
+                          : gemv_mma_go<FMT_FP4, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps);
+  });
 }
 
 }  // namespace ds4

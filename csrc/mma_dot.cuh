@@ -109,6 +109,22 @@ __device__ __forceinline__ void mma_round_chunk(const uint4& wg, const uint4& wg
   mma_chunk<FMT>(wg, wg8, xb, d);
 }
 
+// 8 bf16 activations (16 bytes) -> bf16 x 2^64 (exact: a power-of-two scaling of a bf16 value), permuted
+// for mma_chunk.
+template <int FMT>
+__device__ __forceinline__ uint4 mma_stage_vec(const uint4& in4) {
+  const uint32_t in[4] = {in4.x, in4.y, in4.z, in4.w};
+  uint32_t v[8];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    v[2 * q] = __float_as_uint(__uint_as_float(in[q] << 16) * MMA_XS) >> 16;
+    v[2 * q + 1] = __float_as_uint(__uint_as_float(in[q] & 0xffff0000u) * MMA_XS) >> 16;
+  }
+  if (FMT == FMT_FP8)  // [0 2 1 3 | 4 6 5 7]
+    return make_uint4(v[0] | v[2] << 16, v[1] | v[3] << 16, v[4] | v[6] << 16, v[5] | v[7] << 16);
+  return make_uint4(v[0] | v[4] << 16, v[1] | v[5] << 16, v[2] | v[6] << 16, v[3] | v[7] << 16);  // [0 4 1 5 2 6 3 7]
+}
+
 // Rows 0 .. nrows-1 of bf16 activations (row(r): 16-byte aligned, K % 8 == 0) -> bf16 x 2^64, permuted
 // for mma_chunk, into shared memory rows of K. A thread issues up to 4 16-byte loads before it
 // converts and stores any (the staging sits between a kernel's PDL wait and its first MMA).
@@ -125,21 +141,7 @@ __device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, in
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int i = i0 + j * blockDim.x;
-      if (i >= total) continue;
-      const uint32_t in[4] = {in4[j].x, in4[j].y, in4[j].z, in4[j].w};
-      uint32_t v[8];  // bf16 bits of x[m + j] * 2^64 (exact: a power-of-two scaling of a bf16 value)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        v[2 * q] = __float_as_uint(__uint_as_float(in[q] << 16) * MMA_XS) >> 16;
-        v[2 * q + 1] = __float_as_uint(__uint_as_float(in[q] & 0xffff0000u) * MMA_XS) >> 16;
-      }
-      uint4 o;
-      if (FMT == FMT_FP8) {  // [0 2 1 3 | 4 6 5 7]
-        o = make_uint4(v[0] | v[2] << 16, v[1] | v[3] << 16, v[4] | v[6] << 16, v[5] | v[7] << 16);
-      } else {  // [0 4 1 5 2 6 3 7]
-        o = make_uint4(v[0] | v[4] << 16, v[1] | v[5] << 16, v[2] | v[6] << 16, v[3] | v[7] << 16);
-      }
-      *reinterpret_cast<uint4*>(dst + (long)i * 8) = o;
+      if (i < total) *reinterpret_cast<uint4*>(dst + (long)i * 8) = mma_stage_vec<FMT>(in4[j]);
     }
   }
 }

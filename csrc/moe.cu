@@ -382,10 +382,14 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 // the ids come from the router, two launches back (the gate+up kernel in between waits for the router
 // before it lets this kernel launch), so they are final here; only h and add come from the kernel right
 // before. Contract (ds4_launch.h): a down launch's ids are not written by the launch just before it.
+// Under DS4_PDL_EARLY (pdl.cuh) the gate+up kernel lets this one launch before it has waited for the
+// router, so there the ids are read after the wait.
 template <int FMT, int U, int W, bool OUT_F32>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
                     void* __restrict__ out, int tpb) {
+  const bool early = ds4_pdl::early();  // DS4_PDL_EARLY: the router may still be running, wait first
+  if (early) ds4_pdl::begin();
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
@@ -407,7 +411,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   auto st = mma_stream<FMT, U, W>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
                                   a.s2_ld, reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter));
   st.prefetch();
-  ds4_pdl::begin();  // h and add come from the previous kernels
+  if (!early) ds4_pdl::begin();  // h and add come from the previous kernels
   stage_mma_rows<FMT>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   mma_part_zero(part, nt);
   __syncthreads();
@@ -430,7 +434,7 @@ static bool moe_mma_ok(const MoEArgs& a) {
 static int moe_use_mma(const MoEArgs& a) {
   const bool ok = moe_mma_ok(a);
   if (a.kernel == KERNEL_MMA) return ok ? 1 : -1;
-  return a.kernel == KERNEL_AUTO && ok && mma_auto(a.fmt, std::min(a.dim, a.inter)) ? 1 : 0;
+  return a.kernel == KERNEL_AUTO && ok && mma_auto(a.fmt, std::min(a.dim, a.inter), a.dim) ? 1 : 0;
 }
 
 template <int FMT, int U, int W>
@@ -494,7 +498,7 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStr
   const int mma = moe_use_mma(a);
   if (mma < 0) return cudaErrorInvalidValue;
   if (mma)
-    return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), mma_depth(), [&](auto cw, auto u) {
+    return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), mma_depth(a.dim, false), [&](auto cw, auto u) {
       constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
       return a.fmt == FMT_FP8 ? gate_up_mma_go<FMT_FP8, U, CW>(a, x, h, st)
                               : gate_up_mma_go<FMT_FP4, U, CW>(a, x, h, st);
@@ -531,7 +535,7 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, vo
   const int mma = moe_use_mma(a);
   if (mma < 0) return cudaErrorInvalidValue;
   if (mma) {
-    return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(), [&](auto cw, auto u) {
+    return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(a.inter, false), [&](auto cw, auto u) {
       constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
       if (a.fmt == FMT_FP8)
         return out_f32 ? down_mma_go<FMT_FP8, U, CW, true>(a, h, add, out, st)

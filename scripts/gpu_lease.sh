@@ -70,9 +70,9 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
       local m; for m in ${PROBE_ARGS:-all}; do   # modes, space-separated (all: the default probe set)
         CUDA_VISIBLE_DEVICES=$g timeout 150 /tmp/ds4_probe ${m/#all/} >> "$L/probe.log" 2>&1
       done ;;
-    e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 330 $PT tests/test_gpu_e2e.py -k "${E2E_K:-not tp2}" > "$L/e2e_tests.log" 2>&1 ;;
+    e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 420 $PT tests/test_gpu_e2e.py -k "${E2E_K:-not tp2}" > "$L/e2e_tests.log" 2>&1 ;;
     tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_gpu_e2e.py -k "${TP2_K:-tp2}" > "$L/tp2_tests.log" 2>&1 ;;
-    bench) CUDA_VISIBLE_DEVICES=$g timeout 240 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
+    bench) CUDA_VISIBLE_DEVICES=$g timeout 320 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
         --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu.json" > "$L/bench_1gpu.log" 2>&1 ;;
     profile)
       local ovl=1; [ "${PROFILE_INLINE:-0}" = 1 ] && ovl=0

@@ -90,6 +90,12 @@ def test_decode_glue_cpu_tensors_go_to_the_twin():
     pos = torch.tensor([3, 40])
     x, w = torch.randn(2, 4, 64, generator=g).bfloat16(), 1 + torch.rand(64, generator=g)
     assert torch.equal(fa.rms_norm(x, w, 1e-6), ta.rms_norm(x, w, 1e-6))
+    from ds4.ops.base import QWeight
+    from ds4.ops.linear_torch import DequantLinear
+    qa, wq = x[:1, 0], QWeight("bf16", torch.randn(96, 64, generator=g).bfloat16())
+    want = DequantLinear()(ta.rms_norm(qa, w, 1e-6), wq)  # q_up: q_norm, then wq_b through `linear`
+    assert torch.equal(ta.q_up(qa, w, 1e-6, wq, DequantLinear(), False), want)
+    assert torch.equal(fa.q_up(qa, w, 1e-6, wq, DequantLinear(), False), want)
     assert torch.equal(fa.head_rope(x, pos, f, True, 1e-6), ta.head_rope(x, pos, f, True, 1e-6))
     assert torch.equal(FusedCudaIndexer().rope(x, pos, f), TorchIndexer().rope(x, pos, f))
     wins = [torch.zeros(2, 8, 64, dtype=torch.bfloat16) for _ in range(2)]

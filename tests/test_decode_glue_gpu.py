@@ -282,3 +282,44 @@ def test_compress_project_gemv(rows, dim, n):
     ref = TorchAttention().compress_project(x, w)
     assert got.dtype == ref.dtype == torch.float32 and got.shape == ref.shape == (n, rows)
     assert rel(got, x.float() @ w.float().t()) <= 1e-5 and rel(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt,o,i,wdt,mma_all", [("fp8", 32768, 1024, BF16, False), ("fp8", 16384, 1024, torch.float32, False),
+                                                 ("fp8", 4096, 8192, BF16, False), ("fp4", 2048, 4096, torch.float32, False),
+                                                 ("fp8", 200, 320, BF16, True), ("fp4", 96, 768, BF16, True)])
+def test_q_up_folds_q_norm_into_the_gemv(fmt, o, i, wdt, mma_all, monkeypatch):
+    """q_norm + wq_b in one launch (attn.q_up with linear=gemv_cuda) = the rms_norm launch followed by the
+    same tensor-core GEMV, bit for bit (same norm arithmetic and order), and the fp32 reference within TOL."""
+    from ds4.kernels import gemv_rmsnorm_ok
+    from ds4.ops.base import QWeight
+    from ds4.ops.linear_cuda import GemvCudaLinear
+    from ds4.quant import dequant_fp4, dequant_fp8
+    if mma_all:  # shapes the auto rule keeps on the FMA kernel: the tensor cores made the rule
+        monkeypatch.setenv("DS4_MMA", "all")
+    g = gen(o + i)
+    if fmt == "fp8":
+        wb = torch.randint(0, 256, (o, i), device=DEV, dtype=torch.uint8, generator=g)
+        w = torch.where((wb & 0x7F) == 0x7F, wb - 1, wb).view(torch.float8_e4m3fn)
+        s = torch.randint(116, 124, (-(-o // 128), -(-i // 128)), device=DEV, dtype=torch.uint8, generator=g)
+    else:
+        w = torch.randint(-128, 128, (o, i // 2), device=DEV, dtype=torch.int8, generator=g)
+        s = torch.randint(116, 124, (o, i // 32), device=DEV, dtype=torch.uint8, generator=g)
+    qw = QWeight(fmt, w, s.view(torch.float8_e8m0fnu))
+    qa = randn(1, i, g=g, dtype=BF16, scale=3.0)
+    nw = (1 + 0.1 * randn(i, g=g)).to(wdt)
+    assert gemv_rmsnorm_ok(fmt, o, i)
+    lin = GemvCudaLinear()
+    poison()
+    got = FUSED.q_up(qa, nw, EPS, qw, lin, False)
+    two = kernels_attn.rms_norm(qa, nw, EPS)
+    from ds4 import kernels
+    unfused = kernels.gemv(two, qw.weight, qw.scale, fmt, kernel="mma")
+    assert got.shape == (1, o) and got.dtype == BF16 and torch.isfinite(got).all()
+    assert torch.equal(got, unfused)
+    wd = (dequant_fp8 if fmt == "fp8" else dequant_fp4)(qw.weight, qw.scale, torch.float32)
+    assert rel(got, REF.rms_norm(qa, nw, EPS).float() @ wd.t()) <= TOL
+    # two tokens go the twin's way (rms_norm, then the GEMV); the op itself refuses them
+    q2 = randn(2, i, g=g, dtype=BF16)
+    assert rel(FUSED.q_up(q2, nw, EPS, qw, lin, False), REF.rms_norm(q2, nw, EPS).float() @ wd.t()) <= TOL
+    with pytest.raises(RuntimeError, match="one contiguous bf16 row"):
+        kernels.gemv_rmsnorm(q2, qw.weight, qw.scale, fmt, nw, EPS)

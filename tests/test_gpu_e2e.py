@@ -37,7 +37,10 @@ def _options():
     combos = [dict(linear="gemv_cuda"), dict(moe="fp4_topk"), dict(linear="gemv_cuda", moe="fp4_topk"),
               dict(attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda"),
               dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")]
-    return [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items())) for c in combos]
+    params = [pytest.param(c, {}, id=",".join(f"{k}={v}" for k, v in c.items())) for c in combos]
+    # small's FP8 projections are short enough for the FMA kernels; DS4_MMA=all puts every one-token
+    # product on the tensor cores, which is also what folds q_norm into wq_b (attn.q_up) at these shapes
+    return params + [pytest.param(combos[-1], {"DS4_MMA": "all"}, id="all-fused,DS4_MMA=all")]
 
 
 # A step is "confident" when the reference's top-2 logit gap exceeds this. At 1.0, one step in ~100
@@ -61,10 +64,12 @@ def _agreement(got_top1: torch.Tensor, ref_logits: torch.Tensor) -> tuple[float,
     return agree.float().mean().item(), agree[conf].float().mean().item(), int(conf.sum())
 
 
-@pytest.mark.parametrize("impls", _options())
-def test_options_agree_with_reference_on_small(impls, small_weights):
+@pytest.mark.parametrize("impls,env", _options())
+def test_options_agree_with_reference_on_small(impls, env, small_weights, monkeypatch):
     """Teacher-forced on the reference's 256 greedy tokens: >= 99% top-1 agreement on confident
     steps, >= 90% overall."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     try:
         ops = build_ops(Impls(**impls), DEV)
     except ImplUnavailable as e:
@@ -81,9 +86,15 @@ def test_options_agree_with_reference_on_small(impls, small_weights):
     assert n >= 16 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
 
 
-@pytest.mark.parametrize("impls", [pytest.param(Impls(), id="torch"),
-                                   pytest.param(Impls(linear="gemv_cuda", moe="fp4_topk"), id="kernels")])
-def test_cuda_graph_matches_eager_1000_steps(impls):
+_FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
+
+
+@pytest.mark.parametrize("impls,graph_env", [
+    pytest.param(Impls(), {}, id="torch"),
+    pytest.param(Impls(linear="gemv_cuda", moe="fp4_topk"), {}, id="kernels"),
+    # the opt-in launch orders, in the graph only: eager (plain PDL order) is the reference
+    pytest.param(Impls(**_FUSED), {"DS4_PDL_EARLY": "1", "DS4_SHARED_FORK": "late"}, id="fused-early-shlate")])
+def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, monkeypatch):
     """tiny crosses 60+ window wraps, 250 CSA and 60 HCA emissions in 1000 steps."""
     try:
         build_ops(impls, DEV)
@@ -94,6 +105,9 @@ def test_cuda_graph_matches_eager_1000_steps(impls):
     prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]]
     outs = []
     for runtime in ("eager", "cuda_graph"):
+        for k, v in graph_env.items():
+            if runtime == "cuda_graph":
+                monkeypatch.setenv(k, v)
         g = Generator(_model(args, w, impls), 2, 1100, runtime=runtime)
         outs.append(g.generate(prompts, 1000, stop_at_eos=False).tokens)
     assert outs[0] == outs[1]

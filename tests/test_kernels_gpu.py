@@ -392,9 +392,13 @@ def test_router(hash_layer, n, dim, n_experts, fused, monkeypatch):
         assert torch.equal(ids3, ids) and torch.equal(w3, w)
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["pdl", "pdl_early"])
 @pytest.mark.parametrize("n", [1, 4])
-def test_fp4_topk_impl_end_to_end(n):
+def test_fp4_topk_impl_end_to_end(n, early, monkeypatch):
+    """Router -> gate+up -> down as launched in a step; pdl_early: every kernel lets the next one launch
+    before it waits (DS4_PDL_EARLY), so the down kernel starts while the router may still run."""
     from ds4.ops.moe_cuda import Fp4TopkMoE
+    monkeypatch.setenv("DS4_PDL_EARLY", "1" if early else "0")
     g = gen(1200 + n)
     mw, (d1, d3, d2) = _moe_weights(g, offset=0, e_local=64, n_experts=64)
     impl = Fp4TopkMoE()

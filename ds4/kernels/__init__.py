@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ds4.kernels.ops import gemv, moe_down, moe_gate_up, router  # noqa: F401  (typed wrappers)
+from ds4.kernels.ops import gemv, gemv_rmsnorm, gemv_rmsnorm_ok, moe_down, moe_gate_up, router  # noqa: F401  (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"

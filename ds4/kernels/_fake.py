@@ -11,6 +11,11 @@ def _gemv(x, w, scale, fmt, groups=1, kernel=0, out_f32=False):
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if out_f32 else torch.bfloat16)
 
 
+@register_fake("ds4::gemv_rmsnorm")
+def _gemv_rmsnorm(x, w, scale, fmt, norm_weight, eps):
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
+
+
 @register_fake("ds4::moe_gate_up")
 def _gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, fmt, expert_offset, n_local, limit, kernel=0):
     k = 1 if ids is None else ids.shape[1]

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 FMT = {"bf16": 0, "fp8": 1, "fp4": 2}
-# "auto": tensor-core kernels for one-token FP4 products and one-token FP8 products with K >= 2048
-# (csrc/ds4_launch.h; DS4_MMA=0 / all overrides), FMA kernels otherwise; "fma" / "mma" force one (an
+# "auto": tensor-core kernels for one-token FP4 products and one-token FP8 products with K >= 2048 or
+# with K >= 1024 and >= 16384 rows (csrc/ds4_launch.h; DS4_MMA=0 / all / k2048 overrides), FMA kernels otherwise; "fma" / "mma" force one (an
 # "mma" request it cannot serve raises).
 KERNEL = {"auto": 0, "fma": 1, "mma": 2}
 
@@ -35,6 +35,19 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, groups: int 
     x bf16 contiguous; weight [O, I] (fp8/bf16) or [O, I/2] (fp4) as stored; scale E8M0."""
     k = _kernel(kernel)
     return _ops().gemv(x, weight, scale, FMT[fmt], groups, k, out_f32)
+
+
+def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm_weight: Tensor,
+                 eps: float) -> Tensor:
+    """y[1, O] bf16 = rms_norm(x, norm_weight, eps) @ W^T for one row x [1, I]: the RMSNorm (rounded as
+    ds4.kernels_attn.rms_norm rounds it) inside the tensor-core GEMV's activation staging, one launch.
+    Only where gemv_rmsnorm_ok(fmt, O, I) holds (FP8 / FP4, the shapes gemv's auto sends to tensor cores)."""
+    return _ops().gemv_rmsnorm(x, weight, scale, FMT[fmt], norm_weight, float(eps))
+
+
+def gemv_rmsnorm_ok(fmt: str, rows: int, cols: int) -> bool:
+    """Whether gemv_rmsnorm serves an [rows, cols] weight of `fmt` (host-only; reads DS4_MMA like gemv's auto)."""
+    return fmt in ("fp8", "fp4") and bool(_ops().gemv_rmsnorm_ok(FMT[fmt], rows, cols))
 
 
 def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tensor, s1: Tensor | None,

@@ -186,12 +186,11 @@ class Attention(WeightsModule):
         with kvb, self.prof("attn.kv"):
             attn.kv_store(st["win"], kv, self.kv_norm, pos, self.freqs, eps, self.qat)
         branches.append(kvb)
-        with self.prof("attn.q"):
-            qr = attn.rms_norm(qa, self.q_norm, eps)
         idx = None
         if select:
             ib = attn.branch(x, "indexer")
             with ib, self.prof("attn.indexer"):
+                qr = attn.rms_norm(qa, self.q_norm, eps)  # the indexer's q_norm'ed latent, in its branch
                 qi = self.indexer.query_heads(qr, pos, self.freqs)
                 icomp.join()  # the indexer cache entry of this step
                 # invisible entries score -inf inside the scores op (and stay -inf through the sum)
@@ -199,8 +198,9 @@ class Attention(WeightsModule):
                 if self.comm.world == 1:  # nothing to sum over ranks: the top-k runs in the branch too
                     idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
             branches.append(ib)
-        with self.prof("attn.q"):  # the per-head RMS and RoPE happen inside attn.decode
-            q = self._wq_b(qr)
+        with self.prof("attn.q"):  # q_norm + wq_b (attn.q_up); the per-head RMS and RoPE happen inside attn.decode
+            q = attn.q_up(qa, self.q_norm, eps, self.wq_b, self.ops.linear, self.qat).unflatten(
+                -1, (self.n_heads, a.head_dim))
         for br in branches:
             br.join()
         if select and idx is None:

@@ -1,6 +1,6 @@
 """attn=fused_cuda (alias fused) and indexer=fused_cuda: CUDA kernels of the ds4_attn extension.
 
-Decode glue, one launch each: rms_norm (q_norm), head_rope (per-head norm + RoPE of q in prefill —
+Decode glue, one launch each: rms_norm (q_norm; in decode q_up folds it into wq_b's GEMV), head_rope (per-head norm + RoPE of q in prefill —
 in decode the attention kernel does it; RoPE of the indexer q), kv_store (kv_norm + RoPE + (qat) FP8
 nope + ring write), compress_step (state write, and on the completing step the pooled entry's norm +
 RoPE + (qat) FP8 + cache write, both decided per row on the device), compress_project (the
@@ -29,6 +29,8 @@ and index dims not a multiple of 16 call TorchIndexer.scores (part of this imple
 is a one-block-per-row radix select (ds4_attn topk, rows up to 32768 entries; longer rows use torch.topk).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -59,6 +61,19 @@ class FusedCudaAttention:
         if not _cuda_bf16(x):
             return self._ref.rms_norm(x, weight, eps)
         return kernels_attn.rms_norm(x, weight, eps)
+
+    def q_up(self, qa: Tensor, weight: Tensor, eps: float, wq_b: QWeight, linear, act_quant: bool) -> Tensor:
+        # One token with linear=gemv_cuda: q_norm inside wq_b's tensor-core GEMV (its activation staging
+        # computes rms_norm exactly as the rms_norm launch does), one launch fewer on the step's critical
+        # path. Other shapes, formats, qat, or another linear: rms_norm, then `linear` (the twin's order).
+        # DS4_QNORM_FUSED=0 in the environment keeps the two launches (the ablation; read per call).
+        use = (getattr(linear, "name", None) == "gemv_cuda" and not act_quant and _cuda_bf16(qa) and qa.dim() == 2
+               and os.environ.get("DS4_QNORM_FUSED") != "0"
+               and qa.shape[0] == 1 and weight.dtype in (torch.float32, BF16)
+               and kernels.gemv_rmsnorm_ok(wq_b.fmt, wq_b.out_features, qa.shape[1]))
+        if not use:
+            return self._ref.q_up(qa, weight, eps, wq_b, linear, act_quant)
+        return kernels.gemv_rmsnorm(qa.contiguous(), wq_b.weight, wq_b.scale, wq_b.fmt, weight.contiguous(), eps)
 
     def head_rope(self, x: Tensor, positions: Tensor, freqs: Tensor, norm: bool, eps: float) -> Tensor:
         if not (_cuda_bf16(x) and x.dim() == 3 and x.shape[0] == positions.numel()):

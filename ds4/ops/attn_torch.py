@@ -37,6 +37,10 @@ class TorchAttention:
         """Weighted RMSNorm in fp32, result in x.dtype (q_norm on the q-LoRA latent)."""
         return rms_norm(x, weight, eps)
 
+    def q_up(self, qa: Tensor, weight: Tensor, eps: float, wq_b: QWeight, linear, act_quant: bool) -> Tensor:
+        """qa [N, q_lora] (wq_a output) -> wq_b(rms_norm(qa)) [N, H*D]: q_norm, then wq_b through `linear`."""
+        return linear(self.rms_norm(qa, weight, eps), wq_b, act_quant=act_quant)
+
     def head_rope(self, x: Tensor, positions: Tensor, freqs: Tensor, norm: bool, eps: float) -> Tensor:
         """x [N, H, D] at positions [N] -> (norm: per-head unweighted RMSNorm) + RoPE of the last dims."""
         if norm:

@@ -101,7 +101,8 @@ class MoEImpl(Protocol):
 
     def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> object | None:
         """Optionally start the shared expert before routing (e.g. on a side stream while a CUDA graph is
-        captured, so it overlaps the router and the routed experts); the result goes to routed(shared=)
+        captured, so it overlaps the router and the routed experts; after routing instead when the
+        implementation has a true `shared_after_route` attribute); the result goes to routed(shared=)
         or shared(up=). None: nothing started."""
         ...
 

@@ -15,7 +15,9 @@ moe=fp4_topk
           by the routed down kernel's epilogue with one rank (routed(shared=)), or after the all-reduce
           in one elementwise launch (shared(up=)): the same sum and rounding either way. Eager steps keep
           it in line: there the fork and join would only add host work to a host-bound step.
-          DS4_SHARED_OVERLAP=0 in the environment keeps it in line in graphs too (the ablation).
+          DS4_SHARED_OVERLAP=0 in the environment keeps it in line in graphs too (the ablation);
+          DS4_SHARED_FORK=late forks it after the router instead (overlapping only the routed experts:
+          the router's latency-bound launches then have the SMs to themselves).
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -70,6 +72,11 @@ def add_shared(y: Tensor, up: SharedUp) -> Tensor:
 
 class Fp4TopkMoE:
     name = "fp4_topk"
+
+    @property
+    def shared_after_route(self) -> bool:
+        """Fork the side-stream shared expert after the router (DS4_SHARED_FORK=late, read per call)."""
+        return os.environ.get("DS4_SHARED_FORK") == "late"
 
     def _reference(self):
         from ds4.ops.moe_torch import DequantMoE
