@@ -115,6 +115,17 @@ at::Tensor gemv_rmsnorm(const at::Tensor& x, const at::Tensor& w, const std::opt
   return out;
 }
 
+bool moe_route_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, int64_t n_experts) {
+  ds4::MoEArgs a;
+  a.fmt = (int)fmt;
+  a.n_tok = 1;
+  a.topk = (int)topk;
+  a.dim = (int)dim;
+  a.inter = (int)inter;
+  a.n_experts = (int)n_experts;
+  return ds4::moe_route_ok(a);
+}
+
 bool gemv_rmsnorm_ok(int64_t fmt, int64_t rows, int64_t cols) {
   return ds4::gemv_rmsnorm_ok((int)fmt, (int)rows, (int)cols);
 }
@@ -136,11 +147,48 @@ void fill_moe(ds4::MoEArgs& a, int64_t fmt, const at::Tensor& w1, const std::opt
   }
 }
 
+// Routing inside the one-token MoE kernels (MoEArgs::route_logits): the router GEMV's logits f32 [1, E]
+// and the router's bias (learned layers) or tid2eid + token_ids (hash layers), checked as ds4.router
+// checks them. No-op without route_logits.
+void fill_route(ds4::MoEArgs& a, const std::optional<at::Tensor>& logits, const std::optional<at::Tensor>& bias,
+                const std::optional<at::Tensor>& tid2eid, const std::optional<at::Tensor>& token_ids, double route_scale,
+                int64_t N, int64_t k, const char* what) {
+  if (!logits.has_value()) return;
+  check_cuda(*logits, "route_logits");
+  TORCH_CHECK(N == 1 && logits->scalar_type() == at::kFloat && logits->dim() == 2 && logits->size(0) == 1 &&
+                  logits->is_contiguous(), what, ": route_logits must be contiguous f32 [1, E] (one token)");
+  const int64_t E = logits->size(1);
+  TORCH_CHECK(k >= 1 && k <= E, what, ": topk ", k, " out of range for ", E, " experts");
+  if (tid2eid.has_value()) {
+    check_cuda(*tid2eid, "tid2eid");
+    TORCH_CHECK(token_ids.has_value(), what, ": hash routing needs token_ids");
+    check_cuda(*token_ids, "token_ids");
+    TORCH_CHECK(token_ids->scalar_type() == at::kLong && token_ids->numel() == 1, what, ": token_ids int64 [1]");
+    TORCH_CHECK((tid2eid->scalar_type() == at::kInt || tid2eid->scalar_type() == at::kLong) && tid2eid->dim() == 2 &&
+                    tid2eid->size(1) == k && tid2eid->is_contiguous(),
+                what, ": tid2eid must be contiguous int32/int64 [vocab, topk]");
+    a.tid2eid = tid2eid->data_ptr();
+    a.tid64 = tid2eid->scalar_type() == at::kLong ? 1 : 0;
+    a.token_ids = static_cast<const int64_t*>(token_ids->data_ptr());
+  } else {
+    TORCH_CHECK(bias.has_value(), what, ": learned routing needs the bias");
+    check_cuda(*bias, "route_bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == E && bias->is_contiguous(),
+                what, ": route_bias must be contiguous f32 [E]");
+    a.route_bias = static_cast<const float*>(bias->data_ptr());
+  }
+  a.route_logits = static_cast<const float*>(logits->data_ptr());
+  a.n_experts = (int)E;
+  a.route_scale = (float)route_scale;
+}
+
 at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids,
                        const std::optional<at::Tensor>& route_w, const at::Tensor& w1,
                        const std::optional<at::Tensor>& s1, const at::Tensor& w3, const std::optional<at::Tensor>& s3,
                        const std::optional<at::Tensor>& ptrs, int64_t fmt, int64_t expert_offset, int64_t n_local,
-                       double limit, int64_t kernel) {
+                       double limit, int64_t kernel, const std::optional<at::Tensor>& route_logits,
+                       const std::optional<at::Tensor>& route_bias, const std::optional<at::Tensor>& tid2eid,
+                       const std::optional<at::Tensor>& token_ids, double route_scale) {
   check_cuda(x, "x");
   check_cuda(w1, "w1");
   check_cuda(w3, "w3");
@@ -188,6 +236,15 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
   a.inter = (int)inter;
   a.limit = (float)limit;
   a.kernel = (int)kernel;
+  fill_route(a, route_logits, route_bias, tid2eid, token_ids, route_scale, N, k, "ds4.moe_gate_up");
+  if (a.route_logits) {  // ids and route_w are this launch's outputs (written by its block 0)
+    TORCH_CHECK(ids.has_value() && route_w.has_value() && ids->is_contiguous() && route_w->is_contiguous(),
+                "ds4.moe_gate_up: routing in the kernel writes ids and route_w: pass both, contiguous");
+    a.n_tok = 1;
+    TORCH_CHECK(ds4::moe_route_ok(a), "ds4.moe_gate_up: no routing inside the kernel at this shape (moe_route_ok)");
+    a.ids_out = static_cast<int64_t*>(ids->data_ptr());
+    a.rw_out = static_cast<float*>(route_w->data_ptr());
+  }
   c10::cuda::CUDAGuard guard(x.device());
   auto h = at::empty({N * k, inter}, x.options());
   if (N == 0) return h;
@@ -209,7 +266,9 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
 at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, int64_t topk, const at::Tensor& w2,
                     const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& ptrs, int64_t fmt,
                     int64_t expert_offset, int64_t n_local, const std::optional<at::Tensor>& add, bool out_f32,
-                    int64_t kernel) {
+                    int64_t kernel, const std::optional<at::Tensor>& route_logits,
+                    const std::optional<at::Tensor>& route_bias, const std::optional<at::Tensor>& tid2eid,
+                    const std::optional<at::Tensor>& token_ids, double route_scale) {
   check_cuda(h, "h");
   check_cuda(w2, "w2");
   check_weight(w2, fmt, "w2");
@@ -249,6 +308,12 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
   a.dim = (int)dim;
   a.inter = (int)inter;
   a.kernel = (int)kernel;
+  fill_route(a, route_logits, route_bias, tid2eid, token_ids, route_scale, N, topk, "ds4.moe_down");
+  if (a.route_logits) {
+    a.n_tok = 1;
+    TORCH_CHECK(ids.has_value() && ds4::moe_route_ok(a),
+                "ds4.moe_down: no routing inside the kernel at this shape (moe_route_ok), or no ids");
+  }
   c10::cuda::CUDAGuard guard(h.device());
   auto out = at::empty({N, dim}, h.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (N == 0) return out;
@@ -339,10 +404,13 @@ std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor&
 
 TORCH_LIBRARY(ds4, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? scale, int fmt, int groups=1, int kernel=0, bool out_f32=False) -> Tensor");
-  m.def("moe_gate_up(Tensor x, Tensor? ids, Tensor? route_w, Tensor w1, Tensor? s1, Tensor w3, Tensor? s3, "
-        "Tensor? ptrs, int fmt, int expert_offset, int n_local, float limit, int kernel=0) -> Tensor");
+  m.def("moe_gate_up(Tensor x, Tensor(a!)? ids, Tensor(b!)? route_w, Tensor w1, Tensor? s1, Tensor w3, Tensor? s3, "
+        "Tensor? ptrs, int fmt, int expert_offset, int n_local, float limit, int kernel=0, Tensor? route_logits=None, "
+        "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0) -> Tensor");
   m.def("moe_down(Tensor h, Tensor? ids, int topk, Tensor w2, Tensor? s2, Tensor? ptrs, int fmt, "
-        "int expert_offset, int n_local, Tensor? add, bool out_f32, int kernel=0) -> Tensor");
+        "int expert_offset, int n_local, Tensor? add, bool out_f32, int kernel=0, Tensor? route_logits=None, "
+        "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0) -> Tensor");
+  m.def("moe_route_ok(int fmt, int topk, int dim, int inter, int n_experts) -> bool", &moe_route_ok_host);
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
         "float route_scale) -> (Tensor, Tensor)");
   m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps) -> Tensor");

@@ -61,13 +61,31 @@ struct MoEArgs {
   float limit = 10.f;
   int kernel = KERNEL_AUTO;
   bool add_bf16 = false;           // moe_down's add is bf16 (see down_store), else fp32
+  // Routing inside the one-token tensor-core kernels (route_logits != nullptr; moe_route_ok): every
+  // block runs the router's tail (route_dev.cuh) on the router GEMV's logits [1, n_experts] instead of
+  // reading ids / rw, and the gate+up launch's block 0 writes the ids and weights to ids_out / rw_out.
+  // The down kernel routes before its PDL wait: route_logits must not be written by the launch right
+  // before it (in the decode step: the router GEMV, then gate+up, then down).
+  const float* route_logits = nullptr;
+  const float* route_bias = nullptr;   // learned layers: [n_experts]
+  const void* tid2eid = nullptr;       // hash layers: [vocab, topk] int32 / int64 (tid64)
+  int tid64 = 0;
+  const int64_t* token_ids = nullptr;  // [1]
+  int n_experts = 0;
+  float route_scale = 1.f;
+  int64_t* ids_out = nullptr;          // [1, topk]
+  float* rw_out = nullptr;             // [1, topk]
 };
+// Whether the one-token kernels route for themselves at this shape (tensor-core kernels, n_experts and
+// topk within the shared-memory scratch and ROUTER_MAX_K).
+bool moe_route_ok(const MoEArgs& a);
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, dim]*/,
                                void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st);
 // out[t, :] = (add ? add[t, :] : 0) + sum over the local (token, slot) pairs of h[t*topk+j] @ w2[e]^T
 // (add fp32, or bf16 with a.add_bf16; the rounding order is down_store's in moe.cu). The one-token
-// tensor-core kernel reads ids before its PDL wait: ids must not be written by the launch right before
-// (in the decode step they come from the router, before the gate+up launch).
+// tensor-core kernel reads ids (or routes from route_logits) before its PDL wait: they must not be
+// written by the launch right before (in the decode step they come from the router, before the
+// gate+up launch).
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st);
 

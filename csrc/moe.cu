@@ -16,6 +16,7 @@
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "mma_dot.cuh"
+#include "route_dev.cuh"
 
 #include <algorithm>
 
@@ -314,12 +315,35 @@ static bool moe_shape_ok(const MoEArgs& a) {
 
 constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
 
-// Bit j set = slot j (< topk <= 32) holds a local expert (ids == nullptr: the one shared expert).
-__device__ __forceinline__ unsigned moe_local_slots(const MoEArgs& a) {
+// The block's slots of its one token: global expert id and route weight per slot (s_ids / s_rw, shared),
+// read from ids / rw (ids == nullptr: the one shared expert, weight 1), or routed here from
+// a.route_logits by warp 0 (scratch: 2 n_experts floats of shared memory), block 0 of the launch then
+// writing them to ids_out / rw_out when write_out. Ends with __syncthreads.
+__device__ __forceinline__ void moe_slots(const MoEArgs& a, float* scratch, int* s_ids, float* s_rw, bool write_out) {
+  if (a.route_logits) {
+    if (threadIdx.x < 32)
+      route_token_warp(a.route_logits, a.n_experts, a.route_bias, a.tid2eid, a.tid64, a.token_ids, 0, a.topk,
+                       a.route_scale, scratch, scratch + a.n_experts, s_ids, s_rw);
+    __syncthreads();
+    if (write_out && blockIdx.x == 0 && threadIdx.x < a.topk) {
+      a.ids_out[threadIdx.x] = s_ids[threadIdx.x];
+      a.rw_out[threadIdx.x] = s_rw[threadIdx.x];
+    }
+    return;
+  }
+  if (threadIdx.x < a.topk) {
+    s_ids[threadIdx.x] = a.ids ? (int)a.ids[threadIdx.x] : a.expert_offset;
+    s_rw[threadIdx.x] = a.rw ? a.rw[threadIdx.x] : 1.f;
+  }
+  __syncthreads();
+}
+
+// Bit j set = slot j (< topk <= 32) holds a local expert.
+__device__ __forceinline__ unsigned moe_local_slots(const MoEArgs& a, const int* s_ids) {
   const int lane = threadIdx.x & 31;
   bool loc = false;
   if (lane < a.topk) {
-    const long e = a.ids ? a.ids[lane] - a.expert_offset : 0;
+    const int e = s_ids[lane] - a.expert_offset;
     loc = e >= 0 && e < a.n_local;
   }
   return __ballot_sync(0xffffffffu, loc);
@@ -337,14 +361,17 @@ __device__ __forceinline__ int nth_bit(unsigned m, int n) {
 template <int FMT, int U, int W>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
 moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
-  ds4_pdl::begin();  // expert ids, route weights and x come from the previous kernels
+  ds4_pdl::begin();  // expert ids, route weights (or the router's logits) and x come from the previous kernels
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(MMA_STREAM_MAX_TILES));
   __shared__ const uint8_t* s_tw[MMA_STREAM_MAX_TILES];
   __shared__ const uint8_t* s_ts[MMA_STREAM_MAX_TILES];
   __shared__ int s_row0[MMA_STREAM_MAX_TILES], s_slot[MMA_STREAM_MAX_TILES / 2];
-  const unsigned m = moe_local_slots(a);
+  __shared__ int s_ids[32];
+  __shared__ float s_rw[32];
+  moe_slots(a, part, s_ids, s_rw, true);  // part is free until mma_part_zero below
+  const unsigned m = moe_local_slots(a, s_ids);
   const int RT = (a.inter + 15) / 16, total = __popc(m) * RT;
   const int ppb = (total + gridDim.x - 1) / gridDim.x;
   const int p0 = blockIdx.x * ppb, np = min(ppb, total - p0);
@@ -352,8 +379,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   if (threadIdx.x < 2 * np) {
     const int pl = threadIdx.x >> 1, which = threadIdx.x & 1, u = (p0 + pl) / RT;
     const int slot = nth_bit(m, u);
-    expert_base<FMT>(a, a.ids ? (int)(a.ids[slot] - a.expert_offset) : 0, which, s_tw[threadIdx.x],
-                     s_ts[threadIdx.x]);
+    expert_base<FMT>(a, s_ids[slot] - a.expert_offset, which, s_tw[threadIdx.x], s_ts[threadIdx.x]);
     s_row0[threadIdx.x] = (p0 + pl - u * RT) * 16;
     if (which == 0) s_slot[pl] = slot;
   }
@@ -372,7 +398,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
     if (r >= a.inter) continue;
     const int slot = s_slot[pl];
     h[(long)slot * a.inter + r] = swiglu_h(mma_part_sum(part, 2 * pl, i & 15), mma_part_sum(part, 2 * pl + 1, i & 15),
-                                           a.limit, a.rw ? a.rw[slot] : 1.0f);
+                                           a.limit, s_rw[slot]);
   }
 }
 
@@ -395,13 +421,15 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
   __shared__ const uint8_t* s_w[32];
   __shared__ const uint8_t* s_s[32];
-  __shared__ int s_slot[32];
-  const unsigned m = moe_local_slots(a);
+  __shared__ int s_slot[32], s_ids[32];
+  __shared__ float s_rw[32];
+  moe_slots(a, reinterpret_cast<float*>(hs), s_ids, s_rw, false);  // hs is free until the staging below
+  const unsigned m = moe_local_slots(a, s_ids);
   const int nU = __popc(m);
   const int lane = threadIdx.x & 31;
   if (threadIdx.x < 32 && ((m >> lane) & 1u)) {
     const int u = __popc(m & ((1u << lane) - 1u));
-    const int e = a.ids ? (int)(a.ids[lane] - a.expert_offset) : 0;
+    const int e = s_ids[lane] - a.expert_offset;
     expert_base<FMT>(a, e, 2, s_w[u], s_s[u]);
     s_slot[u] = lane;
   }
@@ -435,6 +463,14 @@ static int moe_use_mma(const MoEArgs& a) {
   const bool ok = moe_mma_ok(a);
   if (a.kernel == KERNEL_MMA) return ok ? 1 : -1;
   return a.kernel == KERNEL_AUTO && ok && mma_auto(a.fmt, std::min(a.dim, a.inter), a.dim) ? 1 : 0;
+}
+
+bool moe_route_ok(const MoEArgs& a) {
+  // scratch: 2 n_experts floats in the gate+up kernel's partial sums (mma_part_floats(MAX_TILES)) and
+  // in the down kernel's staged h (topk x inter bf16)
+  return moe_use_mma(a) == 1 && a.n_tok == 1 && a.topk <= ROUTER_MAX_K && a.topk <= a.n_experts &&
+         a.n_experts >= 1 && 2L * a.n_experts <= mma_part_floats(MMA_STREAM_MAX_TILES) &&
+         4L * a.n_experts <= (long)a.topk * a.inter;
 }
 
 template <int FMT, int U, int W>
@@ -496,7 +532,7 @@ static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStre
 
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const int mma = moe_use_mma(a);
-  if (mma < 0) return cudaErrorInvalidValue;
+  if (mma < 0 || (a.route_logits && (!moe_route_ok(a) || !a.ids_out || !a.rw_out))) return cudaErrorInvalidValue;
   if (mma)
     return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), mma_depth(a.dim, false), [&](auto cw, auto u) {
       constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
@@ -533,7 +569,7 @@ static cudaError_t down_nt(const MoEArgs& a, const void* h, const void* add, voi
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st) {
   const int mma = moe_use_mma(a);
-  if (mma < 0) return cudaErrorInvalidValue;
+  if (mma < 0 || (a.route_logits && !moe_route_ok(a))) return cudaErrorInvalidValue;
   if (mma) {
     return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(a.inter, false), [&](auto cw, auto u) {
       constexpr int CW = decltype(cw)::value, U = decltype(u)::value;

@@ -14,29 +14,20 @@
 //     (k rounds of a block arg-max); the logits come from the BF16 GEMV (gemv.cu).
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
+#include "route_dev.cuh"
 
 namespace ds4 {
-
-constexpr int ROUTER_MAX_K = 16;
 
 // Token t's outputs from its scores and selected ids: weights = scores[ids] / (their sum, in selection
 // order) * route_scale (one thread).
 __device__ __forceinline__ void store_route(const float* scores, const int* sel, int t, int topk, float route_scale,
                                             float* w_out, int64_t* ids_out) {
-  float sum = 0.f;
-  for (int k = 0; k < topk; ++k) sum += scores[sel[k]];
-  const float inv = route_scale / sum;
+  float w[ROUTER_MAX_K];
+  route_weights(scores, sel, topk, route_scale, w);
   for (int k = 0; k < topk; ++k) {
-    w_out[(long)t * topk + k] = scores[sel[k]] * inv;
+    w_out[(long)t * topk + k] = w[k];
     ids_out[(long)t * topk + k] = sel[k];
   }
-}
-
-// Hash layers: the k-th expert of token t is tid2eid[token_ids[t], k] (int64 or int32 table).
-__device__ __forceinline__ int hash_expert(const void* tid2eid, int tid64, const int64_t* token_ids, int t, int topk,
-                                           int k) {
-  const long i = token_ids[t] * topk + k;
-  return tid64 ? (int)reinterpret_cast<const int64_t*>(tid2eid)[i] : reinterpret_cast<const int32_t*>(tid2eid)[i];
 }
 
 __global__ void router_topk_kernel(const float* __restrict__ logits, int E, const float* __restrict__ bias,
@@ -51,8 +42,7 @@ __global__ void router_topk_kernel(const float* __restrict__ logits, int E, cons
   const int t = blockIdx.x, e = threadIdx.x;
   float biased = -INFINITY;
   if (e < E) {
-    const float l = logits[(long)t * E + e];
-    const float s = sqrtf(l > 20.f ? l : log1pf(expf(l)));
+    const float s = router_score(logits[(long)t * E + e]);
     sh[e] = s;
     biased = s + (bias ? bias[e] : 0.f);
   }
@@ -165,8 +155,7 @@ __global__ void __launch_bounds__(RF_WARPS * 32) router_fused_kernel(
   float* bs = rs + n_tok * E;     // [n_tok][E]
   for (int i = threadIdx.x; i < n_tok * E; i += blockDim.x) {
     const int e = i % E;
-    const float l = __ldcg(logits + i);  // other blocks' writes: read from L2
-    const float s = sqrtf(l > 20.f ? l : log1pf(expf(l)));
+    const float s = router_score(__ldcg(logits + i));  // other blocks' writes: read from L2
     sc[i] = s;
     bs[i] = s + (bias ? bias[e] : 0.f);
   }
@@ -176,25 +165,7 @@ __global__ void __launch_bounds__(RF_WARPS * 32) router_fused_kernel(
     if (tid2eid) {
       if (lane < topk) st[lane] = hash_expert(tid2eid, tid64, token_ids, t, topk, lane);
     } else {
-      float* b = bs + t * E;
-      for (int k = 0; k < topk; ++k) {
-        float v = -INFINITY;
-        int i = 0x7fffffff;
-        for (int e = lane; e < E; e += 32) {  // ascending: the first of equal values is the lowest id
-          const float be = b[e];
-          if (be > v || (be == v && e < i)) { v = be; i = e; }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-          const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-          if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-        }
-        i = i < E ? i : 0;  // only NaN scores leave no candidate: keep the index in range
-        if (lane == 0) st[k] = i;
-        if ((i & 31) == lane) b[i] = -INFINITY;  // the owning lane removes the winner
-        __syncwarp();
-      }
+      topk_warp(bs + t * E, E, topk, st);
     }
     __syncwarp();
     if (lane == 0) store_route(sc + t * E, st, t, topk, route_scale, w_out, ids_out);

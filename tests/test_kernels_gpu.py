@@ -392,6 +392,41 @@ def test_router(hash_layer, n, dim, n_experts, fused, monkeypatch):
         assert torch.equal(ids3, ids) and torch.equal(w3, w)
 
 
+@pytest.mark.parametrize("hash_layer", [False, True])
+@pytest.mark.parametrize("dim,inter,n_experts,e_local,offset", [(4096, 2048, 256, 256, 0), (512, 256, 64, 16, 32)])
+def test_moe_kernels_route_from_logits(hash_layer, dim, inter, n_experts, e_local, offset):
+    """One token: gate+up and down routing from the router GEMV's logits themselves (InKernelRoute) give the
+    router's ids and weights (written by gate+up) and the same h and output as with the router's tensors,
+    bit for bit."""
+    g = gen(1300 + dim + hash_layer)
+    w1, s1 = rand_fp4_weight(inter, dim, g, (e_local,))
+    w3, s3 = rand_fp4_weight(inter, dim, g, (e_local,))
+    w2, s2 = rand_fp4_weight(dim, inter, g, (e_local,))
+    gate = (torch.randn(n_experts, dim, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
+    bias = None if hash_layer else torch.randn(n_experts, device=DEV, generator=g) * 0.1
+    tid = torch.randint(0, n_experts, (1000, 6), device=DEV, generator=g, dtype=torch.int32) if hash_layer else None
+    x = rand_x(1, dim, g)
+    tok = torch.randint(0, 1000, (1,), device=DEV, generator=g)
+    w, ids = kernels.router(x, gate, bias, tid, tok if hash_layer else None, 6, 1.5)
+    h = kernels.moe_gate_up(x, ids, w, w1, s1, w3, s3, "fp4", offset, e_local, 10.0)
+    y = kernels.moe_down(h, ids, 6, w2, s2, "fp4", offset, e_local, None, True)
+    assert kernels.moe_route_ok("fp4", 6, dim, inter, n_experts)
+    r = kernels.InKernelRoute(kernels.gemv(x, gate, None, "bf16", out_f32=True), bias, tid,
+                              tok if hash_layer else None, 1.5)
+    w_k, ids_k = torch.full_like(w, float("nan")), torch.full_like(ids, -1)
+    poison()
+    h_k = kernels.moe_gate_up(x, ids_k, w_k, w1, s1, w3, s3, "fp4", offset, e_local, 10.0, route=r)
+    y_k = kernels.moe_down(h_k, ids_k.clone().fill_(-1), 6, w2, s2, "fp4", offset, e_local, None, True, route=r)
+    assert torch.equal(ids_k, ids) and torch.equal(w_k, w)
+    loc = (ids[0] >= offset) & (ids[0] < offset + e_local)  # other slots' h rows are not written
+    assert torch.equal(h_k[loc], h[loc]) and torch.equal(y_k, y)
+    assert loc.any() or not torch.any(y)
+    with pytest.raises(RuntimeError, match="one token"):
+        x2 = rand_x(2, dim, g)
+        kernels.moe_gate_up(x2, ids.expand(2, -1).contiguous(), w.expand(2, -1).contiguous(), w1, s1, w3, s3, "fp4",
+                            offset, e_local, 10.0, route=r)
+
+
 @pytest.mark.parametrize("early", [False, True], ids=["pdl", "pdl_early"])
 @pytest.mark.parametrize("n", [1, 4])
 def test_fp4_topk_impl_end_to_end(n, early, monkeypatch):
@@ -429,15 +464,17 @@ def test_fp4_topk_impl_end_to_end(n, early, monkeypatch):
     for red in (y, y.to(torch.bfloat16)):
         assert torch.equal(add_shared(red, done), impl.shared(x, mw, add=red)), red.dtype
 
+    # captured with one token, route() also leaves the router's tail to the routed kernels (InKernelRoute):
+    # the (w, ids) it returned are written by the gate+up launch, equal to the eager router's
     def block_reduced():
         up = impl.shared_up(x, mw)
         w, ids = impl.route(x, tok, mw)
-        return up, impl.shared(x, mw, add=impl.routed(x, w, ids, mw), up=up)
+        return up, impl.shared(x, mw, add=impl.routed(x, w, ids, mw), up=up), w, ids
 
     def block_one_rank():
         up = impl.shared_up(x, mw)
         w, ids = impl.route(x, tok, mw)
-        return up, impl.routed(x, w, ids, mw, shared=up)
+        return up, impl.routed(x, w, ids, mw, shared=up), w, ids
 
     side = torch.cuda.Stream()
     for block in (block_reduced, block_one_rank):
@@ -448,11 +485,13 @@ def test_fp4_topk_impl_end_to_end(n, early, monkeypatch):
         graph = torch.cuda.CUDAGraph()
         poison()
         with torch.cuda.graph(graph):
-            up, out = block()
+            up, out, gw, gids = block()
         graph.replay()
         torch.cuda.synchronize()
         assert up is not None, block.__name__
         assert out.dtype == x.dtype and torch.equal(out, yb), block.__name__
+        assert torch.equal(gids, ids) and torch.equal(gw, w), block.__name__
+        assert (impl._deferred is None) and (impl._defer_route(x, mw.gate, mw) is False)  # not capturing now
 
 
 def test_bf16_cache_impl():

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ds4.kernels.ops import gemv, gemv_rmsnorm, gemv_rmsnorm_ok, moe_down, moe_gate_up, router  # noqa: F401  (typed wrappers)
+from ds4.kernels.ops import (InKernelRoute, gemv, gemv_rmsnorm, gemv_rmsnorm_ok, moe_down, moe_gate_up,  # noqa: F401
+                             moe_route_ok, router)  # (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"

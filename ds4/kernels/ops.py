@@ -6,6 +6,8 @@ loop over token chunks beyond that (callers send prefill-sized batches elsewhere
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -50,31 +52,54 @@ def gemv_rmsnorm_ok(fmt: str, rows: int, cols: int) -> bool:
     return fmt in ("fp8", "fp4") and bool(_ops().gemv_rmsnorm_ok(FMT[fmt], rows, cols))
 
 
+class InKernelRoute(NamedTuple):
+    """Routing done inside the one-token MoE kernels (moe_route_ok): the router GEMV's logits f32 [1, E],
+    and the router's bias f32 [E] (learned layers) or tid2eid + token_ids (hash layers)."""
+    logits: Tensor
+    bias: Tensor | None
+    tid2eid: Tensor | None
+    token_ids: Tensor | None
+    route_scale: float
+
+
 def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tensor, s1: Tensor | None,
                 w3: Tensor, s3: Tensor | None, fmt: str, expert_offset: int = 0, n_local: int | None = None,
-                limit: float = 10.0, ptrs: Tensor | None = None, kernel: str = "auto") -> Tensor:
+                limit: float = 10.0, ptrs: Tensor | None = None, kernel: str = "auto",
+                route: InKernelRoute | None = None) -> Tensor:
     """h [N*k, inter] bf16 = silu(min(x@w1[e]^T, lim)) * clamp(x@w3[e]^T, +-lim) * route_w, per slot.
 
     ids int64 [N, k] (global expert ids; slots outside [offset, offset+n_local) are skipped and
     their h rows left unwritten), or None for one (shared) expert. ptrs: int64 [n_local, 3] device
-    addresses of bf16 (w1, w3, w2) per expert (then w1/w3 only give the shapes)."""
+    addresses of bf16 (w1, w3, w2) per expert (then w1/w3 only give the shapes). route (one token):
+    the kernel routes from the router's logits itself and writes ids [1, k] and route_w [1, k]."""
     if n_local is None:
         n_local = w1.shape[0] if w1.dim() == 3 else 1
     k = _kernel(kernel)
-    return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, FMT[fmt], expert_offset, n_local, limit, k)
+    r = route or InKernelRoute(None, None, None, None, 1.0)
+    return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, FMT[fmt], expert_offset, n_local, limit, k,
+                              r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale))
 
 
 def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | None, fmt: str,
              expert_offset: int = 0, n_local: int | None = None, add: Tensor | None = None,
-             out_f32: bool = True, ptrs: Tensor | None = None, kernel: str = "auto") -> Tensor:
+             out_f32: bool = True, ptrs: Tensor | None = None, kernel: str = "auto",
+             route: InKernelRoute | None = None) -> Tensor:
     """y [N, dim] = add + sum over local slots (t, j) of h[t*k+j] @ w2[ids[t, j]]^T, fp32 accumulation.
     `add` fp32: with a bf16 output (out_f32=False) the sum is rounded to bf16 before `add` is added (the
     reference's shared-expert output added to the fp32 routed sum). `add` bf16 (the finished shared
-    expert's output): bf16(sum + add), the fp32 sum not rounded first — the same block output."""
+    expert's output): bf16(sum + add), the fp32 sum not rounded first — the same block output.
+    route (one token): the kernel routes from the router's logits itself (ids only gives the shape)."""
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
     k = _kernel(kernel)
-    return _ops().moe_down(h, ids, topk, w2, s2, ptrs, FMT[fmt], expert_offset, n_local, add, out_f32, k)
+    r = route or InKernelRoute(None, None, None, None, 1.0)
+    return _ops().moe_down(h, ids, topk, w2, s2, ptrs, FMT[fmt], expert_offset, n_local, add, out_f32, k,
+                           r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale))
+
+
+def moe_route_ok(fmt: str, topk: int, dim: int, inter: int, n_experts: int) -> bool:
+    """Whether the one-token MoE kernels can route for themselves (InKernelRoute) at this shape (host-only)."""
+    return fmt in FMT and bool(_ops().moe_route_ok(FMT[fmt], topk, dim, inter, n_experts))
 
 
 def router(x: Tensor, gate: Tensor, bias: Tensor | None, tid2eid: Tensor | None, token_ids: Tensor | None,

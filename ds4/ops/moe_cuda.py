@@ -18,6 +18,10 @@ moe=fp4_topk
           DS4_SHARED_OVERLAP=0 in the environment keeps it in line in graphs too (the ablation);
           DS4_SHARED_FORK=late forks it after the router instead (overlapping only the routed experts:
           the router's latency-bound launches then have the SMs to themselves).
+          Captured decode steps (one token, tensor-core kernels) also leave the router's tail (scores,
+          top-k or hash lookup, weights) to the two routed kernels: route() launches only the gate GEMV
+          and every block of gate+up / down routes from its logits (the same arithmetic as the top-k
+          kernel); gate+up writes the (weights, ids) route() returned. DS4_ROUTE_IN_MOE=0: the ablation.
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -82,21 +86,45 @@ class Fp4TopkMoE:
         from ds4.ops.moe_torch import DequantMoE
         return DequantMoE()
 
+    # Whether a captured decode step may leave the router's tail to the routed kernels (off in subclasses
+    # that read the ids on the host).
+    route_in_kernels = True
+    _deferred: tuple[Tensor, kernels.InKernelRoute] | None = None
+
+    def _defer_route(self, x2: Tensor, gate: Tensor, mw: MoEWeights) -> bool:
+        """While a decode graph is captured (one token, the tensor-core MoE kernels): route() runs only the
+        router GEMV and the routed kernels run the router's tail themselves (one launch fewer on the step's
+        critical path; the same experts and weights, ds4/csrc/route_dev.cuh). DS4_ROUTE_IN_MOE=0 keeps the
+        separate top-k launch (the ablation; read per call)."""
+        return (self.route_in_kernels and x2.is_cuda and x2.shape[0] == 1 and torch.cuda.is_current_stream_capturing()
+                and os.environ.get("DS4_ROUTE_IN_MOE") != "0"
+                and kernels.moe_route_ok(mw.w1.fmt, mw.topk, x2.shape[1], mw.w1.weight.shape[-2], gate.shape[0]))
+
     def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
         x2 = _bf16(x.reshape(-1, x.shape[-1]))
         gate = _bf16(mw.gate)
+        if self._defer_route(x2, gate, mw):
+            # (weights, ids) are written by the gate+up launch of routed(), the only reader in a captured step
+            logits = kernels.gemv(x2, gate, None, "bf16", out_f32=True)
+            tok = token_ids.reshape(-1).to(torch.int64).contiguous() if mw.tid2eid is not None else None
+            r = kernels.InKernelRoute(logits, None if mw.tid2eid is not None else mw.bias.float().contiguous(),
+                                      None if mw.tid2eid is None else mw.tid2eid.contiguous(), tok, mw.route_scale)
+            w = torch.empty(1, mw.topk, device=x2.device, dtype=torch.float32)
+            ids = torch.empty(1, mw.topk, device=x2.device, dtype=torch.int64)
+            self._deferred = (ids, r)
+            return w, ids
         if mw.tid2eid is not None:
             tok = token_ids.reshape(-1).to(torch.int64).contiguous()
             return kernels.router(x2, gate, None, mw.tid2eid.contiguous(), tok, mw.topk, mw.route_scale)
         return kernels.router(x2, gate, mw.bias.float().contiguous(), None, None, mw.topk, mw.route_scale)
 
     def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool,
-                         shared: SharedUp | None = None) -> Tensor:
+                         shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None) -> Tensor:
         fmt = mw.w1.fmt
         xq = _act_quant_sim(x) if act_quant else x
         h = kernels.moe_gate_up(_bf16(xq), ids, weights.float().contiguous(), mw.w1.weight, mw.w1.scale,
                                 mw.w3.weight, mw.w3.scale, fmt, mw.expert_offset, mw.w1.weight.shape[0],
-                                mw.swiglu_limit)
+                                mw.swiglu_limit, route=route)
         if act_quant:
             h = _act_quant_sim(h)
         add = None
@@ -104,11 +132,17 @@ class Fp4TopkMoE:
             shared.branch.join()
             add = shared.out
         return kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt, mw.expert_offset,
-                                mw.w2.weight.shape[0], add, add is None)
+                                mw.w2.weight.shape[0], add, add is None, route=route)
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
                shared: SharedUp | None = None) -> Tensor:
         n = x.shape[0]
+        if self._deferred is not None:
+            pending, route = self._deferred
+            self._deferred = None
+            if pending is ids:  # route() left the tail to these kernels: they write weights and ids
+                return self._routed_launches(x, weights, ids, mw, act_quant, shared, route)
+            raise RuntimeError("moe=fp4_topk: routed() must take the (weights, ids) of the route() call just before it")
         if shared is not None:
             if n > PREFILL_TOKENS:
                 raise ValueError("routed(shared=...) takes the shared_up result of a decode-sized call")
@@ -171,6 +205,7 @@ class _LayerCache:
 class Bf16CacheMoE(Fp4TopkMoE):
     """Hot-expert BF16 cache (per layer, keyed by the layer's w1 storage)."""
     name = "bf16_cache"
+    route_in_kernels = False  # its routed() reads the ids on the host
 
     def __init__(self, cap_bytes: int | None = None, min_free_bytes: int | None = None,
                  warmup_calls: int | None = None) -> None:
