@@ -23,8 +23,8 @@ d2 (DS4_MMA_DEPTH: the chunks per lane and row those kernels keep in flight; wit
 (DS4_SHARED_FORK=late: the side-stream shared expert forks after the router, not before), early
 (DS4_PDL_EARLY=1: kernels let the next one launch before they wait), k2048 (DS4_MMA=k2048: wq_b on the
 FMA kernel, the rule before session 9), noqf (DS4_QNORM_FUSED=0: q_norm in its own launch before wq_b
-instead of inside wq_b's GEMV), sepk (DS4_ROUTE_IN_MOE=0: the router's top-k in its own launch instead of
-inside the routed kernels), wobf16 (attn=fused_cuda_wo_bf16). On a machine without CUDA it runs on the CPU (a dry run of the script).
+instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k inside the routed kernels
+instead of its own launch), wobf16 (attn=fused_cuda_wo_bf16). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
 """
@@ -88,7 +88,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SHARED_FORK"] = "late" if "shlate" in toks else "early"
     os.environ["DS4_PDL_EARLY"] = "1" if "early" in toks else "0"
     os.environ["DS4_QNORM_FUSED"] = "0" if "noqf" in toks else "1"
-    os.environ["DS4_ROUTE_IN_MOE"] = "0" if "sepk" in toks else "1"
+    os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
     runtime = "cuda_graph" if "graph" in toks else "eager"
     g = Generator(model, 1, len(prompt) + new_tokens + 8, runtime=runtime)
     t0 = time.perf_counter()

@@ -427,13 +427,16 @@ def test_moe_kernels_route_from_logits(hash_layer, dim, inter, n_experts, e_loca
                             offset, e_local, 10.0, route=r)
 
 
+@pytest.mark.parametrize("kroute", [False, True], ids=["topk_kernel", "route_in_moe"])
 @pytest.mark.parametrize("early", [False, True], ids=["pdl", "pdl_early"])
 @pytest.mark.parametrize("n", [1, 4])
-def test_fp4_topk_impl_end_to_end(n, early, monkeypatch):
+def test_fp4_topk_impl_end_to_end(n, early, kroute, monkeypatch):
     """Router -> gate+up -> down as launched in a step; pdl_early: every kernel lets the next one launch
-    before it waits (DS4_PDL_EARLY), so the down kernel starts while the router may still run."""
+    before it waits (DS4_PDL_EARLY), so the down kernel starts while the router may still run;
+    route_in_moe: captured one-token steps route inside the MoE kernels (DS4_ROUTE_IN_MOE=1)."""
     from ds4.ops.moe_cuda import Fp4TopkMoE
     monkeypatch.setenv("DS4_PDL_EARLY", "1" if early else "0")
+    monkeypatch.setenv("DS4_ROUTE_IN_MOE", "1" if kroute else "0")
     g = gen(1200 + n)
     mw, (d1, d3, d2) = _moe_weights(g, offset=0, e_local=64, n_experts=64)
     impl = Fp4TopkMoE()
@@ -464,8 +467,8 @@ def test_fp4_topk_impl_end_to_end(n, early, monkeypatch):
     for red in (y, y.to(torch.bfloat16)):
         assert torch.equal(add_shared(red, done), impl.shared(x, mw, add=red)), red.dtype
 
-    # captured with one token, route() also leaves the router's tail to the routed kernels (InKernelRoute):
-    # the (w, ids) it returned are written by the gate+up launch, equal to the eager router's
+    # route_in_moe, captured with one token: route() leaves the router's tail to the routed kernels
+    # (InKernelRoute); the (w, ids) it returned are written by the gate+up launch, equal to the eager router's
     def block_reduced():
         up = impl.shared_up(x, mw)
         w, ids = impl.route(x, tok, mw)

@@ -18,10 +18,13 @@ moe=fp4_topk
           DS4_SHARED_OVERLAP=0 in the environment keeps it in line in graphs too (the ablation);
           DS4_SHARED_FORK=late forks it after the router instead (overlapping only the routed experts:
           the router's latency-bound launches then have the SMs to themselves).
-          Captured decode steps (one token, tensor-core kernels) also leave the router's tail (scores,
-          top-k or hash lookup, weights) to the two routed kernels: route() launches only the gate GEMV
-          and every block of gate+up / down routes from its logits (the same arithmetic as the top-k
-          kernel); gate+up writes the (weights, ids) route() returned. DS4_ROUTE_IN_MOE=0: the ablation.
+          DS4_ROUTE_IN_MOE=1 (opt-in; measured slower): captured decode steps (one token, tensor-core
+          kernels) leave the router's tail (scores, top-k or hash lookup, weights) to the two routed
+          kernels: route() launches only the gate GEMV and every block of gate+up / down routes from its
+          logits (the same arithmetic as the top-k kernel); gate+up writes the (weights, ids) route()
+          returned. One launch fewer, but each block's serial top-k delays its weight loads: H200, 1 GPU,
+          151.5 against 133.3 us per layer; full model tp=2 6.599 against 6.222 ms
+          (experiments/decode_session9_h200.md, run 6).
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -92,12 +95,11 @@ class Fp4TopkMoE:
     _deferred: tuple[Tensor, kernels.InKernelRoute] | None = None
 
     def _defer_route(self, x2: Tensor, gate: Tensor, mw: MoEWeights) -> bool:
-        """While a decode graph is captured (one token, the tensor-core MoE kernels): route() runs only the
-        router GEMV and the routed kernels run the router's tail themselves (one launch fewer on the step's
-        critical path; the same experts and weights, ds4/csrc/route_dev.cuh). DS4_ROUTE_IN_MOE=0 keeps the
-        separate top-k launch (the ablation; read per call)."""
+        """With DS4_ROUTE_IN_MOE=1 (read per call) while a decode graph is captured (one token, the
+        tensor-core MoE kernels): route() runs only the router GEMV and the routed kernels run the router's
+        tail themselves (one launch fewer; the same experts and weights, csrc/route_dev.cuh)."""
         return (self.route_in_kernels and x2.is_cuda and x2.shape[0] == 1 and torch.cuda.is_current_stream_capturing()
-                and os.environ.get("DS4_ROUTE_IN_MOE") != "0"
+                and os.environ.get("DS4_ROUTE_IN_MOE") == "1"
                 and kernels.moe_route_ok(mw.w1.fmt, mw.topk, x2.shape[1], mw.w1.weight.shape[-2], gate.shape[0]))
 
     def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
