@@ -9,6 +9,7 @@
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "mma_dot.cuh"
+#include "rmsnorm_dev.cuh"
 
 #include <cstdlib>
 #include <cstring>
@@ -98,9 +99,9 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
 
 // The RMSNorm in front of a GEMV (gemv_rmsnorm: q_norm before wq_b): one row x of K bf16 ->
 // bf16(x * rsqrt(mean(x^2) + eps) * nw) staged like stage_mma_rows. Same arithmetic, in the same order,
-// as ds4_attn's rms_norm_vec_kernel (decode_glue.cu, also 256 threads): each thread sums the squares
-// of its 16-byte vectors j = thread + i * 256, the warp sums are added in warp order, and each value
-// is rounded once as bf16(x * r * w). Every block of the GEMV recomputes it (K <= 8192: a few KB from
+// as ds4_attn's rms_norm_vec_kernel (decode_glue.cu, also 256 threads; both through rmsnorm_dev.cuh):
+// each thread sums the squares of its 16-byte vectors j = thread + i * 256, the warp sums are added in
+// warp order, and each value is rounded once as bf16(x * r * w). Every block of the GEMV recomputes it (K <= 8192: a few KB from
 // L2), which costs less than the launch it replaces on the decode step's critical path.
 constexpr int RMS_VPT = 4;  // 16-byte vectors per thread: K <= 8 * MMA_STREAM_THREADS * RMS_VPT
 template <int FMT>
@@ -113,15 +114,7 @@ __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv
 #pragma unroll
   for (int i = 0; i < RMS_VPT; ++i) {
     const int j = threadIdx.x + i * MMA_STREAM_THREADS;
-    if (j < nvec) {
-      const uint4 v = xv[j];
-      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(p[k]);
-        ss += f.x * f.x + f.y * f.y;
-      }
-    }
+    if (j < nvec) ss = ds4_norm::sumsq8(xv[j], ss);
   }
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
@@ -132,30 +125,9 @@ __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv
   // second pass: x again (L1 / L2 hits) rather than held in registers beside the weight prefetch
 #pragma unroll 1
   for (int j = threadIdx.x; j < nvec; j += MMA_STREAM_THREADS) {
-    const uint4 v = xv[j];
     float w[8];
-    if (nw_f32) {
-      const float4 a = reinterpret_cast<const float4*>(nw)[2 * j], b = reinterpret_cast<const float4*>(nw)[2 * j + 1];
-      w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
-    } else {
-      const uint4 wv = reinterpret_cast<const uint4*>(nw)[j];
-      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(p[k]);
-        w[2 * k] = f.x;
-        w[2 * k + 1] = f.y;
-      }
-    }
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-    uint4 o;
-    __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __bfloat1622float2(p[k]);
-      q[k] = __floats2bfloat162_rn(f.x * r * w[2 * k], f.y * r * w[2 * k + 1]);
-    }
-    *reinterpret_cast<uint4*>(dst + (long)j * 8) = mma_stage_vec<FMT>(o);
+    ds4_norm::load8_weight(nw, nw_f32, j * 8, w);
+    *reinterpret_cast<uint4*>(dst + (long)j * 8) = mma_stage_vec<FMT>(ds4_norm::scale8(xv[j], r, w));
   }
 }
 

@@ -13,6 +13,7 @@
 // sincosf (no fast-math anywhere). Values are rounded to bf16 where the reference rounds.
 #include <cuda_fp8.h>
 
+#include "../rmsnorm_dev.cuh"
 #include "attn_common.cuh"
 #include "attn_launch.h"
 
@@ -88,23 +89,6 @@ __device__ void finish_entry(float* v, int w, const void* weight, bool w_f32, fl
 // 8 bf16 per 16-byte vector, up to NORM_VPT vectors per thread held in registers between the two passes
 constexpr int NORM_VPT = 4;
 
-__device__ __forceinline__ void load8_weight(const void* w, bool w_f32, int c0, float* out) {
-  if (w_f32) {
-    const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(w) + c0);
-    const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(w) + c0 + 4);
-    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w; out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-  } else {
-    const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(w) + c0);
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __bfloat1622float2(p[k]);
-      out[2 * k] = f.x;
-      out[2 * k + 1] = f.y;
-    }
-  }
-}
-
 // D % 8 == 0 and D <= 8 * GLUE_THREADS * NORM_VPT: one pass of 16-byte loads, values kept in registers.
 __global__ void __launch_bounds__(GLUE_THREADS) rms_norm_vec_kernel(const uint4* __restrict__ x,
                                                                     const void* __restrict__ weight, bool w_f32,
@@ -120,12 +104,7 @@ __global__ void __launch_bounds__(GLUE_THREADS) rms_norm_vec_kernel(const uint4*
     const int j = threadIdx.x + i * GLUE_THREADS;
     if (j < nvec) {
       v[i] = x[base + j];
-      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(p[k]);
-        ss += f.x * f.x + f.y * f.y;
-      }
+      ss = ds4_norm::sumsq8(v[i], ss);
     }
   }
   const float r = rsqrtf(block_sum(ss, red) / (float)D + eps);
@@ -134,16 +113,8 @@ __global__ void __launch_bounds__(GLUE_THREADS) rms_norm_vec_kernel(const uint4*
     const int j = threadIdx.x + i * GLUE_THREADS;
     if (j < nvec) {
       float w[8];
-      load8_weight(weight, w_f32, j * 8, w);
-      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
-      uint4 o;
-      __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(p[k]);
-        q[k] = __floats2bfloat162_rn(f.x * r * w[2 * k], f.y * r * w[2 * k + 1]);
-      }
-      out[base + j] = o;
+      ds4_norm::load8_weight(weight, w_f32, j * 8, w);
+      out[base + j] = ds4_norm::scale8(v[i], r, w);
     }
   }
 }
