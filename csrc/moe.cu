@@ -408,14 +408,10 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 // the ids come from the router, two launches back (the gate+up kernel in between waits for the router
 // before it lets this kernel launch), so they are final here; only h and add come from the kernel right
 // before. Contract (ds4_launch.h): a down launch's ids are not written by the launch just before it.
-// Under DS4_PDL_EARLY (pdl.cuh) the gate+up kernel lets this one launch before it has waited for the
-// router, so there the ids are read after the wait.
 template <int FMT, int U, int W, bool OUT_F32>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
                     void* __restrict__ out, int tpb) {
-  const bool early = ds4_pdl::early();  // DS4_PDL_EARLY: the router may still be running, wait first
-  if (early) ds4_pdl::begin();
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
@@ -439,7 +435,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   auto st = mma_stream<FMT, U, W>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
                                   a.s2_ld, reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter));
   st.prefetch();
-  if (!early) ds4_pdl::begin();  // h and add come from the previous kernels
+  ds4_pdl::begin();  // h and add come from the previous kernels
   stage_mma_rows<FMT>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   mma_part_zero(part, nt);
   __syncthreads();

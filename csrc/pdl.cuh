@@ -28,32 +28,10 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
-// DS4_PDL_EARLY=1 (opt-in, the ablation): kernels let the next one launch *before* they wait, so a
-// chain of kernels becomes resident as far ahead as the SMs have room, each loading its weights
-// before its own wait (one kernel ahead otherwise). Still ordered: a kernel's wait returns once the
-// kernel before it has completed, which waited for the one before it, and so on; no kernel reads
-// anything but weights before its wait in this mode (moe_down_mma_kernel reads its ids after it).
-// One flag per translation unit (module), kept equal to the variable by launch() below.
-static __device__ int g_early = 0;
-
-__device__ __forceinline__ bool early() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return *static_cast<volatile int*>(&g_early) != 0;
-#else
-  return false;
-#endif
-}
-
-// wait for the previous kernel, then let the next one launch (the other way round with DS4_PDL_EARLY):
-// the first statement of most kernels
+// wait for the previous kernel, then let the next one launch: the first statement of most kernels
 __device__ __forceinline__ void begin() {
-  if (early()) {
-    launch_dependents();
-    wait();
-  } else {
-    wait();
-    launch_dependents();
-  }
+  wait();
+  launch_dependents();
 }
 
 // Host: launches on the current device use PDL (compute capability >= 9.0 and DS4_PDL != "0"; the
@@ -89,29 +67,8 @@ __device__ __forceinline__ void probe_mark(int i) {
   } while (0)
 #endif
 
-// Host: keep this module's g_early equal to DS4_PDL_EARLY == "1" on the current device. Updated by a copy
-// on the launch's stream when the wish changes outside a graph capture (the eager warm-up steps before
-// a capture run the same launches), never inside one.
-static inline cudaError_t sync_early(cudaStream_t st) {
-  static int cur[64];  // per device: 0 = unknown, 1 = off, 2 = on
-  const char* env = std::getenv("DS4_PDL_EARLY");
-  const int want = env && env[0] == '1' ? 2 : 1;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64 || cur[dev] == want) return cudaSuccess;
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) return cudaSuccess;
-  static int val[2] = {0, 1};  // static: the async copy may read it after this returns
-  cudaError_t e = cudaMemcpyToSymbolAsync(g_early, &val[want - 1], sizeof(int), 0, cudaMemcpyHostToDevice, st);
-  if (e == cudaSuccess) cur[dev] = want;
-  return e;
-}
-
 template <typename... KArgs, typename... Args>
 cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args... args) {
-  if (enabled()) {
-    cudaError_t e = sync_early(st);
-    if (e != cudaSuccess) return e;
-  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

@@ -20,8 +20,8 @@ d2 (DS4_MMA_DEPTH: the chunks per lane and row those kernels keep in flight; wit
 (DS4_COMPRESS_OVERLAP=0: the compressor steps in line instead of on side streams), noaovl
 (DS4_ATTN_OVERLAP=0: the window write and the indexer in line instead of on side streams), rtr1
 (DS4_ROUTER_FUSED=1: the router in one fused launch instead of the BF16 GEMV + tail kernel), shlate
-(DS4_SHARED_FORK=late: the side-stream shared expert forks after the router, not before), early
-(DS4_PDL_EARLY=1: kernels let the next one launch before they wait), k2048 (DS4_MMA=k2048: wq_b on the
+(DS4_SHARED_FORK=late: the side-stream shared expert forks after the router, not before), k2048
+(DS4_MMA=k2048: wq_b on the
 FMA kernel, the rule before session 9), noqf (DS4_QNORM_FUSED=0: q_norm in its own launch before wq_b
 instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k inside the routed kernels
 instead of its own launch), wobf16 (attn=fused_cuda_wo_bf16). On a machine without CUDA it runs on the CPU (a dry run of the script).
@@ -86,7 +86,6 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_ATTN_OVERLAP"] = "0" if "noaovl" in toks else "1"
     os.environ["DS4_ROUTER_FUSED"] = "1" if "rtr1" in toks else "0"
     os.environ["DS4_SHARED_FORK"] = "late" if "shlate" in toks else "early"
-    os.environ["DS4_PDL_EARLY"] = "1" if "early" in toks else "0"
     os.environ["DS4_QNORM_FUSED"] = "0" if "noqf" in toks else "1"
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
     runtime = "cuda_graph" if "graph" in toks else "eager"

@@ -428,14 +428,11 @@ def test_moe_kernels_route_from_logits(hash_layer, dim, inter, n_experts, e_loca
 
 
 @pytest.mark.parametrize("kroute", [False, True], ids=["topk_kernel", "route_in_moe"])
-@pytest.mark.parametrize("early", [False, True], ids=["pdl", "pdl_early"])
 @pytest.mark.parametrize("n", [1, 4])
-def test_fp4_topk_impl_end_to_end(n, early, kroute, monkeypatch):
-    """Router -> gate+up -> down as launched in a step; pdl_early: every kernel lets the next one launch
-    before it waits (DS4_PDL_EARLY), so the down kernel starts while the router may still run;
-    route_in_moe: captured one-token steps route inside the MoE kernels (DS4_ROUTE_IN_MOE=1)."""
+def test_fp4_topk_impl_end_to_end(n, kroute, monkeypatch):
+    """Router -> gate+up -> down as launched in a step; route_in_moe: captured one-token steps route
+    inside the MoE kernels (DS4_ROUTE_IN_MOE=1)."""
     from ds4.ops.moe_cuda import Fp4TopkMoE
-    monkeypatch.setenv("DS4_PDL_EARLY", "1" if early else "0")
     monkeypatch.setenv("DS4_ROUTE_IN_MOE", "1" if kroute else "0")
     g = gen(1200 + n)
     mw, (d1, d3, d2) = _moe_weights(g, offset=0, e_local=64, n_experts=64)
