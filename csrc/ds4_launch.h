@@ -13,8 +13,8 @@ int moe_max_tokens(int fmt, int topk, int dim, int inter);
 // Kernel choice of the GEMV / MoE launchers: FMA kernels (any format, 1..8 tokens) or tensor-core
 // kernels (mma_dot.cuh: FP8 / FP4, one token, K a multiple of 64 / 128). AUTO takes the tensor cores
 // for one-token FP4 products, for one-token FP8 products with K >= 2048, and for FP8 at K = 1024 with
-// O >= 16384 rows (wq_b: 9.84 us at depth 2 against 11.0 on the FMA kernel, H200,
-// experiments/decode_session8_h200.md); the indexer's wq_b (8192 x 1024) stays on the FMA kernel, which
+// O >= 16384 rows (wq_b: 10.19 us at depth 2 against 11.26 on the FMA kernel, H200,
+// experiments/decode_session9_h200.md, run 2); the indexer's wq_b (8192 x 1024) stays on the FMA kernel, which
 // measured faster there (experiments/decode_session5_h200.md). DS4_MMA=0 in the environment makes AUTO
 // always FMA, DS4_MMA=all always tensor cores where they apply, DS4_MMA=k2048 the FP8 rule before wq_b
 // moved (read at every launch, for the ablation). An explicit MMA request that does not apply returns

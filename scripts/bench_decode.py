@@ -14,17 +14,18 @@ symm (comm=symm_mem), nopdl (DS4_PDL=0: no programmatic dependent launch on sm_9
 the FMA kernels for the FP4 MoE too, instead of the tensor-core ones), mma8 (DS4_MMA=all: the
 tensor-core kernels for one-token FP8 products too), w1 / w2 / w4 (DS4_MMA_W: the widest run of
 16-B chunks a lane of the tensor-core kernels reads per row; without them the library default, 2), d8 / d4 /
-d2 (DS4_MMA_DEPTH: the chunks per lane and row those kernels keep in flight; without them the per-shape default), smem
+d2 (DS4_MMA_DEPTH: the chunks per lane and row those kernels keep in flight; without them the per-shape
+default), smem
 (DS4_MMA_LOAD=smem: those kernels stream the weights through shared memory with cp.async), noovl
 (DS4_SHARED_OVERLAP=0: the shared expert in line instead of on a side stream), nocovl
 (DS4_COMPRESS_OVERLAP=0: the compressor steps in line instead of on side streams), noaovl
 (DS4_ATTN_OVERLAP=0: the window write and the indexer in line instead of on side streams), rtr1
 (DS4_ROUTER_FUSED=1: the router in one fused launch instead of the BF16 GEMV + tail kernel), shlate
 (DS4_SHARED_FORK=late: the side-stream shared expert forks after the router, not before), k2048
-(DS4_MMA=k2048: wq_b on the
-FMA kernel, the rule before session 9), noqf (DS4_QNORM_FUSED=0: q_norm in its own launch before wq_b
-instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k inside the routed kernels
-instead of its own launch), wobf16 (attn=fused_cuda_wo_bf16). On a machine without CUDA it runs on the CPU (a dry run of the script).
+(DS4_MMA=k2048: wq_b on the FMA kernel, the rule before session 9), noqf (DS4_QNORM_FUSED=0: q_norm in
+its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k
+inside the routed kernels instead of its own launch), wobf16 (attn=fused_cuda_wo_bf16). On a machine
+without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
 """

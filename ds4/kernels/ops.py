@@ -13,8 +13,8 @@ from torch import Tensor
 
 FMT = {"bf16": 0, "fp8": 1, "fp4": 2}
 # "auto": tensor-core kernels for one-token FP4 products and one-token FP8 products with K >= 2048 or
-# with K >= 1024 and >= 16384 rows (csrc/ds4_launch.h; DS4_MMA=0 / all / k2048 overrides), FMA kernels otherwise; "fma" / "mma" force one (an
-# "mma" request it cannot serve raises).
+# with K >= 1024 and >= 16384 rows (csrc/ds4_launch.h; DS4_MMA=0 / all / k2048 overrides), FMA kernels
+# otherwise; "fma" / "mma" force one (an "mma" request it cannot serve raises).
 KERNEL = {"auto": 0, "fma": 1, "mma": 2}
 
 

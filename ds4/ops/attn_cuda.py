@@ -1,12 +1,12 @@
 """attn=fused_cuda (alias fused) and indexer=fused_cuda: CUDA kernels of the ds4_attn extension.
 
-Decode glue, one launch each: rms_norm (q_norm; in decode q_up folds it into wq_b's GEMV), head_rope (per-head norm + RoPE of q in prefill —
-in decode the attention kernel does it; RoPE of the indexer q), kv_store (kv_norm + RoPE + (qat) FP8
-nope + ring write), compress_step (state write, and on the completing step the pooled entry's norm +
-RoPE + (qat) FP8 + cache write, both decided per row on the device), compress_project (the
-compressor's BF16 [wkv; wgate] GEMV with fp32 output, through the ds4 GEMV kernel, so attn=fused_cuda
-needs both extensions). While a decode graph is captured, `branch` puts the compressors' steps, the
-window write and the indexer on side streams.
+Decode glue, one launch each: rms_norm (q_norm; in decode q_up folds it into wq_b's GEMV), head_rope
+(per-head norm + RoPE of q in prefill — in decode the attention kernel does it; RoPE of the indexer
+q), kv_store (kv_norm + RoPE + (qat) FP8 nope + ring write), compress_step (state write, and on the
+completing step the pooled entry's norm + RoPE + (qat) FP8 + cache write, both decided per row on the
+device), compress_project (the compressor's BF16 [wkv; wgate] GEMV with fp32 output, through the ds4
+GEMV kernel, so attn=fused_cuda needs both extensions). While a decode graph is captured, `branch`
+puts the compressors' steps, the window write and the indexer on side streams.
 Inputs these kernels do not take (CPU, non-bf16, the indexer compressor's qat Hadamard + FP4) run the
 TorchAttention twin: chosen by dtype / flag, never by values.
 
