@@ -147,9 +147,41 @@ void fill_moe(ds4::MoEArgs& a, int64_t fmt, const at::Tensor& w1, const std::opt
   }
 }
 
+// The router's tables for N tokens over E experts, top-k: hash layers (tid2eid) need token_ids, learned
+// layers the bias. Shared by ds4.router and the MoE kernels that route for themselves.
+struct RouteTables {
+  const float* bias = nullptr;
+  const void* tid2eid = nullptr;
+  bool tid64 = false;
+  const int64_t* token_ids = nullptr;
+};
+RouteTables route_tables(const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& tid2eid,
+                         const std::optional<at::Tensor>& token_ids, int64_t N, int64_t E, int64_t k,
+                         const char* what) {
+  RouteTables r;
+  if (tid2eid.has_value()) {
+    check_cuda(*tid2eid, "tid2eid");
+    TORCH_CHECK(token_ids.has_value(), what, ": hash routing needs token_ids");
+    check_cuda(*token_ids, "token_ids");
+    TORCH_CHECK(token_ids->scalar_type() == at::kLong && token_ids->numel() == N, what, ": token_ids int64 [N]");
+    TORCH_CHECK((tid2eid->scalar_type() == at::kInt || tid2eid->scalar_type() == at::kLong) && tid2eid->dim() == 2 &&
+                    tid2eid->size(1) == k && tid2eid->is_contiguous(),
+                what, ": tid2eid must be contiguous int32/int64 [vocab, topk]");
+    r.tid2eid = tid2eid->data_ptr();
+    r.tid64 = tid2eid->scalar_type() == at::kLong;
+    r.token_ids = static_cast<const int64_t*>(token_ids->data_ptr());
+  } else {
+    TORCH_CHECK(bias.has_value(), what, ": learned routing needs the bias");
+    check_cuda(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == E && bias->is_contiguous(),
+                what, ": bias must be contiguous f32 [E]");
+    r.bias = static_cast<const float*>(bias->data_ptr());
+  }
+  return r;
+}
+
 // Routing inside the one-token MoE kernels (MoEArgs::route_logits): the router GEMV's logits f32 [1, E]
-// and the router's bias (learned layers) or tid2eid + token_ids (hash layers), checked as ds4.router
-// checks them. No-op without route_logits.
+// and the router's tables (route_tables). No-op without route_logits.
 void fill_route(ds4::MoEArgs& a, const std::optional<at::Tensor>& logits, const std::optional<at::Tensor>& bias,
                 const std::optional<at::Tensor>& tid2eid, const std::optional<at::Tensor>& token_ids, double route_scale,
                 int64_t N, int64_t k, const char* what) {
@@ -159,24 +191,11 @@ void fill_route(ds4::MoEArgs& a, const std::optional<at::Tensor>& logits, const 
                   logits->is_contiguous(), what, ": route_logits must be contiguous f32 [1, E] (one token)");
   const int64_t E = logits->size(1);
   TORCH_CHECK(k >= 1 && k <= E, what, ": topk ", k, " out of range for ", E, " experts");
-  if (tid2eid.has_value()) {
-    check_cuda(*tid2eid, "tid2eid");
-    TORCH_CHECK(token_ids.has_value(), what, ": hash routing needs token_ids");
-    check_cuda(*token_ids, "token_ids");
-    TORCH_CHECK(token_ids->scalar_type() == at::kLong && token_ids->numel() == 1, what, ": token_ids int64 [1]");
-    TORCH_CHECK((tid2eid->scalar_type() == at::kInt || tid2eid->scalar_type() == at::kLong) && tid2eid->dim() == 2 &&
-                    tid2eid->size(1) == k && tid2eid->is_contiguous(),
-                what, ": tid2eid must be contiguous int32/int64 [vocab, topk]");
-    a.tid2eid = tid2eid->data_ptr();
-    a.tid64 = tid2eid->scalar_type() == at::kLong ? 1 : 0;
-    a.token_ids = static_cast<const int64_t*>(token_ids->data_ptr());
-  } else {
-    TORCH_CHECK(bias.has_value(), what, ": learned routing needs the bias");
-    check_cuda(*bias, "route_bias");
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == E && bias->is_contiguous(),
-                what, ": route_bias must be contiguous f32 [E]");
-    a.route_bias = static_cast<const float*>(bias->data_ptr());
-  }
+  const RouteTables r = route_tables(bias, tid2eid, token_ids, 1, E, k, what);
+  a.route_bias = r.bias;
+  a.tid2eid = r.tid2eid;
+  a.tid64 = r.tid64 ? 1 : 0;
+  a.token_ids = r.token_ids;
   a.route_logits = static_cast<const float*>(logits->data_ptr());
   a.n_experts = (int)E;
   a.route_scale = (float)route_scale;
@@ -358,29 +377,11 @@ std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor&
   } else {
     logits = gemv(x, gate, std::nullopt, FMT_BF16, 1, 0, true);
   }
-  const float* b = nullptr;
-  if (bias.has_value() && !tid2eid.has_value()) {
-    check_cuda(*bias, "bias");
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == E, "ds4.router: bias must be f32 [E]");
-    b = static_cast<const float*>(bias->data_ptr());
-  }
-  const void* tid = nullptr;
-  bool tid64 = false;
-  const int64_t* tok = nullptr;
-  if (tid2eid.has_value()) {
-    check_cuda(*tid2eid, "tid2eid");
-    TORCH_CHECK(token_ids.has_value(), "ds4.router: hash routing needs token_ids");
-    check_cuda(*token_ids, "token_ids");
-    TORCH_CHECK(token_ids->scalar_type() == at::kLong && token_ids->numel() == N, "ds4.router: token_ids int64 [N]");
-    TORCH_CHECK(tid2eid->dim() == 2 && tid2eid->size(1) == topk &&
-                    (tid2eid->scalar_type() == at::kLong || tid2eid->scalar_type() == at::kInt),
-                "ds4.router: tid2eid must be int32/int64 [vocab, topk]");
-    tid = tid2eid->data_ptr();
-    tid64 = tid2eid->scalar_type() == at::kLong;
-    tok = static_cast<const int64_t*>(token_ids->data_ptr());
-  } else {
-    TORCH_CHECK(bias.has_value(), "ds4.router: learned routing needs the bias");
-  }
+  const RouteTables r = route_tables(bias, tid2eid, token_ids, N, E, topk, "ds4.router");
+  const float* b = r.bias;
+  const void* tid = r.tid2eid;
+  const bool tid64 = r.tid64;
+  const int64_t* tok = r.token_ids;
   c10::cuda::CUDAGuard guard(x.device());
   auto w = at::empty({N, topk}, x.options().dtype(at::kFloat));
   auto ids = at::empty({N, topk}, x.options().dtype(at::kLong));

@@ -49,16 +49,17 @@ class MoE(WeightsModule):
     def forward(self, x: Tensor, token_ids: Tensor) -> Tensor:
         """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert."""
         moe = self.ops.moe
+
+        def start_shared():  # may start on a side stream, overlapping routing (unless late) and routed experts
+            with self.prof("moe.shared_up"):
+                return moe.shared_up(x, self.mw, act_quant=self.qat)
+
         late = getattr(moe, "shared_after_route", False)  # where a side-stream shared expert forks
-        up = None
-        if not late:
-            with self.prof("moe.shared_up"):  # may start on a side stream, overlapping routing and routed experts
-                up = moe.shared_up(x, self.mw, act_quant=self.qat)
+        up = None if late else start_shared()
         with self.prof("moe.gate"):
             w, ids = moe.route(x, token_ids, self.mw)
         if late:
-            with self.prof("moe.shared_up"):  # may start on a side stream, overlapping the routed experts
-                up = moe.shared_up(x, self.mw, act_quant=self.qat)
+            up = start_shared()
         if up is not None and self.comm.world == 1:
             with self.prof("moe.routed"):  # nothing to reduce: returns (routed + shared.float()).to(x.dtype)
                 return moe.routed(x, w, ids, self.mw, act_quant=self.qat, shared=up)

@@ -105,20 +105,18 @@ class Fp4TopkMoE:
     def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
         x2 = _bf16(x.reshape(-1, x.shape[-1]))
         gate = _bf16(mw.gate)
+        hashed = mw.tid2eid is not None  # hash layers: tid2eid[token]; learned layers: top-k of score + bias
+        bias = None if hashed else mw.bias.float().contiguous()
+        tid = mw.tid2eid.contiguous() if hashed else None
+        tok = token_ids.reshape(-1).to(torch.int64).contiguous() if hashed else None
         if self._defer_route(x2, gate, mw):
             # (weights, ids) are written by the gate+up launch of routed(), the only reader in a captured step
             logits = kernels.gemv(x2, gate, None, "bf16", out_f32=True)
-            tok = token_ids.reshape(-1).to(torch.int64).contiguous() if mw.tid2eid is not None else None
-            r = kernels.InKernelRoute(logits, None if mw.tid2eid is not None else mw.bias.float().contiguous(),
-                                      None if mw.tid2eid is None else mw.tid2eid.contiguous(), tok, mw.route_scale)
             w = torch.empty(1, mw.topk, device=x2.device, dtype=torch.float32)
             ids = torch.empty(1, mw.topk, device=x2.device, dtype=torch.int64)
-            self._deferred = (ids, r)
+            self._deferred = (ids, kernels.InKernelRoute(logits, bias, tid, tok, mw.route_scale))
             return w, ids
-        if mw.tid2eid is not None:
-            tok = token_ids.reshape(-1).to(torch.int64).contiguous()
-            return kernels.router(x2, gate, None, mw.tid2eid.contiguous(), tok, mw.topk, mw.route_scale)
-        return kernels.router(x2, gate, mw.bias.float().contiguous(), None, None, mw.topk, mw.route_scale)
+        return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale)
 
     def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool,
                          shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None) -> Tensor:
