@@ -16,7 +16,10 @@
 
 namespace {
 
-constexpr int64_t FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2;
+constexpr int64_t FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3;
+// fp4p: MXFP4 with permuted words (ds4_common.cuh fp4p_regs; the routed experts' layout after
+// ds4.quant.formats.pack_fp4_mma): the same shapes and scales as fp4.
+bool is_fp4(int64_t fmt) { return fmt == FMT_FP4 || fmt == FMT_FP4P; }
 
 void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "ds4: ", name, " must be a CUDA tensor");
@@ -36,7 +39,7 @@ void check_weight(const at::Tensor& w, int64_t fmt, const char* name) {
   }
 }
 
-int64_t logical_in(const at::Tensor& w, int64_t fmt) { return w.size(-1) * (fmt == FMT_FP4 ? 2 : 1); }
+int64_t logical_in(const at::Tensor& w, int64_t fmt) { return w.size(-1) * (is_fp4(fmt) ? 2 : 1); }
 
 int64_t scale_ld(const std::optional<at::Tensor>& s, int64_t fmt, const char* name) {
   if (fmt == FMT_BF16) return 0;
@@ -54,6 +57,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   check_cuda(w, "w");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "ds4.gemv: x must be bf16 [N, K]");
   TORCH_CHECK(w.dim() == 2, "ds4.gemv: w must be 2-D");
+  TORCH_CHECK(fmt >= FMT_BF16 && fmt <= FMT_FP4, "ds4.gemv: fmt ", fmt, " is not a dense weight format (bf16, fp8, fp4; "
+              "fp4p is the routed experts' layout, for the MoE kernels)");
   check_weight(w, fmt, "w");
   const int64_t O = w.size(0), K = logical_in(w, fmt), N = x.size(0);
   TORCH_CHECK(groups >= 1 && O % groups == 0, "ds4.gemv: rows must split into groups");
@@ -135,6 +140,7 @@ void fill_moe(ds4::MoEArgs& a, int64_t fmt, const at::Tensor& w1, const std::opt
               const at::Tensor& w3, const std::optional<at::Tensor>& s3, const at::Tensor& w2,
               const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& ptrs, int64_t expert_offset,
               int64_t n_local) {
+  TORCH_CHECK(fmt >= FMT_BF16 && fmt <= FMT_FP4P, "ds4.moe: unknown fmt ", fmt);
   a.fmt = (int)fmt;
   a.expert_offset = (int)expert_offset;
   a.n_local = (int)n_local;
@@ -238,7 +244,7 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
     if (fmt != FMT_BF16) {
       TORCH_CHECK(s3.has_value() && s3->sizes() == s1->sizes(), "ds4.moe_gate_up: s1/s3 shapes");
       if (fmt == FMT_FP8) TORCH_CHECK(s_ld == (dim + 127) / 128 && s1->size(-2) == (inter + 127) / 128, "fp8 scale shape");
-      if (fmt == FMT_FP4) TORCH_CHECK(s_ld == dim / 32 && s1->size(-2) == inter, "fp4 scale shape");
+      if (is_fp4(fmt)) TORCH_CHECK(s_ld == dim / 32 && s1->size(-2) == inter, "fp4 scale shape");
       check_cuda(*s3, "s3");
     }
     a.W1 = w1.data_ptr();
@@ -315,7 +321,7 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
   if (!ptrs.has_value()) {
     const int64_t s_ld = scale_ld(s2, fmt, "w2");
     if (fmt == FMT_FP8) TORCH_CHECK(s_ld == (inter + 127) / 128 && s2->size(-2) == (dim + 127) / 128, "fp8 scale shape");
-    if (fmt == FMT_FP4) TORCH_CHECK(s_ld == inter / 32 && s2->size(-2) == dim, "fp4 scale shape");
+    if (is_fp4(fmt)) TORCH_CHECK(s_ld == inter / 32 && s2->size(-2) == dim, "fp4 scale shape");
     a.W2 = w2.data_ptr();
     a.S2 = opt_ptr(s2);
     a.w2_estride = w2.dim() == 3 ? w2.stride(0) * w2.element_size() : 0;

@@ -29,7 +29,7 @@ int mma_max_width();
 int mma_depth(int K, bool grouped);
 
 // out[t, o] = sum_k x[t, xoff(o) + k] * W[o, k]   (t < n_tok <= 8)
-// fmt 0 bf16 / 1 fp8 (E4M3 + E8M0 128x128) / 2 fp4 (E2M1 pairs + E8M0 per 32).
+// fmt 0 bf16 / 1 fp8 (E4M3 + E8M0 128x128) / 2 fp4 (E2M1 pairs + E8M0 per 32); not 3 (fp4p: MoE only).
 // group_rows > 0: row o reads x columns [(o / group_rows) * K, +K) (grouped wo_a); else xoff = 0.
 cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok,
                         const void* W, const void* S, int s_ld, void* out, bool out_f32, long out_ld,
@@ -47,6 +47,7 @@ cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const voi
 // token that selected it: h[t*topk + j, :] = bf16(silu(min(g, lim)) * clamp(u, +-lim) * rw[t, j]).
 // ids == nullptr: one expert (the shared one), topk must be 1, rw may be nullptr (weight 1).
 // ptrs != nullptr (bf16 only): weights of local expert e at ptrs[3e+0] (w1), ptrs[3e+1] (w3).
+// fmt: 0 bf16 / 1 fp8 / 2 fp4 / 3 fp4p (fp4 with the permuted words of ds4_common.cuh's fp4p_regs).
 struct MoEArgs {
   int fmt = 2;
   int n_tok = 1, topk = 1;

@@ -237,7 +237,7 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
 bool mma_auto(int fmt, int K, int O) {
   const char* env = std::getenv("DS4_MMA");
   if (env && env[0] == '0') return false;
-  if (fmt == FMT_FP4 || (env && std::strcmp(env, "all") == 0)) return true;
+  if (fmt_fp4(fmt) || (env && std::strcmp(env, "all") == 0)) return true;
   // DS4_MMA=k2048: the rule before wq_b moved (FP8 rows of K >= 2048 only), for the ablation
   const bool wide_only = env && std::strcmp(env, "k2048") == 0;
   return fmt == FMT_FP8 && (K >= 2048 || (!wide_only && K >= 1024 && O >= 16384));
@@ -284,7 +284,8 @@ static cudaError_t gemv_nt(int n_tok, const void* x, long x_ld, const void* W, c
 cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok, const void* W, const void* S,
                         int s_ld, void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
                         cudaStream_t st) {
-  if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1) return cudaErrorInvalidValue;
+  // FMT_FP4P is the routed experts' layout (moe.cu); dense weights keep the stored one
+  if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1 || fmt == FMT_FP4P) return cudaErrorInvalidValue;
   // tensor cores: one token, whole rounds, 16-row tiles inside groups, a tile's activations (two
   // groups' when grouped) in shared memory
   const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K) && (group_rows <= 0 || group_rows % 16 == 0) &&

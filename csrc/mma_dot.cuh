@@ -43,6 +43,7 @@ template <> struct Mma<FMT_FP4> {
   static constexpr int VALS = 32;
   static constexpr float POST = 4611686018427387904.0f;  // 2^62 = 2^126 / 2^64
 };
+template <> struct Mma<FMT_FP4P> : Mma<FMT_FP4> {};
 
 // E4M3 bytes at bits 15..8 and 31..24 -> bf16x2 (x 2^-120)
 __device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint32_t q) {
@@ -94,6 +95,22 @@ __device__ __forceinline__ void mma_chunk<FMT_FP4>(const uint4& wg, const uint4&
               fp4x2_to_bf16x2(qb[w] << 8), b.x, b.y);
     mma_16816(d, fp4x2_to_bf16x2(qa[w] << 4), fp4x2_to_bf16x2(qb[w] << 4), fp4x2_to_bf16x2(qa[w]),
               fp4x2_to_bf16x2(qb[w]), b.z, b.w);
+  }
+}
+
+// The same products from FMT_FP4P words (fp4p_regs, ds4_common.cuh): register i = (n_i, n_{i+4}), the
+// pairs mma_chunk<FMT_FP4> feeds, so the staged B values are the same.
+template <>
+__device__ __forceinline__ void mma_chunk<FMT_FP4P>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
+  const uint32_t qa[4] = {wg.x, wg.y, wg.z, wg.w}, qb[4] = {wg8.x, wg8.y, wg8.z, wg8.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint4 b = xb[w];
+    uint32_t ra[4], rb[4];
+    fp4p_regs(qa[w], ra);
+    fp4p_regs(qb[w], rb);
+    mma_16816(d, ra[0], rb[0], ra[1], rb[1], b.x, b.y);
+    mma_16816(d, ra[2], rb[2], ra[3], rb[3], b.z, b.w);
   }
 }
 
@@ -183,7 +200,7 @@ __host__ __device__ constexpr int mma_part_floats(int nt) { return nt * MMA_STRE
 // the segment changes; a slot's activation offset, tile and last-round flag share one register).
 template <int FMT, int U, int W, typename TileFn>
 struct MmaStream {
-  static constexpr int SC = FMT == FMT_FP4 ? W : 1;  // scale registers per slot
+  static constexpr int SC = fmt_fp4(FMT) ? W : 1;  // scale registers per slot
   TileFn tile;
   const __nv_bfloat16* xbase;
   int nseg, nr, s_ld, n;  // n = rounds of this warp
@@ -284,7 +301,7 @@ struct MmaStream {
 
   __device__ __forceinline__ void run(float* part) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const bool has_b = FMT == FMT_FP4 ? g == t : (W == 4 ? g == (t >> 1) : g == 0);
+    const bool has_b = fmt_fp4(FMT) ? g == t : (W == 4 ? g == (t >> 1) : g == 0);
     float acc0 = 0.f, acc1 = 0.f;
     for (int i0 = 0; i0 < n; i0 += U) {
 #pragma unroll
@@ -352,7 +369,7 @@ constexpr int MMA_SMEM_ROUNDS = MMA_STREAM_WARPS;  // rounds per stage: one per 
 
 template <int W> __host__ __device__ constexpr int mma_smem_row_bytes() { return 512 * W + (W == 1 ? 64 : 16); }
 template <int FMT, int W> __host__ __device__ constexpr int mma_smem_scale_bytes() {
-  return FMT == FMT_FP4 ? 16 * 32 * W : 32;
+  return fmt_fp4(FMT) ? 16 * 32 * W : 32;
 }
 template <int FMT, int W> __host__ __device__ constexpr int mma_smem_stage_bytes() {
   return 16 * mma_smem_row_bytes<W>() + mma_smem_scale_bytes<FMT, W>();
@@ -422,7 +439,7 @@ struct MmaSmemStream {
       cp_async16(b + r * RB + c * 16, p.W + row * rowb + (long)r0 * 64 * W + c * 16);
     }
     uint8_t* sb = b + 16 * RB;
-    if (FMT == FMT_FP4) {  // per row: the scale bytes of chunks 4 W r0 .. 4 W (r0 + nrs), 4-byte aligned
+    if (fmt_fp4(FMT)) {  // per row: the scale bytes of chunks 4 W r0 .. 4 W (r0 + nrs), 4-byte aligned
       const int words = nrs * W;  // 4 W bytes per round
       for (int q = threadIdx.x; q < 16 * words; q += blockDim.x) {
         const int r = q / words, c = q - r * words;
@@ -451,7 +468,7 @@ struct MmaSmemStream {
 
   __device__ __forceinline__ void run(float* part) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const bool has_b = FMT == FMT_FP4 ? g == t : g == 0;
+    const bool has_b = fmt_fp4(FMT) ? g == t : g == 0;
     float acc0 = 0.f, acc1 = 0.f;
     for (int i = 0; i < ns; ++i) {
       cp_async_wait<MMA_SMEM_STAGES - 2>();  // this thread's copies of stage i have landed
@@ -543,7 +560,7 @@ __device__ __forceinline__ float mma_part_sum(const float* part, int tl, int r) 
 // Whether the MMA path takes a 1-token product of a K-wide row (FP8 / FP4 only).
 __host__ __device__ inline bool mma_shape_ok(int fmt, int K) {
   if (fmt == FMT_FP8) return K % (4 * 16) == 0;
-  if (fmt == FMT_FP4) return K % (4 * 32) == 0;
+  if (fmt_fp4(fmt)) return K % (4 * 32) == 0;
   return false;
 }
 

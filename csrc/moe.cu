@@ -448,7 +448,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
 }
 
 static bool moe_mma_ok(const MoEArgs& a) {
-  if ((a.fmt != FMT_FP8 && a.fmt != FMT_FP4) || a.ptrs || a.n_tok != 1 || a.topk > 32) return false;
+  if ((a.fmt != FMT_FP8 && !fmt_fp4(a.fmt)) || a.ptrs || a.n_tok != 1 || a.topk > 32) return false;
   if (!mma_shape_ok(a.fmt, a.dim) || !mma_shape_ok(a.fmt, a.inter)) return false;
   const long part = 4L * mma_part_floats(MMA_STREAM_MAX_TILES);
   return part + 2L * a.dim <= MOE_MMA_SMEM_CAP && part + 2L * a.topk * a.inter <= MOE_MMA_SMEM_CAP;
@@ -532,11 +532,13 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStr
   if (mma)
     return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), mma_depth(a.dim, false), [&](auto cw, auto u) {
       constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
-      return a.fmt == FMT_FP8 ? gate_up_mma_go<FMT_FP8, U, CW>(a, x, h, st)
-                              : gate_up_mma_go<FMT_FP4, U, CW>(a, x, h, st);
+      if (a.fmt == FMT_FP8) return gate_up_mma_go<FMT_FP8, U, CW>(a, x, h, st);
+      return a.fmt == FMT_FP4P ? gate_up_mma_go<FMT_FP4P, U, CW>(a, x, h, st)
+                               : gate_up_mma_go<FMT_FP4, U, CW>(a, x, h, st);
     });
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return gate_up_nt<FMT_FP4>(a, x, h, st);
+  if (a.fmt == FMT_FP4P) return gate_up_nt<FMT_FP4P>(a, x, h, st);
   if (a.fmt == FMT_FP8) return gate_up_nt<FMT_FP8>(a, x, h, st);
   if (a.fmt == FMT_BF16) return gate_up_nt<FMT_BF16>(a, x, h, st);
   return cudaErrorInvalidValue;
@@ -572,12 +574,16 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, vo
       if (a.fmt == FMT_FP8)
         return out_f32 ? down_mma_go<FMT_FP8, U, CW, true>(a, h, add, out, st)
                        : down_mma_go<FMT_FP8, U, CW, false>(a, h, add, out, st);
+      if (a.fmt == FMT_FP4P)
+        return out_f32 ? down_mma_go<FMT_FP4P, U, CW, true>(a, h, add, out, st)
+                       : down_mma_go<FMT_FP4P, U, CW, false>(a, h, add, out, st);
       return out_f32 ? down_mma_go<FMT_FP4, U, CW, true>(a, h, add, out, st)
                      : down_mma_go<FMT_FP4, U, CW, false>(a, h, add, out, st);
     });
   }
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return out_f32 ? down_nt<FMT_FP4, true>(a, h, add, out, st) : down_nt<FMT_FP4, false>(a, h, add, out, st);
+  if (a.fmt == FMT_FP4P) return out_f32 ? down_nt<FMT_FP4P, true>(a, h, add, out, st) : down_nt<FMT_FP4P, false>(a, h, add, out, st);
   if (a.fmt == FMT_FP8) return out_f32 ? down_nt<FMT_FP8, true>(a, h, add, out, st) : down_nt<FMT_FP8, false>(a, h, add, out, st);
   if (a.fmt == FMT_BF16) return out_f32 ? down_nt<FMT_BF16, true>(a, h, add, out, st) : down_nt<FMT_BF16, false>(a, h, add, out, st);
   return cudaErrorInvalidValue;

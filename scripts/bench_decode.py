@@ -24,7 +24,8 @@ default), smem
 (DS4_SHARED_FORK=late: the side-stream shared expert forks after the router, not before), k2048
 (DS4_MMA=k2048: wq_b on the FMA kernel, the rule before session 9), noqf (DS4_QNORM_FUSED=0: q_norm in
 its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k
-inside the routed kernels instead of its own launch), wobf16 (attn=fused_cuda_wo_bf16). On a machine
+inside the routed kernels instead of its own launch), nopack (the routed experts in the checkpoint's FP4
+layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), wobf16 (attn=fused_cuda_wo_bf16). On a machine
 without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -32,6 +33,7 @@ it exists so a short device lease measures many variants without regenerating 14
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -41,6 +43,8 @@ import torch
 from ds4 import dist as ddist
 from ds4.model.args import preset
 from ds4.model.transformer import Transformer
+from ds4.ops.base import MoEWeights, QWeight
+from ds4.quant import unpack_fp4_mma
 from ds4.registry import Impls, ImplUnavailable, build_ops
 from ds4.runtime.generate import Generator
 from ds4.tasks.common import copy_bandwidth, decode_figures, graph_figures
@@ -58,6 +62,18 @@ def impls_of(tokens: set[str]) -> Impls:
     return Impls(**kw)
 
 
+def stored_fp4_layout(model) -> None:
+    """Undo moe=fp4_topk's fp4p word layout in place (every MoE layer), back to the checkpoint's."""
+    for mod in model.modules():
+        mw = getattr(mod, "mw", None)
+        if isinstance(mw, MoEWeights) and mw.w1.fmt == "fp4p":
+            plain = {n: QWeight("fp4", unpack_fp4_mma(q.weight, out=q.weight), q.scale)
+                     for n, q in (("w1", mw.w1), ("w2", mw.w2), ("w3", mw.w3))}
+            mod.mw = dataclasses.replace(mw, **plain)
+            for n, q in plain.items():
+                setattr(mod, n, q)
+
+
 def run_variant(model, name, prompt, new_tokens, bw, world):
     toks = set(name.split("+"))
     ops = build_ops(impls_of(toks), model.device)
@@ -65,6 +81,11 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     if world > 1:
         comm = ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", "symm_mem" if "symm" in toks else "nccl",
                                     device=model.device)
+    # nopack: the routed experts in the stored FP4 layout (as DS4_FP4_PACK=0 at load); other variants
+    # re-lay them as fp4p through configure() (moe=fp4_topk's prepare)
+    os.environ["DS4_FP4_PACK"] = "0" if "nopack" in toks else "1"
+    if "nopack" in toks:
+        stored_fp4_layout(model)
     model.configure(ops=ops, comm=comm)
     # nopdl: the ds4 kernels launched without programmatic dependent launch (read at each launch)
     os.environ["DS4_PDL"] = "0" if "nopdl" in toks else "1"

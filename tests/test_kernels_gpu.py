@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 kernels = require_extension("ds4.kernels")  # skips this module without CUDA
 
 from ds4.ops.base import MoEWeights, QWeight  # noqa: E402
-from ds4.quant import dequant_fp4, dequant_fp8  # noqa: E402
+from ds4.quant import dequant_fp4, dequant_fp8, pack_fp4_mma  # noqa: E402
 
 
 def rand_fp8(shape, g):
@@ -235,12 +235,16 @@ def ref_routed(x, weights, ids, w1, w3, w2, offset, limit):
 
 
 def make_experts(e_local, dim, inter, g, fmt="fp4"):
-    mk = rand_fp4_weight if fmt == "fp4" else rand_fp8_weight
+    """Stacked experts in `fmt` ("fp4p": random FP4 bytes, then pack_fp4_mma) and their dequantised values."""
+    mk = rand_fp8_weight if fmt == "fp8" else rand_fp4_weight
     w1, s1 = mk(inter, dim, g, (e_local,))
     w3, s3 = mk(inter, dim, g, (e_local,))
     w2, s2 = mk(dim, inter, g, (e_local,))
-    dq = dequant_fp4 if fmt == "fp4" else dequant_fp8
-    return (w1, s1, w3, s3, w2, s2), tuple(dq(w, s, torch.float32) for w, s in ((w1, s1), (w3, s3), (w2, s2)))
+    dq = dequant_fp8 if fmt == "fp8" else dequant_fp4
+    deq = tuple(dq(w, s, torch.float32) for w, s in ((w1, s1), (w3, s3), (w2, s2)))
+    if fmt == "fp4p":
+        w1, w3, w2 = (pack_fp4_mma(w) for w in (w1, w3, w2))
+    return (w1, s1, w3, s3, w2, s2), deq
 
 
 MOE_CASES = {
@@ -253,12 +257,13 @@ MOE_CASES = {
 }
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "fp4p"])
 @pytest.mark.parametrize("case", list(MOE_CASES))
 @pytest.mark.parametrize("dims", [(4096, 2048), (512, 256)])
-def test_moe_routed_fp4(case, dims):
+def test_moe_routed_fp4(case, dims, fmt):
     dim, inter = dims
     g = gen(hash((case, dims)) % 10_000)
-    (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = make_experts(16, dim, inter, g)
+    (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = make_experts(16, dim, inter, g, fmt)
     n, ids = MOE_CASES[case]
     if ids is None:
         ids = torch.randint(26, 54, (n, 6), device=DEV, generator=g)  # mixes local / non-local
@@ -268,9 +273,9 @@ def test_moe_routed_fp4(case, dims):
     x = rand_x(n, dim, g)
     ref = ref_routed(x, weights, ids, d1, d3, d2, 32, 10.0)
     poison()
-    h = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, "fp4", 32, 16, 10.0)
+    h = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, fmt, 32, 16, 10.0)
     poison()
-    y = kernels.moe_down(h, ids, 6, w2, s2, "fp4", 32, 16, None, True)
+    y = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, None, True)
     assert y.dtype == torch.float32 and y.shape == (n, dim)
     assert torch.isfinite(y).all()
     if ref.norm() == 0:
@@ -280,8 +285,38 @@ def test_moe_routed_fp4(case, dims):
     # a bf16 add (the finished shared expert): bf16(fp32 sum + add), the sum not rounded first
     addb = rand_x(n, dim, g)
     poison()
-    yb = kernels.moe_down(h, ids, 6, w2, s2, "fp4", 32, 16, addb, False)
+    yb = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, addb, False)
     assert yb.dtype == torch.bfloat16 and torch.equal(yb, (y + addb.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernel,n", [("fma", 1), ("fma", 3), ("fma", 8), ("mma", 1), ("auto", 1)])
+@pytest.mark.parametrize("dims", [(4096, 2048), (512, 384)])
+def test_moe_fp4p_layout_bit_exact(kernel, n, dims):
+    """The permuted-word layout decodes to the same values in the same order: the fp4p kernels give the
+    fp4 kernels' h and output bit for bit (FMA kernels for 1-8 tokens, tensor-core kernels for one)."""
+    dim, inter = dims
+    g = gen(4242 + n + dim)
+    (w1, s1, w3, s3, w2, s2), _ = make_experts(16, dim, inter, g, "fp4")
+    p1, p3, p2 = (pack_fp4_mma(w) for w in (w1, w3, w2))
+    assert not torch.equal(p1, w1)
+    ids = torch.randint(26, 54, (n, 6), device=DEV, generator=g)
+    weights = torch.rand(n, 6, device=DEV, generator=g) + 0.1
+    x = rand_x(n, dim, g)
+    h = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, "fp4", 32, 16, 10.0, kernel=kernel)
+    poison()
+    hp = kernels.moe_gate_up(x, ids, weights, p1, s1, p3, s3, "fp4p", 32, 16, 10.0, kernel=kernel)
+    assert torch.equal(hp, h)
+    y = kernels.moe_down(h, ids, 6, w2, s2, "fp4", 32, 16, None, True, kernel=kernel)
+    poison()
+    yp = kernels.moe_down(h, ids, 6, p2, s2, "fp4p", 32, 16, None, True, kernel=kernel)
+    assert torch.equal(yp, y) and torch.isfinite(y).all()
+
+
+def test_gemv_rejects_fp4p():
+    g = gen(77)
+    w, s = rand_fp4_weight(256, 1024, g)
+    with pytest.raises(RuntimeError, match="not a dense weight format"):
+        kernels.gemv(rand_x(1, 1024, g), pack_fp4_mma(w), s, "fp4p")
 
 
 ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": [31, 32, 47, 48, 0, 63],
@@ -291,7 +326,7 @@ ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": 
 @pytest.mark.parametrize("kernel,width,depth", MMA_SHAPES)
 @pytest.mark.parametrize("case", list(ONE_TOKEN_IDS))
 @pytest.mark.parametrize("fmt,dims", [("fp4", (4096, 2048)), ("fp4", (512, 384)), ("fp8", (1024, 512)),
-                                      ("fp8", (768, 384))])
+                                      ("fp8", (768, 384)), ("fp4p", (4096, 2048)), ("fp4p", (512, 384))])
 def test_moe_one_token_kernels(kernel, width, depth, case, fmt, dims, monkeypatch):
     set_mma_shape(monkeypatch, width, depth)
     dim, inter = dims
@@ -425,6 +460,32 @@ def test_moe_kernels_route_from_logits(hash_layer, dim, inter, n_experts, e_loca
         x2 = rand_x(2, dim, g)
         kernels.moe_gate_up(x2, ids.expand(2, -1).contiguous(), w.expand(2, -1).contiguous(), w1, s1, w3, s3, "fp4",
                             offset, e_local, 10.0, route=r)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_fp4_topk_prepare_packs_in_place(n, monkeypatch):
+    """moe=fp4_topk's prepare() re-lays the routed experts as fp4p in place (same storage); its kernels and
+    the dequantising reference then give what they gave on the stored layout, bit for bit;
+    DS4_FP4_PACK=0 leaves the weights alone."""
+    from ds4.ops.moe_cuda import Fp4TopkMoE
+    from ds4.ops.moe_torch import DequantMoE
+    g = gen(1300 + n)
+    mw, _ = _moe_weights(g, offset=0, e_local=64, n_experts=64)
+    impl = Fp4TopkMoE()
+    monkeypatch.setenv("DS4_FP4_PACK", "0")
+    assert impl.prepare(mw) is mw
+    monkeypatch.delenv("DS4_FP4_PACK")
+    x = rand_x(n, 512, g)
+    w, ids = impl.route(x, torch.zeros(n, dtype=torch.int64, device=DEV), mw)
+    y_nat, y_ref = impl.routed(x, w, ids, mw), DequantMoE().routed(x, w, ids, mw)
+    stored = mw.w1.weight.clone()
+    ptr = mw.w1.weight.data_ptr()
+    mp = impl.prepare(mw)
+    assert mp.w1.fmt == mp.w2.fmt == mp.w3.fmt == "fp4p" and mp.w1.weight.data_ptr() == ptr
+    assert torch.equal(mp.w1.weight, pack_fp4_mma(stored))
+    assert torch.equal(impl.routed(x, w, ids, mp), y_nat)
+    assert torch.equal(DequantMoE().routed(x, w, ids, mp), y_ref)
+    assert impl.prepare(mp) is mp  # already laid out
 
 
 @pytest.mark.parametrize("kroute", [False, True], ids=["topk_kernel", "route_in_moe"])

@@ -212,3 +212,39 @@ def test_load_weights_consume_frees_the_stacked_expert_originals():
         assert torch.equal(a.ffn.mw.w1.weight, b.ffn.mw.w1.weight)
     with pytest.raises(TypeError, match="needs a dict"):
         Transformer(args, torch_reference_ops(), "plain", torch.float32).load_weights(MappingProxyType(w), consume=True)
+
+
+def test_moe_implementation_lays_out_its_experts_at_load_and_on_configure():
+    """An MoE implementation with prepare() (moe=fp4_topk: the fp4p word layout, on CUDA) re-lays the routed
+    experts when the model loads and when configure() switches to it; the MoE module's attributes follow,
+    and readers that dequantise (here the reference itself) give the same logits."""
+    import dataclasses
+
+    from ds4.ops.base import QWeight
+    from ds4.ops.moe_torch import DequantMoE
+    from ds4.quant import pack_fp4_mma
+
+    class PackingMoE(DequantMoE):
+        calls = 0
+
+        def prepare(self, mw):
+            PackingMoE.calls += 1
+            if mw.w1.fmt != "fp4":
+                return mw
+            return dataclasses.replace(mw, **{n: QWeight("fp4p", pack_fp4_mma(getattr(mw, n).weight),
+                                                         getattr(mw, n).scale) for n in ("w1", "w2", "w3")})
+
+    a = tiny()
+    assert a.expert_dtype == "fp4"
+    seq = [(7 * i + 3) % a.vocab_size for i in range(20)]
+    ref = build(a, seed=5)
+    want = Generator(ref, 1, 32).prefill([seq])[0]
+    packing = dataclasses.replace(torch_reference_ops(), moe=PackingMoE())
+    m = Transformer(a, packing, "plain", torch.float32)
+    m.load_weights(random_weights(a, seed=5, include_mtp=False))
+    ffn = m.layers[0].ffn
+    assert ffn.mw.w1.fmt == "fp4p" and ffn.w1 is ffn.mw.w1 and PackingMoE.calls == a.n_layers
+    assert torch.equal(Generator(m, 1, 32).prefill([seq])[0], want)
+    ref.configure(ops=packing)
+    assert ref.layers[-1].ffn.mw.w2.fmt == "fp4p"
+    assert torch.equal(Generator(ref, 1, 32).prefill([seq])[0], want)

@@ -26,11 +26,13 @@ from ds4.quant import (
     fp8_e4m3_encode,
     hadamard,
     pack_fp4,
+    pack_fp4_mma,
     quant_fp4,
     quant_fp8,
     random_fp4,
     random_fp8,
     unpack_fp4,
+    unpack_fp4_mma,
 )
 
 E4M3 = torch.float8_e4m3fn
@@ -153,6 +155,49 @@ def test_pack_unpack_order():
         pack_fp4(torch.tensor([16, 0], dtype=torch.uint8))
     with pytest.raises(ValueError):
         pack_fp4(torch.tensor([1, 2, 3], dtype=torch.uint8))
+
+
+def _bf16_bits_value(u: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (u & 0xFFFF) << 16))[0]
+
+
+def test_fp4_mma_layout_decodes_like_the_kernels():
+    """pack_fp4_mma's words, decoded the way csrc/ds4_common.cuh's fp4p_regs does (rotations and masks,
+    written out here in pure Python), give every element's E2M1 value x 2^-126 in the A-fragment pairs
+    (element i, element i + 4); the permutation round-trips and works in place."""
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    rotl = lambda q, s: ((q << s) | (q >> (32 - s))) & 0xFFFFFFFF if s else q  # noqa: E731
+    M = 0x81C081C0
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-128, 128, (2, 3, 48), generator=g, dtype=torch.int8)
+    w[0, 0, :4] = torch.tensor([-1, -1, -1, -1], dtype=torch.int8)  # all ones: every bit must land once
+    p = pack_fp4_mma(w)
+    assert p.shape == w.shape and p.dtype == w.dtype and not torch.equal(p, w)
+    exact(unpack_fp4_mma(p), w)
+    for q, qn in zip(p.view(torch.int32).flatten().tolist(), w.view(torch.int32).flatten().tolist()):
+        q, qn = q & 0xFFFFFFFF, qn & 0xFFFFFFFF
+        regs = [q & M, rotl(q, 4) & M, rotl(q, 10) & M, (rotl(q, 6) & 0x80C080C0) | (rotl(q, 14) & 0x01000100)]
+        for i, r in enumerate(regs):
+            for half, elem in ((r, i), (r >> 16, i + 4)):
+                code = (qn >> (4 * elem)) & 0xF
+                want = (-1.0 if code & 8 else 1.0) * e2m1[code & 7]
+                assert _bf16_bits_value(half) * 2.0 ** 126 == want, (hex(q), i, elem)
+    inplace = w.clone()
+    assert pack_fp4_mma(inplace, out=inplace).data_ptr() == inplace.data_ptr()
+    exact(inplace, p)
+    with pytest.raises(ValueError, match="whole 4-byte words"):
+        pack_fp4_mma(torch.zeros(4, 6, dtype=torch.int8))
+
+
+def test_qweight_fp4p_dequantises_like_fp4():
+    from ds4.ops.base import QWeight
+    g = torch.Generator().manual_seed(4)
+    w = torch.randint(-128, 128, (3, 40, 32), generator=g, dtype=torch.int8)
+    s = torch.randint(118, 130, (3, 40, 2), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    a, b = QWeight("fp4", w, s), QWeight("fp4p", pack_fp4_mma(w), s)
+    assert b.in_features == a.in_features == 64
+    exact(b.dequant(), a.dequant())
+    exact(b[1].dequant(torch.bfloat16), a[1].dequant(torch.bfloat16))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Thin typed wrappers over torch.ops.ds4.* (the extension is loaded on first use).
 
-fmt codes: "bf16" -> 0, "fp8" -> 1 (E4M3 + E8M0 128x128), "fp4" -> 2 (E2M1 pairs + E8M0 per 32).
+fmt codes: "bf16" -> 0, "fp8" -> 1 (E4M3 + E8M0 128x128), "fp4" -> 2 (E2M1 pairs + E8M0 per 32),
+"fp4p" -> 3 (fp4 with the permuted words of ds4.quant.pack_fp4_mma; the MoE kernels only).
 All kernels take BF16 activations and accumulate in fp32; they handle 1..8 tokens per launch and
 loop over token chunks beyond that (callers send prefill-sized batches elsewhere).
 """
@@ -11,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-FMT = {"bf16": 0, "fp8": 1, "fp4": 2}
+FMT = {"bf16": 0, "fp8": 1, "fp4": 2, "fp4p": 3}
 # "auto": tensor-core kernels for one-token FP4 products and one-token FP8 products with K >= 2048 or
 # with K >= 1024 and >= 16384 rows (csrc/ds4_launch.h; DS4_MMA=0 / all / k2048 overrides), FMA kernels
 # otherwise; "fma" / "mma" force one (an "mma" request it cannot serve raises).

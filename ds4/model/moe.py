@@ -45,6 +45,16 @@ class MoE(WeightsModule):
             shared_w3=self.take_linear("shared_w3", t, f"{p}.shared_experts.w3", sfmt),
             n_experts=a.n_routed_experts, expert_offset=local[0], topk=a.n_activated_experts,
             route_scale=a.route_scale, swiglu_limit=a.swiglu_limit)
+        self.prepare_weights()
+
+    def prepare_weights(self) -> None:
+        """Let the MoE implementation lay out the routed experts its own way (moe=fp4_topk: the fp4p
+        word layout, in place); every other reader dequantises through QWeight, which knows the layout."""
+        prepare = getattr(self.ops.moe, "prepare", None)
+        if prepare is not None and hasattr(self, "mw"):  # (configure() may run before load)
+            self.mw = prepare(self.mw)
+            for name in ("w1", "w2", "w3"):  # the attributes describe the same (possibly re-laid) bytes
+                setattr(self, name, getattr(self.mw, name))
 
     def forward(self, x: Tensor, token_ids: Tensor) -> Tensor:
         """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert."""

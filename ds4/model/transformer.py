@@ -131,6 +131,8 @@ class Transformer(WeightsModule):
                 mod.comm = comm
             if numerics is not None and hasattr(mod, "qat"):
                 mod.qat = numerics == "qat"
+            if ops is not None and hasattr(mod, "prepare_weights"):
+                mod.prepare_weights()  # the new MoE implementation's weight layout (a no-op if it has none)
         if numerics is not None:
             self.numerics = numerics
 

@@ -25,6 +25,10 @@ moe=fp4_topk
           returned. One launch fewer, but each block's serial top-k delays its weight loads: H200, 1 GPU,
           151.5 against 133.3 us per layer; full model tp=2 6.599 against 6.222 ms
           (experiments/decode_session9_h200.md, run 6).
+  Layout: at load (prepare), the routed experts' FP4 bytes are permuted inside each 4-byte word
+          (QWeight fmt "fp4p", ds4.quant.pack_fp4_mma, in place: no extra memory) so the kernels decode
+          a weight word in ~9 integer instructions instead of ~17; every other reader dequantises through
+          QWeight, which undoes it. DS4_FP4_PACK=0 at load keeps the stored layout (the ablation).
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -38,6 +42,7 @@ moe=bf16_cache (seed phase 5, an ablation): like fp4_topk, but experts that were
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import OrderedDict
 from typing import NamedTuple
@@ -47,7 +52,8 @@ from torch import Tensor
 
 from ds4 import kernels
 from ds4.ops import side_stream
-from ds4.ops.base import MoEWeights
+from ds4.ops.base import MoEWeights, QWeight
+from ds4.quant import pack_fp4_mma
 
 PREFILL_TOKENS = 8
 # Up to this many tokens (short prompts) prefill runs the decode kernels chunk by chunk: each chunk
@@ -88,6 +94,16 @@ class Fp4TopkMoE:
     def _reference(self):
         from ds4.ops.moe_torch import DequantMoE
         return DequantMoE()
+
+    def prepare(self, mw: MoEWeights) -> MoEWeights:
+        """At load: CUDA FP4 routed experts -> the fp4p layout, in place (DS4_FP4_PACK=0 keeps them)."""
+        if mw.w1.fmt != "fp4" or not mw.w1.weight.is_cuda or os.environ.get("DS4_FP4_PACK", "1") == "0":
+            return mw
+        packed = {}
+        for name in ("w1", "w2", "w3"):
+            q: QWeight = getattr(mw, name)
+            packed[name] = QWeight("fp4p", pack_fp4_mma(q.weight, out=q.weight), q.scale)
+        return dataclasses.replace(mw, **packed)
 
     # Whether a captured decode step may leave the router's tail to the routed kernels (off in subclasses
     # that read the ids on the host).

@@ -12,11 +12,13 @@ from .formats import (
     fp8_e4m3_decode,
     fp8_e4m3_encode,
     pack_fp4,
+    pack_fp4_mma,
     quant_fp4,
     quant_fp8,
     random_fp4,
     random_fp8,
     unpack_fp4,
+    unpack_fp4_mma,
 )
 from .qat import act_quant, act_quant_sim, fp4_act_quant_sim, hadamard
 
@@ -32,11 +34,13 @@ __all__ = [
     "fp8_e4m3_decode",
     "fp8_e4m3_encode",
     "pack_fp4",
+    "pack_fp4_mma",
     "quant_fp4",
     "quant_fp8",
     "random_fp4",
     "random_fp8",
     "unpack_fp4",
+    "unpack_fp4_mma",
     "act_quant",
     "act_quant_sim",
     "fp4_act_quant_sim",

@@ -12,6 +12,10 @@ Formats
   (``[..., ceil(O/128), ceil(I/128)]``).
 * FP4 weights: ``[..., O, I/2]`` bytes packed along I (low nibble = even element, high nibble
   = odd element) with one E8M0 scale per 1x32 block along I (``[..., O, I/32]``).
+* FP4 "mma" layout (``QWeight`` fmt ``fp4p``; the routed experts of ``moe=fp4_topk``): the same
+  bytes with the 32 bits of each little-endian 4-byte word permuted (``pack_fp4_mma``), so that the
+  tensor-core kernels decode a word in ~9 integer instructions instead of ~17 (csrc/ds4_common.cuh,
+  ``fp4p_regs``). Words never straddle rows (I/2 is a multiple of 16), so row slices stay valid.
 
 Functions marked [hot] are used inside decode steps: they perform no host synchronisation
 (no ``.item()``, ``.tolist()``, no Python branching on tensor values, no host->device copies)
@@ -34,6 +38,8 @@ __all__ = [
     "fp4_e2m1_encode",
     "pack_fp4",
     "unpack_fp4",
+    "pack_fp4_mma",
+    "unpack_fp4_mma",
     "dequant_fp8",
     "dequant_fp4",
     "quant_fp8",
@@ -183,6 +189,67 @@ def unpack_fp4(packed: Tensor) -> Tensor:
     lo = p & 0xF
     hi = p >> 4
     return torch.stack((lo, hi), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+def _fp4_mma_sources() -> list[int]:
+    """src[j] = the bit of a stored (natural) word that bit j of the fp4p word holds.
+
+    Written from the device decode (fp4p_regs): register i = rotl(q, s) & mask over its groups, its low
+    bf16 half = element i, high half = element i + 4, each as s 000000e1e0 m000000 (bits 15, 8, 7, 6 of
+    the half = nibble bits 3, 2, 1, 0). Output bit p of a group with rotation s reads fp4p bit (p - s) % 32."""
+    m = 0x81C081C0
+    groups = [[(0, m)], [(4, m)], [(10, m)], [(6, 0x80C080C0), (14, 0x01000100)]]
+    nibble_bit = {6: 0, 7: 1, 8: 2, 15: 3}
+    src = [-1] * 32
+    for i, gs in enumerate(groups):
+        for rot, mask in gs:
+            for p in range(32):
+                if mask >> p & 1:
+                    elem = i if p < 16 else i + 4
+                    src[(p - rot) % 32] = 4 * elem + nibble_bit[p % 16]
+    assert sorted(src) == list(range(32)), src  # a permutation
+    return src
+
+
+_FP4_MMA_SRC = _fp4_mma_sources()
+
+
+def _permute_word_bits(w: Tensor, src: list[int], out: Tensor | None, chunk_words: int = 1 << 24) -> Tensor:
+    """Bit j of every 32-bit word of `out` = bit src[j] of the same word of `w` (1-byte elements, the
+    last dim a multiple of 4 bytes). out may be w itself (in place, chunk by chunk)."""
+    if w.shape[-1] % 4 or not w.is_contiguous():
+        raise ValueError(f"fp4 mma layout: needs contiguous rows of whole 4-byte words, got {tuple(w.shape)}")
+    out = torch.empty_like(w) if out is None else out
+    by_shift: dict[int, int] = {}  # bits that move by the same amount share one mask
+    for j, b in enumerate(src):
+        by_shift[j - b] = by_shift.get(j - b, 0) | (1 << b)
+    to_i32 = lambda v: v - (1 << 32) if v >= 1 << 31 else v  # noqa: E731
+    a, o = w.view(torch.int32).view(-1), out.view(torch.int32).view(-1)
+    for c0 in range(0, a.numel(), chunk_words):
+        q = a[c0:c0 + chunk_words]
+        r = torch.zeros_like(q)
+        for d, mask in by_shift.items():
+            if d >= 0:
+                r |= (q & to_i32(mask)) << d          # int32 shifts wrap like the uint32 ones
+            else:
+                r |= (q >> -d) & to_i32(mask >> -d)   # arithmetic shift: the mask drops the sign copies
+        o[c0:c0 + chunk_words] = r
+    return out
+
+
+def pack_fp4_mma(w: Tensor, out: Tensor | None = None) -> Tensor:
+    """FP4 weight bytes [..., O, I/2] (stored layout) -> the fp4p layout (the routed-expert MoE kernels').
+
+    A bit permutation inside each 4-byte word: same shape, dtype and scales. `out=w` converts in place."""
+    return _permute_word_bits(w, _FP4_MMA_SRC, out)
+
+
+def unpack_fp4_mma(w: Tensor, out: Tensor | None = None) -> Tensor:
+    """[hot] The inverse of pack_fp4_mma: fp4p bytes -> the stored FP4 layout."""
+    inv = [0] * 32
+    for j, b in enumerate(_FP4_MMA_SRC):
+        inv[b] = j
+    return _permute_word_bits(w, inv, out)
 
 
 # ----------------------------------------------------------------------------------------------
