@@ -6,6 +6,8 @@ non-local expert ids, outputs poisoned before the launch (the caching allocator 
 NaN-filled memory), relative L2 error <= 1e-2. Imports only ds4.kernels, ds4.ops.base and ds4.quant."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from gpu_common import DEV, TOL, gen, poison, rel, require_extension
@@ -15,6 +17,11 @@ kernels = require_extension("ds4.kernels")  # skips this module without CUDA
 
 from ds4.ops.base import MoEWeights, QWeight  # noqa: E402
 from ds4.quant import dequant_fp4, dequant_fp8, pack_fp4_mma  # noqa: E402
+
+
+def seed_of(*parts) -> int:
+    """A seed from the test's parameters, the same in every process (str hashes are salted per process)."""
+    return zlib.crc32(repr(parts).encode()) % 10_000
 
 
 def rand_fp8(shape, g):
@@ -64,7 +71,7 @@ def _gemv_check(fmt, o, i, n, seed, kernel="auto", xscale=1.0):
 @pytest.mark.parametrize("n", [1, 3])
 def test_gemv_fp8_v4_shapes(name, n):
     o, i = V4_FP8[name]
-    _gemv_check("fp8", o, i, n, seed=hash((name, n)) % 10_000)
+    _gemv_check("fp8", o, i, n, seed=seed_of(name, n))
 
 
 @pytest.mark.parametrize("o,i", [(200, 272), (129, 144), (16, 16), (300, 1040)])
@@ -262,7 +269,7 @@ MOE_CASES = {
 @pytest.mark.parametrize("dims", [(4096, 2048), (512, 256)])
 def test_moe_routed_fp4(case, dims, fmt):
     dim, inter = dims
-    g = gen(hash((case, dims)) % 10_000)
+    g = gen(seed_of(case, dims, fmt))
     (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = make_experts(16, dim, inter, g, fmt)
     n, ids = MOE_CASES[case]
     if ids is None:
@@ -305,7 +312,8 @@ def test_moe_fp4p_layout_bit_exact(kernel, n, dims):
     h = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, "fp4", 32, 16, 10.0, kernel=kernel)
     poison()
     hp = kernels.moe_gate_up(x, ids, weights, p1, s1, p3, s3, "fp4p", 32, 16, 10.0, kernel=kernel)
-    assert torch.equal(hp, h)
+    loc = ((ids >= 32) & (ids < 48)).flatten()  # other slots' h rows are not written
+    assert loc.any() and torch.equal(hp[loc], h[loc])
     y = kernels.moe_down(h, ids, 6, w2, s2, "fp4", 32, 16, None, True, kernel=kernel)
     poison()
     yp = kernels.moe_down(h, ids, 6, p2, s2, "fp4p", 32, 16, None, True, kernel=kernel)
@@ -330,7 +338,7 @@ ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": 
 def test_moe_one_token_kernels(kernel, width, depth, case, fmt, dims, monkeypatch):
     set_mma_shape(monkeypatch, width, depth)
     dim, inter = dims
-    g = gen(hash((case, dims, fmt)) % 10_000)
+    g = gen(seed_of(case, dims, fmt))
     (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = make_experts(16, dim, inter, g, fmt)
     ids = torch.tensor([ONE_TOKEN_IDS[case]], device=DEV)
     weights = torch.rand(1, 6, device=DEV, generator=g) + 0.1
