@@ -57,8 +57,6 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   check_cuda(w, "w");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "ds4.gemv: x must be bf16 [N, K]");
   TORCH_CHECK(w.dim() == 2, "ds4.gemv: w must be 2-D");
-  TORCH_CHECK(fmt >= FMT_BF16 && fmt <= FMT_FP4, "ds4.gemv: fmt ", fmt, " is not a dense weight format (bf16, fp8, fp4; "
-              "fp4p is the routed experts' layout, for the MoE kernels)");
   check_weight(w, fmt, "w");
   const int64_t O = w.size(0), K = logical_in(w, fmt), N = x.size(0);
   TORCH_CHECK(groups >= 1 && O % groups == 0, "ds4.gemv: rows must split into groups");
@@ -140,7 +138,6 @@ void fill_moe(ds4::MoEArgs& a, int64_t fmt, const at::Tensor& w1, const std::opt
               const at::Tensor& w3, const std::optional<at::Tensor>& s3, const at::Tensor& w2,
               const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& ptrs, int64_t expert_offset,
               int64_t n_local) {
-  TORCH_CHECK(fmt >= FMT_BF16 && fmt <= FMT_FP4P, "ds4.moe: unknown fmt ", fmt);
   a.fmt = (int)fmt;
   a.expert_offset = (int)expert_offset;
   a.n_local = (int)n_local;

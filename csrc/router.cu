@@ -10,8 +10,8 @@
 //     Before, the GEMV and a one-block tail with two barriers per round were two launches (H200
 //     micro-benchmark: 10.6 us for both). A lane's activation loads are issued together: one at a
 //     time (a loop that could exit early) the kernel took 16.6 us per call in the decode step.
-//   router_topk_kernel (the default): the tail alone, one block per token, one thread per expert
-//     (k rounds of a block arg-max); the logits come from the BF16 GEMV (gemv.cu).
+//   router_topk_kernel (the default): the tail alone, one warp per token (route_token_warp); the logits
+//     come from the BF16 GEMV (gemv.cu: one row per warp for these few rows).
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "route_dev.cuh"
@@ -30,55 +30,24 @@ __device__ __forceinline__ void store_route(const float* scores, const int* sel,
   }
 }
 
-__global__ void router_topk_kernel(const float* __restrict__ logits, int E, const float* __restrict__ bias,
-                                   const void* __restrict__ tid2eid, int tid64,
-                                   const int64_t* __restrict__ token_ids, int topk, float route_scale,
-                                   float* __restrict__ w_out, int64_t* __restrict__ ids_out) {
+// One warp per token (route_token_warp, the arithmetic and selection every routing path shares): no block
+// barriers. Before (session 9), one block per token with a thread per expert and two __syncthreads per
+// selected expert: 5.5-6.0 us per call in the 8-layer profile.
+__global__ void __launch_bounds__(32) router_topk_kernel(const float* __restrict__ logits, int E,
+                                                         const float* __restrict__ bias, const void* __restrict__ tid2eid,
+                                                         int tid64, const int64_t* __restrict__ token_ids, int topk,
+                                                         float route_scale, float* __restrict__ w_out,
+                                                         int64_t* __restrict__ ids_out) {
   ds4_pdl::begin();
-  extern __shared__ float sh[];  // scores [E]
-  __shared__ float red_v[32];
-  __shared__ int red_i[32];
+  extern __shared__ float sh[];  // scores [E], biased scores [E]
   __shared__ int sel[ROUTER_MAX_K];
-  const int t = blockIdx.x, e = threadIdx.x;
-  float biased = -INFINITY;
-  if (e < E) {
-    const float s = router_score(logits[(long)t * E + e]);
-    sh[e] = s;
-    biased = s + (bias ? bias[e] : 0.f);
+  __shared__ float w[ROUTER_MAX_K];
+  const int t = blockIdx.x, lane = threadIdx.x;
+  route_token_warp(logits, E, bias, tid2eid, tid64, token_ids, t, topk, route_scale, sh, sh + E, sel, w);
+  if (lane < topk) {
+    w_out[(long)t * topk + lane] = w[lane];
+    ids_out[(long)t * topk + lane] = sel[lane];
   }
-  __syncthreads();
-  if (tid2eid) {
-    if (e < topk) sel[e] = hash_expert(tid2eid, tid64, token_ids, t, topk, e);
-  } else {
-    const int lane = e & 31, warp = e >> 5, nw = (blockDim.x + 31) >> 5;
-    for (int k = 0; k < topk; ++k) {
-      float v = biased;
-      int i = e < E ? e : 0x7fffffff;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-      }
-      if (lane == 0) { red_v[warp] = v; red_i[warp] = i; }
-      __syncthreads();
-      if (warp == 0) {
-        v = lane < nw ? red_v[lane] : -INFINITY;
-        i = lane < nw ? red_i[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-          const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-          if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-        }
-        if (lane == 0) sel[k] = i;
-      }
-      __syncthreads();
-      if (e == sel[k]) biased = -INFINITY;
-    }
-  }
-  __syncthreads();
-  if (e == 0) store_route(sh, sel, t, topk, route_scale, w_out, ids_out);
 }
 
 constexpr int RF_WARPS = 4;  // gate rows per block of the fused kernel (one per warp)
@@ -190,9 +159,8 @@ cudaError_t launch_router_fused(const void* x, int n_tok, const void* gate, int 
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias, const void* tid2eid,
                                bool tid64, const int64_t* token_ids, int topk, float route_scale, float* w_out,
                                int64_t* ids_out, cudaStream_t st) {
-  if (n_tok < 1 || E < 1 || E > 1024 || topk < 1 || topk > ROUTER_MAX_K || topk > E) return cudaErrorInvalidValue;
-  const int threads = ((E + 31) / 32) * 32;
-  return ds4_pdl::launch(router_topk_kernel, dim3(n_tok), dim3(threads), E * sizeof(float), st, logits, E, bias,
+  if (n_tok < 1 || E < 1 || E > 4096 || topk < 1 || topk > ROUTER_MAX_K || topk > E) return cudaErrorInvalidValue;
+  return ds4_pdl::launch(router_topk_kernel, dim3(n_tok), dim3(32), 2 * E * sizeof(float), st, logits, E, bias,
                          tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out);
 }
 

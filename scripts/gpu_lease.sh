@@ -10,7 +10,7 @@
 # Stages:
 #   kernel_tests   GPU kernel test modules (GEMV/MoE, attention, decode glue)
 #   kbench         GEMV/MoE micro-benchmark (scripts/bench_kernels.py: tensor-core vs FMA kernels; $MMA_SHAPES:
-#                  its --mma list, e.g. w2d8,w2d4)
+#                  its --mma list, e.g. w2d8,w2d4; $KBENCH_ARGS: more options, e.g. --quick)
 #   ncu            Nsight Compute counters of the batch-1 weight kernels alone (scripts/ncu_kernels.py; ncu.txt
 #                  and ncu_pipes.txt under $OUT) and the SASS of the GEMV / MoE kernels (sass_moe_gemv.txt.gz)
 #   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH; $PROBE_ARGS: modes,
@@ -51,7 +51,7 @@ stage() {  # stage name, GPU index
     kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
                     tests/test_decode_glue_gpu.py > "$L/kernel_tests.log" 2>&1 ;;
     kbench) CUDA_VISIBLE_DEVICES=$g timeout 300 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" --mma "${MMA_SHAPES:-w2d8}" \
-        > "$L/kbench.log" 2>&1 ;;
+        ${KBENCH_ARGS:-} > "$L/kbench.log" 2>&1 ;;
     ncu)
       local so; so=$(ls .ext_build/*/ds4_ext*.so .ext_build/*.so 2>/dev/null | head -n 1)
       [ -n "$so" ] && cuobjdump --dump-sass "$so" 2>&1 | gzip > "$OUT/sass_moe_gemv.txt.gz"

@@ -69,6 +69,20 @@ def test_unknown_kernel_choice_fails_before_any_launch(call):
         fn()
 
 
+@pytest.mark.parametrize("call,fmt,why", [("gemv", "fp4p", "MoE kernels only"), ("gemv_rmsnorm", "fp4p", "MoE kernels only"),
+                                          ("moe_gate_up", "fp6", "must be one of"), ("moe_down", "int4", "must be one of")])
+def test_unknown_or_misplaced_format_fails_before_any_launch(call, fmt, why):
+    # dense GEMVs take the stored formats; fp4p (the routed experts' permuted words) only the MoE kernels
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(16, 32, dtype=torch.int8)
+    fn = {"gemv": lambda: kernels.gemv(x, w, None, fmt),
+          "gemv_rmsnorm": lambda: kernels.gemv_rmsnorm(x, w, None, fmt, torch.ones(64), 1e-6),
+          "moe_gate_up": lambda: kernels.moe_gate_up(x, None, None, w, None, w, None, fmt),
+          "moe_down": lambda: kernels.moe_down(x, None, 1, w, None, fmt)}[call]
+    with pytest.raises(ValueError, match=why):
+        fn()
+
+
 def test_cuda_impls_construct_without_extension():
     # building the objects never compiles or loads anything
     from ds4.ops.linear_cuda import GemvCudaLinear

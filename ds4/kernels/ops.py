@@ -19,6 +19,15 @@ FMT = {"bf16": 0, "fp8": 1, "fp4": 2, "fp4p": 3}
 KERNEL = {"auto": 0, "fma": 1, "mma": 2}
 
 
+def _fmt(fmt: str, dense: bool = False) -> int:
+    """The kernels' fmt code; fp4p (the routed experts' permuted layout) only for the MoE kernels."""
+    allowed = ("bf16", "fp8", "fp4") if dense else tuple(FMT)
+    if fmt not in allowed:
+        why = " (fp4p is the routed experts' layout: the MoE kernels only)" if fmt == "fp4p" else ""
+        raise ValueError(f"ds4.kernels: fmt must be one of {list(allowed)}, got {fmt!r}{why}")
+    return FMT[fmt]
+
+
 def _kernel(name: str) -> int:
     if name not in KERNEL:
         raise ValueError(f"ds4.kernels: kernel must be one of {sorted(KERNEL)}, got {name!r}")
@@ -36,8 +45,8 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, groups: int 
     """y[N, O] = x[N, groups*I] @ W^T (group g of the rows reads x columns g*I..(g+1)*I).
 
     x bf16 contiguous; weight [O, I] (fp8/bf16) or [O, I/2] (fp4) as stored; scale E8M0."""
-    k = _kernel(kernel)
-    return _ops().gemv(x, weight, scale, FMT[fmt], groups, k, out_f32)
+    k, f = _kernel(kernel), _fmt(fmt, dense=True)
+    return _ops().gemv(x, weight, scale, f, groups, k, out_f32)
 
 
 def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm_weight: Tensor,
@@ -45,7 +54,8 @@ def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm
     """y[1, O] bf16 = rms_norm(x, norm_weight, eps) @ W^T for one row x [1, I]: the RMSNorm (rounded as
     ds4.kernels_attn.rms_norm rounds it) inside the tensor-core GEMV's activation staging, one launch.
     Only where gemv_rmsnorm_ok(fmt, O, I) holds (FP8 / FP4, the shapes gemv's auto sends to tensor cores)."""
-    return _ops().gemv_rmsnorm(x, weight, scale, FMT[fmt], norm_weight, float(eps))
+    f = _fmt(fmt, dense=True)
+    return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps))
 
 
 def gemv_rmsnorm_ok(fmt: str, rows: int, cols: int) -> bool:
@@ -75,9 +85,9 @@ def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tenso
     the kernel routes from the router's logits itself and writes ids [1, k] and route_w [1, k]."""
     if n_local is None:
         n_local = w1.shape[0] if w1.dim() == 3 else 1
-    k = _kernel(kernel)
+    k, f = _kernel(kernel), _fmt(fmt)
     r = route or InKernelRoute(None, None, None, None, 1.0)
-    return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, FMT[fmt], expert_offset, n_local, limit, k,
+    return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, f, expert_offset, n_local, limit, k,
                               r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale))
 
 
@@ -92,9 +102,9 @@ def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | 
     route (one token): the kernel routes from the router's logits itself (ids only gives the shape)."""
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
-    k = _kernel(kernel)
+    k, f = _kernel(kernel), _fmt(fmt)
     r = route or InKernelRoute(None, None, None, None, 1.0)
-    return _ops().moe_down(h, ids, topk, w2, s2, ptrs, FMT[fmt], expert_offset, n_local, add, out_f32, k,
+    return _ops().moe_down(h, ids, topk, w2, s2, ptrs, f, expert_offset, n_local, add, out_f32, k,
                            r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale))
 
 
