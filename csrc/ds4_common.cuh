@@ -20,7 +20,7 @@
 
 namespace ds4 {
 
-// FMT_FP4P: MXFP4 whose 32-bit words have their bits permuted at load time (fp4_mma_layout below):
+// FMT_FP4P: MXFP4 whose 32-bit words have their bits permuted at load time (fp4p_regs below):
 // the same bytes and scales as FMT_FP4, decoded in about half the integer instructions.
 enum Fmt : int { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3 };
 
