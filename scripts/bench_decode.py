@@ -25,7 +25,9 @@ default), smem
 (DS4_MMA=k2048: wq_b on the FMA kernel, the rule before session 9), noqf (DS4_QNORM_FUSED=0: q_norm in
 its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k
 inside the routed kernels instead of its own launch), nopack (the routed experts in the checkpoint's FP4
-layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), wobf16 (attn=fused_cuda_wo_bf16). On a machine
+layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), capN (the state's caches sized for
+N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
+prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16). On a machine
 without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -111,7 +113,10 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_QNORM_FUSED"] = "0" if "noqf" in toks else "1"
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
     runtime = "cuda_graph" if "graph" in toks else "eager"
-    g = Generator(model, 1, len(prompt) + new_tokens + 8, runtime=runtime)
+    # capN: caches sized for N positions (the app's max_seq_len; V4-Flash's default is 8192) instead of
+    # just this run's; launch shapes that follow the capacity then show in the step
+    cap = max([int(t[3:]) for t in toks if t.startswith("cap") and t[3:].isdigit()] or [0])
+    g = Generator(model, 1, max(len(prompt) + new_tokens + 8, cap), runtime=runtime)
     t0 = time.perf_counter()
     g.generate([prompt], 4, stop_at_eos=False)  # warm-up (and graph capture)
     warm = time.perf_counter() - t0
