@@ -320,8 +320,6 @@ def test_moe_fp4p_layout_bit_exact(kernel, n, dims):
     assert torch.equal(yp, y) and torch.isfinite(y).all()
 
 
-
-
 ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": [31, 32, 47, 48, 0, 63],
                  "dup": [40, 40, 41, 42, 43, 44], "none_local": [0, 1, 2, 3, 60, 61]}
 
