@@ -83,35 +83,43 @@ __device__ __forceinline__ void mma_chunk<FMT_FP8>(const uint4& wg, const uint4&
   }
 }
 
-template <>
-__device__ __forceinline__ void mma_chunk<FMT_FP4>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
-  // word w = nibbles n0..n7 (k = 8w..8w+7): MMA 1: (n0, n4), (n1, n5); MMA 2: (n2, n6), (n3, n7);
-  // staged B per 8 values: [x0 x4 x1 x5 x2 x6 x3 x7]
-  const uint32_t qa[4] = {wg.x, wg.y, wg.z, wg.w}, qb[4] = {wg8.x, wg8.y, wg8.z, wg8.w};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const uint4 b = xb[w];
-    mma_16816(d, fp4x2_to_bf16x2(qa[w] << 12), fp4x2_to_bf16x2(qb[w] << 12), fp4x2_to_bf16x2(qa[w] << 8),
-              fp4x2_to_bf16x2(qb[w] << 8), b.x, b.y);
-    mma_16816(d, fp4x2_to_bf16x2(qa[w] << 4), fp4x2_to_bf16x2(qb[w] << 4), fp4x2_to_bf16x2(qa[w]),
-              fp4x2_to_bf16x2(qb[w]), b.z, b.w);
-  }
+// The 4 A-fragment registers of one word of 8 E2M1 values: register i = (n_i, n_{i+4}) as bf16x2 (x 2^-126).
+// Stored nibble order: shift each pair to bits 15..12 / 31..28 first.
+__device__ __forceinline__ void fp4_regs(uint32_t q, uint32_t (&r)[4]) {
+  r[0] = fp4x2_to_bf16x2(q << 12);
+  r[1] = fp4x2_to_bf16x2(q << 8);
+  r[2] = fp4x2_to_bf16x2(q << 4);
+  r[3] = fp4x2_to_bf16x2(q);
 }
 
-// The same products from FMT_FP4P words (fp4p_regs, ds4_common.cuh): register i = (n_i, n_{i+4}), the
-// pairs mma_chunk<FMT_FP4> feeds, so the staged B values are the same.
-template <>
-__device__ __forceinline__ void mma_chunk<FMT_FP4P>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
+// Both MXFP4 layouts: word w = nibbles n0..n7 (k = 8w..8w+7); MMA 1: (n0, n4), (n1, n5); MMA 2: (n2, n6),
+// (n3, n7); staged B per 8 values: [x0 x4 x1 x5 x2 x6 x3 x7]. FMT_FP4P words (fp4p_regs, ds4_common.cuh)
+// give the same registers with about half the integer instructions.
+template <int FMT>
+__device__ __forceinline__ void mma_chunk_fp4(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
   const uint32_t qa[4] = {wg.x, wg.y, wg.z, wg.w}, qb[4] = {wg8.x, wg8.y, wg8.z, wg8.w};
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     const uint4 b = xb[w];
     uint32_t ra[4], rb[4];
-    fp4p_regs(qa[w], ra);
-    fp4p_regs(qb[w], rb);
+    if (FMT == FMT_FP4P) {
+      fp4p_regs(qa[w], ra);
+      fp4p_regs(qb[w], rb);
+    } else {
+      fp4_regs(qa[w], ra);
+      fp4_regs(qb[w], rb);
+    }
     mma_16816(d, ra[0], rb[0], ra[1], rb[1], b.x, b.y);
     mma_16816(d, ra[2], rb[2], ra[3], rb[3], b.z, b.w);
   }
+}
+template <>
+__device__ __forceinline__ void mma_chunk<FMT_FP4>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
+  mma_chunk_fp4<FMT_FP4>(wg, wg8, xb, d);
+}
+template <>
+__device__ __forceinline__ void mma_chunk<FMT_FP4P>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
+  mma_chunk_fp4<FMT_FP4P>(wg, wg8, xb, d);
 }
 
 // d += chunk w of a round: the lane's 16-byte chunks of rows g / g+8 (wg / wg8) times its B values at
