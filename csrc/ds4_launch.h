@@ -15,7 +15,7 @@ int moe_max_tokens(int fmt, int topk, int dim, int inter);
 // for one-token FP4 products, for one-token FP8 products with K >= 2048, and for FP8 at K = 1024 with
 // O >= 16384 rows (wq_b: 10.19 us at depth 2 against 11.26 on the FMA kernel, H200,
 // experiments/decode_session9_h200.md, run 2); the indexer's wq_b (8192 x 1024) stays on the FMA kernel, which
-// measured faster there (experiments/decode_session5_h200.md). DS4_MMA=0 in the environment makes AUTO
+// measured faster there (experiments/decode_session5_h200.md), except with q_norm fused (gemv_rmsnorm). DS4_MMA=0 in the environment makes AUTO
 // always FMA, DS4_MMA=all always tensor cores where they apply, DS4_MMA=k2048 the FP8 rule before wq_b
 // moved (read at every launch, for the ablation). An explicit MMA request that does not apply returns
 // cudaErrorInvalidValue.
@@ -38,7 +38,8 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
 // One token: out[0, o] = sum_k rms_norm(x)[k] * W[o, k] with rms_norm(x) = bf16(x * rsqrt(mean(x^2) + eps)
 // * nw) (nw fp32 or bf16 [K]), rounded as ds4_attn's rms_norm computes it; the tensor-core kernel with
 // the norm in its activation staging (q_norm + wq_b in one launch). gemv_rmsnorm_ok: whether it
-// applies (FP8 / FP4, K <= 8192, the shapes launch_gemv's AUTO sends to the tensor cores).
+// applies (FP8 / FP4, K <= 8192, the row lengths launch_gemv's AUTO sends to the tensor cores at any row
+// count: the indexer's 8192-row wq_b too).
 bool gemv_rmsnorm_ok(int fmt, int O, int K);
 cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32,
                                 int O, int K, const void* nw, bool nw_f32, float eps, cudaStream_t st);

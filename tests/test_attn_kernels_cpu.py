@@ -138,6 +138,24 @@ def test_indexer_scores_with_positions_mask_invisible_entries():
     assert torch.equal(got[1], plain[1])
 
 
+def test_indexer_scores_scale_and_deferred_rope():
+    """The scores op's w_scale multiplies fp32(w) (bf16 head weights as weights_proj gives them), and
+    rope_freqs rotates q at pos first: the same numbers as scaling / rotating before the call."""
+    from ds4.ops.attn_torch import TorchIndexer
+    ix = TorchIndexer()
+    g = torch.Generator().manual_seed(4)
+    q, keys = torch.randn(2, 1, 4, 32, generator=g), torch.randn(2, 9, 32, generator=g)
+    w = torch.randn(2, 1, 4, generator=g).bfloat16()
+    pos, f, c = torch.tensor([30, 100]), 1.0 / 10000 ** (torch.arange(8) / 8), 0.125
+    assert torch.equal(ix.scores(q, w, keys, pos=pos, ratio=4, w_scale=c),
+                       ix.scores(q, w.float() * c, keys, pos=pos, ratio=4))
+    roped = ix.rope(q[:, 0], pos, f)[:, None]
+    assert torch.equal(ix.scores(q, w, keys, pos=pos, ratio=4, w_scale=c, rope_freqs=f),
+                       ix.scores(roped, w, keys, pos=pos, ratio=4, w_scale=c))
+    with pytest.raises(ValueError, match="rope_freqs needs decode positions"):
+        ix.scores(q, w, keys, rope_freqs=f)
+
+
 def test_decode_attention_twin_masks_by_position():
     """TorchAttention.decode: a window slot beyond pos and a not-yet-visible entry do not change the output."""
     from ds4.ops.attn_torch import TorchAttention

@@ -161,6 +161,59 @@ def test_indexer_scores_mask_invisible_entries(bf16):
     assert rel(got[fin], ref[fin]) <= TOL
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_indexer_scores_bf16_head_weights_with_scale(bf16):
+    """The decode form: head weights as weights_proj's bf16 output, their scale applied inside the kernel
+    (fp32(w) * w_scale, the twin's order) — bit-equal to passing the scaled fp32 weights."""
+    g = gen(21 + bf16)
+    B, H, d, T = 2, 64, 128, 3000
+    q = randn(B, 1, H, d, g=g, dtype=BF16)
+    w = randn(B, 1, H, g=g, dtype=BF16)
+    keys = randn(B, T, d, g=g, dtype=BF16)
+    p, c = positions(900, 30000), 128 ** -0.5 * 64 ** -0.5
+    poison()
+    got = FusedCudaIndexer().scores(q, w, keys, bf16, p, 4, c)
+    scaled = FusedCudaIndexer().scores(q, w.float() * c, keys, bf16, p, 4)
+    ref = TorchIndexer().scores(q, w, keys, bf16, p, 4, c)
+    assert torch.equal(got, scaled)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and rel(got[fin], ref[fin]) <= TOL
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_indexer_scores_apply_the_query_rope(B):
+    """Decode: q from the indexer's wq_b before its RoPE, rotated by the scores kernel as it stages q — the
+    same scores as head_rope (norm off) followed by the kernel, and the twin's within TOL."""
+    g = gen(41 + B)
+    H, d, T = 64, 128, 4000
+    f = freqs(4)  # a CSA layer's (YaRN)
+    q = randn(B, 1, H, d, g=g, dtype=BF16, scale=2.0)
+    w = randn(B, 1, H, g=g, dtype=BF16)
+    keys = randn(B, T, d, g=g, dtype=BF16)
+    p = positions(*[3000 + 7777 * i for i in range(B)])
+    c = 128 ** -0.5 * 64 ** -0.5
+    poison()
+    got = FusedCudaIndexer().scores(q, w, keys, False, p, 4, c, f)
+    roped = FusedCudaIndexer().rope(q[:, 0], p, f)[:, None]
+    two = FusedCudaIndexer().scores(roped, w, keys, False, p, 4, c)
+    ref = TorchIndexer().scores(q, w, keys, False, p, 4, c, f)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    assert rel(got[fin], two[fin]) <= 1e-3 and rel(got[fin], ref[fin]) <= TOL
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_indexer_head_weights(rows):
+    """weights_proj on the BF16 GEMV kernel: bf16 out like F.linear's, at V4-Flash's 64 x 4096."""
+    g = gen(31 + rows)
+    x = randn(rows, 4096, g=g, dtype=BF16)
+    wp = randn(64, 4096, g=g, dtype=BF16, scale=0.02)
+    poison()
+    got = FusedCudaIndexer().head_weights(x, wp)
+    ref = TorchIndexer().head_weights(x, wp)
+    assert got.dtype == BF16 and got.shape == (rows, 64) and rel(got, ref) <= TOL
+
+
 @pytest.mark.parametrize("B,T,k", [(1, 16400, 512), (3, 5000, 512), (2, 700, 64), (1, 32768, 1000), (2, 513, 512)])
 def test_topk_selects_the_largest(B, T, k):
     """The indexer's selection: k distinct indices whose values are torch.topk's values (as a multiset),
@@ -285,6 +338,7 @@ def test_compress_project_gemv(rows, dim, n):
 
 
 @pytest.mark.parametrize("fmt,o,i,wdt,mma_all", [("fp8", 32768, 1024, BF16, False), ("fp8", 16384, 1024, torch.float32, False),
+                                                 ("fp8", 8192, 1024, BF16, False),  # the indexer's wq_b
                                                  ("fp8", 4096, 8192, BF16, False), ("fp4", 2048, 4096, torch.float32, False),
                                                  ("fp8", 200, 320, BF16, True), ("fp4", 96, 768, BF16, True)])
 def test_q_up_folds_q_norm_into_the_gemv(fmt, o, i, wdt, mma_all, monkeypatch):

@@ -260,10 +260,13 @@ void check_freqs(const at::Tensor& freqs, const char* op) {
 }
 
 at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, bool bf16,
-                          const std::optional<at::Tensor>& pos, int64_t ratio) {
+                          const std::optional<at::Tensor>& pos, int64_t ratio, double w_scale,
+                          const std::optional<at::Tensor>& rope_freqs) {
   check_cuda(q, "q");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4, "ds4_attn.indexer: q must be bf16 [B, S, H, d]");
-  check_f32(w, "w");
+  check_cuda(w, "w");
+  TORCH_CHECK((w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && w.is_contiguous(),
+              "ds4_attn.indexer: w must be a contiguous float32 or bfloat16 tensor");
   TORCH_CHECK(keys.is_cuda() && keys.scalar_type() == at::kBFloat16 && keys.dim() == 3 && keys.stride(2) == 1,
               "ds4_attn.indexer: keys must be bf16 [B, T, d] with a contiguous last dim");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(keys.data_ptr()) % 16 == 0 && keys.stride(1) % 8 == 0 &&
@@ -276,13 +279,22 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
     TORCH_CHECK(S == 1 && ratio >= 1, "ds4_attn.indexer: positions need one query per row and ratio >= 1");
     check_pos(*pos, B, "indexer");
   }
+  int64_t R = 0;
+  if (rope_freqs.has_value()) {
+    TORCH_CHECK(pos.has_value(), "ds4_attn.indexer: rope_freqs needs decode positions");
+    check_freqs(*rope_freqs, "indexer");
+    R = 2 * rope_freqs->numel();
+    TORCH_CHECK(R >= 2 && R <= d && R <= 256, "ds4_attn.indexer: 2 len(rope_freqs) must be in [2, min(d, 256)]");
+  }
   c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({B, S, T}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (B * S == 0 || T == 0) return out;
-  check_launch(ds4_attn::launch_indexer_scores(q.data_ptr(), w.data_ptr<float>(), keys.data_ptr(), keys.stride(0),
+  check_launch(ds4_attn::launch_indexer_scores(q.data_ptr(), w.data_ptr(), w.scalar_type() == at::kBFloat16,
+                                               (float)w_scale, keys.data_ptr(), keys.stride(0),
                                                keys.stride(1), (int)B, (int)S, (int)H, (int)d, (int)T, bf16,
                                                pos.has_value() ? pos->data_ptr<int64_t>() : nullptr, (int)ratio,
-                                               out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
+                                               rope_freqs.has_value() ? rope_freqs->data_ptr<float>() : nullptr,
+                                               (int)R, out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
                "indexer_scores");
   return out;
 }
@@ -485,7 +497,8 @@ TORCH_LIBRARY(ds4_attn, m) {
         "float hc_eps, float norm_eps, Tensor? norm=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sparse_attn(Tensor q, Tensor kv, Tensor valid, Tensor? sel_kv, Tensor? sel_valid, Tensor sink, "
         "float scale) -> Tensor");
-  m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1) -> Tensor");
+  m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1, "
+        "float w_scale=1.0, Tensor? rope_freqs=None) -> Tensor");
   m.def("sparse_decode(Tensor q, Tensor win, Tensor pos, Tensor? ext, Tensor? ext_idx, int ratio, Tensor sink, "
         "float scale, Tensor? freqs, float? q_norm_eps=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -1,10 +1,15 @@
-// Lightning-indexer scores for decode (spec §5.5): out[r, t] = sum_h w[r, h] ReLU(q[r, h] . k[t]).
+// Lightning-indexer scores for decode (spec §5.5): out[r, t] = sum_h w[r, h] ReLU(q[r, h] . k[t]), with
+// w[r, h] = w_scale * (fp32 or bf16 head weights): the bf16 form takes weights_proj's bf16 output as it
+// is, so the scale (d^-0.5 H^-0.5) is applied here and not by two elementwise launches before.
 // Block (chunk of IX_KC = 64 keys, row r): the chunk's keys are loaded once into shared memory and
 // serve all H heads through BF16 mma.sync m16n8k16 (one warp per 16-head tile, fp32 accumulation);
 // ReLU, the head weight and the sum over the tile's 16 heads happen in registers + quad shuffles,
 // the sum over tiles in a fixed order through shared memory (deterministic). Keys are split over
 // blocks so a long cache spreads over the whole GPU. With decode positions, entries not yet visible
 // score -inf inside the kernel (no mask ops before the top-k) and their chunks are skipped.
+// With rope_freqs (decode): q arrives before its RoPE; each block stages the row's q in shared memory
+// with the interleaved RoPE of its last R dims at pos applied as head_rope (norm off) applies it, so
+// the indexer query needs no launch of its own between its projection and this kernel.
 #include "attn_common.cuh"
 #include "attn_launch.h"
 
@@ -13,15 +18,18 @@ namespace ds4_attn {
 constexpr int IX_KC = 64;
 constexpr int IX_WARPS = 4;
 constexpr int IX_THREADS = IX_WARPS * 32;
+constexpr int IX_MAX_ROPE = 256;  // RoPE dims the in-kernel q staging takes
 
 __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __restrict__ q,
-                                                             const float* __restrict__ w,
+                                                             const void* __restrict__ w, bool w_bf16, float w_scale,
                                                              const uint16_t* __restrict__ keys, long k_b, long k_r,
                                                              int S, int H, int d, int T, bool bf16,
-                                                             const int64_t* __restrict__ pos, int ratio, void* out) {
+                                                             const int64_t* __restrict__ pos, int ratio,
+                                                             const float* __restrict__ rope_freqs, int R, void* out) {
   ds4_pdl::begin();
-  extern __shared__ __align__(16) uint16_t ks[];   // [IX_KC][d + 8]
+  extern __shared__ __align__(16) uint16_t ks[];   // [IX_KC][d + 8] keys, then (rope_freqs) [H][d + 8] q
   __shared__ float red[IX_WARPS][IX_KC];
+  __shared__ float2 s_rot[IX_MAX_ROPE / 2];
   const int chunk = blockIdx.x, r = blockIdx.y;
   const int b = r / S;
   const int LD = d + 8, t0 = chunk * IX_KC;
@@ -49,10 +57,40 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     *reinterpret_cast<uint4*>(ks + j * LD + v * 8) = val;
   }
   for (int i = threadIdx.x; i < IX_WARPS * IX_KC; i += IX_THREADS) (&red[0][0])[i] = 0.f;
+  const uint16_t* qr = q + (long)r * H * d;
+  int qld = d;
+  if (rope_freqs) {  // q [H][d] -> shared memory with RoPE at pos[b] (fp32 rotation of the bf16 values, rounded)
+    const float fpos = (float)pos[b];
+    for (int i = threadIdx.x; i < R / 2; i += IX_THREADS) {
+      float sn, cs;
+      sincosf(fpos * rope_freqs[i], &sn, &cs);
+      s_rot[i] = make_float2(cs, sn);
+    }
+    __syncthreads();
+    uint16_t* qs = ks + IX_KC * LD;
+    const int half = d / 2;
+    for (int i = threadIdx.x; i < H * half; i += IX_THREADS) {
+      const int h = i / half, j = 2 * (i - h * half);
+      uint32_t v = *reinterpret_cast<const uint32_t*>(qr + (long)h * d + j);
+      if (j >= d - R) {
+        const float2 rt = s_rot[(j - (d - R)) / 2];
+        const float a = __uint_as_float(v << 16), bb = __uint_as_float(v & 0xffff0000u);
+        const __nv_bfloat162 y = __floats2bfloat162_rn(a * rt.x - bb * rt.y, a * rt.y + bb * rt.x);
+        v = *reinterpret_cast<const uint32_t*>(&y);
+      }
+      *reinterpret_cast<uint32_t*>(qs + h * LD + j) = v;
+    }
+    qr = qs;
+    qld = LD;
+  }
   __syncthreads();
 
-  const uint16_t* qr = q + (long)r * H * d;
-  const float* wr = w + (long)r * H;
+  auto head_w = [&](int h) {  // the reference's order: fp32 of the (bf16) weight, times the scale
+    if (h >= H) return 0.f;
+    const long i = (long)r * H + h;
+    return (w_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(w)[i]) : static_cast<const float*>(w)[i]) *
+           w_scale;
+  };
   const int mtiles = (H + 15) / 16;
   float part[IX_KC / 8][2];
 #pragma unroll
@@ -63,7 +101,8 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     for (int nt = 0; nt < IX_KC / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
     for (int k0 = 0; k0 < d; k0 += 16) {
       uint32_t af[4];
-      load_a_rows(af, qr, d, mt * 16, H, k0, lane);
+      if (rope_freqs) load_a_rows<false>(af, qr, qld, mt * 16, H, k0, lane);
+      else load_a_rows(af, qr, qld, mt * 16, H, k0, lane);
 #pragma unroll
       for (int nt = 0; nt < IX_KC / 8; ++nt) {
         const uint16_t* kr = ks + (nt * 8 + g) * LD + k0 + 2 * c;
@@ -71,7 +110,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
       }
     }
     const int h0 = mt * 16 + g, h1 = h0 + 8;
-    float w0 = h0 < H ? wr[h0] : 0.f, w1 = h1 < H ? wr[h1] : 0.f;
+    float w0 = head_w(h0), w1 = head_w(h1);
     if (bf16) { w0 = bf16r(w0); w1 = bf16r(w1); }
 #pragma unroll
     for (int nt = 0; nt < IX_KC / 8; ++nt) {
@@ -113,20 +152,24 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
   }
 }
 
-cudaError_t launch_indexer_scores(const void* q, const float* w, const void* keys, long k_b, long k_r, int B, int S,
-                                  int H, int d, int T, bool bf16, const int64_t* pos, int ratio, void* out,
-                                  cudaStream_t st) {
+cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, float w_scale, const void* keys, long k_b,
+                                  long k_r, int B, int S, int H, int d, int T, bool bf16, const int64_t* pos, int ratio,
+                                  const float* rope_freqs, int R, void* out, cudaStream_t st) {
   if (d < 16 || d % 16 || H < 1 || B < 1 || S < 1 || (long)B * S > 65535) return cudaErrorInvalidValue;
   if (pos != nullptr && (S != 1 || ratio < 1)) return cudaErrorInvalidValue;
+  if (rope_freqs != nullptr && (pos == nullptr || R < 2 || R % 2 || R > d || R > IX_MAX_ROPE))
+    return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  const size_t smem = (size_t)IX_KC * (d + 8) * sizeof(uint16_t);
+  const size_t smem = (size_t)(IX_KC + (rope_freqs ? H : 0)) * (d + 8) * sizeof(uint16_t);
+  if (smem > 200 * 1024) return cudaErrorInvalidValue;
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(indexer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
   dim3 grid((T + IX_KC - 1) / IX_KC, B * S);
-  return ds4_pdl::launch(indexer_kernel, grid, dim3(IX_THREADS), smem, st, static_cast<const uint16_t*>(q), w,
-                         static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, pos, ratio, out);
+  return ds4_pdl::launch(indexer_kernel, grid, dim3(IX_THREADS), smem, st, static_cast<const uint16_t*>(q), w, w_bf16,
+                         w_scale, static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, pos, ratio, rope_freqs, R,
+                         out);
 }
 
 }  // namespace ds4_attn

@@ -53,7 +53,7 @@ def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm
                  eps: float) -> Tensor:
     """y[1, O] bf16 = rms_norm(x, norm_weight, eps) @ W^T for one row x [1, I]: the RMSNorm (rounded as
     ds4.kernels_attn.rms_norm rounds it) inside the tensor-core GEMV's activation staging, one launch.
-    Only where gemv_rmsnorm_ok(fmt, O, I) holds (FP8 / FP4, the shapes gemv's auto sends to tensor cores)."""
+    Only where gemv_rmsnorm_ok(fmt, O, I) holds (FP8 / FP4, the row lengths gemv's auto sends to tensor cores)."""
     f = _fmt(fmt, dense=True)
     return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps))
 

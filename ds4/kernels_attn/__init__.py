@@ -95,11 +95,16 @@ def sparse_attn(q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel
 
 
 def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
-                   ratio: int = 1) -> Tensor:
-    """bf16 q [B, S, H, d], f32 w [B, S, H], bf16 keys [B, T, d] -> [B, S, T] (f32, or bf16 when bf16).
-    pos int64 [B] (S = 1): entries t >= (pos+1)//ratio score -inf and are not read."""
-    return _ops().indexer_scores(q.contiguous(), w.float().contiguous(), _rows_ok(keys), bool(bf16),
-                                 None if pos is None else pos.contiguous(), int(ratio))
+                   ratio: int = 1, w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
+    """bf16 q [B, S, H, d], head weights w [B, S, H] (f32 or bf16; the kernel takes w_scale * fp32(w)),
+    bf16 keys [B, T, d] -> [B, S, T] (f32, or bf16 when bf16).
+    pos int64 [B] (S = 1): entries t >= (pos+1)//ratio score -inf and are not read.
+    rope_freqs f32 [R/2] (with pos): q is taken before head_rope(q, pos, rope_freqs, False), applied in the kernel."""
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        w = w.float()
+    return _ops().indexer_scores(q.contiguous(), w.contiguous(), _rows_ok(keys), bool(bf16),
+                                 None if pos is None else pos.contiguous(), int(ratio), float(w_scale),
+                                 None if rope_freqs is None else rope_freqs.float().contiguous())
 
 
 def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,

@@ -36,7 +36,7 @@ def _sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale):
 
 
 @register_fake("ds4_attn::indexer_scores")
-def _indexer_scores(q, w, keys, bf16, pos=None, ratio=1):
+def _indexer_scores(q, w, keys, bf16, pos=None, ratio=1, w_scale=1.0, rope_freqs=None):
     b, s = q.shape[:2]
     return q.new_empty((b, s, keys.shape[1]), dtype=torch.bfloat16 if bf16 else torch.float32)
 

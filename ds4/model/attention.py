@@ -190,11 +190,12 @@ class Attention(WeightsModule):
         if select:
             ib = attn.branch(x, "indexer")
             with ib, self.prof("attn.indexer"):
-                qr = attn.rms_norm(qa, self.q_norm, eps)  # the indexer's q_norm'ed latent, in its branch
-                qi = self.indexer.query_heads(qr, pos, self.freqs)
+                # q_norm + the indexer's wq_b in its branch; its RoPE happens inside the scores op
+                qi, rope = self.indexer.decode_query(qa, self.q_norm, eps, pos, self.freqs)
                 icomp.join()  # the indexer cache entry of this step
                 # invisible entries score -inf inside the scores op (and stay -inf through the sum)
-                sc = self.indexer.scores(qi[:, None], wi[:, None], st["ikv"], pos=pos, ratio=self.m)[:, 0]  # [B, T]
+                sc = self.indexer.scores(qi[:, None], wi[:, None], st["ikv"], pos=pos, ratio=self.m,
+                                         rope_freqs=rope)[:, 0]  # [B, T]
                 if self.comm.world == 1:  # nothing to sum over ranks: the top-k runs in the branch too
                     idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
             branches.append(ib)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from ds4.model.args import ModelArgs
@@ -41,15 +40,32 @@ class Indexer(WeightsModule):
             q = fp4_act_quant_sim(hadamard(q), 32)
         return q
 
-    def head_weights(self, x: Tensor) -> Tensor:
-        """x [..., dim] -> per-head weights [..., H] fp32: bf16(weights_proj(x)) * d^-0.5 * H^-0.5."""
-        a = self.args
-        return F.linear(x, self.weights_proj.to(x.dtype)).float() * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
+    def decode_query(self, qa: Tensor, q_norm: Tensor, eps: float, positions: Tensor,
+                     freqs: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The decode query from the attention's wq_a latent qa [B, q_lora] -> (qI [B, H, d], rope_freqs):
+        q_norm + wq_b as attn.q_up (one launch where its fused GEMV applies) with the RoPE left to scores()
+        (rope_freqs = freqs); under qat the Hadamard + FP4 need the rotated q, so query_heads (rope_freqs None)."""
+        attn = self.ops.attn
+        if self.qat:
+            return self.query_heads(attn.rms_norm(qa, q_norm, eps), positions, freqs), None
+        q = attn.q_up(qa, q_norm, eps, self.wq_b, self.ops.linear, False)
+        return q.unflatten(-1, (self.n_heads, self.args.index_head_dim)), freqs
 
-    def scores(self, q: Tensor, w: Tensor, keys: Tensor, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
-        """q [B, S, H, d], w [B, S, H], keys [B, T, d] -> [B, S, T] (partial sum over local heads).
-        With decode positions pos [B] (S = 1), entries t >= (pos+1)//ratio (not visible yet) score -inf."""
-        return self.ops.indexer.scores(q, w, keys, bf16=self.qat, pos=pos, ratio=ratio)
+    def head_weights(self, x: Tensor) -> Tensor:
+        """x [..., dim] -> per-head weights [..., H] = bf16(weights_proj(x)) (for bf16 x); scores() applies
+        their scale d^-0.5 * H^-0.5 in fp32."""
+        return self.ops.indexer.head_weights(x.flatten(0, -2), self.weights_proj).unflatten(0, x.shape[:-1])
+
+    def scores(self, q: Tensor, w: Tensor, keys: Tensor, pos: Tensor | None = None, ratio: int = 1,
+               rope_freqs: Tensor | None = None) -> Tensor:
+        """q [B, S, H, d], head weights w [B, S, H] (head_weights), keys [B, T, d] -> [B, S, T] (partial sum
+        over local heads) = sum_h fp32(w) * d^-0.5 * H^-0.5 * ReLU(q . k).
+        With decode positions pos [B] (S = 1), entries t >= (pos+1)//ratio (not visible yet) score -inf;
+        rope_freqs (decode_query's): q is taken before its RoPE at pos."""
+        a = self.args
+        return self.ops.indexer.scores(q, w, keys, bf16=self.qat, pos=pos, ratio=ratio,
+                                       w_scale=a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5,
+                                       rope_freqs=rope_freqs)
 
     def topk(self, scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
         """Decode selection: scores [B, T] (entries t >= (pos+1)//ratio already -inf) -> indices [B, k]."""

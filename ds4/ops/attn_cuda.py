@@ -42,6 +42,7 @@ from ds4.ops.base import QWeight
 
 BF16 = torch.bfloat16
 INDEXER_MAX_ROWS = 16
+INDEXER_MAX_ROPE = 256  # RoPE dims the indexer kernel's q staging takes (IX_MAX_ROPE in indexer.cu)
 GEMV_MAX_ROWS = 8  # the compressor projection's decode sizes (ds4.kernels.gemv, one launch)
 QPREP_MAX_ROPE = 512  # RoPE dims the attention kernel's q table holds (SP_MAX_ROPE in sparse_attn.cu)
 
@@ -177,10 +178,21 @@ class FusedCudaIndexer:
             return self._ref.topk(scores, k, pos, ratio)
         return kernels_attn.topk(scores, k, pos, ratio)
 
+    def head_weights(self, x: Tensor, weight: Tensor) -> Tensor:
+        # decode rows: one launch of the BF16 GEMV kernel (one row per warp), bf16 out like F.linear; its
+        # scale is applied inside the scores kernel (w_scale) — cuBLAS ran a split-K GEMV + reduce here,
+        # and the fp32 cast and scale two more launches
+        if not (_cuda_bf16(x, weight) and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS):
+            return self._ref.head_weights(x, weight)
+        return kernels.gemv(x.contiguous(), weight, None, "bf16")
+
     def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
-               ratio: int = 1) -> Tensor:
+               ratio: int = 1, w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
+        # rope_freqs: the kernel stages q with its RoPE applied (head_rope's arithmetic), one launch fewer
         use = (q.is_cuda and q.dtype == BF16 and keys.dtype == BF16 and q.shape[-1] % 16 == 0
-               and q.shape[0] * q.shape[1] <= INDEXER_MAX_ROWS)
+               and q.shape[0] * q.shape[1] <= INDEXER_MAX_ROWS
+               and (rope_freqs is None or (pos is not None and q.shape[1] == 1
+                                           and 2 * rope_freqs.numel() <= min(q.shape[-1], INDEXER_MAX_ROPE))))
         if not use:
-            return self._ref.scores(q, w, keys, bf16, pos, ratio)
-        return kernels_attn.indexer_scores(q, w, keys, bf16, pos, ratio)
+            return self._ref.scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs)
+        return kernels_attn.indexer_scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs)

@@ -8,6 +8,7 @@ is the plain-torch twin a CUDA implementation is tested against.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ds4.model import compressor
@@ -141,12 +142,24 @@ class TorchIndexer:
         the tied -inf entries fill a short selection does not matter, attention masks them)."""
         return scores.float().topk(k, dim=-1).indices
 
+    def head_weights(self, x: Tensor, weight: Tensor) -> Tensor:
+        """x [N, dim], weights_proj [H, dim] -> [N, H] in x's dtype (bf16(x @ W^T) for bf16 x); the
+        scale d^-0.5 H^-0.5 is scores()' w_scale."""
+        return F.linear(x, weight.to(x.dtype))
+
     def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
-               ratio: int = 1) -> Tensor:
-        """q [B, S, H, d], w [B, S, H] fp32, keys [B, T, d] -> [B, S, T] = sum_h w * ReLU(q . k).
+               ratio: int = 1, w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
+        """q [B, S, H, d], head weights w [B, S, H] (any float dtype), keys [B, T, d] -> [B, S, T] =
+        sum_h (fp32(w) * w_scale) * ReLU(q . k).
 
         `bf16` reproduces the reference's BF16 einsum/ReLU/weighted sum (qat mode); otherwise fp32.
-        pos [B] (decode, S = 1): entries t >= (pos+1)//ratio are not visible yet and score -inf."""
+        pos [B] (decode, S = 1): entries t >= (pos+1)//ratio are not visible yet and score -inf.
+        rope_freqs (decode, with pos): q is taken before its RoPE, rope(q, pos, rope_freqs) first."""
+        if rope_freqs is not None:
+            if pos is None or q.shape[1] != 1:
+                raise ValueError("indexer scores: rope_freqs needs decode positions and one query per row")
+            q = self.rope(q[:, 0], pos, rope_freqs)[:, None]
+        w = w.float() if w_scale == 1.0 else w.float() * w_scale
         if bf16:
             s = torch.einsum("bshd,btd->bsht", q.bfloat16(), keys.bfloat16()).relu()
             out = (s * w.bfloat16().unsqueeze(-1)).sum(2)
