@@ -404,6 +404,19 @@ std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor&
   return {w, ids};
 }
 
+at::Tensor argmax(const at::Tensor& x) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1,
+              "ds4.argmax: x must be fp32 [B, V]");
+  TORCH_CHECK(x.size(0) <= ds4::ARGMAX_MAX_ROWS, "ds4.argmax: at most ", ds4::ARGMAX_MAX_ROWS, " rows");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  check_launch(ds4::launch_argmax(static_cast<const float*>(x.data_ptr()), (int)x.size(0), (long)x.size(1),
+                                  static_cast<int64_t*>(out.data_ptr()), at::cuda::getCurrentCUDAStream()),
+               "argmax");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ds4, m) {
@@ -418,6 +431,7 @@ TORCH_LIBRARY(ds4, m) {
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
         "float route_scale) -> (Tensor, Tensor)");
   m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
   m.def("gemv_rmsnorm_ok(int fmt, int rows, int cols) -> bool", &gemv_rmsnorm_ok);  // host-only question
 }
 
@@ -427,4 +441,5 @@ TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
   m.impl("moe_down", &moe_down);
   m.impl("router", &router);
   m.impl("gemv_rmsnorm", &gemv_rmsnorm);
+  m.impl("argmax", &argmax);
 }

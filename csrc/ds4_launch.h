@@ -91,6 +91,11 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, di
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st);
 
+// Greedy argmax: out[r] = first index of the maximum of fp32 x[r, 0..V) (NaN largest), as torch.argmax(-1);
+// one launch, B <= ARGMAX_MAX_ROWS rows (argmax.cu).
+constexpr int ARGMAX_MAX_ROWS = 64;
+cudaError_t launch_argmax(const float* x, int B, long V, int64_t* out, cudaStream_t st);
+
 // Router tail: logits f32 [n_tok, E] -> scores sqrt(softplus); ids (top-k of score + bias, or
 // tid2eid[token_ids]); weights = renormalised scores * route_scale.
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias,

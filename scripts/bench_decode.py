@@ -25,7 +25,8 @@ default), smem
 (DS4_MMA=k2048: wq_b on the FMA kernel, the rule before session 9), noqf (DS4_QNORM_FUSED=0: q_norm in
 its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k
 inside the routed kernels instead of its own launch), nopack (the routed experts in the checkpoint's FP4
-layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), capN (the state's caches sized for
+layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), noidxm (CSA layers: the indexer's
+query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16). On a machine
 without CUDA it runs on the CPU (a dry run of the script).
@@ -44,6 +45,7 @@ import torch
 
 from ds4 import dist as ddist
 from ds4.model.args import preset
+from ds4.model.attention import Attention
 from ds4.model.transformer import Transformer
 from ds4.ops.base import MoEWeights, QWeight
 from ds4.quant import unpack_fp4_mma
@@ -112,6 +114,11 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SHARED_FORK"] = "late" if "shlate" in toks else "early"
     os.environ["DS4_QNORM_FUSED"] = "0" if "noqf" in toks else "1"
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
+    # noidxm: CSA layers compute the indexer's query with its own GEMV in the indexer's side branch instead
+    # of inside the merged wq_bi GEMV (Attention.merged_indexer_q; matters where the indexer selects: capN)
+    for mod in model.modules():
+        if isinstance(mod, Attention):
+            mod.merged_indexer_q = "noidxm" not in toks
     runtime = "cuda_graph" if "graph" in toks else "eager"
     # capN: caches sized for N positions (the app's max_seq_len; V4-Flash's default is 8192) instead of
     # just this run's; launch shapes that follow the capacity then show in the step

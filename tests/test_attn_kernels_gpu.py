@@ -59,6 +59,13 @@ def test_hc_pre_post_head(N, n, D, dtype):
     ry = ref.head(h, fnh, sch, bh, 1e-6, 1e-6)
     assert y.dtype == ry.dtype and torch.isfinite(y).all()
     assert rel(y, ry) <= (TOL if dtype == BF16 else 1e-5)
+    # head with the final norm in the same launch (fp32 and bf16 weights), against head then rms_norm
+    for nw in ((1 + 0.1 * randn(D, g=g)), (1 + 0.1 * randn(D, g=g)).to(BF16)):
+        poison()
+        yn = kernels_attn.hc_head(h, fnh, sch, bh, 1e-6, 1e-6, nw)
+        ryn = ref.head(h, fnh, sch, bh, 1e-6, 1e-6, nw)
+        assert yn.dtype == ryn.dtype == dtype and torch.isfinite(yn).all()
+        assert rel(yn, ryn) <= (TOL if dtype == BF16 else 1e-5)
 
 
 @pytest.mark.parametrize("N,n,D,dtype,with_norm", [(1, 4, 4096, BF16, True), (3, 4, 4096, BF16, False),

@@ -574,3 +574,25 @@ def test_bf16_cache_impl():
         assert rel(y, ref) <= TOL, (step, rel(y, ref))
     st = impl.stats()
     assert 0 < st["experts"] <= 5 and st["bytes"] <= 5 * per_expert and st["frozen_layers"] == 1
+
+
+@pytest.mark.parametrize("B,V", [(1, 1), (1, 7), (3, 1024), (2, 1025), (1, 129280), (64, 4099)])
+def test_argmax_matches_torch(B, V):
+    """The greedy argmax kernel: torch.argmax(-1)'s index on random rows, rows of ties (the first wins),
+    all -inf, a NaN (counts as the largest) — and again on new data (the per-row key and arrival counter
+    reset themselves), also through sampling.argmax, which takes the kernel once the extension is loaded."""
+    from ds4.runtime.sampling import argmax
+    g = gen(B * 131 + V)
+    for rep in range(3):
+        x = torch.randn(B, V, device=DEV, generator=g)
+        if B > 1 and V > 8:
+            x[1] = torch.round(x[1])          # many ties at the maximum
+            x[-1, V // 3] = float("nan")
+        if B > 2:
+            x[2] = float("-inf")
+        if rep == 2:
+            x = x * 0 + 1.0                     # every value equal: index 0
+        want = x.argmax(-1)
+        got = kernels.argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
+        assert torch.equal(argmax(x), want)

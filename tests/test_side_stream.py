@@ -2,6 +2,7 @@
 discipline (each branch joined before its output is read) with recording branches."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ds4.ops import side_stream
@@ -74,13 +75,16 @@ class _RecordingBranch(side_stream.Branch):
         self.log.append(("join", self.name))
 
 
-def test_decode_joins_every_branch_before_its_output_is_read():
+@pytest.mark.parametrize("merged", [True, False])
+def test_decode_joins_every_branch_before_its_output_is_read(merged):
     """The decode step's branch discipline (what makes the side streams of a captured graph safe):
     the indexer scores run only after the indexer-compressor branch (the cache entry of this step) is
-    joined, and the attention kernel only after every branch is; same logits as plain in-line ops."""
+    joined, and the attention kernel only after every branch is; same logits as plain in-line ops.
+    merged: the indexer's query from the merged wq_bi GEMV in line (the default), else its own branch."""
     import dataclasses
 
     from ds4.model.args import tiny
+    from ds4.model.attention import Attention
     from ds4.model.transformer import Transformer
     from ds4.registry import torch_reference_ops
     from ds4.runtime.generate import Generator
@@ -118,10 +122,45 @@ def test_decode_joins_every_branch_before_its_output_is_read():
     for ops in (ref_ops, rec_ops):
         m = Transformer(a, ops, "plain", torch.float32)
         m.load_weights(w)
+        for mod in m.modules():
+            if isinstance(mod, Attention):
+                assert mod.indexer is None or mod.wq_bi is not None  # tiny's CSA layers merge the two wq_b
+                mod.merged_indexer_q = merged
         g = Generator(m, 1, 256)
         g.prefill([[(7 * i + 3) % a.vocab_size for i in range(20)]])
         logits.append(torch.stack([g.decode(torch.tensor([t]))[0] for t in (5, 9, 11, 2, 8)]))
     assert torch.equal(logits[0], logits[1])
     names = {n for e, n in log if e == "enter"}
-    assert names == set(BRANCHES), names           # tiny has SWA, CSA and HCA layers: every branch is used
+    # tiny has SWA, CSA and HCA layers: every branch is used (the indexer's only when its query is not merged)
+    assert names == set(BRANCHES) - ({"indexer"} if merged else set()), names
     assert ("scores", None) in log and log.count(("decode", None)) == 5 * a.n_layers
+
+
+def test_merged_indexer_query_matches_its_own_gemv():
+    """A CSA layer's indexer query from the merged wq_b + indexer wq_b GEMV (decode's default) gives the
+    logits of its own GEMV in the indexer branch (the same rows of the same product), and the merged
+    weight holds both as row views (no second copy)."""
+    from ds4.model.args import tiny
+    from ds4.model.attention import Attention
+    from ds4.model.transformer import Transformer
+    from ds4.registry import torch_reference_ops
+    from ds4.runtime.generate import Generator
+    from ds4.weights.synthetic import random_weights
+
+    a = tiny().replace(index_topk=16)
+    m = Transformer(a, torch_reference_ops(), "plain", torch.float32)
+    m.load_weights(random_weights(a, seed=5, include_mtp=False))
+    csa = [mod for mod in m.modules() if isinstance(mod, Attention) and mod.indexer is not None]
+    assert csa
+    for mod in csa:
+        w = mod.wq_bi.weight
+        assert mod.wq_b.weight.data_ptr() == w.data_ptr()
+        assert mod.indexer.wq_b.weight.data_ptr() == w[mod.wq_b.out_features:].data_ptr()
+    out = []
+    for merged in (True, False):
+        for mod in csa:
+            mod.merged_indexer_q = merged
+        g = Generator(m, 1, 256)
+        g.prefill([[(5 * i + 1) % a.vocab_size for i in range(24)]])
+        out.append(torch.stack([g.decode(torch.tensor([t]))[0] for t in (3, 8, 13, 21)]))
+    torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)

@@ -152,11 +152,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
   return {h, xn, pn, cn};
 }
 
+// hc_head, and with norm (the final RMSNorm's weight) the normalised collapse in the same finishing launch.
 at::Tensor hc_head(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,
-                   double hc_eps, double norm_eps) {
+                   double hc_eps, double norm_eps, const std::optional<at::Tensor>& norm) {
   check_hc_inputs(h, fn, scale, base, "hc_head");
   const int64_t N = h.size(0), n = h.size(1), D = h.size(2);
   TORCH_CHECK(fn.size(0) == n && base.numel() == n && scale.numel() >= 1, "ds4_attn.hc_head: fn/base/scale shapes");
+  const bool nf = norm.has_value() ? norm_weight_f32(*norm, D, "hc_head") : false;
   c10::cuda::CUDAGuard guard(h.device());
   auto x = at::empty({N, D}, h.options());
   if (N == 0) return x;
@@ -165,8 +167,8 @@ at::Tensor hc_head(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& 
   check_launch(ds4_attn::launch_hc_finish(h.data_ptr(), h.scalar_type() == at::kFloat, part.data_ptr<float>(), (int)N,
                                           (int)n, (int)D, (int)n, (int)nsplit, scale.data_ptr<float>(),
                                           base.data_ptr<float>(), 1, (float)hc_eps, (float)norm_eps, true,
-                                          x.data_ptr(), nullptr, nullptr, nullptr, false,
-                                          c10::cuda::getCurrentCUDAStream().stream()),
+                                          x.data_ptr(), nullptr, nullptr, norm.has_value() ? norm->data_ptr() : nullptr,
+                                          nf, c10::cuda::getCurrentCUDAStream().stream()),
                "hc_finish(head)");
   return x;
 }
@@ -285,6 +287,8 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
     check_freqs(*rope_freqs, "indexer");
     R = 2 * rope_freqs->numel();
     TORCH_CHECK(R >= 2 && R <= d && R <= 256, "ds4_attn.indexer: 2 len(rope_freqs) must be in [2, min(d, 256)]");
+    TORCH_CHECK(q.is_contiguous() && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0,
+                "ds4_attn.indexer: with rope_freqs q must be contiguous and 16-byte aligned");
   }
   c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({B, S, T}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
@@ -491,7 +495,8 @@ void compress_step(const at::Tensor& kvz, const at::Tensor& ape, const at::Tenso
 TORCH_LIBRARY(ds4_attn, m) {
   m.def("hc_pre(Tensor h, Tensor fn, Tensor scale, Tensor base, int iters, float hc_eps, float norm_eps, "
         "Tensor? norm=None) -> (Tensor, Tensor, Tensor)");
-  m.def("hc_head(Tensor h, Tensor fn, Tensor scale, Tensor base, float hc_eps, float norm_eps) -> Tensor");
+  m.def("hc_head(Tensor h, Tensor fn, Tensor scale, Tensor base, float hc_eps, float norm_eps, Tensor? norm=None) "
+        "-> Tensor");
   m.def("hc_post(Tensor x, Tensor res, Tensor post, Tensor comb) -> Tensor");
   m.def("hc_post_pre(Tensor x, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, int iters, "
         "float hc_eps, float norm_eps, Tensor? norm=None) -> (Tensor, Tensor, Tensor, Tensor)");

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from ds4.kernels.ops import (InKernelRoute, gemv, gemv_rmsnorm, gemv_rmsnorm_ok, moe_down, moe_gate_up,  # noqa: F401
-                             moe_route_ok, router)  # (typed wrappers)
+from ds4.kernels.ops import (ARGMAX_MAX_ROWS, InKernelRoute, argmax, gemv, gemv_rmsnorm, gemv_rmsnorm_ok, moe_down,  # noqa: F401
+                             moe_gate_up, moe_route_ok, router)  # (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
-SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "router.cu")
+SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "router.cu", "argmax.cu")
 EXT_NAME = "ds4_ext"
 DEFAULT_ARCHS = "8.0;9.0"
 
@@ -107,4 +107,5 @@ def unavailable_reason() -> str | None:
     return extension_reason("ds4", build_dir() / f"{EXT_NAME}.so", load)
 
 
-__all__ = ["load", "unavailable_reason", "is_loaded", "build_dir", "gemv", "moe_gate_up", "moe_down", "router"]
+__all__ = ["load", "unavailable_reason", "is_loaded", "build_dir", "gemv", "moe_gate_up", "moe_down", "router",
+           "argmax"]

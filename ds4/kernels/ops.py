@@ -118,3 +118,12 @@ def router(x: Tensor, gate: Tensor, bias: Tensor | None, tid2eid: Tensor | None,
     """(weights f32 [N, k], ids int64 [N, k]): gate GEMV, sqrt(softplus), top-k of score+bias (or
     tid2eid[token_ids]), renormalised x route_scale."""
     return _ops().router(x, gate, bias, tid2eid, token_ids, topk, route_scale)
+
+
+ARGMAX_MAX_ROWS = 64  # rows one argmax launch takes (ARGMAX_MAX_ROWS in ds4_launch.h)
+
+
+def argmax(x: Tensor) -> Tensor:
+    """int64 [B]: the first index of each row's maximum of contiguous fp32 x [B, V] (NaN largest), as
+    torch.argmax(-1); one launch, B <= ARGMAX_MAX_ROWS."""
+    return _ops().argmax(x)

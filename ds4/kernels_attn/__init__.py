@@ -57,9 +57,12 @@ def hc_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, iters: int, hc_ep
                          None if norm is None else norm.contiguous())
 
 
-def hc_head(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
+def hc_head(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,
+            norm: Tensor | None = None) -> Tensor:
+    """hc_head(h) [N, D]; with norm (fp32 / bf16 [D], D * 4 <= 48 KB) RMS-normalised with it in the same launch."""
     return _ops().hc_head(h.contiguous(), fn.float().contiguous(), scale.float().contiguous(),
-                          base.float().contiguous(), float(hc_eps), float(norm_eps))
+                          base.float().contiguous(), float(hc_eps), float(norm_eps),
+                          None if norm is None else norm.contiguous())
 
 
 def hc_post(x: Tensor, res: Tensor, post: Tensor, comb: Tensor) -> Tensor:
@@ -102,7 +105,10 @@ def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: 
     rope_freqs f32 [R/2] (with pos): q is taken before head_rope(q, pos, rope_freqs, False), applied in the kernel."""
     if w.dtype not in (torch.float32, torch.bfloat16):
         w = w.float()
-    return _ops().indexer_scores(q.contiguous(), w.contiguous(), _rows_ok(keys), bool(bf16),
+    q = q.contiguous()
+    if rope_freqs is not None and q.data_ptr() % 16:  # the rotating staging reads q in 16-byte chunks
+        q = q.clone()
+    return _ops().indexer_scores(q, w.contiguous(), _rows_ok(keys), bool(bf16),
                                  None if pos is None else pos.contiguous(), int(ratio), float(w_scale),
                                  None if rope_freqs is None else rope_freqs.float().contiguous())
 

@@ -14,7 +14,7 @@ def _hc_pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm=None):
 
 
 @register_fake("ds4_attn::hc_head")
-def _hc_head(h, fn, scale, base, hc_eps, norm_eps):
+def _hc_head(h, fn, scale, base, hc_eps, norm_eps, norm=None):
     return h.new_empty((h.shape[0], h.shape[2]))
 
 

@@ -31,6 +31,9 @@ class Attention(WeightsModule):
         self.compressor = None if self.kind == SWA else Compressor(args, self.m, args.head_dim, self.kind == CSA, False)
         self.indexer = Indexer(args, layer, ops, qat) if self.kind == CSA else None
         self.scale = args.head_dim ** -0.5
+        # decode of a CSA layer that selects: the indexer's query from the merged wq_bi GEMV in line (True),
+        # or from its own GEMV in the indexer's side branch (False: the ablation, scripts/bench_decode.py)
+        self.merged_indexer_q = True
 
     def load(self, t: Mapping[str, Tensor], p: str) -> None:
         fmt = weight_format(t[f"{p}.wq_a.weight"])
@@ -45,7 +48,15 @@ class Attention(WeightsModule):
             self.take_linear("wq_a", t, f"{p}.wq_a", fmt)
             self.take_linear("wkv", t, f"{p}.wkv", fmt)
         self.q_norm = self.take("q_norm", t, f"{p}.q_norm.weight")
-        self.wq_b = self.take_linear("wq_b", t, f"{p}.wq_b", fmt)
+        # CSA: wq_b and the indexer's wq_b read the same q_norm'ed latent: one merged GEMV in decode
+        # (wq_bi; both stay available as row views, the indexer's handed to it below)
+        iq = f"{p}.indexer.wq_b"
+        self.wq_bi = None
+        if self.indexer is not None and weight_format(t[f"{iq}.weight"]) == fmt and (
+                fmt != "fp8" or all(t[f"{n}.weight"].shape[0] % 128 == 0 for n in (f"{p}.wq_b", iq))):
+            self.take_merged_linear("wq_bi", t, [f"{p}.wq_b", iq], fmt, ["wq_b", "idx_wq_b"])
+        else:
+            self.wq_b = self.take_linear("wq_b", t, f"{p}.wq_b", fmt)
         self.kv_norm = self.take("kv_norm", t, f"{p}.kv_norm.weight")
         self.wo_a = self.take_linear("wo_a", t, f"{p}.wo_a", fmt)
         self.wo_b = self.take_linear("wo_b", t, f"{p}.wo_b", fmt)
@@ -55,7 +66,7 @@ class Attention(WeightsModule):
         if self.compressor is not None:
             self.compressor.load(t, f"{p}.compressor")
         if self.indexer is not None:
-            self.indexer.load(t, f"{p}.indexer")
+            self.indexer.load(t, f"{p}.indexer", wq_b=self.idx_wq_b if self.wq_bi is not None else None)
 
     # ---- state --------------------------------------------------------------------------
     def alloc_state(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> dict[str, Tensor]:
@@ -186,8 +197,9 @@ class Attention(WeightsModule):
         with kvb, self.prof("attn.kv"):
             attn.kv_store(st["win"], kv, self.kv_norm, pos, self.freqs, eps, self.qat)
         branches.append(kvb)
-        idx = None
-        if select:
+        idx = sc = None
+        merged = select and self.merged_indexer_q and self.wq_bi is not None and not self.qat
+        if select and not merged:
             ib = attn.branch(x, "indexer")
             with ib, self.prof("attn.indexer"):
                 # q_norm + the indexer's wq_b in its branch; its RoPE happens inside the scores op
@@ -200,8 +212,21 @@ class Attention(WeightsModule):
                     idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
             branches.append(ib)
         with self.prof("attn.q"):  # q_norm + wq_b (attn.q_up); the per-head RMS and RoPE happen inside attn.decode
-            q = attn.q_up(qa, self.q_norm, eps, self.wq_b, self.ops.linear, self.qat).unflatten(
-                -1, (self.n_heads, a.head_dim))
+            if merged:  # + the indexer's query rows in the same GEMV (before their RoPE: the scores op applies it)
+                q, qi = attn.q_up(qa, self.q_norm, eps, self.wq_bi, self.ops.linear, False).split(
+                    (self.wq_b.out_features, self.idx_wq_b.out_features), -1)
+            else:
+                q = attn.q_up(qa, self.q_norm, eps, self.wq_b, self.ops.linear, self.qat)
+            q = q.unflatten(-1, (self.n_heads, a.head_dim))
+        if merged:
+            # in line: a side stream would wait for SMs behind the GEMVs that PDL has already placed there
+            with self.prof("attn.indexer"):
+                icomp.join()
+                qi = qi.unflatten(-1, (self.indexer.n_heads, a.index_head_dim))
+                sc = self.indexer.scores(qi[:, None], wi[:, None], st["ikv"], pos=pos, ratio=self.m,
+                                         rope_freqs=self.freqs)[:, 0]  # [B, T]
+                if self.comm.world == 1:
+                    idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
         for br in branches:
             br.join()
         if select and idx is None:

@@ -12,6 +12,7 @@ from torch import Tensor
 from ds4.model.args import ModelArgs
 from ds4.model.compressor import Compressor
 from ds4.model.weights_module import WeightsModule, weight_format
+from ds4.ops.base import QWeight
 from ds4.quant import fp4_act_quant_sim, hadamard
 
 
@@ -22,8 +23,11 @@ class Indexer(WeightsModule):
         self.m = args.ratio(layer)
         self.compressor = Compressor(args, self.m, args.index_head_dim, overlap=True, for_indexer=True)
 
-    def load(self, t: Mapping[str, Tensor], prefix: str) -> None:
-        self.wq_b = self.take_linear("wq_b", t, f"{prefix}.wq_b", weight_format(t[f"{prefix}.wq_b.weight"]))
+    def load(self, t: Mapping[str, Tensor], prefix: str, wq_b: QWeight | None = None) -> None:
+        """wq_b: this indexer's wq_b as a row view of the attention's merged wq_bi (held there), or None."""
+        if wq_b is None:
+            wq_b = self.take_linear("wq_b", t, f"{prefix}.wq_b", weight_format(t[f"{prefix}.wq_b.weight"]))
+        self.wq_b = wq_b
         self.weights_proj = self.take("weights_proj", t, f"{prefix}.weights_proj.weight")
         self.compressor.load(t, f"{prefix}.compressor")
         self.n_heads = self.weights_proj.shape[0]  # local heads under tensor parallelism

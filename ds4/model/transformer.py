@@ -201,8 +201,8 @@ class Transformer(WeightsModule):
         a = self.args
         with self.prof("head"):
             y = self.ops.hc.head(h, self.hc_head_fn if fn is None else fn, self.hc_head_scale if scale is None else scale,
-                                 self.hc_head_base if base is None else base, a.hc_eps, a.norm_eps)
-            y = rms_norm(y, self.norm if norm is None else norm, a.norm_eps)
+                                 self.hc_head_base if base is None else base, a.hc_eps, a.norm_eps,
+                                 self.norm if norm is None else norm)  # + the final norm
             out = _head_matmul(y, self.head)
         if not full_vocab:
             return out

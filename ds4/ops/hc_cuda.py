@@ -59,7 +59,12 @@ class FusedCudaHC:
             return (h, *self.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm))
         return kernels_attn.hc_post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm)
 
-    def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
+    def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,
+             norm: Tensor | None = None) -> Tensor:
+        # with the final norm: one block per token forms the collapse and normalises it (the head's torch
+        # rms_norm ops, one launch each, leave the step)
         if not _ok(h):
-            return self._ref.head(h, fn, scale, base, hc_eps, norm_eps)
-        return kernels_attn.hc_head(h, fn, scale, base, hc_eps, norm_eps)
+            return self._ref.head(h, fn, scale, base, hc_eps, norm_eps, norm)
+        if not _norm_fuses(norm, h.shape[-1]):
+            return rms_norm(kernels_attn.hc_head(h, fn, scale, base, hc_eps, norm_eps), norm, norm_eps)
+        return kernels_attn.hc_head(h, fn, scale, base, hc_eps, norm_eps, norm)

@@ -55,8 +55,10 @@ class TorchHC:
         h = self.post(x, res, post, comb)
         return (h, *self.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm))
 
-    def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
-        """Final collapse (spec §4.4): h [N, hc, D] -> [N, D]."""
+    def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,
+             norm: Tensor | None = None) -> Tensor:
+        """Final collapse (spec §4.4): h [N, hc, D] -> [N, D]; with `norm` the final RMSNorm after it."""
         m = _mixes(h, fn, norm_eps)
         pre = torch.sigmoid(m * scale.float() + base.float()) + hc_eps
-        return (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
+        y = (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
+        return y if norm is None else rms_norm(y, norm, norm_eps)
