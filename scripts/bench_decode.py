@@ -26,7 +26,8 @@ default), smem
 its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k
 inside the routed kernels instead of its own launch), nopack (the routed experts in the checkpoint's FP4
 layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), noidxm (CSA layers: the indexer's
-query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), capN (the state's caches sized for
+query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), sprio
+(DS4_SIDE_PRIORITY=high: the side-stream branches at the device's highest stream priority), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16). On a machine
 without CUDA it runs on the CPU (a dry run of the script).
@@ -114,6 +115,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SHARED_FORK"] = "late" if "shlate" in toks else "early"
     os.environ["DS4_QNORM_FUSED"] = "0" if "noqf" in toks else "1"
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
+    os.environ["DS4_SIDE_PRIORITY"] = "high" if "sprio" in toks else "default"
     # noidxm: CSA layers compute the indexer's query with its own GEMV in the indexer's side branch instead
     # of inside the merged wq_bi GEMV (Attention.merged_indexer_q; matters where the indexer selects: capN)
     for mod in model.modules():

@@ -164,3 +164,11 @@ def test_merged_indexer_query_matches_its_own_gemv():
         g.prefill([[(5 * i + 1) % a.vocab_size for i in range(24)]])
         out.append(torch.stack([g.decode(torch.tensor([t]))[0] for t in (3, 8, 13, 21)]))
     torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)
+
+
+def test_side_priority_from_the_environment(monkeypatch):
+    """DS4_SIDE_PRIORITY=high asks for side streams above the main stream's priority (0); else the default."""
+    monkeypatch.delenv("DS4_SIDE_PRIORITY", raising=False)
+    assert side_stream.side_priority() == 0
+    monkeypatch.setenv("DS4_SIDE_PRIORITY", "high")
+    assert side_stream.side_priority() == -1

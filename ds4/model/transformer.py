@@ -191,8 +191,10 @@ class Transformer(WeightsModule):
                 ok = (local >= 0) & (local < vocab_local)
                 e = self.embed[local.clamp(0, vocab_local - 1)] * ok.unsqueeze(-1)
                 e = self.comm.all_reduce(e.float(), "embed")
-            else:
-                e = self.embed[ids]
+            else:  # one gather writes the row once per stream (advanced indexing + an expand copy were two launches)
+                hc = self.args.hc_mult
+                rows = ids.unsqueeze(1).expand(-1, hc).reshape(-1)  # [N * hc] (a copy of a few ids)
+                return self.embed.index_select(0, rows).to(self.dtype).unflatten(0, (-1, hc))
             return e.to(self.dtype).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
 
     def logits(self, h: Tensor, fn=None, scale=None, base=None, norm=None, full_vocab: bool = True) -> Tensor:

@@ -18,15 +18,24 @@ import os
 
 import torch
 
-_SIDE: dict[tuple[int, int], torch.cuda.Stream] = {}
+_SIDE: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+
+def side_priority() -> int:
+    """The side streams' priority: DS4_SIDE_PRIORITY=high (read when a stream is asked for) gives them a
+    higher one than the main stream's (-1; CUDA clamps to the device's range), so their kernels' blocks are
+    placed before the main chain's waiting ones (torch instantiates captured graphs with per-node
+    priorities, taken from the capturing streams); else the default, the main stream's (0)."""
+    return -1 if os.environ.get("DS4_SIDE_PRIORITY") == "high" else 0
 
 
 def side_stream(device: torch.device, slot: int = 0) -> torch.cuda.Stream:
     """The process's side stream `slot` of `device` (created at the eager warm-up steps, before any capture)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if (idx, slot) not in _SIDE:
-        _SIDE[idx, slot] = torch.cuda.Stream(device)
-    return _SIDE[idx, slot]
+    prio = side_priority()
+    if (idx, slot, prio) not in _SIDE:
+        _SIDE[idx, slot, prio] = torch.cuda.Stream(device, priority=prio)
+    return _SIDE[idx, slot, prio]
 
 
 def fork(device: torch.device, env: str, slot: int = 0) -> torch.cuda.Stream | None:
