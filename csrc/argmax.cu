@@ -21,7 +21,7 @@ __device__ unsigned argmax_arrivals[ARGMAX_MAX_ROWS];
 __device__ __forceinline__ unsigned long long argmax_key(float v, unsigned i) {
   const uint32_t b = __float_as_uint(v);
   const uint32_t ord = isnan(v) ? 0xffffffffu : (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  return (unsigned long long)ord << 32 | (0xffffffffu - i);  // > 0 for every value (-inf: 0x007fffff << 32)
+  return (unsigned long long)ord << 32 | (0xffffffffu - i);  // > 0 for every value (-inf: 0x007fffff)
 }
 
 __device__ __forceinline__ unsigned long long max_u64(unsigned long long a, unsigned long long b) { return a > b ? a : b; }

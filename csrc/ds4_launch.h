@@ -15,10 +15,10 @@ int moe_max_tokens(int fmt, int topk, int dim, int inter);
 // for one-token FP4 products, for one-token FP8 products with K >= 2048, and for FP8 at K = 1024 with
 // O >= 16384 rows (wq_b: 10.19 us at depth 2 against 11.26 on the FMA kernel, H200,
 // experiments/decode_session9_h200.md, run 2); the indexer's wq_b (8192 x 1024) stays on the FMA kernel, which
-// measured faster there (experiments/decode_session5_h200.md), except with q_norm fused (gemv_rmsnorm). DS4_MMA=0 in the environment makes AUTO
-// always FMA, DS4_MMA=all always tensor cores where they apply, DS4_MMA=k2048 the FP8 rule before wq_b
-// moved (read at every launch, for the ablation). An explicit MMA request that does not apply returns
-// cudaErrorInvalidValue.
+// measured faster there (experiments/decode_session5_h200.md), except with q_norm fused (gemv_rmsnorm).
+// DS4_MMA=0 in the environment makes AUTO always FMA, DS4_MMA=all always tensor cores where they apply,
+// DS4_MMA=k2048 the FP8 rule before wq_b moved (read at every launch, for the ablation). An explicit MMA
+// request that does not apply returns cudaErrorInvalidValue.
 enum Kernel : int { KERNEL_AUTO = 0, KERNEL_FMA = 1, KERNEL_MMA = 2 };
 bool mma_auto(int fmt, int K, int O);
 // Widest run of 16-B chunks per lane and row the tensor-core kernels read (DS4_MMA_W: 1, 2, 4).

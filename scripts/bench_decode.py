@@ -27,7 +27,7 @@ its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_
 inside the routed kernels instead of its own launch), nopack (the routed experts in the checkpoint's FP4
 layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), noidxm (CSA layers: the indexer's
 query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), sprio
-(DS4_SIDE_PRIORITY=high: the side-stream branches at the device's highest stream priority), capN (the state's caches sized for
+(DS4_SIDE_PRIORITY=high: the side-stream branches above the main stream's priority), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16). On a machine
 without CUDA it runs on the CPU (a dry run of the script).

@@ -60,8 +60,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
   const uint16_t* qr = q + (long)r * H * d;
   int qld = d;
   if (rope_freqs) {  // q [H][d] -> shared memory with RoPE at pos[b] (fp32 rotation of the bf16 values, rounded)
-    // 16-byte chunks, IX_QV per thread with all their loads issued before any is used (a 4-byte load per
-    // loop trip, each waited for, took ~5 us of the kernel's 8 at V4 shapes)
+    // 16-byte chunks, IX_QV per thread, all their loads issued before any is used
     constexpr int IX_QV = 8;
     uint16_t* qs = ks + IX_KC * LD;
     const int nq = H * vpr;
@@ -187,8 +186,8 @@ cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, flo
   }
   dim3 grid((T + IX_KC - 1) / IX_KC, B * S);
   return ds4_pdl::launch(indexer_kernel, grid, dim3(IX_THREADS), smem, st, static_cast<const uint16_t*>(q), w, w_bf16,
-                         w_scale, static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, pos, ratio, rope_freqs, R,
-                         out);
+                         w_scale, static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, pos, ratio,
+                         rope_freqs, R, out);
 }
 
 }  // namespace ds4_attn

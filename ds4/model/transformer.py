@@ -185,26 +185,26 @@ class Transformer(WeightsModule):
     def _embed(self, ids: Tensor) -> Tensor:
         """ids [N] -> residual streams [N, hc, dim] (the embedding copied into every stream)."""
         with self.prof("embed"):
-            vocab_local = self.embed.shape[0]
+            vocab_local, hc = self.embed.shape[0], self.args.hc_mult
             if self.world > 1:  # vocab-parallel: ids outside this rank's slice contribute zero
                 local = ids - self.rank * vocab_local
                 ok = (local >= 0) & (local < vocab_local)
                 e = self.embed[local.clamp(0, vocab_local - 1)] * ok.unsqueeze(-1)
                 e = self.comm.all_reduce(e.float(), "embed")
-            else:  # one gather writes the row once per stream (advanced indexing + an expand copy were two launches)
-                hc = self.args.hc_mult
-                rows = ids.unsqueeze(1).expand(-1, hc).reshape(-1)  # [N * hc] (a copy of a few ids)
-                return self.embed.index_select(0, rows).to(self.dtype).unflatten(0, (-1, hc))
-            return e.to(self.dtype).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+                return e.to(self.dtype).unsqueeze(1).expand(-1, hc, -1).contiguous()
+            # one gather writes the row once per stream (advanced indexing + an expand copy were two launches)
+            rows = ids.unsqueeze(1).expand(-1, hc).reshape(-1)  # [N * hc] (a copy of a few ids)
+            return self.embed.index_select(0, rows).to(self.dtype).unflatten(0, (-1, hc))
 
     def logits(self, h: Tensor, fn=None, scale=None, base=None, norm=None, full_vocab: bool = True) -> Tensor:
         """h [N, hc, dim] -> fp32 logits [N, vocab]: hc_head, final norm, LM head (fp32 accumulate).
         Under tensor parallelism `full_vocab=False` returns this rank's vocab slice only."""
         a = self.args
         with self.prof("head"):
-            y = self.ops.hc.head(h, self.hc_head_fn if fn is None else fn, self.hc_head_scale if scale is None else scale,
+            y = self.ops.hc.head(h, self.hc_head_fn if fn is None else fn,  # hc_head and the final norm
+                                 self.hc_head_scale if scale is None else scale,
                                  self.hc_head_base if base is None else base, a.hc_eps, a.norm_eps,
-                                 self.norm if norm is None else norm)  # + the final norm
+                                 self.norm if norm is None else norm)
             out = _head_matmul(y, self.head)
         if not full_vocab:
             return out

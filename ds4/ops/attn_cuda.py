@@ -2,11 +2,13 @@
 
 Decode glue, one launch each: rms_norm (q_norm; in decode q_up folds it into wq_b's GEMV), head_rope
 (per-head norm + RoPE of q in prefill — in decode the attention kernel does it; RoPE of the indexer
-q), kv_store (kv_norm + RoPE + (qat) FP8 nope + ring write), compress_step (state write, and on the
-completing step the pooled entry's norm + RoPE + (qat) FP8 + cache write, both decided per row on the
-device), compress_project (the compressor's BF16 [wkv; wgate] GEMV with fp32 output, through the ds4
-GEMV kernel, so attn=fused_cuda needs both extensions). While a decode graph is captured, `branch`
-puts the compressors' steps, the window write and the indexer on side streams.
+q in prefill — in decode the indexer's scores kernel does it), kv_store (kv_norm + RoPE + (qat) FP8
+nope + ring write), compress_step (state write, and on the completing step the pooled entry's norm +
+RoPE + (qat) FP8 + cache write, both decided per row on the device), compress_project (the
+compressor's BF16 [wkv; wgate] GEMV with fp32 output, through the ds4 GEMV kernel, so attn=fused_cuda
+needs both extensions). While a decode graph is captured, `branch`
+puts the compressors' steps, the window write and the indexer's head weights (and, unless its query
+is merged into wq_b's GEMV, the indexer) on side streams.
 Inputs these kernels do not take (CPU, non-bf16, the indexer compressor's qat Hadamard + FP4) run the
 TorchAttention twin: chosen by dtype / flag, never by values.
 
@@ -23,10 +25,13 @@ denominator only. Probabilities are rounded to bf16 before P.V like the referenc
 dispatch (by shape/dtype only, never by values) is part of this implementation.
 
 FusedCudaIndexer.scores — decode (B*S <= 16 query rows): keys split over blocks of 64 (the whole GPU
-works on a long cache), all heads per block on BF16 tensor cores, ReLU-weighted head sum fused.
-bf16=True reproduces the reference's BF16 einsum/ReLU/product. Prefill-sized calls, fp32 q / keys
-and index dims not a multiple of 16 call TorchIndexer.scores (part of this implementation). Top-k
-is a one-block-per-row radix select (ds4_attn topk, rows up to 32768 entries; longer rows use torch.topk).
+works on a long cache), all heads per block on BF16 tensor cores, ReLU-weighted head sum fused; the head
+weights' scale (w_scale) and, given rope_freqs, the query's RoPE applied inside (the decode step hands it
+weights_proj's bf16 output and the unrotated query). bf16=True reproduces the reference's BF16
+einsum/ReLU/product. Prefill-sized calls, fp32 q / keys and index dims not a multiple of 16 call
+TorchIndexer.scores (part of this implementation). head_weights: decode rows on the BF16 GEMV kernel.
+Top-k is a one-block-per-row radix select (ds4_attn topk, rows up to 32768 entries; longer rows use
+torch.topk).
 """
 from __future__ import annotations
 
@@ -89,10 +94,10 @@ class FusedCudaAttention:
 
     def branch(self, x: Tensor, name: str) -> side_stream.Branch:
         # While a decode graph is captured, each independent piece of the step (the two compressors' steps,
-        # the window write, the indexer query / scores / top-k) runs on its own side stream beside the
-        # q path and joins before its output is read, so its chain of small kernels leaves the critical
-        # path. DS4_COMPRESS_OVERLAP=0 / DS4_ATTN_OVERLAP=0 keep them in line (the ablations); eager
-        # steps keep them in line (ds4.ops.side_stream).
+        # the window write, the indexer's head weights, and without the merged query its query / scores /
+        # top-k) runs on its own side stream beside the q path and joins before its output is read, so its
+        # chain of small kernels leaves the critical path. DS4_COMPRESS_OVERLAP=0 / DS4_ATTN_OVERLAP=0 keep
+        # them in line (the ablations); eager steps keep them in line (ds4.ops.side_stream).
         env, slot = branch_env_slot(name)
         side = None
         if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
