@@ -14,7 +14,7 @@
 #   ncu            Nsight Compute counters of the batch-1 weight kernels alone (scripts/ncu_kernels.py; ncu.txt
 #                  and ncu_pipes.txt under $OUT) and the SASS of the GEMV / MoE kernels (sass_moe_gemv.txt.gz)
 #   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH; $PROBE_ARGS: modes,
-#                  space-separated, e.g. "hc packed")
+#                  space-separated, e.g. "hc packed"; "indexer": the indexer scores kernel with and without its RoPE, and sparse_chunk)
 #   pytest         a diagnostic pytest run ($PYTEST_ARGS: files and options; CUDA_LAUNCH_BLOCKING=1, long tracebacks)
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
 #   tp2_tests      the 2-GPU tests (tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group

@@ -9,6 +9,7 @@
 // The FMA GEMV variants (rows per warp R, chunks in flight U) are a sweep of the template parameters
 // that the extension picks by shape; the read-only kernels give the ceiling of the same access patterns.
 #include "../csrc/attn/hc.cu"
+#include "../csrc/attn/indexer.cu"
 #include "../csrc/attn/sparse_attn.cu"
 #include "../csrc/gemv.cu"
 
@@ -195,6 +196,32 @@ static void probe_sparse(int pos) {
   char name[64];
   std::snprintf(name, sizeof name, "sparse_chunk pos %d (%d splits)", pos, nsplit);
   phases(name, chunk, 4, time_us(chunk));
+}
+
+// ---- indexer scores at decode: 64 heads x 128, T compressed entries allocated (the cache capacity / 4),
+// the row at position pos (its (pos + 1) / 4 visible entries scored, the rest written -inf); rope: the
+// query's RoPE applied in the kernel (the decode step's form) or q taken as already rotated.
+static void probe_indexer(int pos, int T, bool rope) {
+  const int H = 64, d = 128, R = 64, ratio = 4;
+  setenv("DS4_PDL", "0", 1);
+  auto* q = dev_random<__nv_bfloat16>((size_t)H * d, -1.f, 1.f);
+  auto* w = dev_random<__nv_bfloat16>(H, -1.f, 1.f);
+  auto* keys = dev_random<__nv_bfloat16>((size_t)T * d, -1.f, 1.f);
+  auto* freqs = dev_random<float>(R / 2, 0.f, 1.f);
+  const int64_t hpos = pos;
+  int64_t* dpos;
+  float* out;
+  CK(cudaMalloc(&dpos, sizeof(int64_t)));
+  CK(cudaMemcpy(dpos, &hpos, sizeof(int64_t), cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&out, sizeof(float) * T));
+  auto f = [&](int) {
+    CK(ds4_attn::launch_indexer_scores(q, w, true, 0.011f, keys, 0, d, 1, 1, H, d, T, false, dpos, ratio,
+                                       rope ? freqs : nullptr, rope ? R : 0, out, 0));
+  };
+  char name[64];
+  std::snprintf(name, sizeof name, "indexer T %d pos %d%s", T, pos, rope ? " rope" : "");
+  phases(name, f, 4, time_us(f));
+  cudaFree(q), cudaFree(w), cudaFree(keys), cudaFree(freqs), cudaFree(dpos), cudaFree(out);
 }
 
 // Buffers of one GEMV probe: weight / scale copies rotated through more than the L2 (50 MB), the
@@ -599,6 +626,14 @@ int main(int argc, char** argv) {
     probe_l2("shared w13 4096x4096", ds4::FMT_FP8, 4096, 4096, 0);
     probe_l2("wq_a+wkv 1536x4096", ds4::FMT_FP8, 1536, 4096, 0);
     probe_l2("fp4 12288x4096", ds4::FMT_FP4, 12288, 4096, 0);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "indexer") {  // the indexer's scores kernel (decode), both q forms,
+    for (int T : {2048, 16384})                          // and the sparse attention kernel
+      for (int pos : {63, 8191})
+        for (bool rope : {false, true}) probe_indexer(pos, T, rope);
+    probe_sparse(63);
+    probe_sparse(8191);
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "hc") {  // the mHC kernels only

@@ -7,6 +7,7 @@
 // the sum over tiles in a fixed order through shared memory (deterministic). Keys are split over
 // blocks so a long cache spreads over the whole GPU. With decode positions, entries not yet visible
 // score -inf inside the kernel (no mask ops before the top-k) and their chunks are skipped.
+// DS4_MARKs (scripts/probe_phases.cu indexer): 0 start, 1 keys (and q) staged, 2 scores done, 3 written.
 // With rope_freqs (decode): q arrives before its RoPE; each block stages the row's q in shared memory
 // with the interleaved RoPE of its last R dims at pos applied as head_rope (norm off) applies it, so
 // the indexer query needs no launch of its own between its projection and this kernel.
@@ -26,6 +27,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
                                                              int S, int H, int d, int T, bool bf16,
                                                              const int64_t* __restrict__ pos, int ratio,
                                                              const float* __restrict__ rope_freqs, int R, void* out) {
+  DS4_MARK(0);
   ds4_pdl::begin();
   extern __shared__ __align__(16) uint16_t ks[];   // [IX_KC][d + 8] keys, then (rope_freqs) [H][d + 8] q
   __shared__ float red[IX_WARPS][IX_KC];
@@ -102,6 +104,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     qld = LD;
   }
   __syncthreads();
+  DS4_MARK(1);
 
   auto head_w = [&](int h) {  // the reference's order: fp32 of the (bf16) weight, times the scale
     if (h >= H) return 0.f;
@@ -148,6 +151,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
       }
     }
   }
+  DS4_MARK(2);
   if (g == 0) {
 #pragma unroll
     for (int nt = 0; nt < IX_KC / 8; ++nt) {
@@ -168,6 +172,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     else
       static_cast<float*>(out)[o] = v;
   }
+  DS4_MARK(3);
 }
 
 cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, float w_scale, const void* keys, long k_b,
