@@ -220,7 +220,7 @@ static void probe_indexer(int pos, int T, bool rope) {
   };
   char name[64];
   std::snprintf(name, sizeof name, "indexer T %d pos %d%s", T, pos, rope ? " rope" : "");
-  phases(name, f, 4, time_us(f));
+  phases(name, f, 7, time_us(f));
   cudaFree(q), cudaFree(w), cudaFree(keys), cudaFree(freqs), cudaFree(dpos), cudaFree(out);
 }
 

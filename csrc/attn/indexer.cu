@@ -7,7 +7,8 @@
 // the sum over tiles in a fixed order through shared memory (deterministic). Keys are split over
 // blocks so a long cache spreads over the whole GPU. With decode positions, entries not yet visible
 // score -inf inside the kernel (no mask ops before the top-k) and their chunks are skipped.
-// DS4_MARKs (scripts/probe_phases.cu indexer): 0 start, 1 keys (and q) staged, 2 scores done, 3 written.
+// DS4_MARKs (scripts/probe_phases.cu indexer): 0 start, 1 thread 0's key chunks stored, 2 RoPE table, 3 q staged, 4 all
+// staged, 5 scores done, 6 written.
 // With rope_freqs (decode): q arrives before its RoPE; each block stages the row's q in shared memory
 // with the interleaved RoPE of its last R dims at pos applied as head_rope (norm off) applies it, so
 // the indexer query needs no launch of its own between its projection and this kernel.
@@ -59,6 +60,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     *reinterpret_cast<uint4*>(ks + j * LD + v * 8) = val;
   }
   for (int i = threadIdx.x; i < IX_WARPS * IX_KC; i += IX_THREADS) (&red[0][0])[i] = 0.f;
+  DS4_MARK(1);
   const uint16_t* qr = q + (long)r * H * d;
   int qld = d;
   if (rope_freqs) {  // q [H][d] -> shared memory with RoPE at pos[b] (fp32 rotation of the bf16 values, rounded)
@@ -81,6 +83,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
           s_rot[i] = make_float2(cs, sn);
         }
         __syncthreads();
+        DS4_MARK(2);
       }
 #pragma unroll
       for (int u = 0; u < IX_QV; ++u) {
@@ -102,9 +105,13 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     }
     qr = qs;
     qld = LD;
+    DS4_MARK(3);
+  } else {
+    DS4_MARK(2);
+    DS4_MARK(3);
   }
   __syncthreads();
-  DS4_MARK(1);
+  DS4_MARK(4);
 
   auto head_w = [&](int h) {  // the reference's order: fp32 of the (bf16) weight, times the scale
     if (h >= H) return 0.f;
@@ -151,7 +158,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
       }
     }
   }
-  DS4_MARK(2);
+  DS4_MARK(5);
   if (g == 0) {
 #pragma unroll
     for (int nt = 0; nt < IX_KC / 8; ++nt) {
@@ -172,7 +179,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     else
       static_cast<float*>(out)[o] = v;
   }
-  DS4_MARK(3);
+  DS4_MARK(6);
 }
 
 cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, float w_scale, const void* keys, long k_b,
