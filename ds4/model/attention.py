@@ -40,8 +40,7 @@ class Attention(WeightsModule):
         # RoPE frequencies live where the weights live (fp32, computed, never loaded)
         self.register_buffer("freqs", inv_freq(self.args, self.layer, t[f"{p}.wq_a.weight"].device), persistent=False)
         # wq_a and wkv read the same input: one merged GEMV (wq_a / wkv stay available as row views)
-        rows = (t[f"{p}.wq_a.weight"].shape[0], t[f"{p}.wkv.weight"].shape[0])
-        if fmt != "fp8" or all(r % 128 == 0 for r in rows):
+        if self.mergeable(t, [f"{p}.wq_a", f"{p}.wkv"], fmt):
             self.take_merged_linear("wqkv_a", t, [f"{p}.wq_a", f"{p}.wkv"], fmt, ["wq_a", "wkv"])
         else:
             self.wqkv_a = None
@@ -50,11 +49,9 @@ class Attention(WeightsModule):
         self.q_norm = self.take("q_norm", t, f"{p}.q_norm.weight")
         # CSA: wq_b and the indexer's wq_b read the same q_norm'ed latent: one merged GEMV in decode
         # (wq_bi; both stay available as row views, the indexer's handed to it below)
-        iq = f"{p}.indexer.wq_b"
         self.wq_bi = None
-        if self.indexer is not None and weight_format(t[f"{iq}.weight"]) == fmt and (
-                fmt != "fp8" or all(t[f"{n}.weight"].shape[0] % 128 == 0 for n in (f"{p}.wq_b", iq))):
-            self.take_merged_linear("wq_bi", t, [f"{p}.wq_b", iq], fmt, ["wq_b", "idx_wq_b"])
+        if self.indexer is not None and self.mergeable(t, [f"{p}.wq_b", f"{p}.indexer.wq_b"], fmt):
+            self.take_merged_linear("wq_bi", t, [f"{p}.wq_b", f"{p}.indexer.wq_b"], fmt, ["wq_b", "idx_wq_b"])
         else:
             self.wq_b = self.take_linear("wq_b", t, f"{p}.wq_b", fmt)
         self.kv_norm = self.take("kv_norm", t, f"{p}.kv_norm.weight")
@@ -197,19 +194,20 @@ class Attention(WeightsModule):
         with kvb, self.prof("attn.kv"):
             attn.kv_store(st["win"], kv, self.kv_norm, pos, self.freqs, eps, self.qat)
         branches.append(kvb)
+        def indexer_select(qi: Tensor, rope: Tensor | None) -> tuple[Tensor, Tensor | None]:
+            """qi [B, H, d] (before its RoPE when rope is given) -> (scores [B, T], top-k indices, or None
+            when the partial scores must first be summed over ranks)."""
+            icomp.join()  # the indexer cache entry of this step
+            # invisible entries score -inf inside the scores op (and stay -inf through the sum)
+            sc = self.indexer.scores(qi[:, None], wi[:, None], st["ikv"], pos=pos, ratio=self.m, rope_freqs=rope)[:, 0]
+            return sc, (self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m) if self.comm.world == 1 else None)
+
         idx = sc = None
         merged = select and self.merged_indexer_q and self.wq_bi is not None and not self.qat
         if select and not merged:
             ib = attn.branch(x, "indexer")
-            with ib, self.prof("attn.indexer"):
-                # q_norm + the indexer's wq_b in its branch; its RoPE happens inside the scores op
-                qi, rope = self.indexer.decode_query(qa, self.q_norm, eps, pos, self.freqs)
-                icomp.join()  # the indexer cache entry of this step
-                # invisible entries score -inf inside the scores op (and stay -inf through the sum)
-                sc = self.indexer.scores(qi[:, None], wi[:, None], st["ikv"], pos=pos, ratio=self.m,
-                                         rope_freqs=rope)[:, 0]  # [B, T]
-                if self.comm.world == 1:  # nothing to sum over ranks: the top-k runs in the branch too
-                    idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
+            with ib, self.prof("attn.indexer"):  # q_norm + the indexer's wq_b, scores and top-k in its branch
+                sc, idx = indexer_select(*self.indexer.decode_query(qa, self.q_norm, eps, pos, self.freqs))
             branches.append(ib)
         with self.prof("attn.q"):  # q_norm + wq_b (attn.q_up); the per-head RMS and RoPE happen inside attn.decode
             if merged:  # + the indexer's query rows in the same GEMV (before their RoPE: the scores op applies it)
@@ -218,15 +216,9 @@ class Attention(WeightsModule):
             else:
                 q = attn.q_up(qa, self.q_norm, eps, self.wq_b, self.ops.linear, self.qat)
             q = q.unflatten(-1, (self.n_heads, a.head_dim))
-        if merged:
-            # in line: a side stream would wait for SMs behind the GEMVs that PDL has already placed there
+        if merged:  # scores and top-k in line (measured the same as in their own branch: bench token noidxm)
             with self.prof("attn.indexer"):
-                icomp.join()
-                qi = qi.unflatten(-1, (self.indexer.n_heads, a.index_head_dim))
-                sc = self.indexer.scores(qi[:, None], wi[:, None], st["ikv"], pos=pos, ratio=self.m,
-                                         rope_freqs=self.freqs)[:, 0]  # [B, T]
-                if self.comm.world == 1:
-                    idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
+                sc, idx = indexer_select(qi.unflatten(-1, (self.indexer.n_heads, a.index_head_dim)), self.freqs)
         for br in branches:
             br.join()
         if select and idx is None:

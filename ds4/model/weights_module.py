@@ -33,11 +33,18 @@ class WeightsModule(nn.Module):
         setattr(self, attr, q)  # plain attribute (not a buffer)
         return q
 
+    @staticmethod
+    def mergeable(tensors: Mapping[str, Tensor], names: list[str], fmt: str) -> bool:
+        """Whether take_merged_linear can concatenate these linear layers: all stored in `fmt`, and FP8
+        ones with 128-aligned row counts (so their scale blocks concatenate too)."""
+        ws = [_get(tensors, f"{n}.weight") for n in names]
+        return all(weight_format(w) == fmt for w in ws) and (fmt != "fp8" or all(w.shape[0] % 128 == 0 for w in ws))
+
     def take_merged_linear(self, attr: str, tensors: Mapping[str, Tensor], names: list[str], fmt: str,
                            parts: list[str]) -> QWeight:
         """Row-concatenate linear layers that read the same input into one QWeight (one GEMV launch
         instead of several; same bytes). Each part stays available as a row-slice view `parts[i]`.
-        FP8 parts must have 128-aligned row counts (their scale blocks then concatenate too)."""
+        The parts must be `mergeable`."""
         ws = [_get(tensors, f"{n}.weight") for n in names]
         ss = [tensors.get(f"{n}.scale") for n in names] if fmt != "bf16" else None
         w = torch.cat(ws)

@@ -212,6 +212,7 @@ def _fp4_mma_sources() -> list[int]:
 
 
 _FP4_MMA_SRC = _fp4_mma_sources()
+_FP4_MMA_INV = [_FP4_MMA_SRC.index(b) for b in range(32)]  # the inverse permutation (unpack)
 
 
 def _permute_word_bits(w: Tensor, src: list[int], out: Tensor | None, chunk_words: int = 1 << 24) -> Tensor:
@@ -246,10 +247,7 @@ def pack_fp4_mma(w: Tensor, out: Tensor | None = None) -> Tensor:
 
 def unpack_fp4_mma(w: Tensor, out: Tensor | None = None) -> Tensor:
     """[hot] The inverse of pack_fp4_mma: fp4p bytes -> the stored FP4 layout."""
-    inv = [0] * 32
-    for j, b in enumerate(_FP4_MMA_SRC):
-        inv[b] = j
-    return _permute_word_bits(w, inv, out)
+    return _permute_word_bits(w, _FP4_MMA_INV, out)
 
 
 # ----------------------------------------------------------------------------------------------
