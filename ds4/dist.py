@@ -24,7 +24,7 @@ class SingleProcess:
     rank, world = 0, 1
 
     def all_reduce(self, x: Tensor, site: str) -> Tensor:
-        """Sum partial results over ranks (site: 'attn', 'moe', 'indexer', 'embed')."""
+        """Sum partial results over ranks (site: 'attn', 'moe', 'embed')."""
         return x
 
     def gather_vocab(self, logits: Tensor) -> Tensor:
@@ -104,8 +104,9 @@ class TensorParallel:
         return y
 
     def all_reduce(self, x: Tensor, site: str) -> Tensor:
-        # Index scores decide a top-k: keep them in fp32 whatever the activation reduce precision.
-        dtype = torch.float32 if site in ("indexer", "embed") else self.reduce_dtype
+        # Embedding rows are exact sums of one rank's row and zeros: keep them fp32 (exact) whatever the
+        # activation reduce precision.
+        dtype = torch.float32 if site == "embed" else self.reduce_dtype
         return self._sum(x, dtype).to(x.dtype)
 
     def gather_vocab(self, logits: Tensor) -> Tensor:

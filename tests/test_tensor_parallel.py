@@ -102,3 +102,18 @@ def test_bad_tp_setups():
     from ds4.weights.schema import local_tensors
     with pytest.raises(ValueError, match="divide"):
         local_tensors(tiny(), rank=0, world=3)
+
+
+def test_indexer_is_replicated():
+    """The indexer (unlike the reference's head split) is whole on every rank: its top-k needs no
+    all-reduce of the scores, and every rank selects what one process selects."""
+    from ds4.weights.schema import expected_tensors, local_tensors
+    a = tiny()
+    full = expected_tensors(a, include_mtp=False)
+    loc = local_tensors(a, rank=1, world=2)
+    ix = [n for n in full if ".indexer.wq_b." in n or n.endswith(".indexer.weights_proj.weight")]
+    assert ix
+    for n in ix:
+        assert loc[n][0].shape == full[n].shape, n
+    wq_b = next(n for n in full if n.endswith(".attn.wq_b.weight"))
+    assert loc[wq_b][0].shape[0] * 2 == full[wq_b].shape[0]  # the attention's heads stay split

@@ -34,6 +34,22 @@ __device__ __forceinline__ float ld_as_float(const void* p, long i, bool f32) {
   return f32 ? static_cast<const float*>(p)[i] : __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
 }
 
+// 16 bytes global -> shared without a register (cp.async, sm_80+); ok == false writes 16 zero bytes and
+// reads nothing (src must still be a valid address). A thread can put all its copies of a staging loop
+// in flight this way, where a load-then-store loop waits one memory round trip per trip.
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src), "r"(ok ? 16 : 0) : "memory");
+#endif
+}
+// Waits for all of this thread's cp.async copies (the block still needs a barrier to see the others').
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // A fragment of a 16 x 16 tile of a row-major bf16 matrix (row stride ld elements); rows >= nrows are 0.
 // GLOBAL: base is read-only global memory (loaded through the non-coherent path); else any memory
 // (e.g. shared).

@@ -7,8 +7,8 @@
 // the sum over tiles in a fixed order through shared memory (deterministic). Keys are split over
 // blocks so a long cache spreads over the whole GPU. With decode positions, entries not yet visible
 // score -inf inside the kernel (no mask ops before the top-k) and their chunks are skipped.
-// DS4_MARKs (scripts/probe_phases.cu indexer): 0 start, 1 thread 0's key chunks stored, 2 RoPE table, 3 q staged, 4 all
-// staged, 5 scores done, 6 written.
+// DS4_MARKs (scripts/probe_phases.cu indexer): 0 start, 1 thread 0's key copies issued, 2 RoPE table, 3 q staged,
+// 4 all staged (keys landed), 5 scores done, 6 written.
 // With rope_freqs (decode): q arrives before its RoPE; each block stages the row's q in shared memory
 // with the interleaved RoPE of its last R dims at pos applied as head_rope (norm off) applies it, so
 // the indexer query needs no launch of its own between its projection and this kernel.
@@ -53,11 +53,12 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     }
     return;
   }
+  // every copy of the chunk's keys goes out before any lands (cp.async: no register per copy; keys past
+  // the visible ones zero-filled): a load-then-store loop waited one round trip per trip
   for (int i = threadIdx.x; i < IX_KC * vpr; i += IX_THREADS) {
     const int j = i / vpr, v = i % vpr;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (t0 + j < tlim) val = *reinterpret_cast<const uint4*>(keys + (long)b * k_b + (long)(t0 + j) * k_r + v * 8);
-    *reinterpret_cast<uint4*>(ks + j * LD + v * 8) = val;
+    const bool ok = t0 + j < tlim;
+    cp_async16_zfill(ks + j * LD + v * 8, keys + (long)b * k_b + (long)(ok ? t0 + j : t0) * k_r + v * 8, ok);
   }
   for (int i = threadIdx.x; i < IX_WARPS * IX_KC; i += IX_THREADS) (&red[0][0])[i] = 0.f;
   DS4_MARK(1);
@@ -110,6 +111,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     DS4_MARK(2);
     DS4_MARK(3);
   }
+  cp_async_wait_all();
   __syncthreads();
   DS4_MARK(4);
 

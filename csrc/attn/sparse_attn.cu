@@ -91,15 +91,14 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
       }
     }
   }
+  // the rows' copies all go out before any lands (cp.async: no register per copy; invalid rows zero-filled)
   int any = 0;
+  const uint16_t* valid_src = static_cast<const uint16_t*>(a.kv);
 #pragma unroll
   for (int i = 0; i < SP_ROWS_PER_WARP; ++i) {
     const int j = warp + SP_WARPS * i;
-    for (int v = lane; v < vec_per_row; v += 32) {
-      uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (ok[i]) val = *reinterpret_cast<const uint4*>(src[i] + v * 8);
-      *reinterpret_cast<uint4*>(ks + j * LD + v * 8) = val;
-    }
+    for (int v = lane; v < vec_per_row; v += 32)
+      cp_async16_zfill(ks + j * LD + v * 8, ok[i] ? src[i] + v * 8 : valid_src, ok[i]);
     if (lane == 0) kval[j] = ok[i] ? 1 : 0;
     any |= ok[i] ? 1 : 0;
   }
@@ -114,6 +113,7 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
     if (mt * 16 + h < H) val = *reinterpret_cast<const uint4*>(q + (long)h * D + v * 8);
     *reinterpret_cast<uint4*>(qs + h * LD + v * 8) = val;
   }
+  cp_async_wait_all();
   any = __syncthreads_or(any);
   if (a.q_prep && any) {  // head_rope on the block's 16 heads, in shared memory (warp per head)
     for (int hh = warp; hh < 16; hh += SP_WARPS) {
@@ -275,15 +275,30 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
     if (m != -INFINITY) L += ml[(((long)r * nsplit + c) * H + h) * 2 + 1] * expf(m - M);
   }
   const float inv = 1.f / L;
+  constexpr int CU = 4;  // splits whose partial outputs are loaded together (one L2 round trip, not CU)
   for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int c = 0; c < nsplit; ++c) {
-      const long base = ((long)r * nsplit + c) * H + h;
-      const float m = ml[base * 2];
-      if (m == -INFINITY) continue;
-      const float w = expf(m - M);
-      const float4 v = *reinterpret_cast<const float4*>(opart + base * D + d);
-      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    for (int c0 = 0; c0 < nsplit; c0 += CU) {
+      float4 v[CU];
+      float w[CU];
+      bool ok[CU];
+#pragma unroll
+      for (int u = 0; u < CU; ++u) {  // splits with no valid key (max -inf) wrote no output: never read
+        const long base = ((long)r * nsplit + c0 + u) * H + h;
+        const float m = c0 + u < nsplit ? ml[base * 2] : -INFINITY;
+        ok[u] = m != -INFINITY;
+        w[u] = 0.f;
+        v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (ok[u]) {
+          w[u] = expf(m - M);
+          v[u] = *reinterpret_cast<const float4*>(opart + base * D + d);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < CU; ++u) {  // in split order, as one split at a time
+        if (!ok[u]) continue;
+        acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
+      }
     }
     float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
     if (R > 0 && d >= D - R) {  // output de-rotation (spec §5.8): the bf16 output rotated by -angle

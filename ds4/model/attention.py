@@ -147,7 +147,7 @@ class Attention(WeightsModule):
             if self.kind == CSA and entries.shape[0]:
                 n = entries.shape[0]
                 with self.prof("attn.indexer"):
-                    sc = self.comm.all_reduce(self.indexer.scores(qi[None, a0:e0], wi[None, a0:e0], ikeys[None]), "indexer")
+                    sc = self.indexer.scores(qi[None, a0:e0], wi[None, a0:e0], ikeys[None])  # all heads
                     visible = torch.arange(n, device=x.device).unsqueeze(0) < (t + 1) // self.m
                     idx, sel_valid = self.indexer.select(sc, visible.unsqueeze(0), min(a.index_topk, n))
                 sel_kv = entries[idx]                                        # [1, Sq, k, D]
@@ -175,7 +175,7 @@ class Attention(WeightsModule):
         #   compress   the compressor step: reads x, writes its state and cache;
         #   icompress  the indexer compressor's step and the indexer head weights: read x;
         #   kv         the window write: reads the wkv output;
-        #   indexer    the indexer query, scores (and top-k on one rank): reads qr and the indexer cache.
+        #   indexer    the indexer query, scores and top-k: reads qr and the indexer cache.
         branches = []
         if self.compressor is not None:
             comp = attn.branch(x, "compress")
@@ -194,20 +194,20 @@ class Attention(WeightsModule):
         with kvb, self.prof("attn.kv"):
             attn.kv_store(st["win"], kv, self.kv_norm, pos, self.freqs, eps, self.qat)
         branches.append(kvb)
-        def indexer_select(qi: Tensor, rope: Tensor | None) -> tuple[Tensor, Tensor | None]:
-            """qi [B, H, d] (before its RoPE when rope is given) -> (scores [B, T], top-k indices, or None
-            when the partial scores must first be summed over ranks)."""
+        def indexer_select(qi: Tensor, rope: Tensor | None) -> Tensor:
+            """qi [B, H, d] (all index heads: the indexer is replicated over ranks; before its RoPE when rope
+            is given) -> top-k indices [B, k]."""
             icomp.join()  # the indexer cache entry of this step
-            # invisible entries score -inf inside the scores op (and stay -inf through the sum)
+            # invisible entries score -inf inside the scores op
             sc = self.indexer.scores(qi[:, None], wi[:, None], st["ikv"], pos=pos, ratio=self.m, rope_freqs=rope)[:, 0]
-            return sc, (self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m) if self.comm.world == 1 else None)
+            return self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
 
-        idx = sc = None
+        idx = None
         merged = select and self.merged_indexer_q and self.wq_bi is not None and not self.qat
         if select and not merged:
             ib = attn.branch(x, "indexer")
             with ib, self.prof("attn.indexer"):  # q_norm + the indexer's wq_b, scores and top-k in its branch
-                sc, idx = indexer_select(*self.indexer.decode_query(qa, self.q_norm, eps, pos, self.freqs))
+                idx = indexer_select(*self.indexer.decode_query(qa, self.q_norm, eps, pos, self.freqs))
             branches.append(ib)
         with self.prof("attn.q"):  # q_norm + wq_b (attn.q_up); the per-head RMS and RoPE happen inside attn.decode
             if merged:  # + the indexer's query rows in the same GEMV (before their RoPE: the scores op applies it)
@@ -218,13 +218,9 @@ class Attention(WeightsModule):
             q = q.unflatten(-1, (self.n_heads, a.head_dim))
         if merged:  # scores and top-k in line (measured the same as in their own branch: bench token noidxm)
             with self.prof("attn.indexer"):
-                sc, idx = indexer_select(qi.unflatten(-1, (self.indexer.n_heads, a.index_head_dim)), self.freqs)
+                idx = indexer_select(qi.unflatten(-1, (self.indexer.n_heads, a.index_head_dim)), self.freqs)
         for br in branches:
             br.join()
-        if select and idx is None:
-            with self.prof("attn.indexer"):
-                sc = self.comm.all_reduce(sc, "indexer")
-                idx = self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
         ext = st["ckv"] if self.compressor is not None else None
         with self.prof("attn.sparse"):
             o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs, eps)
