@@ -7,8 +7,8 @@
 // the sum over tiles in a fixed order through shared memory (deterministic). Keys are split over
 // blocks so a long cache spreads over the whole GPU. With decode positions, entries not yet visible
 // score -inf inside the kernel (no mask ops before the top-k) and their chunks are skipped.
-// DS4_MARKs (scripts/probe_phases.cu indexer): 0 start, 1 thread 0's key copies issued, 2 RoPE table, 3 q staged,
-// 4 all staged (keys landed), 5 scores done, 6 written.
+// DS4_MARKs (scripts/probe_phases.cu indexer): 0 start, 1 thread 0's key copies issued, 2 q copies issued + RoPE
+// table, 3 q rotated in place, 4 all staged (keys landed), 5 scores done, 6 written.
 // With rope_freqs (decode): q arrives before its RoPE; each block stages the row's q in shared memory
 // with the interleaved RoPE of its last R dims at pos applied as head_rope (norm off) applies it, so
 // the indexer query needs no launch of its own between its projection and this kernel.
@@ -65,43 +65,31 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
   const uint16_t* qr = q + (long)r * H * d;
   int qld = d;
   if (rope_freqs) {  // q [H][d] -> shared memory with RoPE at pos[b] (fp32 rotation of the bf16 values, rounded)
-    // 16-byte chunks, IX_QV per thread, all their loads issued before any is used
-    constexpr int IX_QV = 8;
+    // q's copies go out beside the keys' (cp.async), the RoPE table is computed while they fly, then
+    // each warp rotates its heads' last R dims in place, a lane per pair. (Staging through registers
+    // with per-chunk index arithmetic took ~3 us: one block per SM hides no latency.)
     uint16_t* qs = ks + IX_KC * LD;
-    const int nq = H * vpr;
+    for (int i = threadIdx.x; i < H * vpr; i += IX_THREADS) {
+      const int h = i / vpr, v = i - h * vpr;
+      cp_async16_zfill(qs + h * LD + v * 8, qr + (long)h * d + v * 8, true);
+    }
     const float fpos = (float)pos[b];
-    for (int i0 = 0; i0 < nq; i0 += IX_QV * IX_THREADS) {
-      uint4 v[IX_QV];
-#pragma unroll
-      for (int u = 0; u < IX_QV; ++u) {
-        const int i = i0 + u * IX_THREADS + threadIdx.x;
-        if (i < nq) v[u] = *reinterpret_cast<const uint4*>(qr + (long)(i / vpr) * d + (i % vpr) * 8);
-      }
-      if (i0 == 0) {
-        for (int i = threadIdx.x; i < R / 2; i += IX_THREADS) {
-          float sn, cs;
-          sincosf(fpos * rope_freqs[i], &sn, &cs);
-          s_rot[i] = make_float2(cs, sn);
-        }
-        __syncthreads();
-        DS4_MARK(2);
-      }
-#pragma unroll
-      for (int u = 0; u < IX_QV; ++u) {
-        const int i = i0 + u * IX_THREADS + threadIdx.x;
-        if (i >= nq) continue;
-        const int h = i / vpr, j0 = (i % vpr) * 8;
-        uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          const int j = j0 + 2 * p;
-          if (j < d - R) continue;
-          const float2 rt = s_rot[(j - (d - R)) / 2];
-          const float a = __uint_as_float(w[p] << 16), bb = __uint_as_float(w[p] & 0xffff0000u);
-          const __nv_bfloat162 y = __floats2bfloat162_rn(a * rt.x - bb * rt.y, a * rt.y + bb * rt.x);
-          w[p] = *reinterpret_cast<const uint32_t*>(&y);
-        }
-        *reinterpret_cast<uint4*>(qs + h * LD + j0) = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int i = threadIdx.x; i < R / 2; i += IX_THREADS) {
+      float sn, cs;
+      sincosf(fpos * rope_freqs[i], &sn, &cs);
+      s_rot[i] = make_float2(cs, sn);
+    }
+    DS4_MARK(2);
+    cp_async_wait_all();
+    __syncthreads();
+    for (int h = warp; h < H; h += IX_WARPS) {
+      uint32_t* qh = reinterpret_cast<uint32_t*>(qs + h * LD + (d - R));
+      for (int i = lane; i < R / 2; i += 32) {
+        const float2 rt = s_rot[i];
+        const uint32_t w = qh[i];
+        const float a = __uint_as_float(w << 16), bb = __uint_as_float(w & 0xffff0000u);
+        const __nv_bfloat162 y = __floats2bfloat162_rn(a * rt.x - bb * rt.y, a * rt.y + bb * rt.x);
+        qh[i] = *reinterpret_cast<const uint32_t*>(&y);
       }
     }
     qr = qs;
