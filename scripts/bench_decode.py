@@ -26,7 +26,9 @@ default), smem
 its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k
 inside the routed kernels instead of its own launch), nopack (the routed experts in the checkpoint's FP4
 layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), noidxm (CSA layers: the indexer's
-query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), sprio
+query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), hwin (CSA layers
+with the merged query: the indexer's head weights after the indexer compressor's step in its branch, not in
+a branch of their own), sprio
 (DS4_SIDE_PRIORITY=high: the side-stream branches above the main stream's priority), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16). On a machine
@@ -118,9 +120,11 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SIDE_PRIORITY"] = "high" if "sprio" in toks else "default"
     # noidxm: CSA layers compute the indexer's query with its own GEMV in the indexer's side branch instead
     # of inside the merged wq_bi GEMV (Attention.merged_indexer_q; matters where the indexer selects: capN)
+    # hwin: the indexer head weights after the indexer compressor in its branch, not in a branch of their own
     for mod in model.modules():
         if isinstance(mod, Attention):
             mod.merged_indexer_q = "noidxm" not in toks
+            mod.head_weights_branch = "hwin" not in toks
     runtime = "cuda_graph" if "graph" in toks else "eager"
     # capN: caches sized for N positions (the app's max_seq_len; V4-Flash's default is 8192) instead of
     # just this run's; launch shapes that follow the capacity then show in the step

@@ -75,12 +75,14 @@ class _RecordingBranch(side_stream.Branch):
         self.log.append(("join", self.name))
 
 
-@pytest.mark.parametrize("merged", [True, False])
-def test_decode_joins_every_branch_before_its_output_is_read(merged):
+@pytest.mark.parametrize("merged,hw_branch", [(True, True), (True, False), (False, True)])
+def test_decode_joins_every_branch_before_its_output_is_read(merged, hw_branch):
     """The decode step's branch discipline (what makes the side streams of a captured graph safe):
-    the indexer scores run only after the indexer-compressor branch (the cache entry of this step) is
-    joined, and the attention kernel only after every branch is; same logits as plain in-line ops.
-    merged: the indexer's query from the merged wq_bi GEMV in line (the default), else its own branch."""
+    the indexer scores run only after the indexer-compressor branch (the cache entry of this step) and
+    the head weights' branch are joined, and the attention kernel only after every branch is; same
+    logits as plain in-line ops. merged: the indexer's query from the merged wq_bi GEMV in line (the
+    default), else its own branch; hw_branch: with the merged query, the head weights in the free
+    "indexer" branch (the default), else after the indexer compressor in its branch."""
     import dataclasses
 
     from ds4.model.args import tiny
@@ -112,6 +114,7 @@ def test_decode_joins_every_branch_before_its_output_is_read(merged):
             if kw.get("pos") is not None:  # decode (prefill has no branches)
                 icomp = [b for b in made if b.name == "icompress"]
                 assert icomp and icomp[-1].joined, "indexer scores before the indexer cache entry was joined"
+                assert all(b.joined for b in made if b.name == "indexer" and merged), "scores before head weights"
                 log.append(("scores", None))
             return super().scores(*args, **kw)
 
@@ -126,13 +129,15 @@ def test_decode_joins_every_branch_before_its_output_is_read(merged):
             if isinstance(mod, Attention):
                 assert mod.indexer is None or mod.wq_bi is not None  # tiny's CSA layers merge the two wq_b
                 mod.merged_indexer_q = merged
+                mod.head_weights_branch = hw_branch
         g = Generator(m, 1, 256)
         g.prefill([[(7 * i + 3) % a.vocab_size for i in range(20)]])
         logits.append(torch.stack([g.decode(torch.tensor([t]))[0] for t in (5, 9, 11, 2, 8)]))
     assert torch.equal(logits[0], logits[1])
     names = {n for e, n in log if e == "enter"}
-    # tiny has SWA, CSA and HCA layers: every branch is used (the indexer's only when its query is not merged)
-    assert names == set(BRANCHES) - ({"indexer"} if merged else set()), names
+    # tiny has SWA, CSA and HCA layers: every branch is used ("indexer": the query's branch when it is not
+    # merged, the head weights' when it is, unless they stay in the indexer compressor's branch)
+    assert names == set(BRANCHES) - ({"indexer"} if merged and not hw_branch else set()), names
     assert ("scores", None) in log and log.count(("decode", None)) == 5 * a.n_layers
 
 

@@ -34,6 +34,10 @@ class Attention(WeightsModule):
         # decode of a CSA layer that selects: the indexer's query from the merged wq_bi GEMV in line (True),
         # or from its own GEMV in the indexer's side branch (False: the ablation, scripts/bench_decode.py)
         self.merged_indexer_q = True
+        # with the merged query: the indexer's head weights (a GEMV of x) in the free "indexer" branch,
+        # beside the indexer compressor's step, instead of after it in the "icompress" branch (False:
+        # the ablation, bench token hwin)
+        self.head_weights_branch = True
 
     def load(self, t: Mapping[str, Tensor], p: str) -> None:
         fmt = weight_format(t[f"{p}.wq_a.weight"])
@@ -173,21 +177,29 @@ class Attention(WeightsModule):
         # Independent pieces run in branches (attn.branch: side streams while a CUDA graph is captured,
         # in line otherwise), each joined before its output is read:
         #   compress   the compressor step: reads x, writes its state and cache;
-        #   icompress  the indexer compressor's step and the indexer head weights: read x;
+        #   icompress  the indexer compressor's step (and the indexer head weights): read x;
         #   kv         the window write: reads the wkv output;
-        #   indexer    the indexer query, scores and top-k: reads qr and the indexer cache.
+        #   indexer    the indexer query, scores and top-k: reads qr and the indexer cache; or, when the
+        #              query comes from the merged GEMV in line, the indexer head weights (reads x).
         branches = []
         if self.compressor is not None:
             comp = attn.branch(x, "compress")
             with comp, self.prof("attn.compress"):
                 self.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "comp"), st["ckv"], attn)
             branches.append(comp)
+        merged = select and self.merged_indexer_q and self.wq_bi is not None and not self.qat
+        iw = None  # the head weights' own branch (merged query only: its slot is free then)
         if self.kind == CSA:
             icomp = attn.branch(x, "icompress")
             with icomp, self.prof("attn.indexer"):
                 self.indexer.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "icomp"), st["ikv"], attn)
-                wi = self.indexer.head_weights(x) if select else None
+                wi = self.indexer.head_weights(x) if select and not (merged and self.head_weights_branch) else None
             branches.append(icomp)
+            if merged and self.head_weights_branch:
+                iw = attn.branch(x, "indexer")
+                with iw, self.prof("attn.indexer"):
+                    wi = self.indexer.head_weights(x)
+                branches.append(iw)
         with self.prof("attn.q"):
             qa, kv = self._qkv_a(x)
         kvb = attn.branch(x, "kv")
@@ -198,12 +210,13 @@ class Attention(WeightsModule):
             """qi [B, H, d] (all index heads: the indexer is replicated over ranks; before its RoPE when rope
             is given) -> top-k indices [B, k]."""
             icomp.join()  # the indexer cache entry of this step
+            if iw is not None:
+                iw.join()  # the head weights
             # invisible entries score -inf inside the scores op
             sc = self.indexer.scores(qi[:, None], wi[:, None], st["ikv"], pos=pos, ratio=self.m, rope_freqs=rope)[:, 0]
             return self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
 
         idx = None
-        merged = select and self.merged_indexer_q and self.wq_bi is not None and not self.qat
         if select and not merged:
             ib = attn.branch(x, "indexer")
             with ib, self.prof("attn.indexer"):  # q_norm + the indexer's wq_b, scores and top-k in its branch
