@@ -24,10 +24,12 @@
 #                  kernel's time is its own)
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart ($SEED_JOBS:
 #                  the sweep's experiment=... list, default all of it)
-#   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope); alone in a group
+#   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope; $TP_LAYERS: another
+#                  list, e.g. 43); alone in a group
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group; $SEED_TP2_TIMEOUT s, default 540)
 set -u
-OUT=${OUT:-/tmp/ds4_out}; L=/tmp/ds4_logs; mkdir -p "$OUT" "$L"
+# logs under $OUT: a lease cut short by its time limit still brings back what ran; sweeps' run folders in S
+OUT=${OUT:-/tmp/ds4_out}; L=$OUT/logs; S=/tmp/ds4_sweeps; mkdir -p "$OUT" "$L" "$S"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 MAX_JOBS=32
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}   # the lent GPUs are sm_90; CI compiles sm_80
 if ls .whl/*.whl >/dev/null 2>&1; then   # hydra-core / omegaconf wheels carried from the dev machine
@@ -84,18 +86,18 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
         --long-context 65536 --out "$OUT/profile_step.json" > "$L/profile.log" 2>&1 ;;
     seed)
       CUDA_VISIBLE_DEVICES=$g timeout 240 python3 -m ds4 ablation=seed_phases model.n_layers=8 tracking=none \
-        max_new_tokens=32 $SEED_JOBS hydra.sweep.dir="$L/seed_1gpu" > "$L/seed_1gpu.log" 2>&1
-      python3 -m ds4.compare "$L/seed_1gpu" --baseline seed_phase1 --md "$OUT/seed_phases_1gpu.md" \
+        max_new_tokens=32 $SEED_JOBS hydra.sweep.dir="$S/seed_1gpu" > "$L/seed_1gpu.log" 2>&1
+      python3 -m ds4.compare "$S/seed_1gpu" --baseline seed_phase1 --md "$OUT/seed_phases_1gpu.md" \
         --out "$OUT/seed_phases_1gpu.png" > "$L/compare_1gpu.log" 2>&1 ;;
     seed_tp2)
       CUDA_VISIBLE_DEVICES=0,1 timeout ${SEED_TP2_TIMEOUT:-540} torchrun --nproc-per-node 2 -m ds4 ablation=seed_phases parallel.tp=2 \
-        task.fidelity=false tracking=none max_new_tokens=32 $SEED_JOBS hydra.sweep.dir="$L/seed_tp2" > "$L/seed_tp2.log" 2>&1
-      python3 -m ds4.compare "$L/seed_tp2" --baseline seed_phase1 --md "$OUT/seed_phases_tp2.md" \
+        task.fidelity=false tracking=none max_new_tokens=32 $SEED_JOBS hydra.sweep.dir="$S/seed_tp2" > "$L/seed_tp2.log" 2>&1
+      python3 -m ds4.compare "$S/seed_tp2" --baseline seed_phase1 --md "$OUT/seed_phases_tp2.md" \
         --out "$OUT/seed_phases_tp2.png" > "$L/compare_tp2.log" 2>&1 ;;
     tp2|tp4)
       local n=${1#tp}
       [ "$NGPU" -ge "$n" ] || { echo "$1: needs $n GPUs, have $NGPU" > "$L/$1.log"; return; }
-      timeout 240 torchrun --nproc-per-node "$n" scripts/bench_decode.py --layers 8,43 --new-tokens 48 \
+      timeout 240 torchrun --nproc-per-node "$n" scripts/bench_decode.py --layers "${TP_LAYERS:-8,43}" --new-tokens 48 \
         --variants "$TP_VARIANTS" --out "$OUT/bench_$1.json" > "$L/bench_$1.log" 2>&1 ;;
     *) echo "unknown stage $1" ;;
   esac
@@ -111,7 +113,6 @@ for group in "$@"; do
   wait
 done
 stamp done
-for f in "$L"/*.log; do echo "##### $f"; cat "$f"; done > "$OUT/all_logs.txt"
 for f in kernel_tests e2e_tests tp2_tests; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -E "passed|failed|Error|^FAILED|^E  " "$L/$f.log" | tail -n 14; }
 done
