@@ -28,8 +28,9 @@
 #                  list, e.g. 43); alone in a group
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group; $SEED_TP2_TIMEOUT s, default 540)
 set -u
-# logs under $OUT: a lease cut short by its time limit still brings back what ran; sweeps' run folders in S
-OUT=${OUT:-/tmp/ds4_out}; L=$OUT/logs; S=/tmp/ds4_sweeps; mkdir -p "$OUT" "$L" "$S"
+# Each finished stage appends its logs to $OUT/logs.txt (one file: a call brings back at most 8), so a
+# lease cut short by its time limit still returns what ran. Sweeps' run folders live in S.
+OUT=${OUT:-/tmp/ds4_out}; L=/tmp/ds4_logs; S=/tmp/ds4_sweeps; mkdir -p "$OUT" "$L" "$S"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 MAX_JOBS=32
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}   # the lent GPUs are sm_90; CI compiles sm_80
 if ls .whl/*.whl >/dev/null 2>&1; then   # hydra-core / omegaconf wheels carried from the dev machine
@@ -103,11 +104,27 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
   esac
 }
 
+logs_of() {  # the log names a stage writes
+  case $1 in
+    bench) echo bench_1gpu ;;
+    tp2|tp4) echo "bench_$1" ;;
+    seed) echo "seed_1gpu compare_1gpu" ;;
+    seed_tp2) echo "seed_tp2 compare_tp2" ;;
+    *) echo "$1" ;;
+  esac
+}
+
 for group in "$@"; do
   stamp "$group"
   i=0
   for lane in ${group//+/ }; do
-    ( g=$(( i % NGPU )); for s in ${lane//,/ }; do stage "$s" $g; done ) &
+    ( g=$(( i % NGPU ))
+      for s in ${lane//,/ }; do
+        stage "$s" $g
+        for f in $(logs_of "$s"); do
+          [ -f "$L/$f.log" ] && { echo "##### $f"; cat "$L/$f.log"; } >> "$OUT/logs.txt"
+        done
+      done ) &
     i=$(( i + 1 ))
   done
   wait

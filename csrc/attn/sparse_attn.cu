@@ -10,9 +10,8 @@
 //     H200, one call at context 64 (3 busy chunks): 9.8 us like this (scripts/probe_phases.cu); 16.8 us
 //     when one block served all 64 heads with 16 warps recomputing S per output slice (14.5 us of
 //     block life: 3.4 loads, 3.9 S, 6.3 P.V).
-//   sparse_combine_kernel: per (row, head; the splits' (max, sum) staged in shared memory first):
-//     M = max(sink, max_c), L = exp(sink - M) + sum_c l_c exp(m_c - M), o = sum_c exp(m_c - M) O_c / L
-//     -> bf16. The sink enters only the denominator.
+//   sparse_combine_kernel: per (row, head): M = max(sink, max_c), L = exp(sink - M) + sum_c l_c
+//     exp(m_c - M), o = sum_c exp(m_c - M) O_c / L  -> bf16. The sink enters only the denominator.
 //   Decode mode (SparseArgs.pos): key validity from the row's position (window ring, visible compressed
 //   entries), selected entries gathered by index straight from the compressed cache, and the output's
 //   RoPE dims de-rotated in the combine - no mask, gather or de-rotation ops around the kernel.
@@ -261,50 +260,44 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
   DS4_MARK(3);
 }
 
-// dynamic shared memory: s_m / s_l / s_w [nsplit] (SP_COMBINE_SMEM)
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                       const float* __restrict__ sink, int nsplit, int H, int D,
                                       const int64_t* __restrict__ pos, const float* __restrict__ freqs, int R,
                                       __nv_bfloat16* __restrict__ out) {
   ds4_pdl::begin();
-  extern __shared__ float s_ml[];
-  float *s_m = s_ml, *s_l = s_ml + nsplit, *s_w = s_ml + 2 * nsplit;
   const int h = blockIdx.x, r = blockIdx.y;
-  // the splits' (max, sum) read once, in parallel (each thread looping over them read nsplit pairs
-  // one round trip after the other)
-  for (int c = threadIdx.x; c < nsplit; c += blockDim.x) {
-    const float2 v = *reinterpret_cast<const float2*>(ml + (((long)r * nsplit + c) * H + h) * 2);
-    s_m[c] = v.x;
-    s_l[c] = v.y;
-  }
-  __syncthreads();
   const float sk = sink[h];
   float M = sk;
-  for (int c = 0; c < nsplit; ++c) M = fmaxf(M, s_m[c]);
-  for (int c = threadIdx.x; c < nsplit; c += blockDim.x) s_w[c] = s_m[c] == -INFINITY ? 0.f : expf(s_m[c] - M);
-  __syncthreads();
+  for (int c = 0; c < nsplit; ++c) M = fmaxf(M, ml[(((long)r * nsplit + c) * H + h) * 2]);
   float L = expf(sk - M);
-  for (int c = 0; c < nsplit; ++c)  // split order
-    if (s_m[c] != -INFINITY) L += s_l[c] * s_w[c];
+  for (int c = 0; c < nsplit; ++c) {
+    const float m = ml[(((long)r * nsplit + c) * H + h) * 2];
+    if (m != -INFINITY) L += ml[(((long)r * nsplit + c) * H + h) * 2 + 1] * expf(m - M);
+  }
   const float inv = 1.f / L;
   constexpr int CU = 4;  // splits whose partial outputs are loaded together (one L2 round trip, not CU)
   for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int c0 = 0; c0 < nsplit; c0 += CU) {
       float4 v[CU];
+      float w[CU];
       bool ok[CU];
 #pragma unroll
       for (int u = 0; u < CU; ++u) {  // splits with no valid key (max -inf) wrote no output: never read
-        const int c = c0 + u;
-        ok[u] = c < nsplit && s_m[c] != -INFINITY;
-        v[u] = ok[u] ? *reinterpret_cast<const float4*>(opart + (((long)r * nsplit + c) * H + h) * D + d)
-                     : make_float4(0.f, 0.f, 0.f, 0.f);
+        const long base = ((long)r * nsplit + c0 + u) * H + h;
+        const float m = c0 + u < nsplit ? ml[base * 2] : -INFINITY;
+        ok[u] = m != -INFINITY;
+        w[u] = 0.f;
+        v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (ok[u]) {
+          w[u] = expf(m - M);
+          v[u] = *reinterpret_cast<const float4*>(opart + base * D + d);
+        }
       }
 #pragma unroll
       for (int u = 0; u < CU; ++u) {  // in split order, as one split at a time
         if (!ok[u]) continue;
-        const float w = s_w[c0 + u];
-        acc.x += w * v[u].x; acc.y += w * v[u].y; acc.z += w * v[u].z; acc.w += w * v[u].w;
+        acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
       }
     }
     float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
@@ -343,13 +336,7 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
                                   smem, st, a, nsplit, opart, ml);
   if (e != cudaSuccess) return e;
   const int threads = a.D / 4 < 128 ? a.D / 4 : 128;
-  const size_t csmem = 3 * (size_t)nsplit * sizeof(float);
-  if (csmem > 200 * 1024) return cudaErrorInvalidValue;
-  if (csmem > 48 * 1024) {
-    e = cudaFuncSetAttribute(sparse_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)csmem);
-    if (e != cudaSuccess) return e;
-  }
-  return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), csmem, st,
+  return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), 0, st,
                          static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
                          a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out));
 }
