@@ -19,7 +19,8 @@
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
 #   tp2_tests      the 2-GPU tests (tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
 #   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
-#   profile        per-kernel profile of an 8-layer step and its time at position 65536 (PROFILE_PDL=0:
+#   profile        per-kernel profile of an 8-layer step, the timeline of one replay (who holds each instant) and
+#                  the step's time at position 65536 (PROFILE_PDL=0:
 #                  without PDL; PROFILE_INLINE=1: side-stream branches in line too — both, and each
 #                  kernel's time is its own)
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart ($SEED_JOBS:
@@ -83,7 +84,7 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
     profile)
       local ovl=1; [ "${PROFILE_INLINE:-0}" = 1 ] && ovl=0
       DS4_PDL=${PROFILE_PDL:-1} DS4_COMPRESS_OVERLAP=$ovl DS4_ATTN_OVERLAP=$ovl DS4_SHARED_OVERLAP=$ovl \
-        CUDA_VISIBLE_DEVICES=$g timeout 60 python3 scripts/profile_step.py --layers 8 --variant kernels+fused \
+        CUDA_VISIBLE_DEVICES=$g timeout 90 python3 scripts/profile_step.py --layers 8 --variant kernels+fused --timeline \
         --long-context 65536 --out "$OUT/profile_step.json" > "$L/profile.log" 2>&1 ;;
     seed)
       CUDA_VISIBLE_DEVICES=$g timeout 240 python3 -m ds4 ablation=seed_phases model.n_layers=8 tracking=none \
@@ -140,6 +141,7 @@ done
 for f in bench_1gpu bench_tp2 bench_tp4; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -v '^{' "$L/$f.log" | grep -v "^\s*$" | tail -n 12; }
 done
-[ -f "$L/profile.log" ] && { echo "--- profile"; grep -v "^\s*$" "$L/profile.log" | grep -v -i warn | head -n 26; }
+[ -f "$L/profile.log" ] && { echo "--- profile"; grep -v "^\s*$" "$L/profile.log" | grep -v -i warn | head -n 26
+  sed -n '/^timeline of one replay/,$p' "$L/profile.log" | head -n 40; }
 for f in "$OUT"/seed_phases_*.md; do [ -f "$f" ] && { echo "--- $f"; head -n 16 "$f"; }; done
 exit 0

@@ -7,6 +7,10 @@ per kernel name, the GPU time per step and per layer, and the step's wall time, 
 to the summed kernel time is the launch gaps between kernels. Variant tokens as in
 bench_decode.py (kernels, fused, wobf16).
 
+--timeline also splits one replayed step's span by who holds each instant (ds4.timeline: the main
+stream's running kernel, else a side-stream kernel, else idle): with PDL and the side-stream branches
+on (the product's step), where the wall time goes rather than what each kernel costs alone.
+
 PDL and the side-stream branches overlap kernels inside the graph, so a kernel's time then includes
 its neighbours' contention (and the wall time is below the summed kernel time). For each kernel's
 own time run with DS4_PDL=0 DS4_COMPRESS_OVERLAP=0 DS4_ATTN_OVERLAP=0 DS4_SHARED_OVERLAP=0.
@@ -16,7 +20,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
+import tempfile
 import time
 
 import torch
@@ -25,6 +31,7 @@ from ds4.model.args import preset
 from ds4.model.transformer import Transformer
 from ds4.registry import build_ops
 from ds4.runtime.generate import Generator
+from ds4.timeline import attribute, kernels_from_trace, main_stream, one_step
 from ds4.weights.synthetic import random_weights
 
 from bench_decode import impls_of  # the variant tokens of the decode benchmark (same folder)
@@ -49,6 +56,7 @@ def main() -> None:
                          "set there after the prompt (cache contents are the prompt's and zeros: the work per "
                          "step - indexer over every entry, top-k, HCA over all entries - is that of the context)")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--timeline", action="store_true", help="also split one replay's span by who holds each instant")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -87,6 +95,7 @@ def main() -> None:
             k = label(ev.key)
             per[k][0] += dt
             per[k][1] += ev.count
+    timeline = step_timeline(step, tok, a.layers) if a.timeline else None
     long_us = None
     if a.long_context:
         gen.state.pos[0] = a.long_context
@@ -107,8 +116,38 @@ def main() -> None:
         json.dump({"gpu": torch.cuda.get_device_name(dev), "layers": a.layers, "variant": a.variant,
                    "context": a.context, "wall_us": wall_us, "kernel_us": busy, "kernels": launches,
                    "long_context": a.long_context, "long_context_wall_us": long_us,
-                   "rows": [{"kernel": k, "us_per_step": us, "calls_per_step": n} for k, us, n in rows]},
+                   "rows": [{"kernel": k, "us_per_step": us, "calls_per_step": n} for k, us, n in rows],
+                   "timeline": timeline},
                   open(a.out, "w"), indent=1)
+
+
+def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
+    """Replays the step `replays` times under the profiler and splits the last replay's span (ds4.timeline);
+    prints the table and returns it (None, with the reason printed, when the trace cannot be split)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            tok = step(tok)
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            kernels = kernels_from_trace(json.load(f))
+    finally:
+        os.unlink(path)
+    try:
+        ks = one_step(kernels, len(kernels) // replays)
+    except ValueError as e:  # a diagnostic: say why and go on with the rest of the profile
+        print(f"timeline skipped: {e}")
+        return None
+    span = max(k.end for k in ks) - ks[0].start
+    parts = sorted(attribute(ks, label=label).items(), key=lambda kv: -kv[1])
+    print(f"\ntimeline of one replay: span {span:.1f} us, {len(ks)} kernels, main stream {main_stream(ks)}")
+    print(f"{'holds the step (main stream, else side: , else idle)':<58}{'us/step':>9}{'us/layer':>10}{'share':>8}")
+    for who, us in parts:
+        print(f"{who:<58}{us:>9.1f}{us / layers:>10.1f}{100 * us / span:>7.1f}%")
+    return {"span_us": span, "kernels": len(ks), "parts": dict(parts)}
 
 
 if __name__ == "__main__":
