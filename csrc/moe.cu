@@ -19,6 +19,7 @@
 #include "route_dev.cuh"
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace ds4 {
 
@@ -469,6 +470,19 @@ bool moe_route_ok(const MoEArgs& a) {
          4L * a.n_experts <= (long)a.topk * a.inter;
 }
 
+// Host: the blocks a tensor-core MoE launch may take out of one resident wave `wave`. The routed experts
+// (ids or routing given) take the whole wave. The shared expert (ids == nullptr) takes DS4_SHARED_WAVE
+// percent of it (default 100, read at every launch, for the ablation): in the decode step it runs on a
+// side stream beside the router's small kernels, and a whole wave of its blocks (2 per SM at depth 8 fill
+// the register file) leaves them no slot until its blocks exit (experiments/decode_session8_h200.md).
+static int moe_wave(const MoEArgs& a, int wave) {
+  if (a.ids != nullptr || a.route_logits != nullptr) return wave;
+  const char* env = std::getenv("DS4_SHARED_WAVE");
+  const int pct = env ? std::atoi(env) : 100;
+  if (pct <= 0 || pct >= 100) return wave;
+  return std::max(1, wave * pct / 100);
+}
+
 template <int FMT, int U, int W>
 static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const long smem = 4L * mma_part_floats(MMA_STREAM_MAX_TILES) + 2L * a.dim + mma_stream_smem<FMT, U, W>();
@@ -480,7 +494,7 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
   if (e != cudaSuccess) return e;
   // pairs for the most local slots (topk); at most MMA_STREAM_MAX_TILES / 2 per block
   const int pairs = a.topk * ((a.inter + 15) / 16);
-  int grid = std::min(resident_wave(kern, MMA_STREAM_THREADS, smem), pairs);
+  int grid = std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem)), pairs);
   const int floor_grid = (pairs + MMA_STREAM_MAX_TILES / 2 - 1) / (MMA_STREAM_MAX_TILES / 2);
   if (grid < floor_grid) grid = floor_grid;
   return ds4_pdl::launch(kern, dim3(grid), dim3(MMA_STREAM_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
@@ -499,7 +513,7 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
   }
   cudaError_t e = set_smem(kern, smem_for(1));
   if (e != cudaSuccess) return e;
-  const int tpb = mma_tiles_per_block(T, std::min(resident_wave(kern, MMA_STREAM_THREADS, smem_for(1)), T));
+  const int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem_for(1))), T));
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
   return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(MMA_STREAM_THREADS), smem, st, a,

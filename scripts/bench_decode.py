@@ -29,7 +29,9 @@ layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), noidxm (C
 query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), hwin (CSA layers
 with the merged query: the indexer's head weights after the indexer compressor's step in its branch, not in
 a branch of their own), sprio
-(DS4_SIDE_PRIORITY=high: the side-stream branches above the main stream's priority), capN (the state's caches sized for
+(DS4_SIDE_PRIORITY=high: the side-stream branches above the main stream's priority), shwNN
+(DS4_SHARED_WAVE=NN: the shared expert's tensor-core launches take NN % of a resident wave, leaving SM
+slots to the router's kernels beside them), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16). On a machine
 without CUDA it runs on the CPU (a dry run of the script).
@@ -118,6 +120,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_QNORM_FUSED"] = "0" if "noqf" in toks else "1"
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
     os.environ["DS4_SIDE_PRIORITY"] = "high" if "sprio" in toks else "default"
+    # shwNN: the side-stream shared expert's launches take NN % of a resident wave (DS4_SHARED_WAVE)
+    os.environ["DS4_SHARED_WAVE"] = next((t[3:] for t in toks if t.startswith("shw") and t[3:].isdigit()), "100")
     # noidxm: CSA layers compute the indexer's query with its own GEMV in the indexer's side branch instead
     # of inside the merged wq_bi GEMV (Attention.merged_indexer_q; matters where the indexer selects: capN)
     # hwin: the indexer head weights after the indexer compressor in its branch, not in a branch of their own

@@ -352,8 +352,10 @@ def test_moe_one_token_kernels(kernel, width, depth, case, fmt, dims, monkeypatc
     assert yb.dtype == torch.bfloat16 and torch.equal(yb, (y0 + addb.float()).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("n", [1, 3, 8])
-def test_shared_expert_fp8(n):
+# wave: DS4_SHARED_WAVE, the percent of a resident wave the one-token (tensor-core) shared expert launches take
+@pytest.mark.parametrize("n,wave", [(1, "100"), (3, "100"), (8, "100"), (1, "40"), (1, "1")])
+def test_shared_expert_fp8(n, wave, monkeypatch):
+    monkeypatch.setenv("DS4_SHARED_WAVE", wave)
     g = gen(500 + n)
     dim, inter = 4096, 2048
     w1, s1 = rand_fp8_weight(inter, dim, g)
