@@ -75,6 +75,20 @@ def attribute(kernels: list[Kernel], main: int | None = None,
     return dict(out)
 
 
+def chain(kernels: list[Kernel], main: int | None = None) -> list[tuple[str, float, float, float]]:
+    """The main stream's kernels in start order as (name, start - the first kernel's start, duration, gap):
+    gap = start - the previous main-stream kernel's end (negative where PDL launched it early)."""
+    if not kernels:
+        return []
+    main = main_stream(kernels) if main is None else main
+    t0 = min(k.start for k in kernels)
+    out, prev_end = [], None
+    for k in sorted((k for k in kernels if k.stream == main), key=lambda k: (k.start, k.end)):
+        out.append((k.name, k.start - t0, k.end - k.start, 0.0 if prev_end is None else k.start - prev_end))
+        prev_end = k.end
+    return out
+
+
 def one_step(kernels: list[Kernel], per_step: int, which: int = -1) -> list[Kernel]:
     """The kernels of one replay out of consecutive replays of `per_step` kernels each (by start order)."""
     n = len(kernels) // per_step if per_step > 0 else 0

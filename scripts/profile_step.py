@@ -31,7 +31,7 @@ from ds4.model.args import preset
 from ds4.model.transformer import Transformer
 from ds4.registry import build_ops
 from ds4.runtime.generate import Generator
-from ds4.timeline import attribute, kernels_from_trace, main_stream, one_step
+from ds4.timeline import attribute, chain, kernels_from_trace, main_stream, one_step
 from ds4.weights.synthetic import random_weights
 
 from bench_decode import impls_of  # the variant tokens of the decode benchmark (same folder)
@@ -147,7 +147,13 @@ def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
     print(f"{'holds the step (main stream, else side: , else idle)':<58}{'us/step':>9}{'us/layer':>10}{'share':>8}")
     for who, us in parts:
         print(f"{who:<58}{us:>9.1f}{us / layers:>10.1f}{100 * us / span:>7.1f}%")
-    return {"span_us": span, "kernels": len(ks), "parts": dict(parts)}
+    seq = chain(ks)
+    print(f"\nmain stream of that replay, in order ({len(seq)} kernels; gap < 0: launched early by PDL)")
+    print(f"{'kernel':<50}{'start us':>10}{'dur us':>9}{'gap us':>9}")
+    for name, t, dur, gap in seq:
+        print(f"{label(name):<50}{t:>10.1f}{dur:>9.2f}{gap:>9.2f}")
+    return {"span_us": span, "kernels": len(ks), "parts": dict(parts),
+            "chain": [{"kernel": label(n), "start_us": t, "dur_us": d, "gap_us": g} for n, t, d, g in seq]}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds4.timeline import IDLE, Kernel, attribute, kernels_from_trace, main_stream, one_step
+from ds4.timeline import IDLE, Kernel, attribute, chain, kernels_from_trace, main_stream, one_step
 
 
 def _trace():
@@ -48,3 +48,9 @@ def test_one_step_takes_whole_replays():
         one_step(ks, 4)
     with pytest.raises(ValueError, match="whole replays"):
         one_step([], 0)  # a trace without kernels
+
+
+def test_chain_lists_the_main_stream_with_its_gaps():
+    assert chain(_trace()) == [("A", 0, 10, 0.0), ("B", 8, 12, -2), ("C", 25, 5, 5), ("D", 35, 5, 5)]
+    assert chain(_trace(), main=9) == [("S", 12, 16, 0.0)]
+    assert chain([]) == []
