@@ -83,6 +83,11 @@ def stored_fp4_layout(model) -> None:
                 setattr(mod, n, q)
 
 
+def _number_token(toks: set[str], prefix: str, default: int) -> int:
+    """N of a variant token prefix + digits (e.g. cap8192, shw50), the largest if several; else default."""
+    return max([int(t[len(prefix):]) for t in toks if t.startswith(prefix) and t[len(prefix):].isdigit()] or [default])
+
+
 def run_variant(model, name, prompt, new_tokens, bw, world):
     toks = set(name.split("+"))
     ops = build_ops(impls_of(toks), model.device)
@@ -121,7 +126,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
     os.environ["DS4_SIDE_PRIORITY"] = "high" if "sprio" in toks else "default"
     # shwNN: the side-stream shared expert's launches take NN % of a resident wave (DS4_SHARED_WAVE)
-    os.environ["DS4_SHARED_WAVE"] = next((t[3:] for t in toks if t.startswith("shw") and t[3:].isdigit()), "100")
+    os.environ["DS4_SHARED_WAVE"] = str(_number_token(toks, "shw", 100))
     # noidxm: CSA layers compute the indexer's query with its own GEMV in the indexer's side branch instead
     # of inside the merged wq_bi GEMV (Attention.merged_indexer_q; matters where the indexer selects: capN)
     # hwin: the indexer head weights after the indexer compressor in its branch, not in a branch of their own
@@ -132,7 +137,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     runtime = "cuda_graph" if "graph" in toks else "eager"
     # capN: caches sized for N positions (the app's max_seq_len; V4-Flash's default is 8192) instead of
     # just this run's; launch shapes that follow the capacity then show in the step
-    cap = max([int(t[3:]) for t in toks if t.startswith("cap") and t[3:].isdigit()] or [0])
+    cap = _number_token(toks, "cap", 0)
     g = Generator(model, 1, max(len(prompt) + new_tokens + 8, cap), runtime=runtime)
     t0 = time.perf_counter()
     g.generate([prompt], 4, stop_at_eos=False)  # warm-up (and graph capture)

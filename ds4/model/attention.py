@@ -188,14 +188,15 @@ class Attention(WeightsModule):
                 self.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "comp"), st["ckv"], attn)
             branches.append(comp)
         merged = select and self.merged_indexer_q and self.wq_bi is not None and not self.qat
-        iw = None  # the head weights' own branch (merged query only: its slot is free then)
+        hw_own = merged and self.head_weights_branch  # the head weights in the "indexer" slot (free then)
+        iw = None
         if self.kind == CSA:
             icomp = attn.branch(x, "icompress")
             with icomp, self.prof("attn.indexer"):
                 self.indexer.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "icomp"), st["ikv"], attn)
-                wi = self.indexer.head_weights(x) if select and not (merged and self.head_weights_branch) else None
+                wi = self.indexer.head_weights(x) if select and not hw_own else None
             branches.append(icomp)
-            if merged and self.head_weights_branch:
+            if hw_own:
                 iw = attn.branch(x, "indexer")
                 with iw, self.prof("attn.indexer"):
                     wi = self.indexer.head_weights(x)

@@ -30,7 +30,7 @@ class Indexer(WeightsModule):
         self.wq_b = wq_b
         self.weights_proj = self.take("weights_proj", t, f"{prefix}.weights_proj.weight")
         self.compressor.load(t, f"{prefix}.compressor")
-        self.n_heads = self.weights_proj.shape[0]  # local heads under tensor parallelism
+        self.n_heads = self.weights_proj.shape[0]  # all index heads: replicated under tensor parallelism
 
     def query(self, qr: Tensor, x: Tensor, positions: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
         """qr [..., q_lora], x [..., dim], positions [...] -> qI [..., H, d], head weights [..., H] fp32."""
@@ -62,8 +62,8 @@ class Indexer(WeightsModule):
 
     def scores(self, q: Tensor, w: Tensor, keys: Tensor, pos: Tensor | None = None, ratio: int = 1,
                rope_freqs: Tensor | None = None) -> Tensor:
-        """q [B, S, H, d], head weights w [B, S, H] (head_weights), keys [B, T, d] -> [B, S, T] (partial sum
-        over local heads) = sum_h fp32(w) * d^-0.5 * H^-0.5 * ReLU(q . k).
+        """q [B, S, H, d], head weights w [B, S, H] (head_weights), keys [B, T, d] -> [B, S, T] (summed over
+        all index heads) = sum_h fp32(w) * d^-0.5 * H^-0.5 * ReLU(q . k).
         With decode positions pos [B] (S = 1), entries t >= (pos+1)//ratio (not visible yet) score -inf;
         rope_freqs (decode_query's): q is taken before its RoPE at pos."""
         a = self.args
