@@ -417,6 +417,41 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
+
+// Prefetch into L2 (no output): every tensor of ts whole, or with ids (int64 [n], on the device) the
+// experts ids[k] - id_offset of tensors stacked by local expert ([E_local, ...], all with the same E_local).
+void l2_prefetch(at::TensorList ts, const std::optional<at::Tensor>& ids, int64_t id_offset) {
+  TORCH_CHECK(!ts.empty() && (int64_t)ts.size() <= ds4::PF_MAX_RANGES, "ds4.l2_prefetch: 1..", ds4::PF_MAX_RANGES,
+              " tensors");
+  ds4::L2PrefetchArgs a{};
+  a.n_ranges = (int)ts.size();
+  for (size_t r = 0; r < ts.size(); ++r) {
+    check_cuda(ts[r], "ts");
+    TORCH_CHECK(ts[r].device() == ts[0].device(), "ds4.l2_prefetch: tensors on one device");
+    a.ptr[r] = static_cast<const char*>(ts[r].data_ptr());
+    const int64_t nb = ts[r].numel() * ts[r].element_size();
+    if (ids.has_value()) {
+      TORCH_CHECK(ts[r].dim() >= 1 && ts[r].size(0) == ts[0].size(0) && ts[r].size(0) >= 1,
+                  "ds4.l2_prefetch: indexed tensors are stacked [E_local, ...] with one E_local");
+      a.stride[r] = nb / ts[r].size(0);
+      a.bytes[r] = a.stride[r];
+    } else {
+      a.bytes[r] = nb;
+    }
+  }
+  if (ids.has_value()) {
+    check_cuda(*ids, "ids");
+    TORCH_CHECK(ids->scalar_type() == at::kLong && ids->device() == ts[0].device(),
+                "ds4.l2_prefetch: ids must be int64 on the tensors' device");
+    if (ids->numel() == 0) return;
+    a.ids = static_cast<const int64_t*>(ids->data_ptr());
+    a.n_ids = (int)ids->numel();
+    a.id_offset = id_offset;
+    a.n_local = ts[0].size(0);
+  }
+  c10::cuda::CUDAGuard guard(ts[0].device());
+  check_launch(ds4::launch_l2_prefetch(a, at::cuda::getCurrentCUDAStream()), "l2_prefetch");
+}
 }  // namespace
 
 TORCH_LIBRARY(ds4, m) {
@@ -432,6 +467,7 @@ TORCH_LIBRARY(ds4, m) {
         "float route_scale) -> (Tensor, Tensor)");
   m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("l2_prefetch(Tensor[] ts, Tensor? ids, int id_offset) -> ()");
   m.def("gemv_rmsnorm_ok(int fmt, int rows, int cols) -> bool", &gemv_rmsnorm_ok);  // host-only question
 }
 
@@ -442,4 +478,5 @@ TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
   m.impl("router", &router);
   m.impl("gemv_rmsnorm", &gemv_rmsnorm);
   m.impl("argmax", &argmax);
+  m.impl("l2_prefetch", &l2_prefetch);
 }

@@ -112,4 +112,20 @@ cudaError_t launch_router_fused(const void* x, int n_tok, const void* gate, int 
                                 const void* tid2eid, bool tid64, const int64_t* token_ids, int topk,
                                 float route_scale, float* logits, float* w_out, int64_t* ids_out, cudaStream_t st);
 
+// L2 prefetch of weight ranges on the current stream (prefetch.cu): direct ranges [ptr[r], ptr[r] + bytes[r]),
+// or, with ids (int64 [n_ids] on the device), range r of slot k at ptr[r] + (ids[k] - id_offset) * stride[r]
+// for local experts (0 <= ids[k] - id_offset < n_local). Writes nothing; chunk_end is the launcher's.
+constexpr int PF_MAX_RANGES = 4;
+struct L2PrefetchArgs {
+  const char* ptr[PF_MAX_RANGES];
+  long bytes[PF_MAX_RANGES];
+  long stride[PF_MAX_RANGES];
+  int chunk_end[PF_MAX_RANGES];
+  int n_ranges;
+  const int64_t* ids;
+  int n_ids;
+  long id_offset, n_local;
+};
+cudaError_t launch_l2_prefetch(const L2PrefetchArgs& a, cudaStream_t st);
+
 }  // namespace ds4

@@ -2,18 +2,21 @@
 
 Per-kernel totals (scripts/profile_step.py) add up to more than the step when PDL and side-stream
 branches overlap kernels, and to less when the GPU idles between launches; neither says which kernels
-the step actually waits on. `attribute` splits the step's span instant by instant: to the main-stream
-kernel running then (with PDL the next kernel starts while the previous one finishes: the earlier
-started of them keeps the instant), else to a side-stream kernel running then ("side: name"), else to
-"idle". The parts add up to the span, so a table of them reads as the step's critical timeline.
+the step actually waits on. Stream ids do not say it either: a replayed CUDA graph's kernels run on
+streams the driver picks (session 13's trace had the step's chain spread over several of them).
+
+`critical_path` reads the chain off the times alone. Walking back from the kernel that ends last, the
+predecessor of a kernel is the one that ended last among those that started before it and ended no
+later than it: the kernel it most plausibly waited for (its stream predecessor, which PDL may have
+let it overlap, or the branch it joined). Each kernel on the path is charged its end minus its
+predecessor's end: its own time on the chain plus any idle gap before it. The charges add up to the
+path's span, which is the step's span when the path reaches the step's first kernel.
 """
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
 from typing import Callable, Iterable
-
-IDLE = "idle"
 
 
 @dataclass(frozen=True)
@@ -44,49 +47,35 @@ def kernels_from_trace(trace: dict | list) -> list[Kernel]:
     return sorted(out, key=lambda k: (k.start, k.end))
 
 
-def main_stream(kernels: Iterable[Kernel]) -> int:
-    """The stream with the most kernels (a decode step's main chain; its branches run fewer)."""
-    counts = collections.Counter(k.stream for k in kernels)
-    if not counts:
-        raise ValueError("no kernels in the trace")
-    return counts.most_common(1)[0][0]
-
-
-def attribute(kernels: list[Kernel], main: int | None = None,
-              label: Callable[[str], str] = lambda n: n) -> dict[str, float]:
-    """label -> us of the span [first start, last end] the label holds (see the module docstring).
-    The values sum to the span."""
-    if not kernels:
-        return {}
-    main = main_stream(kernels) if main is None else main
-    cuts = sorted({t for k in kernels for t in (k.start, k.end)})
-    ordered = sorted(kernels, key=lambda k: (k.start, k.end))
-    out: dict[str, float] = collections.defaultdict(float)
-    for t0, t1 in zip(cuts, cuts[1:]):
-        running = [k for k in ordered if k.start <= t0 and k.end >= t1]
-        on_main = [k for k in running if k.stream == main]
-        if on_main:
-            who = label(on_main[0].name)
-        elif running:
-            who = "side: " + label(running[0].name)
-        else:
-            who = IDLE
-        out[who] += t1 - t0
-    return dict(out)
-
-
-def chain(kernels: list[Kernel], main: int | None = None) -> list[tuple[str, float, float, float]]:
-    """The main stream's kernels in start order as (name, start - the first kernel's start, duration, gap):
-    gap = start - the previous main-stream kernel's end (negative where PDL launched it early)."""
-    if not kernels:
+def critical_path(kernels: Iterable[Kernel]) -> list[tuple[Kernel, float, float]]:
+    """The chain the step waits on, first to last, as (kernel, charge, gap): charge = its end minus its
+    predecessor's end (the first kernel: its duration); gap = its start minus its predecessor's end when
+    positive (idle before it on the chain), else 0. See the module docstring."""
+    ks = sorted(kernels, key=lambda k: (k.end, k.start))
+    if not ks:
         return []
-    main = main_stream(kernels) if main is None else main
-    t0 = min(k.start for k in kernels)
-    out, prev_end = [], None
-    for k in sorted((k for k in kernels if k.stream == main), key=lambda k: (k.start, k.end)):
-        out.append((k.name, k.start - t0, k.end - k.start, 0.0 if prev_end is None else k.start - prev_end))
-        prev_end = k.end
+    path = [ks[-1]]
+    while True:
+        k = path[-1]
+        before = [j for j in ks if j is not k and j.start < k.start and j.end <= k.end]
+        if not before:
+            break
+        path.append(max(before, key=lambda j: (j.end, j.start)))
+    path.reverse()
+    out = [(path[0], path[0].end - path[0].start, 0.0)]
+    for prev, k in zip(path, path[1:]):
+        out.append((k, k.end - prev.end, max(0.0, k.start - prev.end)))
     return out
+
+
+def path_parts(path: list[tuple[Kernel, float, float]],
+               label: Callable[[str], str] = lambda n: n) -> dict[str, tuple[float, int]]:
+    """label -> (us charged on the critical path, kernels on it), largest first."""
+    out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for k, charge, _ in path:
+        out[label(k.name)][0] += charge
+        out[label(k.name)][1] += 1
+    return {n: (v[0], v[1]) for n, v in sorted(out.items(), key=lambda kv: -kv[1][0])}
 
 
 def one_step(kernels: list[Kernel], per_step: int, which: int = -1) -> list[Kernel]:

@@ -33,7 +33,9 @@ a branch of their own), sprio
 (DS4_SHARED_WAVE=NN: the shared expert's tensor-core launches take NN % of a resident wave, leaving SM
 slots to the router's kernels beside them), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
-prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16). On a machine
+prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), nopf (DS4_L2_PREFETCH=0: no L2 prefetch of
+the next GEMV's weights in captured steps), pfSITES (only those prefetch sites, letters of q o b d, e.g.
+pfqodb; ds4.ops.prefetch). On a machine
 without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -52,6 +54,7 @@ from ds4 import dist as ddist
 from ds4.model.args import preset
 from ds4.model.attention import Attention
 from ds4.model.transformer import Transformer
+from ds4.ops import prefetch
 from ds4.ops.base import MoEWeights, QWeight
 from ds4.quant import unpack_fp4_mma
 from ds4.registry import Impls, ImplUnavailable, build_ops
@@ -86,6 +89,14 @@ def stored_fp4_layout(model) -> None:
 def _number_token(toks: set[str], prefix: str, default: int) -> int:
     """N of a variant token prefix + digits (e.g. cap8192, shw50), the largest if several; else default."""
     return max([int(t[len(prefix):]) for t in toks if t.startswith(prefix) and t[len(prefix):].isdigit()] or [default])
+
+
+def _prefetch_sites(toks: set[str]) -> str:
+    """DS4_L2_PREFETCH for a variant: "0" with nopf, the sites of a pfSITES token (comma list), else "1"."""
+    if "nopf" in toks:
+        return "0"
+    pf = [t[2:] for t in toks if t.startswith("pf") and t[2:] and set(t[2:]) <= set(prefetch.SITES)]
+    return ",".join(sorted(set("".join(pf)))) if pf else "1"
 
 
 def run_variant(model, name, prompt, new_tokens, bw, world):
@@ -127,6 +138,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SIDE_PRIORITY"] = "high" if "sprio" in toks else "default"
     # shwNN: the side-stream shared expert's launches take NN % of a resident wave (DS4_SHARED_WAVE)
     os.environ["DS4_SHARED_WAVE"] = str(_number_token(toks, "shw", 100))
+    # nopf: no L2 prefetch; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those sites; neither: the
+    # default sites (DS4_L2_PREFETCH)
+    os.environ["DS4_L2_PREFETCH"] = _prefetch_sites(toks)
     # noidxm: CSA layers compute the indexer's query with its own GEMV in the indexer's side branch instead
     # of inside the merged wq_bi GEMV (Attention.merged_indexer_q; matters where the indexer selects: capN)
     # hwin: the indexer head weights after the indexer compressor in its branch, not in a branch of their own

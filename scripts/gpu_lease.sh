@@ -19,7 +19,7 @@
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
 #   tp2_tests      the 2-GPU tests (tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
 #   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
-#   profile        per-kernel profile of an 8-layer step, the timeline of one replay (who holds each instant) and
+#   profile        per-kernel profile of an 8-layer step, the critical path of one replay (ds4.timeline) and
 #                  the step's time at position 65536 (PROFILE_PDL=0:
 #                  without PDL; PROFILE_INLINE=1: side-stream branches in line too — both, and each
 #                  kernel's time is its own)
@@ -142,6 +142,6 @@ for f in bench_1gpu bench_tp2 bench_tp4; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -v '^{' "$L/$f.log" | grep -v "^\s*$" | tail -n 12; }
 done
 [ -f "$L/profile.log" ] && { echo "--- profile"; grep -v "^\s*$" "$L/profile.log" | grep -v -i warn | head -n 26
-  sed -n '/^timeline of one replay/,$p' "$L/profile.log" | head -n 40; }
+  sed -n '/^timeline of one replay/,/^the critical path in order/p' "$L/profile.log" | head -n 30; }
 for f in "$OUT"/seed_phases_*.md; do [ -f "$f" ] && { echo "--- $f"; head -n 16 "$f"; }; done
 exit 0

@@ -7,9 +7,10 @@ per kernel name, the GPU time per step and per layer, and the step's wall time, 
 to the summed kernel time is the launch gaps between kernels. Variant tokens as in
 bench_decode.py (kernels, fused, wobf16).
 
---timeline also splits one replayed step's span by who holds each instant (ds4.timeline: the main
-stream's running kernel, else a side-stream kernel, else idle): with PDL and the side-stream branches
-on (the product's step), where the wall time goes rather than what each kernel costs alone.
+--timeline also reads one replayed step's critical path off the kernel times (ds4.timeline: each kernel's
+predecessor is the one that ended last before it, whatever stream the graph put it on): with PDL and the
+side-stream branches on (the product's step), which kernels the wall time waits on rather than what each
+kernel costs alone.
 
 PDL and the side-stream branches overlap kernels inside the graph, so a kernel's time then includes
 its neighbours' contention (and the wall time is below the summed kernel time). For each kernel's
@@ -31,7 +32,7 @@ from ds4.model.args import preset
 from ds4.model.transformer import Transformer
 from ds4.registry import build_ops
 from ds4.runtime.generate import Generator
-from ds4.timeline import attribute, chain, kernels_from_trace, main_stream, one_step
+from ds4.timeline import critical_path, kernels_from_trace, one_step, path_parts
 from ds4.weights.synthetic import random_weights
 
 from bench_decode import impls_of  # the variant tokens of the decode benchmark (same folder)
@@ -56,7 +57,7 @@ def main() -> None:
                          "set there after the prompt (cache contents are the prompt's and zeros: the work per "
                          "step - indexer over every entry, top-k, HCA over all entries - is that of the context)")
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--timeline", action="store_true", help="also split one replay's span by who holds each instant")
+    ap.add_argument("--timeline", action="store_true", help="also print one replay's critical path (ds4.timeline)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -122,8 +123,8 @@ def main() -> None:
 
 
 def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
-    """Replays the step `replays` times under the profiler and splits the last replay's span (ds4.timeline);
-    prints the table and returns it (None, with the reason printed, when the trace cannot be split)."""
+    """Replays the step `replays` times under the profiler and reads the last replay's critical path
+    (ds4.timeline); prints it and returns it (None, with the reason printed, when the trace cannot be split)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             tok = step(tok)
@@ -141,19 +142,23 @@ def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
     except ValueError as e:  # a diagnostic: say why and go on with the rest of the profile
         print(f"timeline skipped: {e}")
         return None
-    span = max(k.end for k in ks) - ks[0].start
-    parts = sorted(attribute(ks, label=label).items(), key=lambda kv: -kv[1])
-    print(f"\ntimeline of one replay: span {span:.1f} us, {len(ks)} kernels, main stream {main_stream(ks)}")
-    print(f"{'holds the step (main stream, else side: , else idle)':<58}{'us/step':>9}{'us/layer':>10}{'share':>8}")
-    for who, us in parts:
-        print(f"{who:<58}{us:>9.1f}{us / layers:>10.1f}{100 * us / span:>7.1f}%")
-    seq = chain(ks)
-    print(f"\nmain stream of that replay, in order ({len(seq)} kernels; gap < 0: launched early by PDL)")
-    print(f"{'kernel':<50}{'start us':>10}{'dur us':>9}{'gap us':>9}")
-    for name, t, dur, gap in seq:
-        print(f"{label(name):<50}{t:>10.1f}{dur:>9.2f}{gap:>9.2f}")
-    return {"span_us": span, "kernels": len(ks), "parts": dict(parts),
-            "chain": [{"kernel": label(n), "start_us": t, "dur_us": d, "gap_us": g} for n, t, d, g in seq]}
+    span = max(k.end for k in ks) - min(k.start for k in ks)
+    cpath = critical_path(ks)
+    parts = path_parts(cpath, label)
+    streams = len({k.stream for k in ks})
+    print(f"\ntimeline of one replay: span {span:.1f} us, {len(ks)} kernels on {streams} streams; "
+          f"critical path {len(cpath)} kernels, {sum(c for _, c, _ in cpath):.1f} us")
+    print(f"{'on the critical path (charge: end - predecessor end)':<58}{'us/step':>9}{'us/layer':>10}{'share':>8}{'n':>5}")
+    for who, (us, n) in parts.items():
+        print(f"{who:<58}{us:>9.1f}{us / layers:>10.1f}{100 * us / span:>7.1f}%{n:>5}")
+    t0 = min(k.start for k in ks)
+    print("\nthe critical path in order (gap: idle before it on the path)")
+    print(f"{'kernel':<50}{'end us':>10}{'charge':>9}{'gap':>8}")
+    for k, charge, gap in cpath:
+        print(f"{label(k.name):<50}{k.end - t0:>10.1f}{charge:>9.2f}{gap:>8.2f}")
+    return {"span_us": span, "kernels": len(ks), "streams": streams,
+            "parts": {n: {"us": us, "n": c} for n, (us, c) in parts.items()},
+            "path": [{"kernel": label(k.name), "end_us": k.end - t0, "charge_us": c, "gap_us": g} for k, c, g in cpath]}
 
 
 if __name__ == "__main__":

@@ -598,3 +598,65 @@ def test_argmax_matches_torch(B, V):
         got = kernels.argmax(x)
         assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
         assert torch.equal(argmax(x), want)
+
+
+# ---------------------------------------------------------------- L2 prefetch (a hint: it must only read)
+def test_l2_prefetch_reads_every_range_and_writes_nothing():
+    """Direct ranges of odd sizes and unaligned starts (a chunk's unaligned head and tail are skipped), and
+    expert-indexed ranges with repeated, non-local and out-of-range ids: every launch succeeds and leaves
+    the memory as it was."""
+    g = gen(77)
+    base = torch.randint(0, 256, ((6 << 20) + 64,), device=DEV, dtype=torch.uint8, generator=g)
+    views = [base[3:4], base[5:20], base[32:48], base[49:66], base[100:4196], base[7:4104], base[11:(5 << 20) + 14]]
+    bf = torch.randn(33, 7, device=DEV, generator=g).to(torch.bfloat16)
+    before = base.clone(), bf.clone()
+    for i in range(0, len(views), 4):
+        kernels.l2_prefetch(views[i:i + 4])
+    kernels.l2_prefetch([bf])
+    stacked = torch.randint(0, 256, (5, 100, 48), device=DEV, dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 256, (5, 100, 3), device=DEV, dtype=torch.uint8, generator=g)
+    s_before = stacked.clone(), scales.clone()
+    for ids, off in (([0, 4, 4, 2], 0), ([-1, 2, 9, 6, 6, 3], 2), ([[1, 1], [0, 3]], 0)):
+        kernels.l2_prefetch([stacked, scales], torch.tensor(ids, device=DEV, dtype=torch.int64), off)
+    kernels.l2_prefetch([stacked], torch.empty(0, device=DEV, dtype=torch.int64))  # no slots: nothing to do
+    torch.cuda.synchronize()
+    assert torch.equal(base, before[0]) and torch.equal(bf, before[1])
+    assert torch.equal(stacked, s_before[0]) and torch.equal(scales, s_before[1])
+
+
+def test_l2_prefetch_rejects_what_it_cannot_take():
+    t = torch.zeros(4, 8, device=DEV, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="tensors"):
+        kernels.l2_prefetch([t] * 5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.l2_prefetch([t.t()])
+    with pytest.raises(RuntimeError, match="int64"):
+        kernels.l2_prefetch([t], torch.zeros(2, device=DEV, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="one E_local"):
+        kernels.l2_prefetch([t, torch.zeros(3, 8, device=DEV, dtype=torch.uint8)], torch.zeros(2, device=DEV,
+                                                                                             dtype=torch.int64))
+
+
+def test_prefetch_branch_is_captured_and_replays(monkeypatch):
+    """ds4.ops.prefetch while a graph is captured: a side branch (forked and joined in the capture) whose
+    replay runs, and the GEMV it feeds gives the result of an uncaptured launch."""
+    from ds4.ops import prefetch
+    monkeypatch.setenv(prefetch.ENV, "all")
+    g = gen(78)
+    w, s = rand_fp8_weight(1024, 4096, g)
+    x = torch.randn(1, 4096, device=DEV, generator=g).to(torch.bfloat16)
+    want = kernels.gemv(x, w, s, "fp8")
+    assert prefetch.issue("o", [w, s], x).side is None  # not capturing: in line (the side stream now exists)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        br = prefetch.issue("o", [w, s], x)
+        assert br.side is not None
+        y = kernels.gemv(x, w, s, "fp8")
+        br.join()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want)

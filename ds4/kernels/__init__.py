@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 
 from ds4.kernels.ops import (ARGMAX_MAX_ROWS, InKernelRoute, argmax, gemv, gemv_rmsnorm,  # noqa: F401
-                             gemv_rmsnorm_ok, moe_down, moe_gate_up, moe_route_ok, router)  # (typed wrappers)
+                             gemv_rmsnorm_ok, l2_prefetch, moe_down, moe_gate_up, moe_route_ok,
+                             router)  # (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
-SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "router.cu", "argmax.cu")
+SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "router.cu", "argmax.cu", "prefetch.cu")
 EXT_NAME = "ds4_ext"
 DEFAULT_ARCHS = "8.0;9.0"
 
@@ -108,4 +109,4 @@ def unavailable_reason() -> str | None:
 
 
 __all__ = ["load", "unavailable_reason", "is_loaded", "build_dir", "gemv", "moe_gate_up", "moe_down", "router",
-           "argmax"]
+           "argmax", "l2_prefetch"]

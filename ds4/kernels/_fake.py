@@ -38,3 +38,8 @@ def _router(x, gate, bias, tid2eid, token_ids, topk, route_scale):
 @register_fake("ds4::argmax")
 def _argmax(x):
     return x.new_empty((x.shape[0],), dtype=torch.int64)
+
+
+@register_fake("ds4::l2_prefetch")
+def _l2_prefetch(ts, ids, id_offset):
+    return None

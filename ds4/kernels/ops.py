@@ -127,3 +127,10 @@ def argmax(x: Tensor) -> Tensor:
     """int64 [B]: the first index of each row's maximum of contiguous fp32 x [B, V] (NaN largest), as
     torch.argmax(-1); one launch, B <= ARGMAX_MAX_ROWS."""
     return _ops().argmax(x)
+
+
+def l2_prefetch(tensors: list[Tensor], ids: Tensor | None = None, id_offset: int = 0) -> None:
+    """Prefetch into L2 on the current stream (a hint: nothing is written or waited for). Without ids each
+    tensor whole (contiguous: never copied, <= 4 tensors); with ids (int64 on the device) the experts ids - id_offset of
+    tensors stacked by local expert [E_local, ...] (ids outside [0, E_local) are skipped)."""
+    _ops().l2_prefetch(list(tensors), None if ids is None else ids.reshape(-1), int(id_offset))

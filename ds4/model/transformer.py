@@ -66,6 +66,9 @@ class Block(WeightsModule):
         CUDA implementation runs in 2 launches instead of 3). Returns (h, carry) with this block's own
         last hc.post left to the caller in the same way (`finish_streams` applies it)."""
         a, hc = self.args, self.ops.hc
+        # a captured decode step starts bringing the query up-projection into L2 beside this block's first
+        # mHC and wq_a + wkv (ds4.ops.prefetch; a no-op otherwise)
+        pq = self.attn.prefetch_q(h)
         with self.prof("hc.pre"):  # x comes back already RMS-normed with attn_norm
             if carry is None:
                 x, post, comb = hc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
@@ -74,6 +77,7 @@ class Block(WeightsModule):
                 h, x, post, comb = hc.post_pre(*carry, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                                a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
         x = attend(self.attn, x)
+        pq.join()
         with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN
             h, x, post, comb = hc.post_pre(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
                                            a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.ffn_norm)

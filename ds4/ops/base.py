@@ -7,10 +7,13 @@ objects implementing them. Every fast implementation has the torch reference as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ds4.ops.side_stream import Branch
 
 
 @dataclass
@@ -67,6 +70,11 @@ class LinearImpl(Protocol):
     def grouped(self, x: Tensor, w: QWeight, groups: int) -> Tensor:
         """Block-diagonal projection (wo_a, spec §5.8): x [N, G, I], w [G*R, I] -> [N, G, R].
         No activation quant: the reference runs it in BF16 on the dequantised wo_a."""
+        ...
+
+    def prefetch(self, site: str, ws: Sequence[QWeight], x: Tensor) -> "Branch":
+        """Start bringing ws into L2 ahead of the GEMV that reads them (a side branch of a captured decode
+        step, ds4.ops.prefetch), or nothing; returns the branch for the caller to join."""
         ...
 
 

@@ -5,6 +5,8 @@ Prefill (more tokens) and BF16 weights: dequantise + torch matmul (cuBLAS) — p
 implementation, chosen by shape only, never by tensor values.
 qat (act_quant=True): the activation is FP8-simulated per 128 channels (ds4.quant.act_quant_sim,
 extra torch ops) before the same kernel, as the reference does.
+prefetch: while a decode graph is captured, a side-stream L2 prefetch of weights a later GEMV reads
+(ds4.ops.prefetch: the sites and why).
 """
 from __future__ import annotations
 
@@ -12,8 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from typing import Sequence
+
 from ds4 import kernels
+from ds4.ops import prefetch as l2
 from ds4.ops.base import QWeight
+from ds4.ops.side_stream import Branch
 
 PREFILL_TOKENS = 16
 
@@ -40,3 +46,8 @@ class GemvCudaLinear:
             return torch.einsum("ngi,gri->ngr", x, wd)
         y = kernels.gemv(x.reshape(n, -1).to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, groups=groups)
         return y.view(n, groups, -1).to(x.dtype)
+
+    def prefetch(self, site: str, ws: Sequence[QWeight], x: Tensor) -> Branch:
+        """L2 prefetch of ws (weights and scales) at `site`, on a side stream forked now (ds4.ops.prefetch);
+        the caller joins the branch once the GEMV reading ws is issued."""
+        return l2.issue(site, [t for w in ws for t in (w.weight, w.scale) if t is not None], x)

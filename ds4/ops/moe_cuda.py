@@ -25,6 +25,8 @@ moe=fp4_topk
           returned. One launch fewer, but each block's serial top-k delays its weight loads: H200, 1 GPU,
           151.5 against 133.3 us per layer; full model tp=2 6.599 against 6.222 ms
           (experiments/decode_session9_h200.md, run 6).
+  prefetch: in a captured decode step the chosen experts' w2 (and scales) are brought into L2 on a side
+          stream while gate+up streams w1 / w3, so down reads L2 (ds4.ops.prefetch, site "d").
   Layout: at load (prepare), the routed experts' FP4 bytes are permuted inside each 4-byte word
           (QWeight fmt "fp4p", ds4.quant.pack_fp4_mma, in place: no extra memory) so the kernels decode
           a weight word in ~9 integer instructions instead of ~17; every other reader dequantises through
@@ -51,6 +53,7 @@ import torch
 from torch import Tensor
 
 from ds4 import kernels
+from ds4.ops import prefetch as l2
 from ds4.ops import side_stream
 from ds4.ops.base import MoEWeights, QWeight
 from ds4.quant import pack_fp4_mma
@@ -138,6 +141,10 @@ class Fp4TopkMoE:
                          shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None) -> Tensor:
         fmt = mw.w1.fmt
         xq = _act_quant_sim(x) if act_quant else x
+        # the chosen experts' down projections into L2 while gate+up streams (site "d"; ids are on the device
+        # already unless the kernels route themselves)
+        pd = (side_stream.Branch(None, x.device) if route is not None else
+              l2.issue("d", [t for t in (mw.w2.weight, mw.w2.scale) if t is not None], x, ids, mw.expert_offset))
         h = kernels.moe_gate_up(_bf16(xq), ids, weights.float().contiguous(), mw.w1.weight, mw.w1.scale,
                                 mw.w3.weight, mw.w3.scale, fmt, mw.expert_offset, mw.w1.weight.shape[0],
                                 mw.swiglu_limit, route=route)
@@ -147,6 +154,7 @@ class Fp4TopkMoE:
         if shared is not None:  # the finished shared expert (bf16) added in the epilogue: a bf16 block output
             shared.branch.join()
             add = shared.out
+        pd.join()
         return kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt, mw.expert_offset,
                                 mw.w2.weight.shape[0], add, add is None, route=route)
 

@@ -1,0 +1,71 @@
+"""L2 prefetch of the weights a captured decode step streams next.
+
+A batch-1 decode step alternates bandwidth-bound GEMVs with latency-bound chains of small kernels
+(mHC, router, attention core) during which HBM is mostly idle. While a decode graph is captured, a
+prefetch site forks a side stream at the start of such a chain and launches ds4.kernels.l2_prefetch
+there (a few microseconds of request issue, nothing written); the GEMV after the chain then finds its
+weights in L2. The sites (DS4_L2_PREFETCH, read per call: unset or "1" = the default sites, "0" = none,
+"all", or a comma list):
+
+  q   the query up-projection (wq_b, with the indexer's rows when merged), forked at the block's start:
+      runs beside the block's first mHC and the merged wq_a + wkv GEMV;
+  o   the grouped wo_a, forked after wq_b: beside the indexer and the attention core;
+  b   wo_b, right after wo_a's prefetch on the same branch (off by default: with wo_a it is 67 MB
+      for a ~50 MB L2);
+  d   the routed experts' down projections (w2 and scales of the ids the router chose, read on the
+      device), forked after the router: beside the routed gate+up.
+
+Eager steps and prefill never prefetch (a fork there only adds host work). The branches share one side
+stream (slot PREFETCH_SLOT): their kernels are tiny and in order there; each branch is joined by its
+caller after the GEMV it feeds has been issued, so the join adds no wait.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from torch import Tensor
+
+from ds4.ops import side_stream
+
+ENV = "DS4_L2_PREFETCH"
+SITES = ("q", "o", "b", "d")
+DEFAULT_SITES = ("q", "o", "d")
+PREFETCH_SLOT = 4  # the attention branches use side-stream slots 0-3 (ds4.ops.attn_torch.BRANCHES)
+MAX_ROWS = 8  # decode-sized inputs only (the GEMV kernels' decode sizes)
+
+
+def sites() -> frozenset[str]:
+    """The enabled prefetch sites (DS4_L2_PREFETCH, read per call)."""
+    v = os.environ.get(ENV, "").strip()
+    if v in ("", "1"):
+        return frozenset(DEFAULT_SITES)
+    if v == "0":
+        return frozenset()
+    if v == "all":
+        return frozenset(SITES)
+    chosen = frozenset(p.strip() for p in v.split(",") if p.strip())
+    unknown = sorted(chosen - set(SITES))
+    if unknown:
+        raise ValueError(f"{ENV}={v!r}: unknown site(s) {unknown}; sites are {list(SITES)} (or 0, 1, all)")
+    return chosen
+
+
+def issue(site: str, tensors: Sequence[Tensor], x: Tensor, ids: Tensor | None = None,
+          id_offset: int = 0) -> side_stream.Branch:
+    """Prefetch `tensors` (whole; or with ids the experts ids - id_offset of tensors stacked by local expert)
+    on the prefetch side stream, forked from the current stream, while a decode graph (x: <= MAX_ROWS rows)
+    is captured and `site` is enabled. Returns the branch to join; the in-line no-op branch otherwise."""
+    if site not in SITES:
+        raise ValueError(f"unknown prefetch site {site!r} (one of {list(SITES)})")
+    none = side_stream.Branch(None, x.device)
+    if not (x.is_cuda and x.shape[0] <= MAX_ROWS and tensors and site in sites()):
+        return none
+    # None outside a capture; called in the eager warm-up steps too, so the side stream exists before one
+    side = side_stream.fork(x.device, ENV, PREFETCH_SLOT)
+    if side is None:
+        return none
+    from ds4 import kernels
+    with side_stream.Branch(side, x.device) as branch:
+        kernels.l2_prefetch(list(tensors), ids, id_offset)
+    return branch
