@@ -418,22 +418,24 @@ at::Tensor argmax(const at::Tensor& x) {
 }
 
 
-// Prefetch into L2 (no output): every tensor of ts whole, or with ids (int64 [n], on the device) the
-// experts ids[k] - id_offset of tensors stacked by local expert ([E_local, ...], all with the same E_local).
-void l2_prefetch(at::TensorList ts, const std::optional<at::Tensor>& ids, int64_t id_offset) {
-  TORCH_CHECK(!ts.empty() && (int64_t)ts.size() <= ds4::PF_MAX_RANGES, "ds4.l2_prefetch: 1..", ds4::PF_MAX_RANGES,
-              " tensors");
+// Prefetch into L2 (no output): the given tensors (t0 and the present ones of t1..t3) whole, or with ids
+// (int64 [n], on the device) the experts ids[k] - id_offset of tensors stacked by local expert ([E_local, ...],
+// all with the same E_local).
+void l2_prefetch(const at::Tensor& t0, const std::optional<at::Tensor>& t1, const std::optional<at::Tensor>& t2,
+                 const std::optional<at::Tensor>& t3, const std::optional<at::Tensor>& ids, int64_t id_offset) {
+  const at::Tensor* ts[ds4::PF_MAX_RANGES] = {&t0, t1 ? &*t1 : nullptr, t2 ? &*t2 : nullptr, t3 ? &*t3 : nullptr};
   ds4::L2PrefetchArgs a{};
-  a.n_ranges = (int)ts.size();
-  for (size_t r = 0; r < ts.size(); ++r) {
-    check_cuda(ts[r], "ts");
-    TORCH_CHECK(ts[r].device() == ts[0].device(), "ds4.l2_prefetch: tensors on one device");
-    a.ptr[r] = static_cast<const char*>(ts[r].data_ptr());
-    const int64_t nb = ts[r].numel() * ts[r].element_size();
+  for (const at::Tensor* t : ts) {
+    if (t == nullptr) continue;
+    check_cuda(*t, "t");
+    TORCH_CHECK(t->device() == t0.device(), "ds4.l2_prefetch: tensors on one device");
+    const int r = a.n_ranges++;
+    a.ptr[r] = static_cast<const char*>(t->data_ptr());
+    const int64_t nb = t->numel() * t->element_size();
     if (ids.has_value()) {
-      TORCH_CHECK(ts[r].dim() >= 1 && ts[r].size(0) == ts[0].size(0) && ts[r].size(0) >= 1,
+      TORCH_CHECK(t->dim() >= 1 && t->size(0) == t0.size(0) && t0.size(0) >= 1,
                   "ds4.l2_prefetch: indexed tensors are stacked [E_local, ...] with one E_local");
-      a.stride[r] = nb / ts[r].size(0);
+      a.stride[r] = nb / t->size(0);
       a.bytes[r] = a.stride[r];
     } else {
       a.bytes[r] = nb;
@@ -441,17 +443,18 @@ void l2_prefetch(at::TensorList ts, const std::optional<at::Tensor>& ids, int64_
   }
   if (ids.has_value()) {
     check_cuda(*ids, "ids");
-    TORCH_CHECK(ids->scalar_type() == at::kLong && ids->device() == ts[0].device(),
+    TORCH_CHECK(ids->scalar_type() == at::kLong && ids->device() == t0.device(),
                 "ds4.l2_prefetch: ids must be int64 on the tensors' device");
     if (ids->numel() == 0) return;
     a.ids = static_cast<const int64_t*>(ids->data_ptr());
     a.n_ids = (int)ids->numel();
     a.id_offset = id_offset;
-    a.n_local = ts[0].size(0);
+    a.n_local = t0.size(0);
   }
-  c10::cuda::CUDAGuard guard(ts[0].device());
+  c10::cuda::CUDAGuard guard(t0.device());
   check_launch(ds4::launch_l2_prefetch(a, at::cuda::getCurrentCUDAStream()), "l2_prefetch");
 }
+
 }  // namespace
 
 TORCH_LIBRARY(ds4, m) {
@@ -467,7 +470,7 @@ TORCH_LIBRARY(ds4, m) {
         "float route_scale) -> (Tensor, Tensor)");
   m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
-  m.def("l2_prefetch(Tensor[] ts, Tensor? ids, int id_offset) -> ()");
+  m.def("l2_prefetch(Tensor t0, Tensor? t1, Tensor? t2, Tensor? t3, Tensor? ids, int id_offset) -> ()");
   m.def("gemv_rmsnorm_ok(int fmt, int rows, int cols) -> bool", &gemv_rmsnorm_ok);  // host-only question
 }
 

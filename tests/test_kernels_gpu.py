@@ -3,7 +3,7 @@
 Fresh random stored bytes for every check (random E4M3 codes without NaN, random E2M1 nibbles,
 random E8M0 scales), V4-Flash shapes and other shapes the formats allow, repeated / boundary /
 non-local expert ids, outputs poisoned before the launch (the caching allocator hands the kernels
-NaN-filled memory), relative L2 error <= 1e-2. Imports only ds4.kernels, ds4.ops.base and ds4.quant."""
+NaN-filled memory), relative L2 error <= 1e-2. Imports only ds4.kernels, ds4.ops.base, ds4.ops.prefetch and ds4.quant."""
 from __future__ import annotations
 
 import zlib
@@ -15,6 +15,7 @@ from gpu_common import DEV, TOL, gen, poison, rel, require_extension
 pytestmark = pytest.mark.gpu
 kernels = require_extension("ds4.kernels")  # skips this module without CUDA
 
+from ds4.ops import prefetch  # noqa: E402
 from ds4.ops.base import MoEWeights, QWeight  # noqa: E402
 from ds4.quant import dequant_fp4, dequant_fp8, pack_fp4_mma  # noqa: E402
 
@@ -530,15 +531,20 @@ def test_fp4_topk_impl_end_to_end(n, kroute, monkeypatch):
 
     # route_in_moe, captured with one token: route() leaves the router's tail to the routed kernels
     # (InKernelRoute); the (w, ids) it returned are written by the gate+up launch, equal to the eager router's
+    # (a captured step joins its L2 prefetch branches at its end: ds4.ops.prefetch.join_pending)
     def block_reduced():
         up = impl.shared_up(x, mw)
         w, ids = impl.route(x, tok, mw)
-        return up, impl.shared(x, mw, add=impl.routed(x, w, ids, mw), up=up), w, ids
+        out = impl.shared(x, mw, add=impl.routed(x, w, ids, mw), up=up)
+        prefetch.join_pending()
+        return up, out, w, ids
 
     def block_one_rank():
         up = impl.shared_up(x, mw)
         w, ids = impl.route(x, tok, mw)
-        return up, impl.routed(x, w, ids, mw, shared=up), w, ids
+        out = impl.routed(x, w, ids, mw, shared=up)
+        prefetch.join_pending()
+        return up, out, w, ids
 
     side = torch.cuda.Stream()
     for block in (block_reduced, block_one_rank):
@@ -626,7 +632,7 @@ def test_l2_prefetch_reads_every_range_and_writes_nothing():
 
 def test_l2_prefetch_rejects_what_it_cannot_take():
     t = torch.zeros(4, 8, device=DEV, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="tensors"):
+    with pytest.raises(ValueError, match="tensors"):
         kernels.l2_prefetch([t] * 5)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernels.l2_prefetch([t.t()])
@@ -638,24 +644,22 @@ def test_l2_prefetch_rejects_what_it_cannot_take():
 
 
 def test_prefetch_branch_is_captured_and_replays(monkeypatch):
-    """ds4.ops.prefetch while a graph is captured: a side branch (forked and joined in the capture) whose
-    replay runs, and the GEMV it feeds gives the result of an uncaptured launch."""
-    from ds4.ops import prefetch
+    """ds4.ops.prefetch while a graph is captured: a side branch (forked, and joined in the capture by
+    join_pending) whose replay runs, and the GEMV it feeds gives the result of an uncaptured launch."""
     monkeypatch.setenv(prefetch.ENV, "all")
     g = gen(78)
     w, s = rand_fp8_weight(1024, 4096, g)
     x = torch.randn(1, 4096, device=DEV, generator=g).to(torch.bfloat16)
     want = kernels.gemv(x, w, s, "fp8")
-    assert prefetch.issue("o", [w, s], x).side is None  # not capturing: in line (the side stream now exists)
+    assert not prefetch.issue("o", [w, s], x)  # not capturing: nothing (the side stream now exists)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        br = prefetch.issue("o", [w, s], x)
-        assert br.side is not None
+        assert prefetch.issue("o", [w, s], x)
         y = kernels.gemv(x, w, s, "fp8")
-        br.join()
+        assert prefetch.join_pending() == 1
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

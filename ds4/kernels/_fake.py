@@ -41,5 +41,5 @@ def _argmax(x):
 
 
 @register_fake("ds4::l2_prefetch")
-def _l2_prefetch(ts, ids, id_offset):
+def _l2_prefetch(t0, t1, t2, t3, ids, id_offset):
     return None

@@ -129,8 +129,15 @@ def argmax(x: Tensor) -> Tensor:
     return _ops().argmax(x)
 
 
+PREFETCH_MAX_TENSORS = 4  # tensors one l2_prefetch launch takes (PF_MAX_RANGES in ds4_launch.h)
+
+
 def l2_prefetch(tensors: list[Tensor], ids: Tensor | None = None, id_offset: int = 0) -> None:
     """Prefetch into L2 on the current stream (a hint: nothing is written or waited for). Without ids each
     tensor whole (contiguous: never copied, <= 4 tensors); with ids (int64 on the device) the experts ids - id_offset of
     tensors stacked by local expert [E_local, ...] (ids outside [0, E_local) are skipped)."""
-    _ops().l2_prefetch(list(tensors), None if ids is None else ids.reshape(-1), int(id_offset))
+    ts = list(tensors)
+    if not 1 <= len(ts) <= PREFETCH_MAX_TENSORS:
+        raise ValueError(f"ds4.kernels.l2_prefetch: 1..{PREFETCH_MAX_TENSORS} tensors, got {len(ts)}")
+    ts += [None] * (PREFETCH_MAX_TENSORS - len(ts))
+    _ops().l2_prefetch(*ts, None if ids is None else ids.reshape(-1), int(id_offset))

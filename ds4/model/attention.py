@@ -85,10 +85,10 @@ class Attention(WeightsModule):
             st["icomp_score"] = torch.full((batch, 2 * self.m, 2 * d), float("-inf"), device=device)
         return st
 
-    def prefetch_q(self, h: Tensor):
-        """Side branch bringing the query up-projection (wq_b, merged with the indexer's rows when it is) into
-        L2, forked at the block's start of a captured decode step (`linear.prefetch`, site "q"); h [N, hc, dim]
-        the block's input streams. The caller joins it after the attention."""
+    def prefetch_q(self, h: Tensor) -> bool:
+        """Bring the query up-projection (wq_b, merged with the indexer's rows when it is) into L2 from a side
+        branch forked at the block's start of a captured decode step (`linear.prefetch`, site "q"); h
+        [N, hc, dim] the block's input streams."""
         return self.ops.linear.prefetch("q", [self.wq_bi if self.wq_bi is not None else self.wq_b], h)
 
     # ---- pieces shared by prefill and decode ----------------------------------------------
@@ -237,8 +237,8 @@ class Attention(WeightsModule):
                 q = attn.q_up(qa, self.q_norm, eps, self.wq_b, self.ops.linear, self.qat)
             q = q.unflatten(-1, (self.n_heads, a.head_dim))
         # wo_a (and with site "b" wo_b) into L2 while the indexer and the attention core run (ds4.ops.prefetch)
-        po = self.ops.linear.prefetch("o", [self.wo_a], x)
-        pb = self.ops.linear.prefetch("b", [self.wo_b], x)
+        self.ops.linear.prefetch("o", [self.wo_a], x)
+        self.ops.linear.prefetch("b", [self.wo_b], x)
         if merged:  # scores and top-k in line (measured the same as in their own branch: bench token noidxm)
             with self.prof("attn.indexer"):
                 idx = indexer_select(qi.unflatten(-1, (self.indexer.n_heads, a.index_head_dim)), self.freqs)
@@ -248,10 +248,7 @@ class Attention(WeightsModule):
         with self.prof("attn.sparse"):
             o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs, eps)
         with self.prof("attn.out"):
-            y = self._out(o)
-        po.join()
-        pb.join()
-        return y
+            return self._out(o)
 
 
 def _state(st: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

@@ -20,6 +20,7 @@ from ds4.model.attention import Attention
 from ds4.model.moe import MoE
 from ds4.model.norm import rms_norm
 from ds4.model.weights_module import WeightsModule, weight_format
+from ds4.ops import prefetch
 from ds4.profile import NULL_PROFILER, Profiler
 
 
@@ -68,7 +69,7 @@ class Block(WeightsModule):
         a, hc = self.args, self.ops.hc
         # a captured decode step starts bringing the query up-projection into L2 beside this block's first
         # mHC and wq_a + wkv (ds4.ops.prefetch; a no-op otherwise)
-        pq = self.attn.prefetch_q(h)
+        self.attn.prefetch_q(h)
         with self.prof("hc.pre"):  # x comes back already RMS-normed with attn_norm
             if carry is None:
                 x, post, comb = hc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
@@ -77,7 +78,6 @@ class Block(WeightsModule):
                 h, x, post, comb = hc.post_pre(*carry, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                                a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
         x = attend(self.attn, x)
-        pq.join()
         with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN
             h, x, post, comb = hc.post_pre(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
                                            a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.ffn_norm)
@@ -242,6 +242,7 @@ class Transformer(WeightsModule):
         """ids [B] (next token of every row) at positions state.pos -> logits [B, vocab] fp32; advances pos."""
         pos = state.pos[: ids.shape[0]]
         h = self._run_blocks(self._embed(ids), ids, lambda attn, x, st: attn.decode(x, pos, st), state)
+        prefetch.join_pending()  # the step's L2 prefetch branches (ds4.ops.prefetch), in one place
         pos.add_(1)
         return self.logits(h, full_vocab=full_vocab)
 

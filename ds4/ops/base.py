@@ -7,13 +7,10 @@ objects implementing them. Every fast implementation has the torch reference as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from ds4.ops.side_stream import Branch
 
 
 @dataclass
@@ -72,9 +69,9 @@ class LinearImpl(Protocol):
         No activation quant: the reference runs it in BF16 on the dequantised wo_a."""
         ...
 
-    def prefetch(self, site: str, ws: Sequence[QWeight], x: Tensor) -> "Branch":
+    def prefetch(self, site: str, ws: Sequence[QWeight], x: Tensor) -> bool:
         """Start bringing ws into L2 ahead of the GEMV that reads them (a side branch of a captured decode
-        step, ds4.ops.prefetch), or nothing; returns the branch for the caller to join."""
+        step, ds4.ops.prefetch, joined at the end of the step), or nothing; returns whether it did."""
         ...
 
 

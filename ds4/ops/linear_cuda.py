@@ -19,7 +19,6 @@ from typing import Sequence
 from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops.base import QWeight
-from ds4.ops.side_stream import Branch
 
 PREFILL_TOKENS = 16
 
@@ -47,7 +46,7 @@ class GemvCudaLinear:
         y = kernels.gemv(x.reshape(n, -1).to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, groups=groups)
         return y.view(n, groups, -1).to(x.dtype)
 
-    def prefetch(self, site: str, ws: Sequence[QWeight], x: Tensor) -> Branch:
-        """L2 prefetch of ws (weights and scales) at `site`, on a side stream forked now (ds4.ops.prefetch);
-        the caller joins the branch once the GEMV reading ws is issued."""
+    def prefetch(self, site: str, ws: Sequence[QWeight], x: Tensor) -> bool:
+        """L2 prefetch of ws (weights and scales) at `site`, on a side stream forked now (ds4.ops.prefetch;
+        joined at the end of the step). Returns whether it was issued."""
         return l2.issue(site, [t for w in ws for t in (w.weight, w.scale) if t is not None], x)

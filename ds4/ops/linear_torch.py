@@ -8,7 +8,6 @@ from torch import Tensor
 from typing import Sequence
 
 from ds4.ops.base import QWeight
-from ds4.ops.side_stream import Branch
 from ds4.quant import act_quant_sim
 
 
@@ -27,6 +26,6 @@ class DequantLinear:
         wd = w.dequant(x.dtype).view(groups, -1, x.shape[-1])  # [G, R, I]
         return torch.einsum("ngi,gri->ngr", x, wd)
 
-    def prefetch(self, site: str, ws: Sequence[QWeight], x: Tensor) -> Branch:
-        """No prefetch (the reference path): the in-line no-op branch."""
-        return Branch(None, x.device)
+    def prefetch(self, site: str, ws: Sequence[QWeight], x: Tensor) -> bool:
+        """No prefetch (the reference path)."""
+        return False

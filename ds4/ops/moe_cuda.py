@@ -143,8 +143,8 @@ class Fp4TopkMoE:
         xq = _act_quant_sim(x) if act_quant else x
         # the chosen experts' down projections into L2 while gate+up streams (site "d"; ids are on the device
         # already unless the kernels route themselves)
-        pd = (side_stream.Branch(None, x.device) if route is not None else
-              l2.issue("d", [t for t in (mw.w2.weight, mw.w2.scale) if t is not None], x, ids, mw.expert_offset))
+        if route is None:
+            l2.issue("d", [t for t in (mw.w2.weight, mw.w2.scale) if t is not None], x, ids, mw.expert_offset)
         h = kernels.moe_gate_up(_bf16(xq), ids, weights.float().contiguous(), mw.w1.weight, mw.w1.scale,
                                 mw.w3.weight, mw.w3.scale, fmt, mw.expert_offset, mw.w1.weight.shape[0],
                                 mw.swiglu_limit, route=route)
@@ -154,7 +154,6 @@ class Fp4TopkMoE:
         if shared is not None:  # the finished shared expert (bf16) added in the epilogue: a bf16 block output
             shared.branch.join()
             add = shared.out
-        pd.join()
         return kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt, mw.expert_offset,
                                 mw.w2.weight.shape[0], add, add is None, route=route)
 

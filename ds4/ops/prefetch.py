@@ -3,8 +3,8 @@
 A batch-1 decode step alternates bandwidth-bound GEMVs with latency-bound chains of small kernels
 (mHC, router, attention core) during which HBM is mostly idle. While a decode graph is captured, a
 prefetch site forks a side stream at the start of such a chain and launches ds4.kernels.l2_prefetch
-there (a few microseconds of request issue, nothing written); the GEMV after the chain then finds its
-weights in L2. The sites (DS4_L2_PREFETCH, read per call: unset or "1" = the default sites, "0" = none,
+there (it only issues requests and writes nothing; it lasts about as long as the transfer); the GEMV
+after the chain then finds its weights in L2. The sites (DS4_L2_PREFETCH, read per call: unset or "1" = the default sites, "0" = none,
 "all", or a comma list):
 
   q   the query up-projection (wq_b, with the indexer's rows when merged), forked at the block's start:
@@ -16,8 +16,10 @@ weights in L2. The sites (DS4_L2_PREFETCH, read per call: unset or "1" = the def
       device), forked after the router: beside the routed gate+up.
 
 Eager steps and prefill never prefetch (a fork there only adds host work). The branches share one side
-stream (slot PREFETCH_SLOT): their kernels are tiny and in order there; each branch is joined by its
-caller after the GEMV it feeds has been issued, so the join adds no wait.
+stream (slot PREFETCH_SLOT): their kernels are small and in order there. They are joined once, at the
+end of the step (join_pending, from Transformer.decode), not after the GEMV each feeds: a join there makes
+the next main-stream kernel depend on two nodes, which likely costs it its programmatic (PDL) launch
+(session 13, run 2, joins after each GEMV: 151.2 against 130.3 us per layer without prefetch).
 """
 from __future__ import annotations
 
@@ -51,21 +53,33 @@ def sites() -> frozenset[str]:
     return chosen
 
 
-def issue(site: str, tensors: Sequence[Tensor], x: Tensor, ids: Tensor | None = None,
-          id_offset: int = 0) -> side_stream.Branch:
+_PENDING: list[tuple[side_stream.Branch, tuple]] = []  # forked, not yet joined: (branch, tensors it reads)
+
+
+def issue(site: str, tensors: Sequence[Tensor], x: Tensor, ids: Tensor | None = None, id_offset: int = 0) -> bool:
     """Prefetch `tensors` (whole; or with ids the experts ids - id_offset of tensors stacked by local expert)
     on the prefetch side stream, forked from the current stream, while a decode graph (x: <= MAX_ROWS rows)
-    is captured and `site` is enabled. Returns the branch to join; the in-line no-op branch otherwise."""
+    is captured and `site` is enabled; the branch is joined by join_pending. Returns whether it was issued."""
     if site not in SITES:
         raise ValueError(f"unknown prefetch site {site!r} (one of {list(SITES)})")
-    none = side_stream.Branch(None, x.device)
     if not (x.is_cuda and x.shape[0] <= MAX_ROWS and tensors and site in sites()):
-        return none
+        return False
     # None outside a capture; called in the eager warm-up steps too, so the side stream exists before one
     side = side_stream.fork(x.device, ENV, PREFETCH_SLOT)
     if side is None:
-        return none
+        return False
     from ds4 import kernels
     with side_stream.Branch(side, x.device) as branch:
         kernels.l2_prefetch(list(tensors), ids, id_offset)
-    return branch
+    _PENDING.append((branch, (*tensors, ids)))  # ids may be an activation: kept alive until the join
+    return True
+
+
+def join_pending() -> int:
+    """Join every prefetch branch issued since the last call into the current stream (the end of a decode
+    step); returns how many there were."""
+    n = len(_PENDING)
+    while _PENDING:
+        branch, _ = _PENDING.pop(0)
+        branch.join()
+    return n
