@@ -33,9 +33,10 @@ a branch of their own), sprio
 (DS4_SHARED_WAVE=NN: the shared expert's tensor-core launches take NN % of a resident wave, leaving SM
 slots to the router's kernels beside them), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
-prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), nopf (DS4_L2_PREFETCH=0: no L2 prefetch of
-the next GEMV's weights in captured steps), pfSITES (only those prefetch sites, letters of q o b d, e.g.
-pfqodb; ds4.ops.prefetch). On a machine
+prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
+next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
+(those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), xshared (diagnostic, wrong outputs: no shared-expert kernels, to time what they
+cost the step). On a machine
 without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -91,12 +92,25 @@ def _number_token(toks: set[str], prefix: str, default: int) -> int:
     return max([int(t[len(prefix):]) for t in toks if t.startswith(prefix) and t[len(prefix):].isdigit()] or [default])
 
 
+def skip_shared_expert(moe) -> None:
+    """The xshared diagnostic (timing only, WRONG outputs): this variant's MoE implementation launches no
+    shared-expert kernel; the routed sum gets zeros in its place (one memset). The difference to the same
+    variant without xshared is what the shared expert's side-stream kernels cost the step."""
+    from ds4.ops.moe_cuda import SharedUp
+    from ds4.ops.side_stream import Branch
+
+    def shared_up(x, mw, act_quant=False):
+        return SharedUp(torch.zeros_like(x), Branch(None, x.device))
+    moe.shared_up = shared_up
+
+
 def _prefetch_sites(toks: set[str]) -> str:
-    """DS4_L2_PREFETCH for a variant: "0" with nopf, the sites of a pfSITES token (comma list), else "1"."""
-    if "nopf" in toks:
-        return "0"
+    """DS4_L2_PREFETCH for a variant: the sites of pfSITES tokens (comma list), "1" (the default sites) for pf,
+    else "0" (none, the library default)."""
     pf = [t[2:] for t in toks if t.startswith("pf") and t[2:] and set(t[2:]) <= set(prefetch.SITES)]
-    return ",".join(sorted(set("".join(pf)))) if pf else "1"
+    if pf:
+        return ",".join(sorted(set("".join(pf))))
+    return "1" if "pf" in toks else "0"
 
 
 def run_variant(model, name, prompt, new_tokens, bw, world):
@@ -112,6 +126,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     if "nopack" in toks:
         stored_fp4_layout(model)
     model.configure(ops=ops, comm=comm)
+    if "xshared" in toks:
+        skip_shared_expert(ops.moe)
     # nopdl: the ds4 kernels launched without programmatic dependent launch (read at each launch)
     os.environ["DS4_PDL"] = "0" if "nopdl" in toks else "1"
     os.environ["DS4_MMA"] = "0" if "fma" in toks else ("all" if "mma8" in toks else ("k2048" if "k2048" in toks else "1"))
@@ -138,8 +154,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SIDE_PRIORITY"] = "high" if "sprio" in toks else "default"
     # shwNN: the side-stream shared expert's launches take NN % of a resident wave (DS4_SHARED_WAVE)
     os.environ["DS4_SHARED_WAVE"] = str(_number_token(toks, "shw", 100))
-    # nopf: no L2 prefetch; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those sites; neither: the
-    # default sites (DS4_L2_PREFETCH)
+    # pf: the L2 prefetch's default sites; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those
+    # sites; neither: no prefetch (DS4_L2_PREFETCH)
     os.environ["DS4_L2_PREFETCH"] = _prefetch_sites(toks)
     # noidxm: CSA layers compute the indexer's query with its own GEMV in the indexer's side branch instead
     # of inside the merged wq_bi GEMV (Attention.merged_indexer_q; matters where the indexer selects: capN)

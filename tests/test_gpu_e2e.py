@@ -93,8 +93,8 @@ _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fu
     pytest.param(Impls(), {}, id="torch"),
     pytest.param(Impls(linear="gemv_cuda", moe="fp4_topk"), {}, id="kernels"),
     # the opt-in launch orders, in the graph only: eager (plain PDL order) is the reference
-    pytest.param(Impls(**_FUSED), {"DS4_SHARED_FORK": "late", "DS4_ROUTE_IN_MOE": "1", "DS4_SIDE_PRIORITY": "high"},
-                 id="fused-optins")])
+    pytest.param(Impls(**_FUSED), {"DS4_SHARED_FORK": "late", "DS4_ROUTE_IN_MOE": "1", "DS4_SIDE_PRIORITY": "high",
+                                    "DS4_L2_PREFETCH": "all"}, id="fused-optins")])
 def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, monkeypatch):
     """tiny crosses 60+ window wraps, 250 CSA and 60 HCA emissions in 1000 steps."""
     try:

@@ -4,14 +4,21 @@ A batch-1 decode step alternates bandwidth-bound GEMVs with latency-bound chains
 (mHC, router, attention core) during which HBM is mostly idle. While a decode graph is captured, a
 prefetch site forks a side stream at the start of such a chain and launches ds4.kernels.l2_prefetch
 there (it only issues requests and writes nothing; it lasts about as long as the transfer); the GEMV
-after the chain then finds its weights in L2. The sites (DS4_L2_PREFETCH, read per call: unset or "1" = the default sites, "0" = none,
-"all", or a comma list):
+after the chain then finds its weights in L2.
+
+Measured slower, so off by default (an ablation; H200, 1 GPU, 4 -> 12 layers, caches for 8192 positions,
+experiments/decode_session13_h200.md, run 3): 131.0 us per layer without prefetch, 135.2 with q,
+135.7 with o, 132.1 with d, 139.9 with q and o, 141.0 with q, o and d. The prefetch traffic competes with
+the kernels running beside it and the GEMVs it feeds did not get faster in the step's profile.
+
+The sites (DS4_L2_PREFETCH, read per call: unset or "0" = none, "1" = DEFAULT_SITES, "all", or a comma
+list):
 
   q   the query up-projection (wq_b, with the indexer's rows when merged), forked at the block's start:
       runs beside the block's first mHC and the merged wq_a + wkv GEMV;
   o   the grouped wo_a, forked after wq_b: beside the indexer and the attention core;
-  b   wo_b, right after wo_a's prefetch on the same branch (off by default: with wo_a it is 67 MB
-      for a ~50 MB L2);
+  b   wo_b, right after wo_a's prefetch on the same branch (not in DEFAULT_SITES: with wo_a it is
+      67 MB for a ~50 MB L2);
   d   the routed experts' down projections (w2 and scales of the ids the router chose, read on the
       device), forked after the router: beside the routed gate+up.
 
@@ -32,18 +39,18 @@ from ds4.ops import side_stream
 
 ENV = "DS4_L2_PREFETCH"
 SITES = ("q", "o", "b", "d")
-DEFAULT_SITES = ("q", "o", "d")
+DEFAULT_SITES = ("q", "o", "d")  # what "1" turns on
 PREFETCH_SLOT = 4  # the attention branches use side-stream slots 0-3 (ds4.ops.attn_torch.BRANCHES)
 MAX_ROWS = 8  # decode-sized inputs only (the GEMV kernels' decode sizes)
 
 
 def sites() -> frozenset[str]:
-    """The enabled prefetch sites (DS4_L2_PREFETCH, read per call)."""
+    """The enabled prefetch sites (DS4_L2_PREFETCH, read per call; none unless it names some)."""
     v = os.environ.get(ENV, "").strip()
-    if v in ("", "1"):
-        return frozenset(DEFAULT_SITES)
-    if v == "0":
+    if v in ("", "0"):
         return frozenset()
+    if v == "1":
+        return frozenset(DEFAULT_SITES)
     if v == "all":
         return frozenset(SITES)
     chosen = frozenset(p.strip() for p in v.split(",") if p.strip())
