@@ -5,12 +5,16 @@ branches overlap kernels, and to less when the GPU idles between launches; neith
 the step actually waits on. Stream ids do not say it either: a replayed CUDA graph's kernels run on
 streams the driver picks (session 13's trace had the step's chain spread over several of them).
 
-`critical_path` reads the chain off the times alone. Walking back from the kernel that ends last, the
-predecessor of a kernel is the one that ended last among those that started before it and ended no
-later than it: the kernel it most plausibly waited for (its stream predecessor, which PDL may have
-let it overlap, or the branch it joined). Each kernel on the path is charged its end minus its
-predecessor's end: its own time on the chain plus any idle gap before it. The charges add up to the
-path's span, which is the step's span when the path reaches the step's first kernel.
+`critical_path` reads the chain off the times alone, walking back from the kernel that ends last. Without
+PDL a kernel starts only after everything it depends on has ended, so its predecessor is the kernel that
+ended last before it started (strict=True). With PDL a kernel may start before its predecessor ends; its
+predecessor is then the kernel that ended last among those that started before it and ended no later than
+it (strict=False): its stream predecessor, which PDL let it overlap, or the branch it joined — or a side
+kernel that merely ended later, which this rule cannot tell apart (session 13's run 4: in a no-PDL trace
+read with it, the routed gate+up's predecessor came out as the shared expert's down kernel running beside
+it). Each kernel on the path is charged its end minus its predecessor's end: its own time on the chain
+plus any idle gap before it. The charges add up to the path's span, which is the step's span when the path
+reaches the step's first kernel.
 """
 from __future__ import annotations
 
@@ -47,17 +51,25 @@ def kernels_from_trace(trace: dict | list) -> list[Kernel]:
     return sorted(out, key=lambda k: (k.start, k.end))
 
 
-def critical_path(kernels: Iterable[Kernel]) -> list[tuple[Kernel, float, float]]:
+def critical_path(kernels: Iterable[Kernel], strict: bool = False,
+                  slack: float = 0.5) -> list[tuple[Kernel, float, float]]:
     """The chain the step waits on, first to last, as (kernel, charge, gap): charge = its end minus its
     predecessor's end (the first kernel: its duration); gap = its start minus its predecessor's end when
-    positive (idle before it on the chain), else 0. See the module docstring."""
+    positive (idle before it on the chain), else 0. strict: a trace without PDL (a predecessor ended before
+    its successor started, within `slack` us of timestamp jitter). See the module docstring."""
     ks = sorted(kernels, key=lambda k: (k.end, k.start))
     if not ks:
         return []
+
+    def precedes(j: Kernel, k: Kernel) -> bool:
+        if strict:
+            return j.end <= k.start + slack and j.start < k.start
+        return j.start < k.start and j.end <= k.end
+
     path = [ks[-1]]
     while True:
         k = path[-1]
-        before = [j for j in ks if j is not k and j.start < k.start and j.end <= k.end]
+        before = [j for j in ks if j is not k and precedes(j, k)]
         if not before:
             break
         path.append(max(before, key=lambda j: (j.end, j.start)))

@@ -96,11 +96,11 @@ def skip_shared_expert(moe) -> None:
     """The xshared diagnostic (timing only, WRONG outputs): this variant's MoE implementation launches no
     shared-expert kernel; the routed sum gets zeros in its place (one memset). The difference to the same
     variant without xshared is what the shared expert's side-stream kernels cost the step."""
-    from ds4.ops.moe_cuda import SharedUp
+    from ds4.ops.moe_cuda import PREFILL_TOKENS, SharedUp
     from ds4.ops.side_stream import Branch
 
-    def shared_up(x, mw, act_quant=False):
-        return SharedUp(torch.zeros_like(x), Branch(None, x.device))
+    def shared_up(x, mw, act_quant=False):  # decode sizes only, like the implementation's (prefill: None)
+        return SharedUp(torch.zeros_like(x), Branch(None, x.device)) if x.shape[0] <= PREFILL_TOKENS else None
     moe.shared_up = shared_up
 
 

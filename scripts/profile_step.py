@@ -143,11 +143,13 @@ def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
         print(f"timeline skipped: {e}")
         return None
     span = max(k.end for k in ks) - min(k.start for k in ks)
-    cpath = critical_path(ks)
+    pdl = os.environ.get("DS4_PDL", "1") != "0"  # without PDL a kernel starts after its predecessor ended
+    cpath = critical_path(ks, strict=not pdl)
     parts = path_parts(cpath, label)
     streams = len({k.stream for k in ks})
     print(f"\ntimeline of one replay: span {span:.1f} us, {len(ks)} kernels on {streams} streams; "
-          f"critical path {len(cpath)} kernels, {sum(c for _, c, _ in cpath):.1f} us")
+          f"critical path ({'PDL: overlapping' if pdl else 'no PDL: strict'} predecessors) {len(cpath)} kernels, "
+          f"{sum(c for _, c, _ in cpath):.1f} us")
     print(f"{'on the critical path (charge: end - predecessor end)':<58}{'us/step':>9}{'us/layer':>10}{'share':>8}{'n':>5}")
     for who, (us, n) in parts.items():
         print(f"{who:<58}{us:>9.1f}{us / layers:>10.1f}{100 * us / span:>7.1f}%{n:>5}")
@@ -156,7 +158,7 @@ def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
     print(f"{'kernel':<50}{'end us':>10}{'charge':>9}{'gap':>8}")
     for k, charge, gap in cpath:
         print(f"{label(k.name):<50}{k.end - t0:>10.1f}{charge:>9.2f}{gap:>8.2f}")
-    return {"span_us": span, "kernels": len(ks), "streams": streams,
+    return {"span_us": span, "kernels": len(ks), "streams": streams, "strict": not pdl,
             "parts": {n: {"us": us, "n": c} for n, (us, c) in parts.items()},
             "path": [{"kernel": label(k.name), "end_us": k.end - t0, "charge_us": c, "gap_us": g} for k, c, g in cpath]}
 

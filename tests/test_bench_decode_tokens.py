@@ -32,4 +32,6 @@ def test_xshared_diagnostic_launches_no_shared_expert():
     x = torch.randn(1, 8)
     up = moe.shared_up(x, None)
     assert up.branch.side is None and torch.equal(up.out, torch.zeros_like(x))
+    assert moe.shared_up(torch.randn(32, 8), None) is None  # a prompt: the shared expert runs as usual
+    # (session 13's run 4 returned zeros for the prompt too, and routed() rejected them)
     assert Fp4TopkMoE().shared_up(x, None) is None  # the untouched implementation: a CPU input stays in line

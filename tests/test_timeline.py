@@ -22,6 +22,16 @@ def test_critical_path_follows_the_latest_finished_predecessor():
     assert critical_path([]) == []
 
 
+def test_strict_predecessors_ended_before_the_kernel_started():
+    # without PDL: R (the router) ends before G (gate+up) starts; X (a side kernel) starts earlier and ends
+    # after G started: the overlapping rule takes X, the strict one R
+    ks = [Kernel("H", 0, 0, 5), Kernel("X", 1, 4, 20), Kernel("R", 0, 6, 10), Kernel("G", 0, 10.3, 30)]
+    assert [k.name for k, _, _ in critical_path(ks)] == ["H", "X", "G"]
+    strict = critical_path(ks, strict=True)
+    assert [k.name for k, _, _ in strict] == ["H", "R", "G"]
+    assert [x for _, c, g in strict for x in (c, g)] == pytest.approx([5, 0, 5, 1, 20, 0.3])  # gap: G start - R end
+
+
 def test_path_parts_sum_charges_per_label():
     ks = [Kernel("gemv<1>", 0, 0, 4), Kernel("hc", 0, 3, 6), Kernel("gemv<2>", 0, 5, 9)]
     parts = path_parts(critical_path(ks), label=lambda n: n.split("<")[0])
