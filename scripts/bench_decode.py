@@ -35,8 +35,8 @@ slots to the router's kernels beside them), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
-(those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), xshared (diagnostic, wrong outputs: no shared-expert kernels, to time what they
-cost the step). On a machine
+(those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), xshared / xrouter / xrouted / xattn (diagnostics, wrong outputs: no
+shared-expert / router / routed-expert / attention-core kernels, to time what each costs the step). On a machine
 without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -92,16 +92,64 @@ def _number_token(toks: set[str], prefix: str, default: int) -> int:
     return max([int(t[len(prefix):]) for t in toks if t.startswith(prefix) and t[len(prefix):].isdigit()] or [default])
 
 
+# Removal diagnostics (timing only, WRONG outputs): each token takes one piece of the step out of this
+# variant's implementations; the step's time against the same variant without the token is what that
+# piece costs the step, side effects on its neighbours included (an attribution by removal, which the
+# critical-path reading of ds4.timeline cannot make with certainty).
+#   xshared  no shared-expert kernels (zeros in its place)
+#   xrouter  no router kernels (a fixed device (weights, ids): experts 0..k-1 of this rank, weights 1/k)
+#   xrouted  no routed-expert kernels (the routed sum is zero)
+#   xattn    no attention-core kernels (the attention output is zero)
 def skip_shared_expert(moe) -> None:
-    """The xshared diagnostic (timing only, WRONG outputs): this variant's MoE implementation launches no
-    shared-expert kernel; the routed sum gets zeros in its place (one memset). The difference to the same
-    variant without xshared is what the shared expert's side-stream kernels cost the step."""
+    """xshared: this MoE implementation launches no shared-expert kernel in decode steps; the routed sum
+    gets zeros in its place (one memset)."""
     from ds4.ops.moe_cuda import PREFILL_TOKENS, SharedUp
     from ds4.ops.side_stream import Branch
 
     def shared_up(x, mw, act_quant=False):  # decode sizes only, like the implementation's (prefill: None)
         return SharedUp(torch.zeros_like(x), Branch(None, x.device)) if x.shape[0] <= PREFILL_TOKENS else None
     moe.shared_up = shared_up
+
+
+def skip_router(moe) -> None:
+    """xrouter: decode-sized route() calls return fixed device tensors instead of launching the router."""
+    from ds4.ops.moe_cuda import PREFILL_TOKENS
+    route = moe.route
+
+    def fixed_route(x, token_ids, mw):
+        n = x.reshape(-1, x.shape[-1]).shape[0]
+        if n > PREFILL_TOKENS:
+            return route(x, token_ids, mw)
+        ids = (torch.arange(mw.topk, device=x.device) + mw.expert_offset).expand(n, -1).contiguous()
+        return torch.full((n, mw.topk), 1.0 / mw.topk, device=x.device), ids
+    moe.route = fixed_route
+
+
+def skip_routed_experts(moe) -> None:
+    """xrouted: decode-sized routed() calls launch no routed-expert kernel (a zero routed sum)."""
+    from ds4.ops.moe_cuda import PREFILL_TOKENS
+    routed = moe.routed
+
+    def no_routed(x, weights, ids, mw, act_quant=False, shared=None):
+        if x.shape[0] > PREFILL_TOKENS:
+            return routed(x, weights, ids, mw, act_quant, shared)
+        if shared is not None:  # routed(shared=) returns routed + shared in x's dtype
+            shared.branch.join()
+            return shared.out.clone()
+        return torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+    moe.routed = no_routed
+
+
+def skip_attention_core(attn) -> None:
+    """xattn: the decode attention core (attn.decode) launches nothing and returns zeros."""
+    attn.decode = lambda q, *args, **kw: torch.zeros_like(q)
+
+
+def _apply_removals(ops, toks: set[str]) -> None:
+    for tok, fn, part in (("xshared", skip_shared_expert, "moe"), ("xrouter", skip_router, "moe"),
+                          ("xrouted", skip_routed_experts, "moe"), ("xattn", skip_attention_core, "attn")):
+        if tok in toks:
+            fn(getattr(ops, part))
 
 
 def _prefetch_sites(toks: set[str]) -> str:
@@ -126,8 +174,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     if "nopack" in toks:
         stored_fp4_layout(model)
     model.configure(ops=ops, comm=comm)
-    if "xshared" in toks:
-        skip_shared_expert(ops.moe)
+    _apply_removals(ops, toks)  # the x* diagnostics (timing only)
     # nopdl: the ds4 kernels launched without programmatic dependent launch (read at each launch)
     os.environ["DS4_PDL"] = "0" if "nopdl" in toks else "1"
     os.environ["DS4_MMA"] = "0" if "fma" in toks else ("all" if "mma8" in toks else ("k2048" if "k2048" in toks else "1"))

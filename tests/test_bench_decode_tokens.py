@@ -35,3 +35,44 @@ def test_xshared_diagnostic_launches_no_shared_expert():
     assert moe.shared_up(torch.randn(32, 8), None) is None  # a prompt: the shared expert runs as usual
     # (session 13's run 4 returned zeros for the prompt too, and routed() rejected them)
     assert Fp4TopkMoE().shared_up(x, None) is None  # the untouched implementation: a CPU input stays in line
+
+
+def test_removal_diagnostics_replace_only_decode_sized_calls():
+    """xrouter / xrouted / xattn: decode-sized calls return fixed device-side results without the
+    implementation's kernels; prompt-sized calls go to the implementation as before."""
+    from types import SimpleNamespace
+
+    from ds4.ops.moe_cuda import PREFILL_TOKENS, SharedUp
+    from ds4.ops.side_stream import Branch
+    bd = _bench_decode()
+    calls = []
+
+    class FakeMoE:
+        def route(self, x, token_ids, mw):
+            calls.append("route")
+            return "routed by the implementation"
+
+        def routed(self, x, weights, ids, mw, act_quant=False, shared=None):
+            calls.append("routed")
+            return "experts by the implementation"
+
+    class FakeAttn:
+        def decode(self, q, *args, **kw):
+            calls.append("decode")
+
+    ops = SimpleNamespace(moe=FakeMoE(), attn=FakeAttn())
+    bd._apply_removals(ops, {"xrouter", "xrouted", "xattn", "kernels"})
+    mw = SimpleNamespace(topk=6, expert_offset=32)
+    x = torch.randn(1, 16)
+    w, ids = ops.moe.route(x, None, mw)
+    assert torch.equal(ids, torch.arange(32, 38).unsqueeze(0)) and torch.allclose(w, torch.full((1, 6), 1 / 6))
+    assert torch.equal(ops.moe.routed(x, w, ids, mw), torch.zeros(1, 16))
+    up = SharedUp(torch.ones(1, 16, dtype=torch.bfloat16), Branch(None, x.device))
+    assert torch.equal(ops.moe.routed(x, w, ids, mw, shared=up), up.out)
+    q = torch.randn(1, 4, 8)
+    assert torch.equal(ops.attn.decode(q, None, None), torch.zeros_like(q))
+    assert calls == []
+    big = torch.randn(PREFILL_TOKENS + 1, 16)
+    assert ops.moe.route(big, None, mw) == "routed by the implementation"
+    assert ops.moe.routed(big, None, None, mw) == "experts by the implementation"
+    assert calls == ["route", "routed"]
