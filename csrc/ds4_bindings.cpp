@@ -417,7 +417,6 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
-
 // Prefetch into L2 (no output): the given tensors (t0 and the present ones of t1..t3) whole, or with ids
 // (int64 [n], on the device) the experts ids[k] - id_offset of tensors stacked by local expert ([E_local, ...],
 // all with the same E_local).

@@ -1,13 +1,15 @@
-// L2 prefetch of weights that a later kernel of the decode step streams.
+// L2 prefetch of weights that a later kernel of the decode step streams (ds4.ops.prefetch; opt-in).
 //
 // A batch-1 decode step alternates bandwidth-bound GEMVs with latency-bound chains of small kernels
 // (mHC, router, attention core) during which HBM is mostly idle. A prefetch launched on a side stream
-// at the start of such a chain fills L2 with the weights of the GEMV that follows it, which then reads
-// them from L2. The kernel only issues the requests: a block of PF_THREADS threads, each thread one
-// PF_CHUNK-byte chunk per grid-stride step — on sm_90 one bulk prefetch (cp.async.bulk.prefetch.L2,
-// handled by the copy engine), on sm_80 one prefetch.global.L2 per 128-byte line. Nothing is written and
-// nothing is waited for: a prefetch is a hint, so a chunk's unaligned head and tail bytes (< 16) are
-// simply not prefetched.
+// at the start of such a chain is meant to fill L2 with the weights of the GEMV that follows it. In the
+// H200 step it measured slower at every site (experiments/decode_session13_h200.md), so the model only
+// launches it when DS4_L2_PREFETCH asks.
+// The kernel only issues the requests: blocks of PF_THREADS threads, each thread one PF_CHUNK-byte
+// chunk per grid-stride step — on sm_90 one bulk prefetch (cp.async.bulk.prefetch.L2, handled by the
+// copy engine), on sm_80 one prefetch.global.L2 per 128-byte line. Nothing is written and nothing is
+// waited for: a prefetch is a hint, so a chunk's unaligned head and tail bytes (< 16) are simply not
+// prefetched.
 //
 // Ranges (L2PrefetchArgs): direct — [ptr[r], ptr[r] + bytes[r]); or indexed by the device tensor ids
 // [n_ids] (the routed experts the router chose) — range r of slot k is ptr[r] + e * stride[r] for the

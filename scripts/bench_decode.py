@@ -35,9 +35,9 @@ slots to the router's kernels beside them), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
-(those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), xshared / xrouter / xrouted / xattn (diagnostics, wrong outputs: no
-shared-expert / router / routed-expert / attention-core kernels, to time what each costs the step). On a machine
-without CUDA it runs on the CPU (a dry run of the script).
+(those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), xshared / xrouter / xrouted /
+xattn (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core kernels, to
+time what each costs the step). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
 """

@@ -3,7 +3,8 @@
 Fresh random stored bytes for every check (random E4M3 codes without NaN, random E2M1 nibbles,
 random E8M0 scales), V4-Flash shapes and other shapes the formats allow, repeated / boundary /
 non-local expert ids, outputs poisoned before the launch (the caching allocator hands the kernels
-NaN-filled memory), relative L2 error <= 1e-2. Imports only ds4.kernels, ds4.ops.base, ds4.ops.prefetch and ds4.quant."""
+NaN-filled memory), relative L2 error <= 1e-2. Imports only ds4.kernels, ds4.ops.base, ds4.ops.prefetch
+and ds4.quant."""
 from __future__ import annotations
 
 import zlib

@@ -236,7 +236,7 @@ class Attention(WeightsModule):
             else:
                 q = attn.q_up(qa, self.q_norm, eps, self.wq_b, self.ops.linear, self.qat)
             q = q.unflatten(-1, (self.n_heads, a.head_dim))
-        # wo_a (and with site "b" wo_b) into L2 while the indexer and the attention core run (ds4.ops.prefetch)
+        # opt-in: wo_a / wo_b into L2 while the indexer and the attention core run (ds4.ops.prefetch sites o, b)
         self.ops.linear.prefetch("o", [self.wo_a], x)
         self.ops.linear.prefetch("b", [self.wo_b], x)
         if merged:  # scores and top-k in line (measured the same as in their own branch: bench token noidxm)

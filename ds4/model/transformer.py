@@ -67,8 +67,8 @@ class Block(WeightsModule):
         CUDA implementation runs in 2 launches instead of 3). Returns (h, carry) with this block's own
         last hc.post left to the caller in the same way (`finish_streams` applies it)."""
         a, hc = self.args, self.ops.hc
-        # a captured decode step starts bringing the query up-projection into L2 beside this block's first
-        # mHC and wq_a + wkv (ds4.ops.prefetch; a no-op otherwise)
+        # opt-in (DS4_L2_PREFETCH, measured slower): a captured decode step starts bringing the query
+        # up-projection into L2 beside this block's first mHC and wq_a + wkv (ds4.ops.prefetch)
         self.attn.prefetch_q(h)
         with self.prof("hc.pre"):  # x comes back already RMS-normed with attn_norm
             if carry is None:

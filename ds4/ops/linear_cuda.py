@@ -5,16 +5,16 @@ Prefill (more tokens) and BF16 weights: dequantise + torch matmul (cuBLAS) — p
 implementation, chosen by shape only, never by tensor values.
 qat (act_quant=True): the activation is FP8-simulated per 128 channels (ds4.quant.act_quant_sim,
 extra torch ops) before the same kernel, as the reference does.
-prefetch: while a decode graph is captured, a side-stream L2 prefetch of weights a later GEMV reads
-(ds4.ops.prefetch: the sites and why).
+prefetch: while a decode graph is captured and DS4_L2_PREFETCH names sites (opt-in: measured slower), a
+side-stream L2 prefetch of weights a later GEMV reads (ds4.ops.prefetch: the sites and the figures).
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from typing import Sequence
 
 from ds4 import kernels
 from ds4.ops import prefetch as l2

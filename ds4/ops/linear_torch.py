@@ -1,11 +1,11 @@
 """Reference dense projection: dequantise the stored weight, then a torch matmul (seed phase 1)."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from typing import Sequence
 
 from ds4.ops.base import QWeight
 from ds4.quant import act_quant_sim

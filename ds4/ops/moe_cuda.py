@@ -25,8 +25,9 @@ moe=fp4_topk
           returned. One launch fewer, but each block's serial top-k delays its weight loads: H200, 1 GPU,
           151.5 against 133.3 us per layer; full model tp=2 6.599 against 6.222 ms
           (experiments/decode_session9_h200.md, run 6).
-  prefetch: in a captured decode step the chosen experts' w2 (and scales) are brought into L2 on a side
-          stream while gate+up streams w1 / w3, so down reads L2 (ds4.ops.prefetch, site "d").
+  prefetch: with DS4_L2_PREFETCH naming site "d" (opt-in: measured slower, ds4.ops.prefetch), a captured
+          decode step brings the chosen experts' w2 (and scales) into L2 on a side stream while gate+up
+          streams w1 / w3.
   Layout: at load (prepare), the routed experts' FP4 bytes are permuted inside each 4-byte word
           (QWeight fmt "fp4p", ds4.quant.pack_fp4_mma, in place: no extra memory) so the kernels decode
           a weight word in ~9 integer instructions instead of ~17; every other reader dequantises through

@@ -8,8 +8,8 @@ after the chain then finds its weights in L2.
 
 Measured slower, so off by default (an ablation; H200, 1 GPU, 4 -> 12 layers, caches for 8192 positions,
 experiments/decode_session13_h200.md, run 3): 131.0 us per layer without prefetch, 135.2 with q,
-135.7 with o, 132.1 with d, 139.9 with q and o, 141.0 with q, o and d. The prefetch traffic competes with
-the kernels running beside it and the GEMVs it feeds did not get faster in the step's profile.
+135.7 with o, 132.1 with d, 139.9 with q and o, 141.0 with q, o and d. The GEMVs it feeds did not get
+faster in the step's profile; presumably its traffic slows the kernels running beside it.
 
 The sites (DS4_L2_PREFETCH, read per call: unset or "0" = none, "1" = DEFAULT_SITES, "all", or a comma
 list):
