@@ -23,6 +23,8 @@
 #                  the step's time at position 65536 (PROFILE_PDL=0:
 #                  without PDL; PROFILE_INLINE=1: side-stream branches in line too — both, and each
 #                  kernel's time is its own)
+#   profile0       the same without PDL (DS4_PDL=0: each kernel's own time, the strict critical path),
+#                  beside profile in one lease ($OUT/profile_step_nopdl.json)
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart ($SEED_JOBS:
 #                  the sweep's experiment=... list, default all of it)
 #   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope; $TP_LAYERS: another
@@ -81,11 +83,12 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
     tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_gpu_e2e.py -k "${TP2_K:-tp2}" > "$L/tp2_tests.log" 2>&1 ;;
     bench) CUDA_VISIBLE_DEVICES=$g timeout 320 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
         --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu.json" > "$L/bench_1gpu.log" 2>&1 ;;
-    profile)
-      local ovl=1; [ "${PROFILE_INLINE:-0}" = 1 ] && ovl=0
-      DS4_PDL=${PROFILE_PDL:-1} DS4_COMPRESS_OVERLAP=$ovl DS4_ATTN_OVERLAP=$ovl DS4_SHARED_OVERLAP=$ovl \
+    profile|profile0)  # profile0: the same without PDL (each kernel's own time; the strict critical path)
+      local ovl=1 pdl=${PROFILE_PDL:-1} tag=""; [ "${PROFILE_INLINE:-0}" = 1 ] && ovl=0
+      [ "$1" = profile0 ] && { pdl=0; tag=_nopdl; }
+      DS4_PDL=$pdl DS4_COMPRESS_OVERLAP=$ovl DS4_ATTN_OVERLAP=$ovl DS4_SHARED_OVERLAP=$ovl \
         CUDA_VISIBLE_DEVICES=$g timeout 90 python3 scripts/profile_step.py --layers 8 --variant kernels+fused --timeline \
-        --long-context 65536 --out "$OUT/profile_step.json" > "$L/profile.log" 2>&1 ;;
+        --long-context 65536 --out "$OUT/profile_step$tag.json" > "$L/$1.log" 2>&1 ;;
     seed)
       CUDA_VISIBLE_DEVICES=$g timeout 240 python3 -m ds4 ablation=seed_phases model.n_layers=8 tracking=none \
         max_new_tokens=32 $SEED_JOBS hydra.sweep.dir="$S/seed_1gpu" > "$L/seed_1gpu.log" 2>&1
@@ -141,7 +144,9 @@ done
 for f in bench_1gpu bench_tp2 bench_tp4; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -v '^{' "$L/$f.log" | grep -v "^\s*$" | tail -n 12; }
 done
-[ -f "$L/profile.log" ] && { echo "--- profile"; grep -v "^\s*$" "$L/profile.log" | grep -v -i warn | head -n 26
-  sed -n '/^timeline of one replay/,/^the critical path in order/p' "$L/profile.log" | head -n 30; }
+for f in profile profile0; do  # the critical path's table, then the per-kernel table (the path itself: logs.txt)
+  [ -f "$L/$f.log" ] && { echo "--- $f"; sed -n '/^timeline of one replay/,/^the critical path in order/p' "$L/$f.log" | head -n 30
+    sed -n '/^NVIDIA .*n_layers=/,$p' "$L/$f.log" | grep -v "^\s*$" | head -n 26; }
+done
 for f in "$OUT"/seed_phases_*.md; do [ -f "$f" ] && { echo "--- $f"; head -n 16 "$f"; }; done
 exit 0
