@@ -356,22 +356,31 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
   return out;
 }
 
+// given_logits (fp32 [N, E], e.g. from the mHC router fold): the tail kernel alone, no GEMV.
 std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor& gate,
                                           const std::optional<at::Tensor>& bias,
                                           const std::optional<at::Tensor>& tid2eid,
                                           const std::optional<at::Tensor>& token_ids, int64_t topk,
-                                          double route_scale) {
+                                          double route_scale, const std::optional<at::Tensor>& given_logits) {
   check_cuda(gate, "gate");
   TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && gate.dim() == 2, "ds4.router: gate must be bf16 [E, dim]");
   const int64_t N = x.size(0), E = gate.size(0), dim = gate.size(1);
+  if (given_logits.has_value()) {
+    check_cuda(*given_logits, "logits");
+    TORCH_CHECK(given_logits->scalar_type() == at::kFloat && given_logits->dim() == 2 && given_logits->size(0) == N &&
+                    given_logits->size(1) == E,
+                "ds4.router: logits must be fp32 [N, E]");
+  }
   // The BF16 GEMV, then the tail kernel; DS4_ROUTER_FUSED=1 (read at every call) takes one fused launch
   // for decode sizes instead — not the default: in the decode step it measured 1.8-4.8 us per layer
   // slower (H200, experiments/decode_session8_h200.md; its 64 blocks compete with the shared expert's
   // side-stream kernels, which start at the same time, before its last block can run the tail).
   const char* env = std::getenv("DS4_ROUTER_FUSED");
-  const bool fused = env && env[0] == '1' && ds4::router_fused_ok((int)N, (int)E, (int)dim);
+  const bool fused = !given_logits.has_value() && env && env[0] == '1' && ds4::router_fused_ok((int)N, (int)E, (int)dim);
   at::Tensor logits;
-  if (fused) {
+  if (given_logits.has_value()) {
+    logits = *given_logits;
+  } else if (fused) {
     check_cuda(x, "x");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == dim && x.is_contiguous(),
                 "ds4.router: x must be contiguous bf16 [N, dim]");
@@ -466,7 +475,7 @@ TORCH_LIBRARY(ds4, m) {
         "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0) -> Tensor");
   m.def("moe_route_ok(int fmt, int topk, int dim, int inter, int n_experts) -> bool", &moe_route_ok_host);
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
-        "float route_scale) -> (Tensor, Tensor)");
+        "float route_scale, Tensor? logits=None) -> (Tensor, Tensor)");
   m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("l2_prefetch(Tensor t0, Tensor? t1, Tensor? t2, Tensor? t3, Tensor? ids, int id_offset) -> ()");

@@ -92,6 +92,45 @@ def test_hc_post_pre(N, n, D, dtype, with_norm):
     assert rel(h, kernels_attn.hc_post(x, res, post, comb)) <= (1e-3 if dtype == BF16 else 1e-6)
 
 
+@pytest.mark.parametrize("N,n,D,E", [(1, 4, 4096, 256), (3, 4, 4096, 256), (2, 2, 1024, 7), (1, 1, 136, 64),
+                                     (8, 4, 512, 33)])
+def test_hc_post_pre_router_fold(N, n, D, E):
+    """The router fold (hc_post_pre_router): the same streams, x, post and comb as hc_post_pre (the x of every
+    block is formed as the unfolded kernel forms it: at most a rounding apart), and logits = the stored bf16
+    x . gate^T in fp32, for gate row counts that do not fill the last block; the router's top-k tail on those
+    logits picks the experts the torch route picks on them."""
+    g = gen(N * 9000 + n * 10 + D + E)
+    res = randn(N, n, D, g=g, dtype=BF16, scale=2.0)
+    x = randn(N, D, g=g, dtype=BF16)
+    post = torch.rand(N, n, device=DEV, generator=g) * 2
+    comb = torch.rand(N, n, n, device=DEV, generator=g)
+    fn, scale, base = hc_weights(n, D, g)
+    norm = (1 + 0.1 * randn(D, g=g)).to(BF16)
+    gate = randn(E, D, g=g, dtype=BF16, scale=D ** -0.5)
+    poison()
+    h, xn, pn, cn, lg = kernels_attn.hc_post_pre_router(x, res, post, comb, fn, scale, base, 20, 1e-6, 1e-6, norm,
+                                                         gate)
+    rh, rxn, rpn, rcn = kernels_attn.hc_post_pre(x, res, post, comb, fn, scale, base, 20, 1e-6, 1e-6, norm)
+    assert lg.shape == (N, E) and lg.dtype == torch.float32 and torch.isfinite(lg).all(), "unwritten logits"
+    assert torch.equal(h, rh)  # the same partials launch
+    assert rel(pn, rpn) <= 1e-6 and rel(cn, rcn) <= 1e-6 and rel(xn, rxn) <= 1e-3, (rel(pn, rpn), rel(cn, rcn),
+                                                                                   rel(xn, rxn))
+    want = xn.float() @ gate.float().t()
+    assert torch.allclose(lg, want, rtol=1e-4, atol=1e-4), (lg - want).abs().max()
+    if E >= 6:
+        from ds4 import kernels
+        from ds4.ops.base import MoEWeights
+        from ds4.ops.moe_torch import route
+        if kernels.unavailable_reason() is None:
+            bias = torch.randn(E, device=DEV, generator=g) * 0.01
+            w, ids = kernels.router(xn, gate, bias, None, None, 6, 1.5, logits=lg)
+            mw = MoEWeights(gate=gate, bias=bias, tid2eid=None, w1=None, w2=None, w3=None, shared_w1=None,
+                            shared_w2=None, shared_w3=None, n_experts=E, expert_offset=0, topk=6, route_scale=1.5,
+                            swiglu_limit=10.0)
+            rw, rids = route(xn, None, mw, lg)
+            assert torch.equal(ids, rids) and torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
+
+
 def test_hc_post_mixed_dtypes():
     g = gen(77)
     res = randn(3, 4, 4096, g=g, dtype=BF16)

@@ -40,7 +40,9 @@ def _options():
     params = [pytest.param(c, {}, id=",".join(f"{k}={v}" for k, v in c.items())) for c in combos]
     # small's FP8 projections are short enough for the FMA kernels; DS4_MMA=all puts every one-token
     # product on the tensor cores, which is also what folds q_norm into wq_b (attn.q_up) at these shapes
-    return params + [pytest.param(combos[-1], {"DS4_MMA": "all"}, id="all-fused,DS4_MMA=all")]
+    return params + [pytest.param(combos[-1], {"DS4_MMA": "all"}, id="all-fused,DS4_MMA=all"),
+                     # the router fold (opt-in): the FFN's hc launch also forms the router's logits
+                     pytest.param(combos[-1], {"DS4_HC_ROUTER": "1"}, id="all-fused,DS4_HC_ROUTER=1")]
 
 
 # A step is "confident" when the reference's top-2 logit gap exceeds this. At 1.0, one step in ~100
@@ -111,6 +113,23 @@ def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, monkeypatch):
                 monkeypatch.setenv(k, v)
         g = Generator(_model(args, w, impls), 2, 1100, runtime=runtime)
         outs.append(g.generate(prompts, 1000, stop_at_eos=False).tokens)
+    assert outs[0] == outs[1]
+
+
+def test_router_fold_graph_matches_eager(monkeypatch):
+    """With the router fold on in both runtimes (its logits are its own rounding of x . gate^T), the captured
+    step gives the eager step's tokens over 300 steps of tiny."""
+    monkeypatch.setenv("DS4_HC_ROUTER", "1")
+    impls = Impls(**_FUSED)
+    try:
+        build_ops(impls, DEV)
+    except ImplUnavailable as e:
+        pytest.skip(str(e))
+    args = tiny()
+    w = random_weights(args, seed=3, device=DEV, include_mtp=False)
+    outs = [Generator(_model(args, w, impls), 2, 400, runtime=rt).generate([[5, 6, 7], [300, 2, 9, 4]], 300,
+                                                                           stop_at_eos=False).tokens
+            for rt in ("eager", "cuda_graph")]
     assert outs[0] == outs[1]
 
 

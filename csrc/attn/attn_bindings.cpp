@@ -152,6 +152,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
   return {h, xn, pn, cn};
 }
 
+// hc_post_pre with the block norm whose finishing launch also computes the router's logits (the router fold,
+// opt-in; launch_hc_finish_router): -> (h, x_next, post_next, comb_next, logits [N, E] fp32 = x_next . gate^T).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_router(
+    const at::Tensor& x, const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb, const at::Tensor& fn,
+    const at::Tensor& scale, const at::Tensor& base, int64_t iters, double hc_eps, double norm_eps,
+    const at::Tensor& norm, const at::Tensor& gate) {
+  const auto [N, n, D, xf, rf] = check_post_inputs(x, res, post, comb, "hc_post_pre_router");
+  check_pre_weights(fn, scale, base, n, iters, "hc_post_pre_router");
+  TORCH_CHECK(fn.size(1) == n * D, "ds4_attn.hc_post_pre_router: fn must be [mix, hc*D]");
+  TORCH_CHECK(!rf && ds4_attn::hc_router_fold_ok((int)n, (int)D),
+              "ds4_attn.hc_post_pre_router: bf16 res with 1, 2 or 4 streams and D % 8 == 0 (at most 8192)");
+  check_cuda(gate, "gate");
+  TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && gate.dim() == 2 && gate.size(1) == D && gate.size(0) >= 1,
+              "ds4_attn.hc_post_pre_router: gate must be bf16 [E, D]");
+  const bool nf = norm_weight_f32(norm, D, "hc_post_pre_router");
+  c10::cuda::CUDAGuard guard(res.device());
+  const int64_t E = gate.size(0), mix = fn.size(0), nsplit = ds4_attn::hc_nsplit((int)(n * D));
+  auto h = at::empty_like(res);
+  auto xn = at::empty({N, D}, res.options());
+  auto pn = at::empty({N, n}, res.options().dtype(at::kFloat));
+  auto cn = at::empty({N, n, n}, res.options().dtype(at::kFloat));
+  auto logits = at::empty({N, E}, res.options().dtype(at::kFloat));
+  if (N == 0) return {h, xn, pn, cn, logits};
+  auto part = at::empty({N, mix + 1, nsplit}, res.options().dtype(at::kFloat));
+  const cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(ds4_attn::launch_hc_post_partials(x.data_ptr(), xf, res.data_ptr(), rf, post.data_ptr<float>(),
+                                                 comb.data_ptr<float>(), (int)N, (int)n, (int)D, h.data_ptr(),
+                                                 fn.data_ptr<float>(), (int)mix, (int)nsplit, part.data_ptr<float>(), st),
+               "hc_post_partials");
+  check_launch(ds4_attn::launch_hc_finish_router(h.data_ptr(), part.data_ptr<float>(), (int)N, (int)n, (int)D, (int)mix,
+                                                 (int)nsplit, scale.data_ptr<float>(), base.data_ptr<float>(),
+                                                 (int)iters, (float)hc_eps, (float)norm_eps, xn.data_ptr(),
+                                                 pn.data_ptr<float>(), cn.data_ptr<float>(), norm.data_ptr(), nf,
+                                                 gate.data_ptr(), (int)E, logits.data_ptr<float>(), st),
+               "hc_finish_router");
+  return {h, xn, pn, cn, logits};
+}
+
 // hc_head, and with norm (the final RMSNorm's weight) the normalised collapse in the same finishing launch.
 at::Tensor hc_head(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,
                    double hc_eps, double norm_eps, const std::optional<at::Tensor>& norm) {
@@ -500,6 +538,8 @@ TORCH_LIBRARY(ds4_attn, m) {
   m.def("hc_post(Tensor x, Tensor res, Tensor post, Tensor comb) -> Tensor");
   m.def("hc_post_pre(Tensor x, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, int iters, "
         "float hc_eps, float norm_eps, Tensor? norm=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("hc_post_pre_router(Tensor x, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
+        "int iters, float hc_eps, float norm_eps, Tensor norm, Tensor gate) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("sparse_attn(Tensor q, Tensor kv, Tensor valid, Tensor? sel_kv, Tensor? sel_valid, Tensor sink, "
         "float scale) -> Tensor");
   m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1, "
@@ -519,6 +559,7 @@ TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
   m.impl("hc_head", &hc_head);
   m.impl("hc_post", &hc_post);
   m.impl("hc_post_pre", &hc_post_pre);
+  m.impl("hc_post_pre_router", &hc_post_pre_router);
   m.impl("sparse_attn", &sparse_attn);
   m.impl("indexer_scores", &indexer_scores);
   m.impl("sparse_decode", &sparse_decode);

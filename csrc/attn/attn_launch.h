@@ -29,6 +29,14 @@ cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N
                              const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
                              bool head, void* x, float* post, float* comb, const void* norm, bool norm_f32,
                              cudaStream_t st);
+// hc_pre's finish with the block norm (bf16 h, n = 1, 2, 4; hc_router_fold_ok) that also computes the
+// router's logits [N, E] fp32 = the bf16 normalised x . gate^T (gate bf16 [E, D], 16-byte aligned): the
+// router fold (opt-in, DS4_HC_ROUTER=1; hc.cu). x, post, comb as launch_hc_finish writes them.
+bool hc_router_fold_ok(int n, int D);
+cudaError_t launch_hc_finish_router(const void* h, const float* part, int N, int n, int D, int mix, int nsplit,
+                                    const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
+                                    void* x, float* post, float* comb, const void* norm, bool norm_f32,
+                                    const void* gate, int E, float* logits, cudaStream_t st);
 // out[t, k, :] = post[t, k] * x[t, :] + sum_j comb[t, j, k] * res[t, j, :]  (fp32, written in res's dtype)
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,
                            const float* comb, int N, int n, int D, void* out, cudaStream_t st);

@@ -377,9 +377,16 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
 // which are consumed only after the partial reduction. The generic kernel above instead makes ~5
 // dependent passes over global / shared memory (H200 probe: 8.2 us per launch with the Sinkhorn
 // overlapped, its thread-0 timeline 3.9 us).
+//
+// With R > 0 (the router fold, launch_hc_finish_router; opt-in) the launch has ceil(E / R) blocks per
+// token: every block forms the token's normalised x the same way (the same bits), block 0 alone writes
+// x, post and comb (and runs the Sinkhorn), and block b also computes the router logits of gate rows
+// [b R, b R + R): logits[t, e] = sum_d bf16 x[d] * gate[e, d] in fp32, the gate rows loaded before the PDL
+// wait. The router's BF16 GEMV launch then leaves the step's chain (its top-k reads these logits).
 constexpr int HCN_WARPS = 16;
 constexpr int HCN_THREADS = 32 * (HCN_WARPS + 1);
 constexpr int HCN_VEC = 2;
+constexpr int HCR_ROWS = 2;  // gate rows per block of the router fold
 
 __device__ __forceinline__ void bf16x8_to_float(const uint4& u, float* f) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -390,16 +397,18 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& u, float* f) {
   }
 }
 
-template <int N>
+template <int N, int R = 0>
 __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
     const __nv_bfloat16* __restrict__ h, const float* __restrict__ part, int D, int mix, int nsplit,
     const float* __restrict__ scale, const float* __restrict__ base, int iters, float hc_eps, float norm_eps,
     __nv_bfloat16* __restrict__ x, float* __restrict__ post, float* __restrict__ comb, const void* __restrict__ norm,
-    bool norm_f32) {
+    bool norm_f32, const __nv_bfloat16* __restrict__ gate = nullptr, int E = 0, float* __restrict__ logits = nullptr) {
   DS4_MARK(0);
   __shared__ float s_scale[3], s_base[HC_MAX_MIX], tot[HC_MAX_MIX + 1], pre[HC_MAX_N], red[HCN_WARPS];
+  __shared__ float s_lg[HCN_WARPS][R > 0 ? R : 1];
   const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool sk_warp = warp == HCN_WARPS;  // the last warp: thread 0 (the probe's timeline) is an x / norm thread
+  const bool lead = blockIdx.x == 0;       // writes x, post and comb (the router fold's other blocks only logits)
   const int nch = D / 8;
   for (int i = threadIdx.x; i < mix; i += HCN_THREADS) s_base[i] = base[i];
   if (threadIdx.x < 3) s_scale[threadIdx.x] = scale[threadIdx.x];
@@ -417,6 +426,17 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
       bf16x8_to_float(reinterpret_cast<const uint4*>(norm)[c], wn[v]);
     }
   }
+  uint4 gv[R > 0 ? R : 1][HCN_VEC];  // the router fold's gate rows (a weight: before the wait as well)
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int e = blockIdx.x * R + j;
+#pragma unroll
+    for (int v = 0; v < HCN_VEC; ++v) {
+      const int c = threadIdx.x + v * 32 * HCN_WARPS;
+      gv[j][v] = (!sk_warp && c < nch && e < E) ? __ldg(reinterpret_cast<const uint4*>(gate + (long)e * D) + c)
+                                                : make_uint4(0, 0, 0, 0);
+    }
+  }
   ds4_pdl::begin();
   DS4_MARK(1);
   uint4 hv[HCN_VEC][N];
@@ -432,7 +452,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
   __syncthreads();
   DS4_MARK(2);
   if (sk_warp) {
-    if (lane == 0) hc_comb_n<N>(tot, t, D, mix, s_scale, s_base, iters, hc_eps, norm_eps, comb);
+    if (lane == 0 && lead) hc_comb_n<N>(tot, t, D, mix, s_scale, s_base, iters, hc_eps, norm_eps, comb);
     return;
   }
   constexpr int NT = 32 * HCN_WARPS;  // the x / norm threads (named barrier 1)
@@ -440,7 +460,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
     const float r = rsqrtf(tot[mix] / (float)(N * D) + norm_eps);
     if (lane < N)
       pre[lane] = sigmoidf_(tot[lane] * r * s_scale[0] + s_base[lane]) + hc_eps;
-    else if (lane < 2 * N)
+    else if (lane < 2 * N && lead)
       post[(long)t * N + lane - N] = 2.f * sigmoidf_(tot[lane] * r * s_scale[1] + s_base[lane]);
   }
   asm volatile("bar.sync 1, %0;" ::"r"(NT) : "memory");
@@ -471,6 +491,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
 #pragma unroll
   for (int w = 0; w < HCN_WARPS; ++w) tot_ss += red[w];
   const float r = rsqrtf(tot_ss / (float)D + norm_eps);
+  float lg[R > 0 ? R : 1] = {};
 #pragma unroll
   for (int v = 0; v < HCN_VEC; ++v) {
     const int c = threadIdx.x + v * NT;
@@ -479,7 +500,33 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
 #pragma unroll
     for (int i = 0; i < 4; ++i)
       o[i] = pack_bf16(xv[v][2 * i] * r * wn[v][2 * i], xv[v][2 * i + 1] * r * wn[v][2 * i + 1]);
-    reinterpret_cast<uint4*>(x + (long)t * D)[c] = make_uint4(o[0], o[1], o[2], o[3]);
+    if (lead) reinterpret_cast<uint4*>(x + (long)t * D)[c] = make_uint4(o[0], o[1], o[2], o[3]);
+    if constexpr (R > 0) {  // the stored (bf16) x against this block's gate rows
+      float xf[8], gf[8];
+      bf16x8_to_float(make_uint4(o[0], o[1], o[2], o[3]), xf);
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        bf16x8_to_float(gv[j][v], gf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) lg[j] = fmaf(xf[e], gf[e], lg[j]);
+      }
+    }
+  }
+  if constexpr (R > 0) {  // fixed order: lanes by a shuffle tree, then the warps in turn
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      float v = lg[j];
+      for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) s_lg[warp][j] = v;
+    }
+    asm volatile("bar.sync 1, %0;" ::"r"(NT) : "memory");
+    const int e = blockIdx.x * R + threadIdx.x;
+    if (threadIdx.x < R && e < E) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < HCN_WARPS; ++w) sum += s_lg[w][threadIdx.x];
+      logits[(long)t * E + e] = sum;
+    }
   }
   DS4_MARK(3);
 }
@@ -550,7 +597,8 @@ cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N
     auto kern = n == 4 ? hc_finish_norm_kernel<4> : n == 2 ? hc_finish_norm_kernel<2> : hc_finish_norm_kernel<1>;
     return ds4_pdl::launch(kern, dim3(1, N), dim3(HCN_THREADS), 0, st, static_cast<const __nv_bfloat16*>(h), part, D,
                            mix, nsplit, scale, base, iters, hc_eps, norm_eps, static_cast<__nv_bfloat16*>(x), post,
-                           comb, norm, norm_f32);
+                           comb, norm, norm_f32, static_cast<const __nv_bfloat16*>(nullptr), 0,
+                           static_cast<float*>(nullptr));
   }
   if (norm != nullptr)
     return ds4_pdl::launch(hc_finish_kernel<HC_NORM_THREADS>, dim3(1, N), dim3(HC_NORM_THREADS), (size_t)D * sizeof(float),
@@ -560,6 +608,25 @@ cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N
   dim3 grid((D + per_block - 1) / per_block, N);
   return ds4_pdl::launch(hc_finish_kernel<HC_THREADS>, grid, dim3(HC_THREADS), 0, st, h, h_f32, part, n, D, mix, nsplit,
                          scale, base, iters, hc_eps, norm_eps, head, x, post, comb, norm, norm_f32);
+}
+
+bool hc_router_fold_ok(int n, int D) {
+  return (n == 1 || n == 2 || n == 4) && D % 8 == 0 && D / 8 <= HCN_VEC * 32 * HCN_WARPS;
+}
+
+cudaError_t launch_hc_finish_router(const void* h, const float* part, int N, int n, int D, int mix, int nsplit,
+                                    const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
+                                    void* x, float* post, float* comb, const void* norm, bool norm_f32,
+                                    const void* gate, int E, float* logits, cudaStream_t st) {
+  if (!hc_router_fold_ok(n, D) || mix != (2 + n) * n || N < 1 || N > 65535 || E < 1 || norm == nullptr ||
+      !hc_finish_norm_ok(h, false, n, D, x, norm) || (reinterpret_cast<uintptr_t>(gate) & 15))
+    return cudaErrorInvalidValue;
+  auto kern = n == 4 ? hc_finish_norm_kernel<4, HCR_ROWS>
+            : n == 2 ? hc_finish_norm_kernel<2, HCR_ROWS> : hc_finish_norm_kernel<1, HCR_ROWS>;
+  return ds4_pdl::launch(kern, dim3((E + HCR_ROWS - 1) / HCR_ROWS, N), dim3(HCN_THREADS), 0, st,
+                         static_cast<const __nv_bfloat16*>(h), part, D, mix, nsplit, scale, base, iters, hc_eps,
+                         norm_eps, static_cast<__nv_bfloat16*>(x), post, comb, norm, norm_f32,
+                         static_cast<const __nv_bfloat16*>(gate), E, logits);
 }
 
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,

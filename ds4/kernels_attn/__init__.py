@@ -79,6 +79,17 @@ def hc_post_pre(x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, 
                               int(iters), float(hc_eps), float(norm_eps), None if norm is None else norm.contiguous())
 
 
+def hc_post_pre_router(x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+                       iters: int, hc_eps: float, norm_eps: float, norm: Tensor,
+                       gate: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hc_post_pre with the block norm whose finishing launch also returns the router's logits: -> (h, x_next,
+    post_next, comb_next, logits fp32 [N, E] = x_next . gate^T). bf16 res with 1, 2 or 4 streams; gate bf16 [E, D]."""
+    return _ops().hc_post_pre_router(x.contiguous(), res.contiguous(), post.float().contiguous(),
+                                     comb.float().contiguous(), fn.float().contiguous(), scale.float().contiguous(),
+                                     base.float().contiguous(), int(iters), float(hc_eps), float(norm_eps),
+                                     norm.contiguous(), gate.contiguous())
+
+
 def _rows_ok(t: Tensor) -> Tensor:
     ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
         t.stride(i) % 8 == 0 or t.shape[i] == 1 for i in range(t.dim() - 1))

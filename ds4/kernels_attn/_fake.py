@@ -30,6 +30,13 @@ def _hc_post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, n
             res.new_empty((n_tok, n, n), dtype=torch.float32))
 
 
+@register_fake("ds4_attn::hc_post_pre_router")
+def _hc_post_pre_router(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm, gate):
+    n_tok, n, d = res.shape
+    return (torch.empty_like(res), res.new_empty((n_tok, d)), res.new_empty((n_tok, n), dtype=torch.float32),
+            res.new_empty((n_tok, n, n), dtype=torch.float32), res.new_empty((n_tok, gate.shape[0]), dtype=torch.float32))
+
+
 @register_fake("ds4_attn::sparse_attn")
 def _sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale):
     return torch.empty_like(q)

@@ -56,8 +56,14 @@ class MoE(WeightsModule):
             for name in ("w1", "w2", "w3"):  # the attributes describe the same (possibly re-laid) bytes
                 setattr(self, name, getattr(self.mw, name))
 
-    def forward(self, x: Tensor, token_ids: Tensor) -> Tensor:
-        """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert."""
+    @property
+    def gate(self) -> Tensor:
+        """The router's gate [E, dim] (bf16), for an hc implementation that forms the logits itself."""
+        return self.mw.gate
+
+    def forward(self, x: Tensor, token_ids: Tensor, logits: Tensor | None = None) -> Tensor:
+        """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert.
+        logits: the router's x . gate^T when the caller formed them (hc's router fold), else None."""
         moe = self.ops.moe
 
         def start_shared():  # may start on a side stream, overlapping routing (unless late) and routed experts
@@ -67,7 +73,7 @@ class MoE(WeightsModule):
         late = getattr(moe, "shared_after_route", False)  # where a side-stream shared expert forks
         up = None if late else start_shared()
         with self.prof("moe.gate"):
-            w, ids = moe.route(x, token_ids, self.mw)
+            w, ids = moe.route(x, token_ids, self.mw) if logits is None else moe.route(x, token_ids, self.mw, logits)
         if late:
             up = start_shared()
         if up is not None and self.comm.world == 1:

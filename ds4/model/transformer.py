@@ -78,10 +78,12 @@ class Block(WeightsModule):
                 h, x, post, comb = hc.post_pre(*carry, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                                a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
         x = attend(self.attn, x)
-        with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN
-            h, x, post, comb = hc.post_pre(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
-                                           a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.ffn_norm)
-        x = self.ffn(x, token_ids)
+        with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN (which may also give
+            # the router's logits: hc's router fold, opt-in)
+            h, x, post, comb, logits = hc.post_pre_route(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale,
+                                                         self.hc_ffn_base, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps,
+                                                         self.ffn_norm, self.ffn.gate)
+        x = self.ffn(x, token_ids, logits)
         return h, (x, h, post, comb)
 
     def finish_streams(self, carry: Carry) -> Tensor:

@@ -97,8 +97,10 @@ class MoEWeights:
 class MoEImpl(Protocol):
     name: str
 
-    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
-        """x [N, dim], token_ids [N] -> (weights f32 [N, k], global expert ids int64 [N, k])."""
+    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights,
+              logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [N, dim], token_ids [N] -> (weights f32 [N, k], global expert ids int64 [N, k]); logits: x . gate^T
+        (fp32 [N, E]) when the caller formed them already (hc's router fold), else computed here."""
         ...
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,

@@ -7,10 +7,15 @@ pre:  2 launches (RMS + the (2+hc)*hc x hc*D fp32 matvec split over ~128 blocks 
 head: the same 2 launches without post/comb/Sinkhorn.  post: 1 elementwise launch.
 post_pre (a block's post followed by the next site's pre): 2 launches; the first forms the post's
       elements inside the pre's matvec and writes them (no separate post launch).
+post_pre_route (post_pre before the MoE): with DS4_HC_ROUTER=1 (opt-in; written in session 13 after its
+      device time, not yet measured) the finishing launch also returns the router's logits, so
+      the router's BF16 GEMV launch leaves the step (moe route() then runs only its top-k tail).
 Same arguments, outputs and dtypes as TorchHC. Inputs other than bf16/fp32 or hc > 8 streams go to
 TorchHC (chosen by dtype/shape only, never by values) — part of this implementation.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -20,10 +25,20 @@ from ds4.model.norm import rms_norm
 from ds4.ops.hc_torch import TorchHC
 
 _ACT = (torch.bfloat16, torch.float32)
+ROUTER_FOLD_ROWS = 8  # decode sizes: the fold's launch has E / 2 blocks per row
 
 
 def _ok(h: Tensor) -> bool:
     return h.is_cuda and h.dtype in _ACT and h.dim() == 3 and 1 <= h.shape[-2] <= 8
+
+
+def _router_fold_ok(x: Tensor, res: Tensor, norm: Tensor | None, gate: Tensor) -> bool:
+    """The router fold's kernel takes this call: decode rows (<= ROUTER_FOLD_ROWS), bf16 streams of 1, 2 or 4
+    and D % 8 == 0 (D <= 8192), the block norm, a bf16 gate [E, D] (shapes and dtypes only)."""
+    n, d = res.shape[-2], res.shape[-1]
+    return (_ok(res) and res.dtype == torch.bfloat16 and x.dtype in _ACT and res.shape[0] <= ROUTER_FOLD_ROWS
+            and n in (1, 2, 4) and d % 8 == 0 and d <= 8192 and norm is not None and norm.is_cuda
+            and gate.is_cuda and gate.dtype == torch.bfloat16 and gate.dim() == 2 and gate.shape[1] == d)
 
 
 def _norm_fuses(norm: Tensor | None, d: int) -> bool:
@@ -58,6 +73,17 @@ class FusedCudaHC:
             h = self.post(x, res, post, comb)
             return (h, *self.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm))
         return kernels_attn.hc_post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm)
+
+    def post_pre_route(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor,
+                       base: Tensor, iters: int, hc_eps: float, norm_eps: float, norm: Tensor,
+                       gate: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        # DS4_HC_ROUTER=1 (opt-in, read per call): decode rows with the V4 layout take the router fold — the
+        # finishing launch also computes the router's logits (every block forms the normalised x and the
+        # logits of two gate rows), so the router's BF16 GEMV leaves the step; otherwise post_pre and None
+        if not (os.environ.get("DS4_HC_ROUTER") == "1" and _router_fold_ok(x, res, norm, gate)):
+            return (*self.post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm), None)
+        return kernels_attn.hc_post_pre_router(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm,
+                                               gate)
 
     def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,
              norm: Tensor | None = None) -> Tensor:

@@ -55,6 +55,14 @@ class TorchHC:
         h = self.post(x, res, post, comb)
         return (h, *self.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm))
 
+    def post_pre_route(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor,
+                       base: Tensor, iters: int, hc_eps: float, norm_eps: float, norm: Tensor,
+                       gate: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """post_pre before the MoE, which may also return the router's logits (fp32 x_next . gate^T) when an
+        implementation forms them in the same launches (the CUDA router fold); None: the router computes
+        them. The reference never does."""
+        return (*self.post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm), None)
+
     def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,
              norm: Tensor | None = None) -> Tensor:
         """Final collapse (spec §4.4): h [N, hc, D] -> [N, D]; with `norm` the final RMSNorm after it."""

@@ -122,8 +122,12 @@ class Fp4TopkMoE:
                 and os.environ.get("DS4_ROUTE_IN_MOE") == "1"
                 and kernels.moe_route_ok(mw.w1.fmt, mw.topk, x2.shape[1], mw.w1.weight.shape[-2], gate.shape[0]))
 
-    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
+    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights,
+              logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        # logits (fp32 [N, E]): x . gate^T formed already (hc's router fold): the GEMV is skipped
         x2 = _bf16(x.reshape(-1, x.shape[-1]))
+        if logits is not None:
+            logits = logits.float().contiguous()
         gate = _bf16(mw.gate)
         hashed = mw.tid2eid is not None  # hash layers: tid2eid[token]; learned layers: top-k of score + bias
         bias = None if hashed else mw.bias.float().contiguous()
@@ -131,12 +135,13 @@ class Fp4TopkMoE:
         tok = token_ids.reshape(-1).to(torch.int64).contiguous() if hashed else None
         if self._defer_route(x2, gate, mw):
             # (weights, ids) are written by the gate+up launch of routed(), the only reader in a captured step
-            logits = kernels.gemv(x2, gate, None, "bf16", out_f32=True)
+            if logits is None:
+                logits = kernels.gemv(x2, gate, None, "bf16", out_f32=True)
             w = torch.empty(1, mw.topk, device=x2.device, dtype=torch.float32)
             ids = torch.empty(1, mw.topk, device=x2.device, dtype=torch.int64)
             self._deferred = (ids, kernels.InKernelRoute(logits, bias, tid, tok, mw.route_scale))
             return w, ids
-        return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale)
+        return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale, logits=logits)
 
     def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool,
                          shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None) -> Tensor:

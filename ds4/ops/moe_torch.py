@@ -16,8 +16,10 @@ from ds4.quant import act_quant_sim
 GATHER_MAX_ROWS = 64  # N*k up to this: gather experts; above: loop over local experts
 
 
-def route(x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
-    logits = x.float() @ mw.gate.float().t()                       # [N, E]
+def route(x: Tensor, token_ids: Tensor, mw: MoEWeights, logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(weights [N, k] f32, ids [N, k]); logits: x . gate^T (fp32 [N, E]) when the caller has them already."""
+    if logits is None:
+        logits = x.float() @ mw.gate.float().t()                   # [N, E]
     scores = F.softplus(logits).sqrt()
     if mw.tid2eid is not None:
         ids = mw.tid2eid[token_ids].long()                         # hash layers: no bias
@@ -41,8 +43,9 @@ def _mm(x: Tensor, w: Tensor) -> Tensor:
 class DequantMoE:
     name = "dequant"
 
-    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights) -> tuple[Tensor, Tensor]:
-        return route(x, token_ids, mw)
+    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights,
+              logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return route(x, token_ids, mw, logits)
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
                shared: None = None) -> Tensor:

@@ -1,0 +1,71 @@
+"""The router fold's plumbing (hc.post_pre_route -> MoE.forward -> moe.route(logits=)) on the CPU: the reference
+never folds, the CUDA implementation falls back off the GPU, and logits handed over by an hc implementation
+are what the router uses (same outputs as the router computing them itself)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ds4.ops.hc_cuda import FusedCudaHC
+from ds4.ops.hc_torch import TorchHC
+
+
+def _site(n=4, d=64, g=None):
+    g = g or torch.Generator().manual_seed(3)
+    res = torch.randn(2, n, d, generator=g)
+    x = torch.randn(2, d, generator=g)
+    post, comb = torch.rand(2, n, generator=g) * 2, torch.rand(2, n, n, generator=g)
+    mix = (2 + n) * n
+    fn = torch.randn(mix, n * d, generator=g) * 0.05
+    base, scale = torch.randn(mix, generator=g) * 0.5, 1 + 0.1 * torch.randn(3, generator=g)
+    norm = 1 + 0.1 * torch.randn(d, generator=g)
+    gate = torch.randn(16, d, generator=g).to(torch.bfloat16)
+    return x, res, post, comb, fn, scale, base, 20, 1e-6, 1e-6, norm, gate
+
+
+def test_reference_and_cpu_fallback_return_post_pre_and_no_logits(monkeypatch):
+    monkeypatch.setenv("DS4_HC_ROUTER", "1")
+    args = _site()
+    want = TorchHC().post_pre(*args[:-1])
+    for impl in (TorchHC(), FusedCudaHC()):
+        got = impl.post_pre_route(*args)
+        assert len(got) == 5 and got[4] is None
+        assert all(torch.equal(a, b) for a, b in zip(got[:4], want))
+
+
+def test_logits_from_hc_are_what_the_router_uses():
+    """A model whose hc hands the router its logits (x . gate^T, as the CUDA fold forms them) decodes exactly
+    as the reference, and every MoE call of a decode step routed from the handed logits."""
+    from ds4.model.args import tiny
+    from ds4.model.transformer import Transformer
+    from ds4.registry import torch_reference_ops
+    from ds4.runtime.generate import Generator
+    from ds4.weights.synthetic import random_weights
+
+    handed = []
+
+    class LogitsHC(TorchHC):
+        def post_pre_route(self, *args):
+            h, x, post, comb, _ = super().post_pre_route(*args)
+            return h, x, post, comb, x.float() @ args[-1].float().t()
+
+    ref_ops = torch_reference_ops()
+
+    class RecordingMoE(type(ref_ops.moe)):
+        def route(self, x, token_ids, mw, logits=None):
+            handed.append(logits is not None)
+            return super().route(x, token_ids, mw, logits)
+
+    a = tiny()
+    w = random_weights(a, seed=6, include_mtp=False)
+    outs = []
+    for ops in (ref_ops, dataclasses.replace(ref_ops, hc=LogitsHC(), moe=RecordingMoE())):
+        m = Transformer(a, ops, "plain", torch.float32)
+        m.load_weights(w)
+        g = Generator(m, 1, 64)
+        g.prefill([[(3 * i + 2) % a.vocab_size for i in range(12)]])
+        handed.clear()
+        outs.append(torch.stack([g.decode(torch.tensor([t]))[0] for t in (4, 9, 1)]))
+    assert torch.equal(outs[0], outs[1])
+    assert handed == [True] * (3 * a.n_layers)
