@@ -117,10 +117,10 @@ def skip_router(moe) -> None:
     from ds4.ops.moe_cuda import PREFILL_TOKENS
     route = moe.route
 
-    def fixed_route(x, token_ids, mw):
+    def fixed_route(x, token_ids, mw, logits=None):
         n = x.reshape(-1, x.shape[-1]).shape[0]
         if n > PREFILL_TOKENS:
-            return route(x, token_ids, mw)
+            return route(x, token_ids, mw, logits)
         ids = (torch.arange(mw.topk, device=x.device) + mw.expert_offset).expand(n, -1).contiguous()
         return torch.full((n, mw.topk), 1.0 / mw.topk, device=x.device), ids
     moe.route = fixed_route

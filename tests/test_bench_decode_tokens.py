@@ -48,7 +48,7 @@ def test_removal_diagnostics_replace_only_decode_sized_calls():
     calls = []
 
     class FakeMoE:
-        def route(self, x, token_ids, mw):
+        def route(self, x, token_ids, mw, logits=None):
             calls.append("route")
             return "routed by the implementation"
 

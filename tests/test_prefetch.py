@@ -49,10 +49,9 @@ def test_decode_issues_every_site_once_per_layer():
     """A recording linear: each decode step asks every layer for q (its query up-projection), o (wo_a) and b
     (wo_b) once, in that order, and the logits are those of the plain reference."""
     from ds4.model.args import tiny
-    from ds4.model.transformer import Transformer
     from ds4.registry import torch_reference_ops
-    from ds4.runtime.generate import Generator
     from ds4.weights.synthetic import random_weights
+    from tiny_decode import decode_logits
 
     log = []
 
@@ -64,15 +63,11 @@ def test_decode_issues_every_site_once_per_layer():
     a = tiny().replace(index_topk=16)
     w = random_weights(a, seed=5, include_mtp=False)
     ref_ops = torch_reference_ops()
-    logits = []
-    for ops in (ref_ops, dataclasses.replace(ref_ops, linear=RecordingLinear())):
-        m = Transformer(a, ops, "plain", torch.float32)
-        m.load_weights(w)
-        g = Generator(m, 1, 256)
-        g.prefill([[(5 * i + 1) % a.vocab_size for i in range(20)]])
-        log.clear()
-        logits.append(torch.stack([g.decode(torch.tensor([t]))[0] for t in (3, 8, 1)]))
-    assert torch.equal(logits[0], logits[1])
+    prompt = [(5 * i + 1) % a.vocab_size for i in range(20)]
+    ref, _ = decode_logits(a, w, ref_ops, prompt, [3, 8, 1], 256)
+    got, m = decode_logits(a, w, dataclasses.replace(ref_ops, linear=RecordingLinear()), prompt, [3, 8, 1], 256,
+                           log.clear)
+    assert torch.equal(ref, got)
     want = []
     for blk in m.layers:
         at = blk.attn

@@ -38,10 +38,9 @@ def test_logits_from_hc_are_what_the_router_uses():
     """A model whose hc hands the router its logits (x . gate^T, as the CUDA fold forms them) decodes exactly
     as the reference, and every MoE call of a decode step routed from the handed logits."""
     from ds4.model.args import tiny
-    from ds4.model.transformer import Transformer
     from ds4.registry import torch_reference_ops
-    from ds4.runtime.generate import Generator
     from ds4.weights.synthetic import random_weights
+    from tiny_decode import decode_logits
 
     handed = []
 
@@ -59,13 +58,9 @@ def test_logits_from_hc_are_what_the_router_uses():
 
     a = tiny()
     w = random_weights(a, seed=6, include_mtp=False)
-    outs = []
-    for ops in (ref_ops, dataclasses.replace(ref_ops, hc=LogitsHC(), moe=RecordingMoE())):
-        m = Transformer(a, ops, "plain", torch.float32)
-        m.load_weights(w)
-        g = Generator(m, 1, 64)
-        g.prefill([[(3 * i + 2) % a.vocab_size for i in range(12)]])
-        handed.clear()
-        outs.append(torch.stack([g.decode(torch.tensor([t]))[0] for t in (4, 9, 1)]))
-    assert torch.equal(outs[0], outs[1])
+    prompt = [(3 * i + 2) % a.vocab_size for i in range(12)]
+    ref, _ = decode_logits(a, w, ref_ops, prompt, [4, 9, 1], 64)
+    got, _ = decode_logits(a, w, dataclasses.replace(ref_ops, hc=LogitsHC(), moe=RecordingMoE()), prompt, [4, 9, 1],
+                           64, handed.clear)
+    assert torch.equal(ref, got)
     assert handed == [True] * (3 * a.n_layers)

@@ -73,7 +73,7 @@ class MoE(WeightsModule):
         late = getattr(moe, "shared_after_route", False)  # where a side-stream shared expert forks
         up = None if late else start_shared()
         with self.prof("moe.gate"):
-            w, ids = moe.route(x, token_ids, self.mw) if logits is None else moe.route(x, token_ids, self.mw, logits)
+            w, ids = moe.route(x, token_ids, self.mw, logits)
         if late:
             up = start_shared()
         if up is not None and self.comm.world == 1:
