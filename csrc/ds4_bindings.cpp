@@ -51,6 +51,39 @@ int64_t scale_ld(const std::optional<at::Tensor>& s, int64_t fmt, const char* na
 
 const void* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
+void check_aligned16(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name, " must be 16-byte aligned");
+}
+
+// The hc fold's tensors (ds4_launch.h HcFold) for an output row of D values: res / out bf16 [1, n, D],
+// post fp32 [1, n], comb fp32 [1, n, n], fn fp32 [mix, n * D], part fp32 [1, mix + 1, D / 16].
+ds4::HcFold make_fold(const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb, const at::Tensor& fn,
+                      const at::Tensor& out, const at::Tensor& part, int64_t D, const char* op) {
+  for (const at::Tensor* t : {&res, &post, &comb, &fn, &out, &part}) check_cuda(*t, "fold tensor");
+  TORCH_CHECK(res.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && res.dim() == 3 &&
+                  res.size(0) == 1 && res.size(2) == D && out.sizes() == res.sizes(),
+              op, ": fold res / out must be bf16 [1, n, ", D, "]");
+  const int64_t n = res.size(1), mix = (2 + n) * n;
+  TORCH_CHECK(n == 1 || n == 2 || n == 4, op, ": the fold takes 1, 2 or 4 streams");
+  TORCH_CHECK(post.scalar_type() == at::kFloat && comb.scalar_type() == at::kFloat && fn.scalar_type() == at::kFloat &&
+                  part.scalar_type() == at::kFloat,
+              op, ": fold post / comb / fn / part must be float32");
+  TORCH_CHECK(post.numel() == n && comb.numel() == n * n && fn.dim() == 2 && fn.size(0) == mix && fn.size(1) == n * D &&
+                  D % 16 == 0 && part.numel() == (mix + 1) * (D / 16),
+              op, ": fold shapes (post [1, n], comb [1, n, n], fn [(2+n)n, n D], part [1, mix + 1, D / 16])");
+  for (const at::Tensor* t : {&res, &fn, &out}) check_aligned16(*t, op, "fold res / fn / out");
+  ds4::HcFold f;
+  f.res = res.data_ptr();
+  f.post = post.data_ptr<float>();
+  f.comb = comb.data_ptr<float>();
+  f.fn = fn.data_ptr<float>();
+  f.out = out.data_ptr();
+  f.part = part.data_ptr<float>();
+  f.n = (int)n;
+  f.mix = (int)mix;
+  return f;
+}
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
                 int64_t groups, int64_t kernel, bool out_f32) {
   check_cuda(x, "x");
@@ -84,6 +117,37 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
                  "gemv");
   }
   return out;
+}
+
+// The hc fold (opt-in; ds4_launch.h HcFold): bf16 [1, O] = x @ W^T on the tensor cores, and the next mHC
+// site's streams (out) and partials (part) from its epilogue.
+at::Tensor gemv_fold(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
+                     const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb, const at::Tensor& fn,
+                     const at::Tensor& out, const at::Tensor& part) {
+  check_cuda(x, "x");
+  check_cuda(w, "w");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1, "ds4.gemv_fold: x must be bf16 [1, K]");
+  TORCH_CHECK(w.dim() == 2, "ds4.gemv_fold: w must be 2-D");
+  check_weight(w, fmt, "w");
+  const int64_t O = w.size(0), K = logical_in(w, fmt);
+  TORCH_CHECK(x.size(1) == K, "ds4.gemv_fold: x has ", x.size(1), " columns, expected ", K);
+  const int64_t s_ld = scale_ld(scale, fmt, "w");
+  if (fmt == FMT_FP8)
+    TORCH_CHECK(scale->size(0) == (O + 127) / 128 && s_ld == (K + 127) / 128, "ds4.gemv_fold: fp8 scale shape");
+  if (fmt == FMT_FP4) TORCH_CHECK(scale->size(0) == O && s_ld == K / 32, "ds4.gemv_fold: fp4 scale shape");
+  const ds4::HcFold f = make_fold(res, post, comb, fn, out, part, O, "ds4.gemv_fold");
+  TORCH_CHECK(ds4::hc_fold_ok(0, (int)fmt, (int)O, (int)K, 1, f.n),
+              "ds4.gemv_fold: no fold at this shape or format (hc_fold_ok; DS4_MMA=0 turns the tensor cores off)");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({1, O}, x.options());
+  check_launch(ds4::launch_gemv_fold((int)fmt, x.data_ptr(), w.data_ptr(), opt_ptr(scale), (int)s_ld, y.data_ptr(),
+                                     (int)O, (int)K, f, at::cuda::getCurrentCUDAStream()),
+               "gemv_fold");
+  return y;
+}
+
+bool hc_fold_ok_host(int64_t kind, int64_t fmt, int64_t rows, int64_t cols, int64_t topk, int64_t n) {
+  return ds4::hc_fold_ok((int)kind, (int)fmt, (int)rows, (int)cols, (int)topk, (int)n);
 }
 
 // q_norm + wq_b in one launch (decode, one token): bf16 [1, O] = rms_norm(x, norm_weight, eps) @ W^T.
@@ -290,7 +354,10 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
                     int64_t expert_offset, int64_t n_local, const std::optional<at::Tensor>& add, bool out_f32,
                     int64_t kernel, const std::optional<at::Tensor>& route_logits,
                     const std::optional<at::Tensor>& route_bias, const std::optional<at::Tensor>& tid2eid,
-                    const std::optional<at::Tensor>& token_ids, double route_scale) {
+                    const std::optional<at::Tensor>& token_ids, double route_scale,
+                    const std::optional<at::Tensor>& fold_res, const std::optional<at::Tensor>& fold_post,
+                    const std::optional<at::Tensor>& fold_comb, const std::optional<at::Tensor>& fold_fn,
+                    const std::optional<at::Tensor>& fold_out, const std::optional<at::Tensor>& fold_part) {
   check_cuda(h, "h");
   check_cuda(w2, "w2");
   check_weight(w2, fmt, "w2");
@@ -336,6 +403,18 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
     TORCH_CHECK(ids.has_value() && ds4::moe_route_ok(a),
                 "ds4.moe_down: no routing inside the kernel at this shape (moe_route_ok), or no ids");
   }
+  // the hc fold (all six tensors or none): one token, bf16 out
+  const int nfold = fold_res.has_value() + fold_post.has_value() + fold_comb.has_value() + fold_fn.has_value() +
+                    fold_out.has_value() + fold_part.has_value();
+  TORCH_CHECK(nfold == 0 || nfold == 6, "ds4.moe_down: the fold takes all of fold_res, fold_post, fold_comb, fold_fn, "
+              "fold_out, fold_part");
+  ds4::HcFold fold;
+  if (nfold == 6) {
+    fold = make_fold(*fold_res, *fold_post, *fold_comb, *fold_fn, *fold_out, *fold_part, dim, "ds4.moe_down");
+    TORCH_CHECK(N == 1 && !out_f32 && !ptrs.has_value() &&
+                    ds4::hc_fold_ok(1, (int)fmt, (int)dim, (int)inter, (int)topk, fold.n),
+                "ds4.moe_down: no fold at this shape (hc_fold_ok: one token, bf16 out, the tensor-core kernel)");
+  }
   c10::cuda::CUDAGuard guard(h.device());
   auto out = at::empty({N, dim}, h.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (N == 0) return out;
@@ -350,7 +429,8 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
     check_launch(ds4::launch_moe_down(c, static_cast<const at::BFloat16*>(h.data_ptr()) + t0 * topk * inter,
                                       add.has_value() ? static_cast<const char*>(add->data_ptr()) +
                                                             t0 * dim * add->element_size() : nullptr,
-                                      static_cast<char*>(out.data_ptr()) + t0 * dim * esz, out_f32, st),
+                                      static_cast<char*>(out.data_ptr()) + t0 * dim * esz, out_f32, st,
+                                      nfold == 6 ? &fold : nullptr),
                  "moe_down");
   }
   return out;
@@ -472,7 +552,9 @@ TORCH_LIBRARY(ds4, m) {
         "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0) -> Tensor");
   m.def("moe_down(Tensor h, Tensor? ids, int topk, Tensor w2, Tensor? s2, Tensor? ptrs, int fmt, "
         "int expert_offset, int n_local, Tensor? add, bool out_f32, int kernel=0, Tensor? route_logits=None, "
-        "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0) -> Tensor");
+        "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0, "
+        "Tensor? fold_res=None, Tensor? fold_post=None, Tensor? fold_comb=None, Tensor? fold_fn=None, "
+        "Tensor(c!)? fold_out=None, Tensor(d!)? fold_part=None) -> Tensor");
   m.def("moe_route_ok(int fmt, int topk, int dim, int inter, int n_experts) -> bool", &moe_route_ok_host);
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
         "float route_scale, Tensor? logits=None) -> (Tensor, Tensor)");
@@ -480,6 +562,9 @@ TORCH_LIBRARY(ds4, m) {
   m.def("argmax(Tensor x) -> Tensor");
   m.def("l2_prefetch(Tensor t0, Tensor? t1, Tensor? t2, Tensor? t3, Tensor? ids, int id_offset) -> ()");
   m.def("gemv_rmsnorm_ok(int fmt, int rows, int cols) -> bool", &gemv_rmsnorm_ok);  // host-only question
+  m.def("gemv_fold(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor res, Tensor post, Tensor comb, Tensor fn, "
+        "Tensor(a!) out, Tensor(b!) part) -> Tensor");
+  m.def("hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) -> bool", &hc_fold_ok_host);
 }
 
 TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
@@ -488,6 +573,7 @@ TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
   m.impl("moe_down", &moe_down);
   m.impl("router", &router);
   m.impl("gemv_rmsnorm", &gemv_rmsnorm);
+  m.impl("gemv_fold", &gemv_fold);
   m.impl("argmax", &argmax);
   m.impl("l2_prefetch", &l2_prefetch);
 }

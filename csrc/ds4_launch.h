@@ -41,6 +41,25 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
 // applies (FP8 / FP4, K <= 8192, the row lengths launch_gemv's AUTO sends to the tensor cores at any row
 // count: the indexer's 8192-row wq_b too).
 bool gemv_rmsnorm_ok(int fmt, int O, int K);
+
+// The hc fold (opt-in; hc_fold.cuh): the next mHC site's partials formed by the epilogue of the one-token
+// tensor-core kernel that produces a block's output y [D] (wo_b's GEMV, the MoE down kernel). Token 0 only.
+struct HcFold {
+  const void* res = nullptr;   // bf16 [n, D]: the streams the block's output updates
+  const float* post = nullptr; // [n]
+  const float* comb = nullptr; // [n, n]
+  const float* fn = nullptr;   // [mix, n * D]: the next site's weights
+  void* out = nullptr;         // bf16 [n, D]: the new streams
+  float* part = nullptr;       // [mix + 1, D / 16]: the next site's partials, one split per 16-row tile
+  int n = 0, mix = 0;
+};
+// Whether a launch can fold (kind 0: launch_gemv_fold with O x K; kind 1: launch_moe_down at dim x inter,
+// topk): one token on the tensor cores (mma_auto's rule, DS4_MMA honoured), D = O (dim) a multiple of 16,
+// n = 1, 2 or 4 streams, the buffers within the shared-memory cap.
+bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n);
+// One token: out[0, :] = x @ W^T (bf16) on the tensor cores, and the fold's streams and partials.
+cudaError_t launch_gemv_fold(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, int O, int K,
+                             const HcFold& fold, cudaStream_t st);
 cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32,
                                 int O, int K, const void* nw, bool nw_f32, float eps, cudaStream_t st);
 
@@ -87,9 +106,9 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, di
 // (add fp32, or bf16 with a.add_bf16; the rounding order is down_store's in moe.cu). The one-token
 // tensor-core kernel reads ids (or routes from route_logits) before its PDL wait: they must not be
 // written by the launch right before (in the decode step they come from the router, before the
-// gate+up launch).
+// gate+up launch). fold (hc_fold_ok(1, ...); bf16 out): the epilogue also forms the hc fold's streams and partials.
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
-                            cudaStream_t st);
+                            cudaStream_t st, const HcFold* fold = nullptr);
 
 // Greedy argmax: out[r] = first index of the maximum of fp32 x[r, 0..V) (NaN largest), as torch.argmax(-1);
 // one launch, B <= ARGMAX_MAX_ROWS rows (argmax.cu).

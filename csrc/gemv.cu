@@ -8,6 +8,7 @@
 //    fixed order (deterministic).
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
+#include "hc_fold.cuh"
 #include "mma_dot.cuh"
 #include "rmsnorm_dev.cuh"
 
@@ -136,12 +137,14 @@ __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv
 // per block, even split of the grid), its warps stream their rounds (MmaStream). Grouped rows
 // (wo_a): each group has its own activations; the groups a block's tiles touch are staged. NORM (one
 // ungrouped row): x is RMS-normalised with the weight nw first (stage_mma_rmsnorm); a separate
-// instantiation, so the plain kernels' registers are not touched by it.
-template <int FMT, int U, int CW, bool NORM = false>
+// instantiation, so the plain kernels' registers are not touched by it. FOLD (one ungrouped bf16 row,
+// O = D): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its buffers after
+// the stream's in shared memory.
+template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, CW>()))
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                 int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb,
-                const void* __restrict__ nw, int nw_f32, float eps) {
+                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold) {
   DS4_MARK(0);
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
@@ -157,7 +160,14 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
   auto st = mma_stream<FMT, U, CW>(tile, xs, nt, 1, K / mma_round_vals<FMT, CW>(), row_bytes<FMT>(K), s_ld,
                                    reinterpret_cast<uint8_t*>(xs + (long)ng * K));
   st.prefetch();  // weights do not depend on the previous kernel: load them before waiting (PDL)
+  [[maybe_unused]] HcFoldSmem fs;
+  if constexpr (FOLD) {
+    fs = hc_fold_smem(reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(xs + (long)ng * K) +
+                                               mma_stream_smem<FMT, U, CW>()), tpb, fold.n, fold.mix);
+    hc_fold_load_fn(fold, fs, t0, nt, O);  // a weight: before the wait
+  }
   ds4_pdl::begin();
+  if constexpr (FOLD) hc_fold_load_act(fold, fs, t0, nt, O);
   mma_part_zero(part, nt);
   if constexpr (NORM) stage_mma_rmsnorm<FMT>(xs, x, K, nw, nw_f32 != 0, eps);
   else stage_mma_rows<FMT>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K);
@@ -171,7 +181,9 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
     const float y = mma_part_sum(part, i >> 4, i & 15);
     if (out_f32) reinterpret_cast<float*>(out)[r] = y;
     else reinterpret_cast<__nv_bfloat16*>(out)[r] = __float2bfloat16(y);
+    if constexpr (FOLD) fs.ys[i] = __bfloat162float(__float2bfloat16(y));
   }
+  if constexpr (FOLD) hc_fold_epilogue(fold, fs, t0, nt, O);
   DS4_MARK(2);
 }
 
@@ -207,19 +219,21 @@ int mma_depth(int K, bool grouped) {
   return d >= 8 ? 8 : d >= 4 ? 4 : 2;
 }
 
-template <int FMT, int U, int CW, bool NORM = false>
+template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
 static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32, int O,
                                int K, int group_rows, cudaStream_t st, const void* nw = nullptr, bool nw_f32 = false,
-                               float eps = 0.f) {
-  auto kern = gemv_mma_kernel<FMT, U, CW, NORM>;
+                               float eps = 0.f, const HcFold& fold = HcFold{}) {
+  auto kern = gemv_mma_kernel<FMT, U, CW, NORM, FOLD>;
   const int T = (O + 15) / 16;
-  auto smem_for = [&](int tpb) {  // partial sums + the activations of the groups tpb tiles can touch (+ stream)
+  auto smem_for = [&](int tpb) {  // partial sums + the activations of the groups tpb tiles can touch (+ stream, fold)
     const int ng = group_rows > 0 ? (tpb * 16 + group_rows - 1) / group_rows + 1 : 1;
-    return 4L * mma_part_floats(tpb) + (long)ng * K * 2 + mma_stream_smem<FMT, U, CW>();
+    return 4L * mma_part_floats(tpb) + (long)ng * K * 2 + mma_stream_smem<FMT, U, CW>() +
+           (FOLD ? 4L * hc_fold_smem_floats(tpb, fold.n, fold.mix) : 0L);
   };
   if constexpr (U == 0) {  // the shared-memory stream does not fit beside these activations: registers
     if (smem_for(1) > SMEM_CAP)
-      return gemv_mma_go<FMT, 8 / CW, CW, NORM>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st, nw, nw_f32, eps);
+      return gemv_mma_go<FMT, 8 / CW, CW, NORM, FOLD>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st, nw, nw_f32, eps,
+                                                      fold);
   }
   // one resident wave (register-bound occupancy), the tiles split evenly over it
   cudaError_t e = set_smem(kern, smem_for(1));
@@ -231,7 +245,7 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
   return ds4_pdl::launch(kern, dim3(blocks), dim3(MMA_STREAM_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
-                         out_f32 ? 1 : 0, O, K, group_rows, tpb, nw, nw_f32 ? 1 : 0, eps);
+                         out_f32 ? 1 : 0, O, K, group_rows, tpb, nw, nw_f32 ? 1 : 0, eps, fold);
 }
 
 bool mma_auto(int fmt, int K, int O) {
@@ -330,6 +344,29 @@ cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const voi
     constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
     return fmt == FMT_FP8 ? gemv_mma_go<FMT_FP8, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps)
                           : gemv_mma_go<FMT_FP4, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps);
+  });
+}
+
+bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, long fold_smem);  // moe.cu
+
+bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) {
+  if (!(n == 1 || n == 2 || n == 4) || rows < 16 || rows % 16 != 0) return false;
+  // at one tile per block (the launchers halve their tiles per block until the buffers fit)
+  const long fold = 4L * hc_fold_smem_floats(1, n, (2 + n) * n);
+  if (kind == 0)
+    return (fmt == FMT_FP8 || fmt == FMT_FP4) && mma_shape_ok(fmt, cols) && mma_auto(fmt, cols, rows) &&
+           4L * mma_part_floats(1) + 2L * cols + fold <= SMEM_CAP;
+  return kind == 1 && moe_down_fold_ok(fmt, topk, rows, cols, fold);
+}
+
+cudaError_t launch_gemv_fold(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, int O, int K,
+                             const HcFold& fold, cudaStream_t st) {
+  if (!hc_fold_ok(0, fmt, O, K, 1, fold.n) || fold.mix != (2 + fold.n) * fold.n) return cudaErrorInvalidValue;
+  return with_mma_shape(mma_width(fmt, K, mma_max_width()), mma_depth(K, false), [&](auto cw, auto u) {
+    constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
+    return fmt == FMT_FP8
+               ? gemv_mma_go<FMT_FP8, U, CW, false, true>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr, false, 0.f, fold)
+               : gemv_mma_go<FMT_FP4, U, CW, false, true>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr, false, 0.f, fold);
   });
 }
 

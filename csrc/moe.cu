@@ -15,6 +15,7 @@
 // down: output row tiles, each summing the local slots as segments.
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
+#include "hc_fold.cuh"
 #include "mma_dot.cuh"
 #include "route_dev.cuh"
 
@@ -104,14 +105,20 @@ __device__ __forceinline__ __nv_bfloat16 swiglu_h(float g, float up, float lim, 
 //     when the shared expert's output (v, rounded to bf16) is added to the fp32 routed sum (add);
 //   bf16 add (a.add_bf16: the shared expert's output, already rounded): out = add + v, v the fp32 routed
 //     sum — the same sum, for when the shared expert ran first.
+// Returns the value as stored.
 template <bool OUT_F32>
-__device__ __forceinline__ void down_store(void* out, long o, const void* add, bool add_bf16, float v) {
+__device__ __forceinline__ float down_store(void* out, long o, const void* add, bool add_bf16, float v) {
   float y = v;
   if (add != nullptr)
     y = add_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(add)[o]) + v
                  : static_cast<const float*>(add)[o] + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v)));
-  if (OUT_F32) reinterpret_cast<float*>(out)[o] = y;
-  else reinterpret_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(y);
+  if (OUT_F32) {
+    reinterpret_cast<float*>(out)[o] = y;
+    return y;
+  }
+  const __nv_bfloat16 b = __float2bfloat16(y);
+  reinterpret_cast<__nv_bfloat16*>(out)[o] = b;
+  return __bfloat162float(b);
 }
 
 template <int FMT, int NT, int R, int U>
@@ -409,10 +416,12 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 // the ids come from the router, two launches back (the gate+up kernel in between waits for the router
 // before it lets this kernel launch), so they are final here; only h and add come from the kernel right
 // before. Contract (ds4_launch.h): a down launch's ids are not written by the launch just before it.
-template <int FMT, int U, int W, bool OUT_F32>
+// FOLD (bf16 out, one token): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its
+// buffers after the stream's in shared memory.
+template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
-                    void* __restrict__ out, int tpb) {
+                    void* __restrict__ out, int tpb, const HcFold fold) {
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
@@ -436,7 +445,14 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   auto st = mma_stream<FMT, U, W>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
                                   a.s2_ld, reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter));
   st.prefetch();
+  [[maybe_unused]] HcFoldSmem fs;
+  if constexpr (FOLD) {
+    fs = hc_fold_smem(reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter) +
+                                               mma_stream_smem<FMT, U, W>()), tpb, fold.n, fold.mix);
+    hc_fold_load_fn(fold, fs, t0, nt, a.dim);  // a weight: before the wait
+  }
   ds4_pdl::begin();  // h and add come from the previous kernels
+  if constexpr (FOLD) hc_fold_load_act(fold, fs, t0, nt, a.dim);
   stage_mma_rows<FMT>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   mma_part_zero(part, nt);
   __syncthreads();
@@ -444,8 +460,12 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   __syncthreads();
   for (int i = threadIdx.x; i < nt * 16; i += blockDim.x) {
     const int r = t0 * 16 + i;
-    if (r < a.dim) down_store<OUT_F32>(out, r, add, a.add_bf16, mma_part_sum(part, i >> 4, i & 15));
+    if (r < a.dim) {
+      const float y = down_store<OUT_F32>(out, r, add, a.add_bf16, mma_part_sum(part, i >> 4, i & 15));
+      if constexpr (FOLD) fs.ys[i] = y;
+    }
   }
+  if constexpr (FOLD) hc_fold_epilogue(fold, fs, t0, nt, a.dim);
 }
 
 static bool moe_mma_ok(const MoEArgs& a) {
@@ -501,23 +521,26 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
                          reinterpret_cast<__nv_bfloat16*>(h));
 }
 
-template <int FMT, int U, int W, bool F32>
-static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st) {
+template <int FMT, int U, int W, bool F32, bool FOLD = false>
+static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
+                               const HcFold& fold = HcFold{}) {
   const int T = (a.dim + 15) / 16;
-  auto kern = moe_down_mma_kernel<FMT, U, W, F32>;
+  auto kern = moe_down_mma_kernel<FMT, U, W, F32, FOLD>;
   auto smem_for = [&](int tpb) {
-    return 4L * mma_part_floats(tpb) + 2L * a.topk * a.inter + mma_stream_smem<FMT, U, W>();
+    return 4L * mma_part_floats(tpb) + 2L * a.topk * a.inter + mma_stream_smem<FMT, U, W>() +
+           (FOLD ? 4L * hc_fold_smem_floats(tpb, fold.n, fold.mix) : 0L);
   };
   if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
-    if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32>(a, h, add, out, st);
+    if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32, FOLD>(a, h, add, out, st, fold);
   }
   cudaError_t e = set_smem(kern, smem_for(1));
   if (e != cudaSuccess) return e;
-  const int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem_for(1))), T));
+  int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem_for(1))), T));
+  while (FOLD && tpb > 1 && smem_for(tpb) > MOE_MMA_SMEM_CAP) tpb /= 2;
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
   return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(MMA_STREAM_THREADS), smem, st, a,
-                         reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb);
+                         reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb, fold);
 }
 
 template <int FMT, int NT>
@@ -578,10 +601,31 @@ static cudaError_t down_nt(const MoEArgs& a, const void* h, const void* add, voi
   return down_go<FMT, 8, 2, F32>(a, h, add, out, st);
 }
 
+bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, long fold_smem) {
+  MoEArgs a;
+  a.fmt = fmt;
+  a.topk = topk;
+  a.dim = dim;
+  a.inter = inter;
+  return topk >= 1 && moe_use_mma(a) == 1 &&
+         4L * mma_part_floats(1) + 2L * topk * inter + fold_smem <= MOE_MMA_SMEM_CAP;
+}
+
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
-                            cudaStream_t st) {
+                            cudaStream_t st, const HcFold* fold) {
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && !moe_route_ok(a))) return cudaErrorInvalidValue;
+  if (fold != nullptr) {  // the hc fold: one token, bf16 out, the tensor-core kernel
+    if (mma != 1 || out_f32 || a.n_tok != 1 || !hc_fold_ok(1, a.fmt, a.dim, a.inter, a.topk, fold->n) ||
+        fold->mix != (2 + fold->n) * fold->n)
+      return cudaErrorInvalidValue;
+    return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(a.inter, false), [&](auto cw, auto u) {
+      constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
+      if (a.fmt == FMT_FP8) return down_mma_go<FMT_FP8, U, CW, false, true>(a, h, add, out, st, *fold);
+      if (a.fmt == FMT_FP4P) return down_mma_go<FMT_FP4P, U, CW, false, true>(a, h, add, out, st, *fold);
+      return down_mma_go<FMT_FP4, U, CW, false, true>(a, h, add, out, st, *fold);
+    });
+  }
   if (mma) {
     return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(a.inter, false), [&](auto cw, auto u) {
       constexpr int CW = decltype(cw)::value, U = decltype(u)::value;

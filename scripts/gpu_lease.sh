@@ -55,7 +55,7 @@ stage() {  # stage name, GPU index
   local g=$2
   case $1 in
     kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
-                    tests/test_decode_glue_gpu.py > "$L/kernel_tests.log" 2>&1 ;;
+                    tests/test_decode_glue_gpu.py tests/test_hc_fold_gpu.py > "$L/kernel_tests.log" 2>&1 ;;
     kbench) CUDA_VISIBLE_DEVICES=$g timeout 300 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" --mma "${MMA_SHAPES:-w2d8}" \
         ${KBENCH_ARGS:-} > "$L/kbench.log" 2>&1 ;;
     ncu)

@@ -52,7 +52,7 @@ def test_removal_diagnostics_replace_only_decode_sized_calls():
             calls.append("route")
             return "routed by the implementation"
 
-        def routed(self, x, weights, ids, mw, act_quant=False, shared=None):
+        def routed(self, x, weights, ids, mw, act_quant=False, shared=None, fold=None):
             calls.append("routed")
             return "experts by the implementation"
 

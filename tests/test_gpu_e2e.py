@@ -42,7 +42,11 @@ def _options():
     # product on the tensor cores, which is also what folds q_norm into wq_b (attn.q_up) at these shapes
     return params + [pytest.param(combos[-1], {"DS4_MMA": "all"}, id="all-fused,DS4_MMA=all"),
                      # the router fold (opt-in): the FFN's hc launch also forms the router's logits
-                     pytest.param(combos[-1], {"DS4_HC_ROUTER": "1"}, id="all-fused,DS4_HC_ROUTER=1")]
+                     pytest.param(combos[-1], {"DS4_HC_ROUTER": "1"}, id="all-fused,DS4_HC_ROUTER=1"),
+                     # the hc fold (opt-in): small's eager steps request folds that no kernel forms (wo_b's and the
+                     # shared expert's FP8 rows take the FMA kernels: every site falls back); with DS4_MMA=all all fold
+                     pytest.param(combos[-1], {"DS4_HC_FOLD": "1"}, id="all-fused,DS4_HC_FOLD=1"),
+                     pytest.param(combos[-1], {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="all-fused,DS4_HC_FOLD=1,MMA=all")]
 
 
 # A step is "confident" when the reference's top-2 logit gap exceeds this. At 1.0, one step in ~100
@@ -83,9 +87,26 @@ def test_options_agree_with_reference_on_small(impls, env, small_weights, monkey
     ref_logits = ref.teacher_forced_logits(prompt, toks)
     fast = Transformer(args, ops, "plain", torch.bfloat16, DEV)
     fast.load_weights(small_weights)
+    folds = _record_folds(ops.hc)
     lf = Generator(fast, 1, 512).teacher_forced_logits(prompt, toks)
     overall, confident, n = _agreement(lf.argmax(-1), ref_logits)
     assert n >= 16 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
+    if env.get("DS4_HC_FOLD") == "1":  # the option ran as described at _options
+        fused = [f.fused for f in folds]
+        assert fused and (all(fused) if env.get("DS4_MMA") == "all" else not any(fused)), (len(fused), sum(fused))
+
+
+def _record_folds(hc) -> list:
+    """The hc fold requests an hc implementation hands out from now on (recorded on the instance)."""
+    made, fold = [], getattr(hc, "fold", None)
+    if fold is not None:
+        def recording(*args):
+            f = fold(*args)
+            if f is not None:
+                made.append(f)
+            return f
+        hc.fold = recording
+    return made
 
 
 _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
@@ -98,7 +119,9 @@ _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fu
     pytest.param(Impls(**_FUSED), {"DS4_SHARED_FORK": "late", "DS4_ROUTE_IN_MOE": "1", "DS4_SIDE_PRIORITY": "high",
                                     "DS4_L2_PREFETCH": "all"}, {}, id="fused-optins"),
     # the router fold in both runtimes (its logits are its own rounding of x . gate^T)
-    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_ROUTER": "1"}, id="fused-router_fold")])
+    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_ROUTER": "1"}, id="fused-router_fold"),
+    # the hc fold in both runtimes, at both sites (DS4_MMA=all: tiny's wo_b on the tensor cores); one row
+    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="fused-hc_fold")])
 def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch):
     """tiny crosses 60+ window wraps, 250 CSA and 60 HCA emissions in 1000 steps. graph_env: set for the
     captured run only; env: for both runs."""
@@ -111,6 +134,8 @@ def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch)
     args = tiny()
     w = random_weights(args, seed=2, device=DEV, include_mtp=False)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]]
+    if env.get("DS4_HC_FOLD") == "1":
+        prompts = prompts[:1]  # the hc fold takes one decode row
     outs = []
     for runtime in ("eager", "cuda_graph"):
         for k, v in graph_env.items():

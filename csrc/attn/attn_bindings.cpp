@@ -190,6 +190,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_p
   return {h, xn, pn, cn, logits};
 }
 
+// The finishing launch of an mHC site whose partials the hc fold formed (torch.ops.ds4.gemv_fold / moe_down's
+// fold: one split per 16-row tile): h [N, n, D] the new streams, part [N, mix + 1, nsplit] fp32 ->
+// (x, post, comb, logits). With gate (bf16 [E, D]; norm required) the router fold's finish (logits
+// [N, E] = x . gate^T), else logits is [N, 0].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_fold_finish(
+    const at::Tensor& h, const at::Tensor& part, const at::Tensor& scale, const at::Tensor& base, int64_t iters,
+    double hc_eps, double norm_eps, const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& gate) {
+  check_cuda(h, "h");
+  check_f32(part, "part");
+  check_f32(scale, "scale");
+  check_f32(base, "base");
+  TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kBFloat16, "ds4_attn.hc_fold_finish: h must be bf16 [N, hc, D]");
+  const int64_t N = h.size(0), n = h.size(1), D = h.size(2), mix = (2 + n) * n;
+  TORCH_CHECK(part.dim() == 3 && part.size(0) == N && part.size(1) == mix + 1 && part.size(2) >= 1,
+              "ds4_attn.hc_fold_finish: part must be [N, (2+hc)*hc + 1, nsplit]");
+  TORCH_CHECK(base.numel() == mix && scale.numel() >= 3 && iters >= 1, "ds4_attn.hc_fold_finish: base/scale/iters");
+  const int64_t nsplit = part.size(2);
+  c10::cuda::CUDAGuard guard(h.device());
+  if (!gate.has_value()) {
+    const bool nf = norm.has_value() ? norm_weight_f32(*norm, D, "hc_fold_finish") : false;
+    if (N == 0)
+      return {at::empty({N, D}, h.options()), at::empty({N, n}, h.options().dtype(at::kFloat)),
+              at::empty({N, n, n}, h.options().dtype(at::kFloat)), at::empty({N, 0}, h.options().dtype(at::kFloat))};
+    auto [x, post, comb] = hc_pre_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, norm, nf);
+    return {x, post, comb, at::empty({N, 0}, h.options().dtype(at::kFloat))};
+  }
+  TORCH_CHECK(norm.has_value() && ds4_attn::hc_router_fold_ok((int)n, (int)D),
+              "ds4_attn.hc_fold_finish: the router's finish needs the block norm, 1, 2 or 4 streams, D % 8 == 0");
+  check_cuda(*gate, "gate");
+  TORCH_CHECK(gate->scalar_type() == at::kBFloat16 && gate->dim() == 2 && gate->size(1) == D && gate->size(0) >= 1,
+              "ds4_attn.hc_fold_finish: gate must be bf16 [E, D]");
+  const bool nf = norm_weight_f32(*norm, D, "hc_fold_finish");
+  const int64_t E = gate->size(0);
+  auto xn = at::empty({N, D}, h.options());
+  auto pn = at::empty({N, n}, h.options().dtype(at::kFloat));
+  auto cn = at::empty({N, n, n}, h.options().dtype(at::kFloat));
+  auto logits = at::empty({N, E}, h.options().dtype(at::kFloat));
+  if (N == 0) return {xn, pn, cn, logits};
+  check_launch(ds4_attn::launch_hc_finish_router(h.data_ptr(), part.data_ptr<float>(), (int)N, (int)n, (int)D, (int)mix,
+                                                 (int)nsplit, scale.data_ptr<float>(), base.data_ptr<float>(),
+                                                 (int)iters, (float)hc_eps, (float)norm_eps, xn.data_ptr(),
+                                                 pn.data_ptr<float>(), cn.data_ptr<float>(), norm->data_ptr(), nf,
+                                                 gate->data_ptr(), (int)E, logits.data_ptr<float>(),
+                                                 c10::cuda::getCurrentCUDAStream().stream()),
+               "hc_finish_router");
+  return {xn, pn, cn, logits};
+}
+
 // hc_head, and with norm (the final RMSNorm's weight) the normalised collapse in the same finishing launch.
 at::Tensor hc_head(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,
                    double hc_eps, double norm_eps, const std::optional<at::Tensor>& norm) {
@@ -540,6 +588,8 @@ TORCH_LIBRARY(ds4_attn, m) {
         "float hc_eps, float norm_eps, Tensor? norm=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("hc_post_pre_router(Tensor x, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
         "int iters, float hc_eps, float norm_eps, Tensor norm, Tensor gate) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("hc_fold_finish(Tensor h, Tensor part, Tensor scale, Tensor base, int iters, float hc_eps, float norm_eps, "
+        "Tensor? norm=None, Tensor? gate=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sparse_attn(Tensor q, Tensor kv, Tensor valid, Tensor? sel_kv, Tensor? sel_valid, Tensor sink, "
         "float scale) -> Tensor");
   m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1, "
@@ -560,6 +610,7 @@ TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
   m.impl("hc_post", &hc_post);
   m.impl("hc_post_pre", &hc_post_pre);
   m.impl("hc_post_pre_router", &hc_post_pre_router);
+  m.impl("hc_fold_finish", &hc_fold_finish);
   m.impl("sparse_attn", &sparse_attn);
   m.impl("indexer_scores", &indexer_scores);
   m.impl("sparse_decode", &sparse_decode);

@@ -23,9 +23,15 @@ def _gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, fmt, expert_offset, n_local,
     return x.new_empty((x.shape[0] * k, w1.shape[-2]), dtype=torch.bfloat16)
 
 
+@register_fake("ds4::gemv_fold")
+def _gemv_fold(x, w, scale, fmt, res, post, comb, fn, out, part):
+    return x.new_empty((1, w.shape[0]), dtype=torch.bfloat16)
+
+
 @register_fake("ds4::moe_down")
 def _down(h, ids, topk, w2, s2, ptrs, fmt, expert_offset, n_local, add, out_f32, kernel=0, route_logits=None,
-          route_bias=None, tid2eid=None, token_ids=None, route_scale=1.0):
+          route_bias=None, tid2eid=None, token_ids=None, route_scale=1.0, fold_res=None, fold_post=None,
+          fold_comb=None, fold_fn=None, fold_out=None, fold_part=None):
     return h.new_empty((h.shape[0] // topk, w2.shape[-2]), dtype=torch.float32 if out_f32 else torch.bfloat16)
 
 

@@ -63,6 +63,21 @@ def gemv_rmsnorm_ok(fmt: str, rows: int, cols: int) -> bool:
     return fmt in ("fp8", "fp4") and bool(_ops().gemv_rmsnorm_ok(FMT[fmt], rows, cols))
 
 
+def gemv_fold(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, fold) -> Tensor:
+    """y[1, O] bf16 = x[1, I] @ W^T on the tensor cores, and the hc fold's streams and partials (fold: an
+    ds4.ops.base.HcFold with D = O) from the kernel's epilogue. Only where hc_fold_ok(0, fmt, O, I) holds."""
+    return _ops().gemv_fold(x, weight, scale, _fmt(fmt, dense=True), *fold.args())
+
+
+def hc_fold_ok(kind: str, fmt: str, rows: int, cols: int, topk: int = 1, n: int = 4) -> bool:
+    """Whether a launch can fold the next mHC site's partials (host-only; reads DS4_MMA like gemv's auto):
+    kind "gemv" (an [rows, cols] weight) or "moe_down" (dim = rows, inter = cols, topk)."""
+    kinds = {"gemv": 0, "moe_down": 1}
+    if fmt not in FMT or (kind == "gemv" and fmt not in ("fp8", "fp4")):
+        return False
+    return bool(_ops().hc_fold_ok(kinds[kind], FMT[fmt], rows, cols, topk, n))
+
+
 class InKernelRoute(NamedTuple):
     """Routing done inside the one-token MoE kernels (moe_route_ok): the router GEMV's logits f32 [1, E],
     and the router's bias f32 [E] (learned layers) or tid2eid + token_ids (hash layers)."""
@@ -94,18 +109,20 @@ def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tenso
 def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | None, fmt: str,
              expert_offset: int = 0, n_local: int | None = None, add: Tensor | None = None,
              out_f32: bool = True, ptrs: Tensor | None = None, kernel: str = "auto",
-             route: InKernelRoute | None = None) -> Tensor:
+             route: InKernelRoute | None = None, fold=None) -> Tensor:
     """y [N, dim] = add + sum over local slots (t, j) of h[t*k+j] @ w2[ids[t, j]]^T, fp32 accumulation.
     `add` fp32: with a bf16 output (out_f32=False) the sum is rounded to bf16 before `add` is added (the
     reference's shared-expert output added to the fp32 routed sum). `add` bf16 (the finished shared
     expert's output): bf16(sum + add), the fp32 sum not rounded first — the same block output.
-    route (one token): the kernel routes from the router's logits itself (ids only gives the shape)."""
+    route (one token): the kernel routes from the router's logits itself (ids only gives the shape).
+    fold (one token, bf16 out, hc_fold_ok("moe_down", ...)): an ds4.ops.base.HcFold the epilogue fills."""
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
     r = route or InKernelRoute(None, None, None, None, 1.0)
+    fa = fold.args() if fold is not None else (None,) * 6
     return _ops().moe_down(h, ids, topk, w2, s2, ptrs, f, expert_offset, n_local, add, out_f32, k,
-                           r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale))
+                           r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale), *fa)
 
 
 def moe_route_ok(fmt: str, topk: int, dim: int, inter: int, n_experts: int) -> bool:

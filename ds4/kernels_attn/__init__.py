@@ -90,6 +90,18 @@ def hc_post_pre_router(x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: T
                                      norm.contiguous(), gate.contiguous())
 
 
+def hc_fold_finish(h: Tensor, part: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float, norm_eps: float,
+                   norm: Tensor | None = None, gate: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The finishing launch of an mHC site whose partials the hc fold formed (ds4.kernels.gemv_fold / moe_down's
+    fold): h [N, n, D] bf16 the new streams, part fp32 [N, mix + 1, nsplit] -> (x, post, comb, logits). With gate
+    (bf16 [E, D], norm required) the router fold's finish: logits fp32 [N, E] = x . gate^T; else logits None."""
+    x, post, comb, logits = _ops().hc_fold_finish(h, part, scale.float().contiguous(), base.float().contiguous(),
+                                                  int(iters), float(hc_eps), float(norm_eps),
+                                                  None if norm is None else norm.contiguous(),
+                                                  None if gate is None else gate.contiguous())
+    return x, post, comb, (logits if gate is not None else None)
+
+
 def _rows_ok(t: Tensor) -> Tensor:
     ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
         t.stride(i) % 8 == 0 or t.shape[i] == 1 for i in range(t.dim() - 1))

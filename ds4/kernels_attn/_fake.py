@@ -37,6 +37,14 @@ def _hc_post_pre_router(x, res, post, comb, fn, scale, base, iters, hc_eps, norm
             res.new_empty((n_tok, n, n), dtype=torch.float32), res.new_empty((n_tok, gate.shape[0]), dtype=torch.float32))
 
 
+@register_fake("ds4_attn::hc_fold_finish")
+def _hc_fold_finish(h, part, scale, base, iters, hc_eps, norm_eps, norm=None, gate=None):
+    n_tok, n, d = h.shape
+    e = 0 if gate is None else gate.shape[0]
+    return (h.new_empty((n_tok, d)), h.new_empty((n_tok, n), dtype=torch.float32),
+            h.new_empty((n_tok, n, n), dtype=torch.float32), h.new_empty((n_tok, e), dtype=torch.float32))
+
+
 @register_fake("ds4_attn::sparse_attn")
 def _sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale):
     return torch.empty_like(q)

@@ -114,15 +114,17 @@ class Attention(WeightsModule):
         """qr [N, q_lora] -> q [N, H, D] before the per-head RMS and RoPE."""
         return self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.head_dim))
 
-    def _out(self, o: Tensor) -> Tensor:
-        """o [N, H, D] (already de-rotated) -> [N, dim]: grouped wo_a, wo_b, all-reduce."""
-        y = self.ops.attn.out_proj(o.flatten(-2), self.wo_a, self.wo_b, self.groups, self.ops.linear, self.qat)
+    def _out(self, o: Tensor, fold=None) -> Tensor:
+        """o [N, H, D] (already de-rotated) -> [N, dim]: grouped wo_a, wo_b, all-reduce. fold: the block's pending
+        mHC step, which wo_b's kernel may form (ds4.ops.base.HcFold; not where an all-reduce follows)."""
+        fold = fold if self.comm.world == 1 else None
+        y = self.ops.attn.out_proj(o.flatten(-2), self.wo_a, self.wo_b, self.groups, self.ops.linear, self.qat, fold)
         with self.prof("comm.attn"):
             return self.comm.all_reduce(y, "attn")
 
     # ---- prefill: one sequence ----------------------------------------------------------
-    def prefill(self, x: Tensor, st: dict[str, Tensor], row: int) -> Tensor:
-        """x [S, dim] at positions 0..S-1 of batch row `row`; fills that row's state. -> [S, dim]."""
+    def prefill(self, x: Tensor, st: dict[str, Tensor], row: int, fold=None) -> Tensor:
+        """x [S, dim] at positions 0..S-1 of batch row `row`; fills that row's state. -> [S, dim]. fold: see _out."""
         a, W, S = self.args, self.args.window_size, x.shape[0]
         pos = torch.arange(S, device=x.device)
         with self.prof("attn.q"):
@@ -166,11 +168,11 @@ class Attention(WeightsModule):
                                                  self.sink, self.scale)[0])
         with self.prof("attn.out"):
             o = rope_heads(torch.cat(outs, 0), pos, self.freqs, inverse=True)
-            return self._out(o)
+            return self._out(o, fold)
 
     # ---- decode: one token per row ------------------------------------------------------
-    def decode(self, x: Tensor, pos: Tensor, st: dict[str, Tensor]) -> Tensor:
-        """x [B, dim], pos [B] (device) -> [B, dim]. No host synchronisation.
+    def decode(self, x: Tensor, pos: Tensor, st: dict[str, Tensor], fold=None) -> Tensor:
+        """x [B, dim], pos [B] (device) -> [B, dim]. No host synchronisation. fold: see _out.
 
         Every step between the projections is an attention / indexer implementation op (window
         write, compressor step, masked indexer scores, position-masked attention with the output
@@ -248,7 +250,7 @@ class Attention(WeightsModule):
         with self.prof("attn.sparse"):
             o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs, eps)
         with self.prof("attn.out"):
-            return self._out(o)
+            return self._out(o, fold)
 
 
 def _state(st: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

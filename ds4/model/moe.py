@@ -61,9 +61,11 @@ class MoE(WeightsModule):
         """The router's gate [E, dim] (bf16), for an hc implementation that forms the logits itself."""
         return self.mw.gate
 
-    def forward(self, x: Tensor, token_ids: Tensor, logits: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, token_ids: Tensor, logits: Tensor | None = None, fold=None) -> Tensor:
         """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert.
-        logits: the router's x . gate^T when the caller formed them (hc's router fold), else None."""
+        logits: the router's x . gate^T when the caller formed them (hc's router fold), else None.
+        fold: the block's pending mHC step, which the kernel forming the output may do (ds4.ops.base.HcFold;
+        only where nothing is reduced over ranks after it)."""
         moe = self.ops.moe
 
         def start_shared():  # may start on a side stream, overlapping routing (unless late) and routed experts
@@ -76,12 +78,13 @@ class MoE(WeightsModule):
             w, ids = moe.route(x, token_ids, self.mw, logits)
         if late:
             up = start_shared()
+        fold = fold if self.comm.world == 1 else None
         if up is not None and self.comm.world == 1:
             with self.prof("moe.routed"):  # nothing to reduce: returns (routed + shared.float()).to(x.dtype)
-                return moe.routed(x, w, ids, self.mw, act_quant=self.qat, shared=up)
+                return moe.routed(x, w, ids, self.mw, act_quant=self.qat, shared=up, fold=fold)
         with self.prof("moe.routed"):
             y = moe.routed(x, w, ids, self.mw, act_quant=self.qat)
         with self.prof("comm.moe"):
             y = self.comm.all_reduce(y, "moe")
         with self.prof("moe.shared"):  # returns (y + shared.float()).to(x.dtype)
-            return moe.shared(x, self.mw, act_quant=self.qat, add=y, up=up)
+            return moe.shared(x, self.mw, act_quant=self.qat, add=y, up=up, fold=fold)

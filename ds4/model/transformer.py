@@ -21,11 +21,13 @@ from ds4.model.moe import MoE
 from ds4.model.norm import rms_norm
 from ds4.model.weights_module import WeightsModule, weight_format
 from ds4.ops import prefetch
+from ds4.ops.base import HcFold
 from ds4.profile import NULL_PROFILER, Profiler
 
 
-# (x, res, post, comb): a block output whose hc.post onto the streams `res` is pending (Block.forward)
-Carry = tuple[Tensor, Tensor, Tensor, Tensor]
+# (x, res, post, comb): a block output whose hc.post onto the streams `res` is pending (Block.forward), or
+# the hc fold that the block's last kernel formed (the post done, the next site's partials ready)
+Carry = tuple[Tensor, Tensor, Tensor, Tensor] | HcFold
 
 
 @dataclass
@@ -59,13 +61,16 @@ class Block(WeightsModule):
         self.attn.load(t, f"{p}.attn")
         self.ffn.load(t, f"{p}.ffn")
 
-    def forward(self, h: Tensor, token_ids: Tensor, attend: Callable[[Attention, Tensor], Tensor],
-                carry: Carry | None = None) -> tuple[Tensor, Carry]:
-        """h [N, hc, dim] residual streams; `attend(attn, x)` runs prefill or decode attention.
+    def forward(self, h: Tensor, token_ids: Tensor, attend: Callable[[Attention, Tensor, HcFold | None], Tensor],
+                carry: Carry | None = None, next_fn: Tensor | None = None) -> tuple[Tensor, Carry]:
+        """h [N, hc, dim] residual streams; `attend(attn, x, fold)` runs prefill or decode attention.
         carry: the previous block's FFN output with its post / comb, whose hc.post onto h is still to be
         done: it is done here together with this block's first hc.pre (hc.post_pre: one step, which the
         CUDA implementation runs in 2 launches instead of 3). Returns (h, carry) with this block's own
-        last hc.post left to the caller in the same way (`finish_streams` applies it)."""
+        last hc.post left to the caller in the same way (`finish_streams` applies it).
+        The hc fold (opt-in, hc.fold): the kernel that forms a sub-block's output (wo_b, the MoE down) may
+        also do that post and the next site's first launch; next_fn (the next block's hc_attn_fn) lets the
+        FFN's fold reach into the next block, whose forward then takes the fold as its carry."""
         a, hc = self.args, self.ops.hc
         # opt-in (DS4_L2_PREFETCH, measured slower): a captured decode step starts bringing the query
         # up-projection into L2 beside this block's first mHC and wq_a + wkv (ds4.ops.prefetch)
@@ -74,20 +79,33 @@ class Block(WeightsModule):
             if carry is None:
                 x, post, comb = hc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                        a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
+            elif isinstance(carry, HcFold):
+                h, x, post, comb, _ = hc.fold_pre(carry, self.hc_attn_scale, self.hc_attn_base, a.hc_sinkhorn_iters,
+                                                  a.hc_eps, a.norm_eps, self.attn_norm)
             else:
                 h, x, post, comb = hc.post_pre(*carry, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                                a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
-        x = attend(self.attn, x)
+        fold = hc.fold(h, post, comb, self.hc_ffn_fn)
+        x = attend(self.attn, x, fold)
         with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN (which may also give
             # the router's logits: hc's router fold, opt-in)
-            h, x, post, comb, logits = hc.post_pre_route(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale,
-                                                         self.hc_ffn_base, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps,
-                                                         self.ffn_norm, self.ffn.gate)
-        x = self.ffn(x, token_ids, logits)
+            if fold is not None and fold.fused:
+                h, x, post, comb, logits = hc.fold_pre(fold, self.hc_ffn_scale, self.hc_ffn_base, a.hc_sinkhorn_iters,
+                                                       a.hc_eps, a.norm_eps, self.ffn_norm, self.ffn.gate)
+            else:
+                h, x, post, comb, logits = hc.post_pre_route(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale,
+                                                             self.hc_ffn_base, a.hc_sinkhorn_iters, a.hc_eps,
+                                                             a.norm_eps, self.ffn_norm, self.ffn.gate)
+        fold = hc.fold(h, post, comb, next_fn) if next_fn is not None else None
+        x = self.ffn(x, token_ids, logits, fold)
+        if fold is not None and fold.fused:
+            return h, fold
         return h, (x, h, post, comb)
 
     def finish_streams(self, carry: Carry) -> Tensor:
         """The pending hc.post of a carry: the block's output streams [N, hc, dim]."""
+        if isinstance(carry, HcFold):  # (only a forward given next_fn returns one)
+            return carry.out
         with self.prof("hc.post"):
             return self.ops.hc.post(*carry)
 
@@ -218,11 +236,12 @@ class Transformer(WeightsModule):
             return self.comm.gather_vocab(out)
 
     def _run_blocks(self, h: Tensor, ids: Tensor, attend, state: DecodeState) -> Tensor:
-        """The blocks over h [N, hc, dim]; `attend(attn, x, layer_state)`. Each block's last hc.post is
-        fused into the next block's first hc.pre (Block.forward's carry)."""
+        """The blocks over h [N, hc, dim]; `attend(attn, x, layer_state, fold)`. Each block's last hc.post is
+        fused into the next block's first hc.pre (Block.forward's carry; next_fn for the hc fold)."""
         carry = None
-        for blk, st in zip(self.layers, state.layers):
-            h, carry = blk(h, ids, lambda attn, x, st=st: attend(attn, x, st), carry)
+        for i, (blk, st) in enumerate(zip(self.layers, state.layers)):
+            nxt = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else None
+            h, carry = blk(h, ids, lambda attn, x, fold, st=st: attend(attn, x, st, fold), carry, nxt)
         return h if carry is None else self.layers[-1].finish_streams(carry)
 
     # ---- prefill / decode ---------------------------------------------------------------------
@@ -234,7 +253,7 @@ class Transformer(WeightsModule):
         S = ids.shape[0]
         if S > state.max_seq_len:
             raise ValueError(f"prompt of {S} tokens is longer than max_seq_len={state.max_seq_len}")
-        h = self._run_blocks(self._embed(ids), ids, lambda attn, x, st: attn.prefill(x, st, row), state)
+        h = self._run_blocks(self._embed(ids), ids, lambda attn, x, st, fold: attn.prefill(x, st, row, fold), state)
         state.pos[row] = S
         out = self.logits(h[-1:], full_vocab=full_vocab)[0]
         return (out, h) if return_hidden else out
@@ -243,7 +262,7 @@ class Transformer(WeightsModule):
     def decode(self, ids: Tensor, state: DecodeState, full_vocab: bool = True) -> Tensor:
         """ids [B] (next token of every row) at positions state.pos -> logits [B, vocab] fp32; advances pos."""
         pos = state.pos[: ids.shape[0]]
-        h = self._run_blocks(self._embed(ids), ids, lambda attn, x, st: attn.decode(x, pos, st), state)
+        h = self._run_blocks(self._embed(ids), ids, lambda attn, x, st, fold: attn.decode(x, pos, st, fold), state)
         prefetch.join_pending()  # the step's L2 prefetch branches (ds4.ops.prefetch), in one place
         pos.add_(1)
         return self.logits(h, full_vocab=full_vocab)
@@ -260,7 +279,7 @@ class Transformer(WeightsModule):
         hh = rms_norm(h, blk.hnorm, a.norm_eps)
         x = self.ops.linear(e, blk.e_proj).unsqueeze(1) + self.ops.linear(hh, blk.h_proj)
         st = blk.attn.alloc_state(1, S, self.dtype, self.device)
-        _, carry = blk(x, next_ids, lambda attn, xx: attn.prefill(xx, st, 0))
+        _, carry = blk(x, next_ids, lambda attn, xx, fold: attn.prefill(xx, st, 0, fold))
         x = blk.finish_streams(carry)
         return self.logits(x, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, blk.norm)
 

@@ -118,8 +118,9 @@ class FusedCudaAttention:
             return self._ref.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
         kernels_attn.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant == "fp8")
 
-    def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool) -> Tensor:
-        return self._ref.out_proj(o, wo_a, wo_b, groups, linear, act_quant)  # the FP8 GEMVs come from `linear`
+    def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool,
+                 fold=None) -> Tensor:
+        return self._ref.out_proj(o, wo_a, wo_b, groups, linear, act_quant, fold)  # the FP8 GEMVs come from `linear`
 
     # ---- attention core --------------------------------------------------------------------------
     def sparse(self, q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel_valid: Tensor | None,
@@ -163,8 +164,9 @@ class MergedWoAttention(FusedCudaAttention):
             self._merged[key] = QWeight("bf16", w.contiguous())
         return self._merged[key]
 
-    def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool) -> Tensor:
-        return linear(o, self.merged(wo_a, wo_b, groups))
+    def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool,
+                 fold=None) -> Tensor:
+        return linear(o, self.merged(wo_a, wo_b, groups), fold=fold)
 
 
 class FusedCudaIndexer:

@@ -72,11 +72,13 @@ class TorchAttention:
         compressor.decode_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
 
     # ---- output projection -----------------------------------------------------------------------
-    def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool) -> Tensor:
+    def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool,
+                 fold=None) -> Tensor:
         """o [N, H*D] (de-rotated heads, flattened) -> [N, dim] before the all-reduce: grouped wo_a
-        (block-diagonal over the o-groups) then wo_b, both in their stored formats through `linear`."""
+        (block-diagonal over the o-groups) then wo_b, both in their stored formats through `linear`
+        (which may fold the next mHC step into wo_b: `fold`, LinearImpl.__call__)."""
         u = linear.grouped(o.unflatten(-1, (groups, -1)), wo_a, groups).flatten(-2)   # [N, G*R]
-        return linear(u, wo_b, act_quant=act_quant)
+        return linear(u, wo_b, act_quant=act_quant, fold=fold)
 
     # ---- attention core --------------------------------------------------------------------------
     def sparse(self, q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel_valid: Tensor | None,

@@ -14,6 +14,27 @@ from torch import Tensor
 
 
 @dataclass
+class HcFold:
+    """A pending mHC post + the next site's pre that the kernel producing a block's output y [1, D] may
+    fold into its epilogue (hc=fused_cuda's `fold`, opt-in DS4_HC_FOLD=1; one decode row). The streams
+    res [1, n, D] bf16 are updated with post [1, n] / comb [1, n, n] into `out` and the next site's
+    partials (fn [mix, n*D] fp32) land in `part` [1, mix + 1, D / 16]. An implementation that folds sets
+    `fused`; otherwise the caller runs hc.post_pre on the returned y as usual (decided by shapes and
+    implementations only)."""
+    res: Tensor
+    post: Tensor
+    comb: Tensor
+    fn: Tensor
+    out: Tensor
+    part: Tensor
+    fused: bool = False
+
+    def args(self) -> tuple[Tensor, ...]:
+        """The six tensors in the kernels' order (res, post, comb, fn, out, part)."""
+        return self.res, self.post, self.comb, self.fn, self.out, self.part
+
+
+@dataclass
 class QWeight:
     """One linear layer's weight in its storage format (spec §10.3).
 
@@ -61,7 +82,10 @@ class LinearImpl(Protocol):
     channels (power-of-two scale) before an FP8/FP4 GEMM, like the official reference."""
     name: str
 
-    def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False) -> Tensor:  # [..., I] -> [..., O], x.dtype
+    def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False,
+                 fold: HcFold | None = None) -> Tensor:  # [..., I] -> [..., O], x.dtype
+        """`fold` (one decode row, y [1, D]): an implementation that can forms the hc fold's streams and partials
+        with y and sets fold.fused; one that cannot leaves it (the caller then runs the mHC step itself)."""
         ...
 
     def grouped(self, x: Tensor, w: QWeight, groups: int) -> Tensor:
@@ -104,10 +128,10 @@ class MoEImpl(Protocol):
         ...
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
-               shared: object | None = None) -> Tensor:
+               shared: object | None = None, fold: HcFold | None = None) -> Tensor:
         """Sum over the k selected experts held on this rank (others contribute 0): f32 [N, dim]. With
         `shared` (a shared_up result; only when nothing is summed over ranks after this) the block output
-        instead: (sum + shared.float()).to(x.dtype)."""
+        instead: (sum + shared.float()).to(x.dtype); `fold` then as in LinearImpl.__call__."""
         ...
 
     def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> object | None:
@@ -118,8 +142,8 @@ class MoEImpl(Protocol):
         ...
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
-               up: object | None = None) -> Tensor:
+               up: object | None = None, fold: HcFold | None = None) -> Tensor:
         """Shared expert with the SwiGLU clamp: [N, dim] in x.dtype. With `add` (the routed sum, fp32
-        [N, dim]) it returns the block output (add + shared.float()).to(x.dtype) in one step. `up`: what
-        shared_up returned for this x."""
+        [N, dim]) it returns the block output (add + shared.float()).to(x.dtype) in one step, and `fold`
+        then as in LinearImpl.__call__. `up`: what shared_up returned for this x."""
         ...

@@ -7,9 +7,13 @@ pre:  2 launches (RMS + the (2+hc)*hc x hc*D fp32 matvec split over ~128 blocks 
 head: the same 2 launches without post/comb/Sinkhorn.  post: 1 elementwise launch.
 post_pre (a block's post followed by the next site's pre): 2 launches; the first forms the post's
       elements inside the pre's matvec and writes them (no separate post launch).
-post_pre_route (post_pre before the MoE): with DS4_HC_ROUTER=1 (opt-in; written in session 13 after its
-      device time, not yet measured) the finishing launch also returns the router's logits, so
+post_pre_route (post_pre before the MoE): with DS4_HC_ROUTER=1 (opt-in; measured slower in session 14:
+      133.9 against 131.2 us per layer) the finishing launch also returns the router's logits, so
       the router's BF16 GEMV launch leaves the step (moe route() then runs only its top-k tail).
+fold / fold_pre (the hc fold, opt-in DS4_HC_FOLD=1): a decode row's post + the next site's first launch
+      done by the epilogue of the kernel that produces the block output (wo_b's tensor-core GEMV, the
+      MoE down kernel: ds4.kernels.gemv_fold / moe_down(fold=)), so the site is its finishing launch
+      alone (ds4_attn.hc_fold_finish over one partial per 16-row tile).
 Same arguments, outputs and dtypes as TorchHC. Inputs other than bf16/fp32 or hc > 8 streams go to
 TorchHC (chosen by dtype/shape only, never by values) — part of this implementation.
 """
@@ -22,10 +26,12 @@ from torch import Tensor
 
 from ds4 import kernels_attn
 from ds4.model.norm import rms_norm
+from ds4.ops.base import HcFold
 from ds4.ops.hc_torch import TorchHC
 
 _ACT = (torch.bfloat16, torch.float32)
 ROUTER_FOLD_ROWS = 8  # decode sizes: the fold's launch has E / 2 blocks per row
+FOLD_MIX = {1: 3, 2: 8, 4: 24}  # (2 + n) * n mixes of n streams
 
 
 def _ok(h: Tensor) -> bool:
@@ -84,6 +90,32 @@ class FusedCudaHC:
             return (*self.post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm), None)
         return kernels_attn.hc_post_pre_router(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm,
                                                gate)
+
+    def fold(self, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor) -> HcFold | None:
+        # DS4_HC_FOLD=1 (opt-in, read per call): one decode row of bf16 streams (1, 2 or 4 of them, D % 16 == 0)
+        # with fp32 post / comb / fn. The request's buffers are allocated here; the producing kernel fills them
+        # if it can (then fold.fused), else the caller runs post_pre as usual.
+        if os.environ.get("DS4_HC_FOLD") != "1":
+            return None
+        n, d = res.shape[-2], res.shape[-1]
+        if not (_ok(res) and res.dtype == torch.bfloat16 and res.shape[0] == 1 and n in (1, 2, 4) and d % 16 == 0
+                and fn.dtype == torch.float32 and fn.shape == (FOLD_MIX[n], n * d)):
+            return None
+        mix = FOLD_MIX[n]
+        return HcFold(res.contiguous(), post.float().contiguous(), comb.float().contiguous(), fn.contiguous(),
+                      torch.empty_like(res), res.new_empty((1, mix + 1, d // 16), dtype=torch.float32))
+
+    def fold_pre(self, fold: HcFold, scale: Tensor, base: Tensor, iters: int, hc_eps: float, norm_eps: float,
+                 norm: Tensor, gate: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        # the finishing launch on the fold's streams and partials; with a gate and DS4_HC_ROUTER=1 the router
+        # fold's finish (the logits too), as post_pre_route
+        if not fold.fused:
+            raise RuntimeError("hc.fold_pre: the fold was not formed by a kernel (fold.fused is False)")
+        route = gate is not None and os.environ.get("DS4_HC_ROUTER") == "1" and _router_fold_ok(
+            fold.out[0], fold.out, norm, gate)
+        x, post, comb, logits = kernels_attn.hc_fold_finish(fold.out, fold.part, scale, base, iters, hc_eps,
+                                                            norm_eps, norm, gate if route else None)
+        return fold.out, x, post, comb, logits
 
     def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,
              norm: Tensor | None = None) -> Tensor:

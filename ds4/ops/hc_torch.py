@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from ds4.model.norm import rms_norm
+from ds4.ops.base import HcFold
 
 
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
@@ -62,6 +63,17 @@ class TorchHC:
         implementation forms them in the same launches (the CUDA router fold); None: the router computes
         them. The reference never does."""
         return (*self.post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm), None)
+
+    def fold(self, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor) -> HcFold | None:
+        """The hc fold's request for the kernel that produces the block output (ds4.ops.hc_cuda); the reference
+        never folds."""
+        return None
+
+    def fold_pre(self, fold: HcFold, scale: Tensor, base: Tensor, iters: int, hc_eps: float, norm_eps: float,
+                 norm: Tensor, gate: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """The next site's pre once a kernel folded the post (fold.fused): (h, x, post, comb, None) from the
+        streams fold.out (the partials are the CUDA finish's shortcut to the same matvec)."""
+        return (fold.out, *self.pre(fold.out, fold.fn, scale, base, iters, hc_eps, norm_eps, norm), None)
 
     def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,
              norm: Tensor | None = None) -> Tensor:

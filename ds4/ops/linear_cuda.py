@@ -1,6 +1,8 @@
 """linear=gemv_cuda: FP8 / MXFP4 GEMV kernels reading the stored bytes and E8M0 scales.
 
-Decode (<= PREFILL_TOKENS tokens): one launch of the CUDA GEMV (fp32 accumulation, BF16 out).
+Decode (<= PREFILL_TOKENS tokens): one launch of the CUDA GEMV (fp32 accumulation, BF16 out); with an hc
+fold (one row, opt-in DS4_HC_FOLD=1, ds4.ops.hc_cuda) the tensor-core GEMV whose epilogue also forms the
+next mHC site's streams and partials (ds4.kernels.gemv_fold).
 Prefill (more tokens) and BF16 weights: dequantise + torch matmul (cuBLAS) — part of this
 implementation, chosen by shape only, never by tensor values.
 qat (act_quant=True): the activation is FP8-simulated per 128 channels (ds4.quant.act_quant_sim,
@@ -18,7 +20,7 @@ from torch import Tensor
 
 from ds4 import kernels
 from ds4.ops import prefetch as l2
-from ds4.ops.base import QWeight
+from ds4.ops.base import HcFold, QWeight
 
 PREFILL_TOKENS = 16
 
@@ -26,16 +28,26 @@ PREFILL_TOKENS = 16
 class GemvCudaLinear:
     name = "gemv_cuda"
 
-    def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False) -> Tensor:
+    def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False, fold: HcFold | None = None) -> Tensor:
         if act_quant and w.fmt in ("fp8", "fp4"):
             from ds4.quant import act_quant_sim
             x = act_quant_sim(x, 128)
         lead, n_in = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, n_in)
+        if fold is not None and self._folds(x2, w, fold):  # the hc fold in the tensor-core GEMV's epilogue
+            fold.fused = True
+            y = kernels.gemv_fold(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, fold)
+            return y.view(*lead, w.out_features).to(x.dtype)
         if w.fmt == "bf16" or x2.shape[0] > PREFILL_TOKENS or x2.shape[0] == 0:
             return F.linear(x, w.dequant(x.dtype))
         y = kernels.gemv(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt)
         return y.view(*lead, w.out_features).to(x.dtype)
+
+    @staticmethod
+    def _folds(x2: Tensor, w: QWeight, fold: HcFold) -> bool:
+        """One bf16 row onto the fold's D = out_features, a weight gemv_fold takes (shapes only)."""
+        return (x2.is_cuda and x2.shape[0] == 1 and w.fmt in ("fp8", "fp4") and fold.out.shape[-1] == w.out_features
+                and kernels.hc_fold_ok("gemv", w.fmt, w.out_features, w.in_features, 1, fold.out.shape[-2]))
 
     def grouped(self, x: Tensor, w: QWeight, groups: int) -> Tensor:
         """Block-diagonal projection (wo_a): x [N, G, I], w [G*R, I] -> [N, G, R], one launch."""

@@ -56,7 +56,7 @@ from torch import Tensor
 from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops import side_stream
-from ds4.ops.base import MoEWeights, QWeight
+from ds4.ops.base import HcFold, MoEWeights, QWeight
 from ds4.quant import pack_fp4_mma
 
 PREFILL_TOKENS = 8
@@ -72,6 +72,12 @@ def _act_quant_sim(t: Tensor) -> Tensor:
 
 def _bf16(x: Tensor) -> Tensor:
     return x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
+
+
+def _down_folds(fold: HcFold | None, x: Tensor, fmt: str, dim: int, inter: int, topk: int) -> bool:
+    """A down launch producing one row's block output can form the hc fold (shapes and formats only)."""
+    return (fold is not None and x.shape[0] == 1 and fold.out.shape[-1] == dim
+            and kernels.hc_fold_ok("moe_down", fmt, dim, inter, topk, fold.out.shape[-2]))
 
 
 class SharedUp(NamedTuple):
@@ -144,7 +150,8 @@ class Fp4TopkMoE:
         return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale, logits=logits)
 
     def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool,
-                         shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None) -> Tensor:
+                         shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None,
+                         fold: HcFold | None = None) -> Tensor:
         fmt = mw.w1.fmt
         xq = _act_quant_sim(x) if act_quant else x
         # the chosen experts' down projections into L2 while gate+up streams (site "d"; ids are on the device
@@ -160,22 +167,30 @@ class Fp4TopkMoE:
         if shared is not None:  # the finished shared expert (bf16) added in the epilogue: a bf16 block output
             shared.branch.join()
             add = shared.out
-        return kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt, mw.expert_offset,
-                                mw.w2.weight.shape[0], add, add is None, route=route)
+        # the hc fold (one row, the block output in bf16): the down kernel's epilogue forms the next mHC site's
+        # streams and partials
+        if not (add is not None and _down_folds(fold, x, fmt, mw.w2.weight.shape[-2], h.shape[-1], ids.shape[1])):
+            fold = None
+        y = kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt, mw.expert_offset,
+                             mw.w2.weight.shape[0], add, add is None, route=route, fold=fold)
+        if fold is not None:
+            fold.fused = True
+        return y
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
-               shared: SharedUp | None = None) -> Tensor:
+               shared: SharedUp | None = None, fold: HcFold | None = None) -> Tensor:
         n = x.shape[0]
         if self._deferred is not None:
             pending, route = self._deferred
             self._deferred = None
             if pending is ids:  # route() left the tail to these kernels: they write weights and ids
-                return self._routed_launches(x, weights, ids, mw, act_quant, shared, route)
+                return self._routed_launches(x, weights, ids, mw, act_quant, shared, route, fold)
             raise RuntimeError("moe=fp4_topk: routed() must take the (weights, ids) of the route() call just before it")
         if shared is not None:
             if n > PREFILL_TOKENS:
                 raise ValueError("routed(shared=...) takes the shared_up result of a decode-sized call")
-            return self._routed_launches(x, weights, ids.to(torch.int64).contiguous(), mw, act_quant, shared)
+            return self._routed_launches(x, weights, ids.to(torch.int64).contiguous(), mw, act_quant, shared,
+                                         fold=fold)
         if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().routed(x, weights, ids, mw, act_quant)
         ids = ids.to(torch.int64).contiguous()
@@ -190,13 +205,19 @@ class Fp4TopkMoE:
         return kernels.moe_gate_up(_bf16(xq), None, None, w1.weight, w1.scale, w3.weight, w3.scale, w1.fmt, 0, 1,
                                    mw.swiglu_limit)
 
-    def _shared_down(self, x: Tensor, h: Tensor, mw: MoEWeights, act_quant: bool, add: Tensor | None) -> Tensor:
+    def _shared_down(self, x: Tensor, h: Tensor, mw: MoEWeights, act_quant: bool, add: Tensor | None,
+                     fold: HcFold | None = None) -> Tensor:
         w2 = mw.shared_w2
         if act_quant and w2.fmt != "bf16":
             h = _act_quant_sim(h)
-        # with `add`: bf16(add + bf16(shared)) in the down kernel's epilogue (the reference's rounding)
+        # with `add`: bf16(add + bf16(shared)) in the down kernel's epilogue (the reference's rounding), which also
+        # forms the hc fold when it can (one row: the block output)
         add = None if add is None else add.float().contiguous()
-        return kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, add, False)
+        fold = fold if add is not None and _down_folds(fold, x, w2.fmt, w2.weight.shape[-2], h.shape[-1], 1) else None
+        y = kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, add, False, fold=fold)
+        if fold is not None:
+            fold.fused = True
+        return y
 
     def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> SharedUp | None:
         if not (x.is_cuda and 1 <= x.shape[0] <= PREFILL_TOKENS):
@@ -211,7 +232,7 @@ class Fp4TopkMoE:
         return SharedUp(out, branch)
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
-               up: SharedUp | None = None) -> Tensor:
+               up: SharedUp | None = None, fold: HcFold | None = None) -> Tensor:
         n = x.shape[0]
         if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().shared(x, mw, act_quant, add)
@@ -221,7 +242,7 @@ class Fp4TopkMoE:
                               for i in range(0, n, PREFILL_TOKENS)])
         if up is not None:
             return up.out if add is None else add_shared(add, up)
-        return self._shared_down(x, self._shared_h(x, mw, act_quant), mw, act_quant, add).to(x.dtype)
+        return self._shared_down(x, self._shared_h(x, mw, act_quant), mw, act_quant, add, fold).to(x.dtype)
 
 
 class _LayerCache:
@@ -264,7 +285,7 @@ class Bf16CacheMoE(Fp4TopkMoE):
         self.bytes += need
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
-               shared: SharedUp | None = None) -> Tensor:
+               shared: SharedUp | None = None, fold: HcFold | None = None) -> Tensor:  # never folds
         if shared is not None:  # its routed sum ends in one of two down launches: the shared output added after
             return add_shared(self.routed(x, weights, ids, mw, act_quant), shared)
         if x.shape[0] > PREFILL_TOKENS or x.shape[0] == 0:

@@ -48,7 +48,7 @@ class DequantMoE:
         return route(x, token_ids, mw, logits)
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
-               shared: None = None) -> Tensor:
+               shared: None = None, fold=None) -> Tensor:  # never folds
         if shared is not None:
             raise ValueError(f"moe={self.name}: routed() takes no shared-expert result (its shared_up starts nothing)")
         n, k = ids.shape
@@ -92,7 +92,7 @@ class DequantMoE:
         return None
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
-               up: None = None) -> Tensor:
+               up: None = None, fold=None) -> Tensor:  # never folds
         y = shared_expert(x, mw.shared_w1, mw.shared_w2, mw.shared_w3, mw.swiglu_limit, act_quant)
         return y if add is None else (add + y.float()).to(x.dtype)
 
