@@ -97,3 +97,9 @@ def test_fold_pre_needs_a_formed_fold():
                   torch.zeros(1, 9, d // 16))
     with pytest.raises(RuntimeError, match="not formed"):
         FusedCudaHC().fold_pre(fold, torch.ones(3), torch.zeros(8), 20, 1e-6, 1e-6, torch.ones(d))
+
+
+def test_the_fold_wrappers_are_exported():
+    """What ds4.ops calls on the GPU (the CPU paths above never reach it)."""
+    from ds4 import kernels, kernels_attn
+    assert callable(kernels.gemv_fold) and callable(kernels.hc_fold_ok) and callable(kernels_attn.hc_fold_finish)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ds4.kernels.ops import (ARGMAX_MAX_ROWS, InKernelRoute, argmax, gemv, gemv_rmsnorm,  # noqa: F401
-                             gemv_rmsnorm_ok, l2_prefetch, moe_down, moe_gate_up, moe_route_ok,
+from ds4.kernels.ops import (ARGMAX_MAX_ROWS, InKernelRoute, argmax, gemv, gemv_fold, gemv_rmsnorm,  # noqa: F401
+                             gemv_rmsnorm_ok, hc_fold_ok, l2_prefetch, moe_down, moe_gate_up, moe_route_ok,
                              router)  # (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]
