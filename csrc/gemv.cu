@@ -139,9 +139,9 @@ __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv
 // ungrouped row): x is RMS-normalised with the weight nw first (stage_mma_rmsnorm); a separate
 // instantiation, so the plain kernels' registers are not touched by it. FOLD (one ungrouped bf16 row,
 // O = D): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its buffers after
-// the stream's in shared memory.
+// the stream's in shared memory; at most 2 blocks per SM (as the moe down's FOLD form).
 template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
-__global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, CW>()))
+__global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, CW>()))
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                 int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb,
                 const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold) {
@@ -160,14 +160,15 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
   auto st = mma_stream<FMT, U, CW>(tile, xs, nt, 1, K / mma_round_vals<FMT, CW>(), row_bytes<FMT>(K), s_ld,
                                    reinterpret_cast<uint8_t*>(xs + (long)ng * K));
   st.prefetch();  // weights do not depend on the previous kernel: load them before waiting (PDL)
-  [[maybe_unused]] HcFoldSmem fs;
-  if constexpr (FOLD) {
-    fs = hc_fold_smem(reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(xs + (long)ng * K) +
-                                               mma_stream_smem<FMT, U, CW>()), tpb, fold.n, fold.mix);
-    hc_fold_load_fn(fold, fs, t0, nt, O);  // a weight: before the wait
-  }
+  // the fold's buffers after the stream's (recomputed where used: nothing of the fold stays live in registers
+  // across the stream)
+  [[maybe_unused]] auto fs = [&] {
+    return hc_fold_smem(reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(xs + (long)ng * K) +
+                                                 mma_stream_smem<FMT, U, CW>()), tpb, fold.n, fold.mix);
+  };
+  if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, O);  // a weight: before the wait
   ds4_pdl::begin();
-  if constexpr (FOLD) hc_fold_load_act(fold, fs, t0, nt, O);
+  if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, O);
   mma_part_zero(part, nt);
   if constexpr (NORM) stage_mma_rmsnorm<FMT>(xs, x, K, nw, nw_f32 != 0, eps);
   else stage_mma_rows<FMT>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K);
@@ -181,9 +182,9 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
     const float y = mma_part_sum(part, i >> 4, i & 15);
     if (out_f32) reinterpret_cast<float*>(out)[r] = y;
     else reinterpret_cast<__nv_bfloat16*>(out)[r] = __float2bfloat16(y);
-    if constexpr (FOLD) fs.ys[i] = __bfloat162float(__float2bfloat16(y));
+    if constexpr (FOLD) fs().ys[i] = __bfloat162float(__float2bfloat16(y));
   }
-  if constexpr (FOLD) hc_fold_epilogue(fold, fs, t0, nt, O);
+  if constexpr (FOLD) hc_fold_epilogue(fold, fs(), t0, nt, O);
   DS4_MARK(2);
 }
 

@@ -24,7 +24,7 @@ __host__ __device__ constexpr long hc_fold_smem_floats(int nt, int n, int mix) {
          + 16                                     // post, comb (n + n * n <= 20; padded to 16 B blocks below)
          + 16                                     // (pad)
          + (long)nt * 16                          // y of the block's rows, as stored
-         + (long)(MMA_STREAM_THREADS / 16) * (mix + 1)  // one reduction slot per 16-lane subgroup
+         + (long)(MMA_STREAM_THREADS / 4) * (mix + 1)   // one reduction slot per lane quad and mix
          + 8;                                     // alignment slack
 }
 
@@ -33,7 +33,7 @@ struct HcFoldSmem {
   __nv_bfloat16* res;   // [n][nt * 16]
   float* pc;            // post [n] then comb [n * n]
   float* ys;            // [nt * 16]
-  float* red;           // [MMA_STREAM_THREADS / 16][mix + 1]
+  float* red;           // [mix + 1][MMA_STREAM_THREADS / 4]
 };
 
 __device__ __forceinline__ HcFoldSmem hc_fold_smem(float* base, int nt, int n, int mix) {
@@ -77,47 +77,72 @@ __device__ __forceinline__ void hc_fold_load_act(const HcFold& f, const HcFoldSm
   cp_async_commit();
 }
 
+// The epilogue for n streams (MIX = (2 + n) n mixes), one pass over up to blockDim elements (thread e of the
+// pass: tile e / (16 n), stream (e / 16) % n, row e % 16 — consecutive lanes take consecutive rows of one
+// stream of one tile). Each thread forms its element's MIX + 1 products at once (unrolled: independent
+// chains), sums them over its lane quad (2 shuffles each), and the quads' sums of a tile are added by one
+// thread per (tile, m) from shared memory in a fixed order (deterministic). A first version reduced each
+// mix over 16-64 lanes with 5 dependent shuffles in a loop: ~125 dependent shuffles on every block's tail
+// (session 14, run 3).
+template <int N>
+__device__ __forceinline__ void hc_fold_pass(const HcFold& f, const HcFoldSmem& s, int t0, int nt, int D, int e0) {
+  constexpr int MIX = (2 + N) * N, ET = 16 * N;  // mixes, elements per tile
+  const int total = nt * ET, e = e0 + threadIdx.x, nsplit = D / 16;
+  const bool ok = e < total;
+  const int tl = ok ? e / ET : 0, j = ok ? (e - tl * ET) >> 4 : 0, rr = e & 15, i = tl * 16 + rr;
+  float v = 0.f;
+  if (ok) {
+    float acc = 0.f;
+#pragma unroll
+    for (int q = 0; q < N; ++q) acc += s.pc[N + q * N + j] * __bfloat162float(s.res[q * nt * 16 + i]);
+    const __nv_bfloat16 b = __float2bfloat16(s.pc[j] * s.ys[i] + acc);
+    static_cast<__nv_bfloat16*>(f.out)[(long)j * D + t0 * 16 + i] = b;
+    v = __bfloat162float(b);
+  }
+  const int quads = blockDim.x / 4;
+#pragma unroll
+  for (int m0 = 0; m0 <= MIX; m0 += 8) {  // 8 mixes at a time: few live registers in the 64-register kernels
+    float p[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int m = m0 + k;
+      p[k] = m < MIX ? (ok ? s.fn[((long)m * N + j) * nt * 16 + i] * v : 0.f) : v * v;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      p[k] += __shfl_xor_sync(0xffffffffu, p[k], 1);
+      p[k] += __shfl_xor_sync(0xffffffffu, p[k], 2);
+    }
+    if ((threadIdx.x & 3) == 0) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (m0 + k <= MIX) s.red[(m0 + k) * quads + (threadIdx.x >> 2)] = p[k];
+    }
+  }
+  __syncthreads();
+  // one thread per (tile of this pass, m): the tile's ET / 4 quads in order
+  const int tiles = min(nt - e0 / ET, (int)blockDim.x / ET);
+  for (int k = threadIdx.x; k < tiles * (MIX + 1); k += blockDim.x) {
+    const int tt = k / (MIX + 1), m = k - tt * (MIX + 1);
+    const float* r = s.red + m * quads + tt * (ET / 4);
+    float acc = 0.f;
+#pragma unroll
+    for (int q = 0; q < ET / 4; ++q) acc += r[q];
+    f.part[(long)m * nsplit + t0 + e0 / ET + tt] = acc;
+  }
+  __syncthreads();  // s.red is rewritten by the next pass
+}
+
 // The epilogue: the caller has stored its rows and put them (as stored) in s.ys, for local tiles
 // [0, nt) (global tiles t0 + tl, nsplit = D / 16 of them); every thread of the block calls this.
 __device__ __forceinline__ void hc_fold_epilogue(const HcFold& f, const HcFoldSmem& s, int t0, int nt, int D) {
   cp_async_wait<0>();
   __syncthreads();  // s.ys, and every thread's copies
-  const int n = f.n, mix = f.mix, et = 16 * n;   // elements per tile
-  const int G = et < 32 ? et : 32;                // lanes of one reduction subgroup (one tile)
-  const int nsplit = D / 16, total = nt * et, lane = threadIdx.x & 31;
+  const int total = nt * 16 * f.n;
   for (int e0 = 0; e0 < total; e0 += blockDim.x) {
-    const int e = e0 + threadIdx.x;
-    const bool ok = e < total;
-    const int tl = ok ? e / et : 0, j = ok ? (e - tl * et) >> 4 : 0, rr = e & 15;
-    const int i = tl * 16 + rr;  // the block's row
-    float v = 0.f;
-    if (ok) {
-      float acc = 0.f;
-#pragma unroll
-      for (int q = 0; q < HC_FOLD_MAX_N; ++q)
-        if (q < n) acc += s.pc[n + q * n + j] * __bfloat162float(s.res[q * nt * 16 + i]);
-      const __nv_bfloat16 b = __float2bfloat16(s.pc[j] * s.ys[i] + acc);
-      static_cast<__nv_bfloat16*>(f.out)[(long)j * D + t0 * 16 + i] = b;
-      v = __bfloat162float(b);
-    }
-    // the tile's partials: shuffle over the subgroup's G lanes, one slot per subgroup
-    const int sub = threadIdx.x / G;
-    for (int m = 0; m <= mix; ++m) {
-      float p = m < mix ? s.fn[((long)m * n + j) * nt * 16 + i] * v : v * v;
-      if (!ok) p = 0.f;
-      for (int o = G >> 1; o; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
-      if ((lane & (G - 1)) == 0) s.red[sub * (mix + 1) + m] = p;
-    }
-    __syncthreads();
-    // one thread per (tile of this pass, m): the tile's subgroups in order (deterministic)
-    const int sub_per_tile = et / G, tiles = min(nt - e0 / et, (int)blockDim.x / et);
-    for (int k = threadIdx.x; k < tiles * (mix + 1); k += blockDim.x) {
-      const int tt = k / (mix + 1), m = k - tt * (mix + 1);
-      float acc = 0.f;
-      for (int q = 0; q < sub_per_tile; ++q) acc += s.red[(tt * sub_per_tile + q) * (mix + 1) + m];
-      f.part[(long)m * nsplit + t0 + e0 / et + tt] = acc;
-    }
-    __syncthreads();  // s.red is rewritten by the next pass
+    if (f.n == 4) hc_fold_pass<4>(f, s, t0, nt, D, e0);
+    else if (f.n == 2) hc_fold_pass<2>(f, s, t0, nt, D, e0);
+    else hc_fold_pass<1>(f, s, t0, nt, D, e0);
   }
 }
 

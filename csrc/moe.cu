@@ -417,9 +417,10 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 // before it lets this kernel launch), so they are final here; only h and add come from the kernel right
 // before. Contract (ds4_launch.h): a down launch's ids are not written by the launch just before it.
 // FOLD (bf16 out, one token): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its
-// buffers after the stream's in shared memory.
+// buffers after the stream's in shared memory; at most 2 blocks per SM (128 registers: the epilogue spilled
+// at depth 2's 64, and V4's 256 down tiles fill 2 blocks per SM either way).
 template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false>
-__global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
+__global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, W>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
                     void* __restrict__ out, int tpb, const HcFold fold) {
   extern __shared__ float4 smem4[];
@@ -445,14 +446,15 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   auto st = mma_stream<FMT, U, W>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
                                   a.s2_ld, reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter));
   st.prefetch();
-  [[maybe_unused]] HcFoldSmem fs;
-  if constexpr (FOLD) {
-    fs = hc_fold_smem(reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter) +
-                                               mma_stream_smem<FMT, U, W>()), tpb, fold.n, fold.mix);
-    hc_fold_load_fn(fold, fs, t0, nt, a.dim);  // a weight: before the wait
-  }
+  // the fold's buffers after the stream's (recomputed where used: nothing of the fold stays live in registers
+  // across the stream)
+  [[maybe_unused]] auto fs = [&] {
+    return hc_fold_smem(reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter) +
+                                                 mma_stream_smem<FMT, U, W>()), tpb, fold.n, fold.mix);
+  };
+  if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, a.dim);  // a weight: before the wait
   ds4_pdl::begin();  // h and add come from the previous kernels
-  if constexpr (FOLD) hc_fold_load_act(fold, fs, t0, nt, a.dim);
+  if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, a.dim);
   stage_mma_rows<FMT>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   mma_part_zero(part, nt);
   __syncthreads();
@@ -462,10 +464,10 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
     const int r = t0 * 16 + i;
     if (r < a.dim) {
       const float y = down_store<OUT_F32>(out, r, add, a.add_bf16, mma_part_sum(part, i >> 4, i & 15));
-      if constexpr (FOLD) fs.ys[i] = y;
+      if constexpr (FOLD) fs().ys[i] = y;
     }
   }
-  if constexpr (FOLD) hc_fold_epilogue(fold, fs, t0, nt, a.dim);
+  if constexpr (FOLD) hc_fold_epilogue(fold, fs(), t0, nt, a.dim);
 }
 
 static bool moe_mma_ok(const MoEArgs& a) {

@@ -65,7 +65,12 @@ def gemv_rmsnorm_ok(fmt: str, rows: int, cols: int) -> bool:
 
 def gemv_fold(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, fold) -> Tensor:
     """y[1, O] bf16 = x[1, I] @ W^T on the tensor cores, and the hc fold's streams and partials (fold: an
-    ds4.ops.base.HcFold with D = O) from the kernel's epilogue. Only where hc_fold_ok(0, fmt, O, I) holds."""
+    ds4.ops.base.HcFold with D = O) from the kernel's epilogue. Only where hc_fold_ok("gemv", fmt, O, I) holds:
+    checked here, before the op (a rejection raised inside this op took the process down in session 14, run 3)."""
+    rows, cols = weight.shape[0], weight.shape[1] * (2 if fmt == "fp4" else 1)
+    if fold.out.shape[-1] != rows or not hc_fold_ok("gemv", fmt, rows, cols, 1, fold.out.shape[-2]):
+        raise ValueError(f"gemv_fold: no fold of a {fmt} [{rows}, {cols}] weight into streams "
+                         f"{tuple(fold.out.shape)} (hc_fold_ok; DS4_MMA=0 turns the tensor cores off)")
     return _ops().gemv_fold(x, weight, scale, _fmt(fmt, dense=True), *fold.args())
 
 
@@ -120,6 +125,9 @@ def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | 
         n_local = w2.shape[0] if w2.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
     r = route or InKernelRoute(None, None, None, None, 1.0)
+    if fold is not None and (out_f32 or h.shape[0] != topk or fold.out.shape[-1] != w2.shape[-2] or not hc_fold_ok(
+            "moe_down", fmt, w2.shape[-2], h.shape[-1], topk, fold.out.shape[-2])):
+        raise ValueError("moe_down: no fold at this shape / format (one token, bf16 out, hc_fold_ok)")
     fa = fold.args() if fold is not None else (None,) * 6
     return _ops().moe_down(h, ids, topk, w2, s2, ptrs, f, expert_offset, n_local, add, out_f32, k,
                            r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale), *fa)
