@@ -119,7 +119,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   return out;
 }
 
-// The hc fold (opt-in; ds4_launch.h HcFold): bf16 [1, O] = x @ W^T on the tensor cores, and the next mHC
+// The hc fold (ds4_launch.h HcFold): bf16 [1, O] = x @ W^T on the tensor cores, and the next mHC
 // site's streams (out) and partials (part) from its epilogue.
 at::Tensor gemv_fold(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
                      const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb, const at::Tensor& fn,

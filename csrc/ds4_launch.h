@@ -42,7 +42,7 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
 // count: the indexer's 8192-row wq_b too).
 bool gemv_rmsnorm_ok(int fmt, int O, int K);
 
-// The hc fold (opt-in; hc_fold.cuh): the next mHC site's partials formed by the epilogue of the one-token
+// The hc fold (hc_fold.cuh): the next mHC site's partials formed by the epilogue of the one-token
 // tensor-core kernel that produces a block's output y [D] (wo_b's GEMV, the MoE down kernel). Token 0 only.
 struct HcFold {
   const void* res = nullptr;   // bf16 [n, D]: the streams the block's output updates

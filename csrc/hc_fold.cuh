@@ -1,4 +1,4 @@
-// The hc fold (opt-in, DS4_HC_FOLD=1; ds4.ops.hc_cuda): the next mHC site's first launch (hc_partials
+// The hc fold (the default; DS4_HC_FOLD=0 turns it off, ds4.ops.hc_cuda): the next mHC site's first launch (hc_partials
 // with its POST form, ds4_attn hc.cu) done by the epilogue of the one-token tensor-core kernel that
 // produces the block's output y (wo_b's GEMV, the MoE down kernel), so that site is 1 launch, not 2.
 //

@@ -36,8 +36,9 @@ N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, 
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
 (those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), hcr (DS4_HC_ROUTER=1: the FFN's
-hc launch also forms the router's logits, the router GEMV launch leaves the step), hcf (DS4_HC_FOLD=1: the
-hc fold, the next mHC site's first launch done by wo_b's and the MoE down's epilogues), xshared / xrouter / xrouted /
+hc launch also forms the router's logits, the router GEMV launch leaves the step), nohcf (DS4_HC_FOLD=0:
+without the hc fold, the library default since session 14 — the next mHC site's first launch done by wo_b's
+and the MoE down's epilogues — so each site is its own 2 launches again), xshared / xrouter / xrouted /
 xattn (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core kernels, to
 time what each costs the step). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
@@ -201,7 +202,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_QNORM_FUSED"] = "0" if "noqf" in toks else "1"
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
     os.environ["DS4_HC_ROUTER"] = "1" if "hcr" in toks else "0"
-    os.environ["DS4_HC_FOLD"] = "1" if "hcf" in toks else "0"
+    os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SIDE_PRIORITY"] = "high" if "sprio" in toks else "default"
     # shwNN: the side-stream shared expert's launches take NN % of a resident wave (DS4_SHARED_WAVE)
     os.environ["DS4_SHARED_WAVE"] = str(_number_token(toks, "shw", 100))

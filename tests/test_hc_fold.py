@@ -1,7 +1,7 @@
 """The hc fold's plumbing on the CPU (hc.fold -> attend / MoE.forward -> the producing kernel -> hc.fold_pre, and the
 fold as a block's carry into the next block): with torch stand-ins that do what the CUDA epilogues do (the post into
 fold.out), a model decodes exactly as the reference, and every decode row's sites fold except the last block's FFN
-(nothing follows it inside the blocks). The CUDA implementation never folds off the GPU or without DS4_HC_FOLD=1."""
+(nothing follows it inside the blocks). The CUDA implementation never folds off the GPU or with DS4_HC_FOLD=0."""
 from __future__ import annotations
 
 import dataclasses
@@ -79,15 +79,31 @@ def test_folded_decode_matches_the_reference(started):
     assert made == per_step * len(steps)
 
 
-def test_cuda_hc_does_not_fold_off_the_gpu_or_by_default(monkeypatch):
+def test_cuda_hc_does_not_fold_off_the_gpu_or_when_off(monkeypatch):
     n, d = 4, 64
     res = torch.randn(1, n, d).to(torch.bfloat16)
     post, comb, fn = torch.rand(1, n), torch.rand(1, n, n), torch.randn((2 + n) * n, n * d)
+    for value in (None, "1", "0"):  # default (on), on, off
+        if value is None:
+            monkeypatch.delenv("DS4_HC_FOLD", raising=False)
+        else:
+            monkeypatch.setenv("DS4_HC_FOLD", value)
+        assert FusedCudaHC().fold(res, post, comb, fn) is None  # CPU tensors: nothing to fold into
+    assert TorchHC().fold(res, post, comb, fn) is None          # the reference never folds
+
+
+def test_cuda_hc_fold_switch(monkeypatch):
+    """The switch alone (a CUDA-looking request): on unless DS4_HC_FOLD=0."""
+    import ds4.ops.hc_cuda as hc_cuda
+    n, d = 4, 64
+    res = torch.randn(1, n, d).to(torch.bfloat16)
+    post, comb, fn = torch.rand(1, n), torch.rand(1, n, n), torch.randn((2 + n) * n, n * d)
+    monkeypatch.setattr(hc_cuda, "_ok", lambda h: True)  # shapes and dtypes as on the GPU; CPU tensors here
     monkeypatch.delenv("DS4_HC_FOLD", raising=False)
+    f = FusedCudaHC().fold(res, post, comb, fn)
+    assert f is not None and not f.fused and f.out.shape == res.shape and f.part.shape == (1, 25, d // 16)
+    monkeypatch.setenv("DS4_HC_FOLD", "0")
     assert FusedCudaHC().fold(res, post, comb, fn) is None
-    monkeypatch.setenv("DS4_HC_FOLD", "1")
-    assert FusedCudaHC().fold(res, post, comb, fn) is None  # CPU tensors: nothing to fold into
-    assert TorchHC().fold(res, post, comb, fn) is None      # the reference never folds
 
 
 def test_fold_pre_needs_a_formed_fold():

@@ -1,4 +1,4 @@
-"""GPU tests of the hc fold (opt-in DS4_HC_FOLD=1): wo_b's tensor-core GEMV and the MoE down kernel forming the
+"""GPU tests of the hc fold (hc=fused_cuda's default; DS4_HC_FOLD=0 turns it off): wo_b's tensor-core GEMV and the MoE down kernel forming the
 next mHC site's streams and partials in their epilogues (ds4.kernels.gemv_fold, moe_down(fold=)), finished by
 ds4_attn.hc_fold_finish — against the unfolded launches (the same y bit for bit; the streams and the finish's x,
 post, comb as hc_post_pre forms them, at most a rounding apart; the partials against an fp64 matvec), at V4-Flash

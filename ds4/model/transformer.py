@@ -85,7 +85,9 @@ class Block(WeightsModule):
             else:
                 h, x, post, comb = hc.post_pre(*carry, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                                a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
-        fold = hc.fold(h, post, comb, self.hc_ffn_fn)
+        # (no fold where an all-reduce follows the producing kernel: tensor parallel)
+        one_rank = self.attn.comm.world == 1
+        fold = hc.fold(h, post, comb, self.hc_ffn_fn) if one_rank else None
         x = attend(self.attn, x, fold)
         with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN (which may also give
             # the router's logits: hc's router fold, opt-in)
@@ -96,7 +98,7 @@ class Block(WeightsModule):
                 h, x, post, comb, logits = hc.post_pre_route(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale,
                                                              self.hc_ffn_base, a.hc_sinkhorn_iters, a.hc_eps,
                                                              a.norm_eps, self.ffn_norm, self.ffn.gate)
-        fold = hc.fold(h, post, comb, next_fn) if next_fn is not None else None
+        fold = hc.fold(h, post, comb, next_fn) if next_fn is not None and one_rank else None
         x = self.ffn(x, token_ids, logits, fold)
         if fold is not None and fold.fused:
             return h, fold

@@ -16,7 +16,7 @@ from torch import Tensor
 @dataclass
 class HcFold:
     """A pending mHC post + the next site's pre that the kernel producing a block's output y [1, D] may
-    fold into its epilogue (hc=fused_cuda's `fold`, opt-in DS4_HC_FOLD=1; one decode row). The streams
+    fold into its epilogue (hc=fused_cuda's `fold`, on unless DS4_HC_FOLD=0; one decode row). The streams
     res [1, n, D] bf16 are updated with post [1, n] / comb [1, n, n] into `out` and the next site's
     partials (fn [mix, n*D] fp32) land in `part` [1, mix + 1, D / 16]. An implementation that folds sets
     `fused`; otherwise the caller runs hc.post_pre on the returned y as usual (decided by shapes and

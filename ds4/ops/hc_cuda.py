@@ -10,10 +10,11 @@ post_pre (a block's post followed by the next site's pre): 2 launches; the first
 post_pre_route (post_pre before the MoE): with DS4_HC_ROUTER=1 (opt-in; measured slower in session 14:
       133.9 against 131.2 us per layer) the finishing launch also returns the router's logits, so
       the router's BF16 GEMV launch leaves the step (moe route() then runs only its top-k tail).
-fold / fold_pre (the hc fold, opt-in DS4_HC_FOLD=1): a decode row's post + the next site's first launch
-      done by the epilogue of the kernel that produces the block output (wo_b's tensor-core GEMV, the
-      MoE down kernel: ds4.kernels.gemv_fold / moe_down(fold=)), so the site is its finishing launch
-      alone (ds4_attn.hc_fold_finish over one partial per 16-row tile).
+fold / fold_pre (the hc fold; default, DS4_HC_FOLD=0 turns it off): a decode row's post + the next site's
+      first launch done by the epilogue of the kernel that produces the block output (wo_b's tensor-core
+      GEMV, the MoE down kernel: ds4.kernels.gemv_fold / moe_down(fold=)), so the site is its finishing
+      launch alone (ds4_attn.hc_fold_finish over one partial per 16-row tile). H200, session 14: 127.6
+      against 130.7 us per layer without it (experiments/decode_session14_h200.md).
 Same arguments, outputs and dtypes as TorchHC. Inputs other than bf16/fp32 or hc > 8 streams go to
 TorchHC (chosen by dtype/shape only, never by values) — part of this implementation.
 """
@@ -92,10 +93,10 @@ class FusedCudaHC:
                                                gate)
 
     def fold(self, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor) -> HcFold | None:
-        # DS4_HC_FOLD=1 (opt-in, read per call): one decode row of bf16 streams (1, 2 or 4 of them, D % 16 == 0)
-        # with fp32 post / comb / fn. The request's buffers are allocated here; the producing kernel fills them
-        # if it can (then fold.fused), else the caller runs post_pre as usual.
-        if os.environ.get("DS4_HC_FOLD") != "1":
+        # On by default (DS4_HC_FOLD=0 turns it off, read per call): one decode row of bf16 streams (1, 2 or 4 of
+        # them, D % 16 == 0) with fp32 post / comb / fn. The request's buffers are allocated here; the producing
+        # kernel fills them if it can (then fold.fused), else the caller runs post_pre as usual.
+        if os.environ.get("DS4_HC_FOLD", "1") == "0":
             return None
         n, d = res.shape[-2], res.shape[-1]
         if not (_ok(res) and res.dtype == torch.bfloat16 and res.shape[0] == 1 and n in (1, 2, 4) and d % 16 == 0

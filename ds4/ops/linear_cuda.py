@@ -1,8 +1,8 @@
 """linear=gemv_cuda: FP8 / MXFP4 GEMV kernels reading the stored bytes and E8M0 scales.
 
 Decode (<= PREFILL_TOKENS tokens): one launch of the CUDA GEMV (fp32 accumulation, BF16 out); with an hc
-fold (one row, opt-in DS4_HC_FOLD=1, ds4.ops.hc_cuda) the tensor-core GEMV whose epilogue also forms the
-next mHC site's streams and partials (ds4.kernels.gemv_fold).
+fold (one row; hc=fused_cuda's default, DS4_HC_FOLD=0 turns it off, ds4.ops.hc_cuda) the tensor-core GEMV
+whose epilogue also forms the next mHC site's streams and partials (ds4.kernels.gemv_fold).
 Prefill (more tokens) and BF16 weights: dequantise + torch matmul (cuBLAS) — part of this
 implementation, chosen by shape only, never by tensor values.
 qat (act_quant=True): the activation is FP8-simulated per 128 channels (ds4.quant.act_quant_sim,
