@@ -1,6 +1,7 @@
-// The hc fold (the default; DS4_HC_FOLD=0 turns it off, ds4.ops.hc_cuda): the next mHC site's first launch (hc_partials
-// with its POST form, ds4_attn hc.cu) done by the epilogue of the one-token tensor-core kernel that
-// produces the block's output y (wo_b's GEMV, the MoE down kernel), so that site is 1 launch, not 2.
+// The hc fold (the default; DS4_HC_FOLD=0 turns it off, ds4.ops.hc_cuda): the next mHC site's first
+// launch (hc_partials with its POST form, ds4_attn hc.cu) done by the epilogue of the one-token
+// tensor-core kernel that produces the block's output y (wo_b's GEMV, the MoE down kernel), so that site
+// is 1 launch, not 2 (H200: 127.6 against 130.7 us per layer, experiments/decode_session14_h200.md).
 //
 // For its 16-row tiles a block forms, like hc.cu's hc_post_elem, the new streams
 //   s[j, r] = post[j] * y[r] + sum_i comb[i, j] * res[i, r]     (y as stored: bf16; s rounded to bf16)
@@ -15,9 +16,8 @@
 
 namespace ds4 {
 
-constexpr int HC_FOLD_MAX_N = 4;
-
-// Shared-memory floats of a block's fold buffers for nt tiles (see HcFoldSmem).
+// Shared-memory floats of a block's fold buffers for up to nt tiles (see HcFoldSmem; the kernels size and
+// lay them out for their tiles per block and index them with the block's own tile count).
 __host__ __device__ constexpr long hc_fold_smem_floats(int nt, int n, int mix) {
   return (long)nt * 16 * n * mix                  // fn slice
          + ((long)nt * 16 * n + 1) / 2            // res slice (bf16)
@@ -70,7 +70,8 @@ __device__ __forceinline__ void hc_fold_load_act(const HcFold& f, const HcFoldSm
   const int per = nt * 2;  // 16-byte copies (8 bf16) per stream row of nt * 16 values
   for (int i = threadIdx.x; i < f.n * per; i += blockDim.x) {
     const int j = i / per, c = i - j * per;
-    cp_async16(s.res + (long)j * nt * 16 + c * 8, static_cast<const __nv_bfloat16*>(f.res) + (long)j * D + t0 * 16 + c * 8);
+    cp_async16(s.res + (long)j * nt * 16 + c * 8,
+               static_cast<const __nv_bfloat16*>(f.res) + (long)j * D + t0 * 16 + c * 8);
   }
   for (int i = threadIdx.x; i < f.n + f.n * f.n; i += blockDim.x)
     cp_async4(s.pc + i, i < f.n ? f.post + i : f.comb + (i - f.n));

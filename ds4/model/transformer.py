@@ -68,9 +68,10 @@ class Block(WeightsModule):
         done: it is done here together with this block's first hc.pre (hc.post_pre: one step, which the
         CUDA implementation runs in 2 launches instead of 3). Returns (h, carry) with this block's own
         last hc.post left to the caller in the same way (`finish_streams` applies it).
-        The hc fold (opt-in, hc.fold): the kernel that forms a sub-block's output (wo_b, the MoE down) may
-        also do that post and the next site's first launch; next_fn (the next block's hc_attn_fn) lets the
-        FFN's fold reach into the next block, whose forward then takes the fold as its carry."""
+        The hc fold (hc.fold; the CUDA implementation's default): the kernel that forms a sub-block's output
+        (wo_b, the MoE down) may also do that post and the next site's first launch; next_fn (the next block's
+        hc_attn_fn) lets the FFN's fold reach into the next block, whose forward then takes the fold as its
+        carry."""
         a, hc = self.args, self.ops.hc
         # opt-in (DS4_L2_PREFETCH, measured slower): a captured decode step starts bringing the query
         # up-projection into L2 beside this block's first mHC and wq_a + wkv (ds4.ops.prefetch)
