@@ -16,10 +16,11 @@
 
 namespace {
 
-constexpr int64_t FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3;
+constexpr int64_t FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3, FMT_FP4T = 4;
 // fp4p: MXFP4 with permuted words (ds4_common.cuh fp4p_regs; the routed experts' layout after
 // ds4.quant.formats.pack_fp4_mma): the same shapes and scales as fp4.
-bool is_fp4(int64_t fmt) { return fmt == FMT_FP4 || fmt == FMT_FP4P; }
+// fp4t: fp4p words in the tensor-core kernels' fragment order (ds4.quant.tile_fp4_mma; one-token MoE kernels only).
+bool is_fp4(int64_t fmt) { return fmt == FMT_FP4 || fmt == FMT_FP4P || fmt == FMT_FP4T; }
 
 void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "ds4: ", name, " must be a CUDA tensor");

@@ -22,10 +22,15 @@ namespace ds4 {
 
 // FMT_FP4P: MXFP4 whose 32-bit words have their bits permuted at load time (fp4p_regs below):
 // the same bytes and scales as FMT_FP4, decoded in about half the integer instructions.
-enum Fmt : int { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3 };
+// FMT_FP4T: FMT_FP4P words placed in MmaStream's fragment order (ds4.quant.tile_fp4_mma, run width 2; the
+// one-token tensor-core MoE kernels only: mma_dot.cuh's MmaStream reads it, the FMA kernels do not).
+enum Fmt : int { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3, FMT_FP4T = 4 };
+constexpr int FP4T_W = 2;  // the run width FMT_FP4T is laid out for (ds4.quant.formats.TILE_W)
 
-// Either MXFP4 layout (same row bytes, scales, values per chunk).
-__host__ __device__ constexpr bool fmt_fp4(int f) { return f == FMT_FP4 || f == FMT_FP4P; }
+// Any MXFP4 layout (same row bytes, scales, values per chunk).
+__host__ __device__ constexpr bool fmt_fp4(int f) { return f == FMT_FP4 || f == FMT_FP4P || f == FMT_FP4T; }
+// The permuted-word layouts (fp4p_regs decodes them).
+__host__ __device__ constexpr bool fmt_fp4p(int f) { return f == FMT_FP4P || f == FMT_FP4T; }
 
 // values per 16-byte chunk
 template <int FMT> struct FmtInfo;
@@ -33,6 +38,7 @@ template <> struct FmtInfo<FMT_BF16> { static constexpr int VALS = 8;  };
 template <> struct FmtInfo<FMT_FP8>  { static constexpr int VALS = 16; };
 template <> struct FmtInfo<FMT_FP4>  { static constexpr int VALS = 32; };
 template <> struct FmtInfo<FMT_FP4P> { static constexpr int VALS = 32; };
+template <> struct FmtInfo<FMT_FP4T> { static constexpr int VALS = 32; };
 
 __host__ __device__ constexpr float pow2f(int e) {
   // exact powers of two in the normal fp32 range (compile-time friendly)

@@ -299,8 +299,8 @@ static cudaError_t gemv_nt(int n_tok, const void* x, long x_ld, const void* W, c
 cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok, const void* W, const void* S,
                         int s_ld, void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
                         cudaStream_t st) {
-  // FMT_FP4P is the routed experts' layout (moe.cu); dense weights keep the stored one
-  if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1 || fmt == FMT_FP4P) return cudaErrorInvalidValue;
+  // FMT_FP4P / FMT_FP4T are the routed experts' layouts (moe.cu); dense weights keep the stored one
+  if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1 || fmt_fp4p(fmt)) return cudaErrorInvalidValue;
   // tensor cores: one token, whole rounds, 16-row tiles inside groups, a tile's activations (two
   // groups' when grouped) in shared memory
   const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K) && (group_rows <= 0 || group_rows % 16 == 0) &&

@@ -44,6 +44,7 @@ template <> struct Mma<FMT_FP4> {
   static constexpr float POST = 4611686018427387904.0f;  // 2^62 = 2^126 / 2^64
 };
 template <> struct Mma<FMT_FP4P> : Mma<FMT_FP4> {};
+template <> struct Mma<FMT_FP4T> : Mma<FMT_FP4> {};
 
 // E4M3 bytes at bits 15..8 and 31..24 -> bf16x2 (x 2^-120)
 __device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint32_t q) {
@@ -102,7 +103,7 @@ __device__ __forceinline__ void mma_chunk_fp4(const uint4& wg, const uint4& wg8,
   for (int w = 0; w < 4; ++w) {
     const uint4 b = xb[w];
     uint32_t ra[4], rb[4];
-    if (FMT == FMT_FP4P) {
+    if (fmt_fp4p(FMT)) {
       fp4p_regs(qa[w], ra);
       fp4p_regs(qb[w], rb);
     } else {
@@ -120,6 +121,10 @@ __device__ __forceinline__ void mma_chunk<FMT_FP4>(const uint4& wg, const uint4&
 template <>
 __device__ __forceinline__ void mma_chunk<FMT_FP4P>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
   mma_chunk_fp4<FMT_FP4P>(wg, wg8, xb, d);
+}
+template <>
+__device__ __forceinline__ void mma_chunk<FMT_FP4T>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
+  mma_chunk_fp4<FMT_FP4T>(wg, wg8, xb, d);
 }
 
 // d += chunk w of a round: the lane's 16-byte chunks of rows g / g+8 (wg / wg8) times its B values at
@@ -206,9 +211,14 @@ __host__ __device__ constexpr int mma_part_floats(int nt) { return nt * MMA_STRE
 // activations and column 1 the second's, and C columns 0 / 1 are scaled by the two blocks.
 // Per-round bookkeeping is kept to a few instructions (row and scale pointers are recomputed only when
 // the segment changes; a slot's activation offset, tile and last-round flag share one register).
+// FMT_FP4T (tiled): a tile's rows lie where they lie in the row-major layout (16 rows x rowb bytes from
+// row0 * rowb), but inside it the 16-B chunk of (round r, chunk w, row half h, lane) sits at
+// ((r W + w) 2 + h) 512 + lane 16: each load of a warp reads 512 contiguous bytes (W must be FP4T_W).
 template <int FMT, int U, int W, typename TileFn>
 struct MmaStream {
   static constexpr int SC = fmt_fp4(FMT) ? W : 1;  // scale registers per slot
+  static constexpr bool TILED = FMT == FMT_FP4T;
+  static_assert(!TILED || W == FP4T_W, "FMT_FP4T is laid out for run width FP4T_W");
   TileFn tile;
   const __nv_bfloat16* xbase;
   int nseg, nr, s_ld, n;  // n = rounds of this warp
@@ -238,8 +248,13 @@ struct MmaStream {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const MmaTile p = tile(lt, ls);
     const int ra = min(p.row0 + g, p.nrows - 1), rb8 = min(p.row0 + g + 8, p.nrows - 1);
-    pa = p.W + (long)ra * rowb + t * W * 16;
-    pb = p.W + (long)rb8 * rowb + t * W * 16;
+    if (TILED) {  // whole tiles (rows % 16 == 0: the launchers check)
+      pa = p.W + (long)p.row0 * rowb + lane * 16;
+      pb = pa + 512;
+    } else {
+      pa = p.W + (long)ra * rowb + t * W * 16;
+      pb = p.W + (long)rb8 * rowb + t * W * 16;
+    }
     if (FMT == FMT_FP8) {
       psa = psb = p.S + (long)(p.row0 >> 7) * s_ld;
     } else {  // lane t needs columns 2(t&1), 2(t&1)+1: chunks 4 W r + 2 (t&1) W + [0, 2 W) of both rows
@@ -262,8 +277,13 @@ struct MmaStream {
   __device__ __forceinline__ void load(int k) {
 #pragma unroll
     for (int w = 0; w < W; ++w) {
-      wa[k][w] = ld_stream16(pa + lr * 64 * W + 16 * w);
-      wb[k][w] = ld_stream16(pb + lr * 64 * W + 16 * w);
+      if (TILED) {
+        wa[k][w] = ld_stream16(pa + (long)(lr * W + w) * 1024);
+        wb[k][w] = ld_stream16(pb + (long)(lr * W + w) * 1024);
+      } else {
+        wa[k][w] = ld_stream16(pa + lr * 64 * W + 16 * w);
+        wb[k][w] = ld_stream16(pb + lr * 64 * W + 16 * w);
+      }
     }
     if (FMT == FMT_FP8) {
       if (W == 4) sc[k][0] = __ldg(psa + 2 * lr) | (uint32_t)__ldg(psa + 2 * lr + 1) << 8;

@@ -565,9 +565,31 @@ static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStre
   return gate_up_go<FMT, 8>(a, x, h, st);
 }
 
+// FMT_FP4T (ds4_common.cuh): the one-token tensor-core kernels only, at the layout's run width FP4T_W and on
+// the register stream (depth 8 / 4 / 2; the shared-memory stream reads rows contiguously, so depth 0 takes
+// 2), with whole 16-row tiles and rounds in both matrices.
+static bool fp4t_shape_ok(const MoEArgs& a) {
+  constexpr int ROUND = 4 * FP4T_W * 32;  // values of a row one round covers
+  return a.dim % 16 == 0 && a.inter % 16 == 0 && a.dim % ROUND == 0 && a.inter % ROUND == 0;
+}
+
+template <typename F>
+static cudaError_t with_fp4t_shape(int depth, F f) {
+  using std::integral_constant;
+  if (depth >= 8) return f(integral_constant<int, 8 / FP4T_W>{});
+  if (depth >= 4) return f(integral_constant<int, 4 / FP4T_W>{});
+  return f(integral_constant<int, 2 / FP4T_W>{});
+}
+
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && (!moe_route_ok(a) || !a.ids_out || !a.rw_out))) return cudaErrorInvalidValue;
+  if (a.fmt == FMT_FP4T) {
+    if (mma != 1 || !fp4t_shape_ok(a)) return cudaErrorInvalidValue;
+    return with_fp4t_shape(mma_depth(a.dim, false), [&](auto u) {
+      return gate_up_mma_go<FMT_FP4T, decltype(u)::value, FP4T_W>(a, x, h, st);
+    });
+  }
   if (mma)
     return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), mma_depth(a.dim, false), [&](auto cw, auto u) {
       constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
@@ -621,11 +643,25 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, vo
     if (mma != 1 || out_f32 || a.n_tok != 1 || !hc_fold_ok(1, a.fmt, a.dim, a.inter, a.topk, fold->n) ||
         fold->mix != (2 + fold->n) * fold->n)
       return cudaErrorInvalidValue;
+    if (a.fmt == FMT_FP4T) {
+      if (!fp4t_shape_ok(a)) return cudaErrorInvalidValue;
+      return with_fp4t_shape(mma_depth(a.inter, false), [&](auto u) {
+        return down_mma_go<FMT_FP4T, decltype(u)::value, FP4T_W, false, true>(a, h, add, out, st, *fold);
+      });
+    }
     return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(a.inter, false), [&](auto cw, auto u) {
       constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
       if (a.fmt == FMT_FP8) return down_mma_go<FMT_FP8, U, CW, false, true>(a, h, add, out, st, *fold);
       if (a.fmt == FMT_FP4P) return down_mma_go<FMT_FP4P, U, CW, false, true>(a, h, add, out, st, *fold);
       return down_mma_go<FMT_FP4, U, CW, false, true>(a, h, add, out, st, *fold);
+    });
+  }
+  if (a.fmt == FMT_FP4T) {
+    if (mma != 1 || !fp4t_shape_ok(a)) return cudaErrorInvalidValue;
+    return with_fp4t_shape(mma_depth(a.inter, false), [&](auto u) {
+      constexpr int U = decltype(u)::value;
+      return out_f32 ? down_mma_go<FMT_FP4T, U, FP4T_W, true>(a, h, add, out, st)
+                     : down_mma_go<FMT_FP4T, U, FP4T_W, false>(a, h, add, out, st);
     });
   }
   if (mma) {

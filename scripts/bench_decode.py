@@ -24,7 +24,8 @@ default), smem
 (DS4_SHARED_FORK=late: the side-stream shared expert forks after the router, not before), k2048
 (DS4_MMA=k2048: wq_b on the FMA kernel, the rule before session 9), noqf (DS4_QNORM_FUSED=0: q_norm in
 its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k
-inside the routed kernels instead of its own launch), nopack (the routed experts in the checkpoint's FP4
+inside the routed kernels instead of its own launch), tile (DS4_FP4_TILE=1: the routed experts in the fp4t
+layout, their words in the tensor-core kernels' fragment order; not yet run on a GPU), nopack (the routed experts in the checkpoint's FP4
 layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), noidxm (CSA layers: the indexer's
 query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), hwin (CSA layers
 with the merged query: the indexer's head weights after the indexer compressor's step in its branch, not in
@@ -60,7 +61,7 @@ from ds4.model.attention import Attention
 from ds4.model.transformer import Transformer
 from ds4.ops import prefetch
 from ds4.ops.base import MoEWeights, QWeight
-from ds4.quant import unpack_fp4_mma
+from ds4.quant import unpack_fp4_mma, untile_fp4_mma
 from ds4.registry import Impls, ImplUnavailable, build_ops
 from ds4.runtime.generate import Generator
 from ds4.tasks.common import copy_bandwidth, decode_figures, graph_figures
@@ -79,10 +80,13 @@ def impls_of(tokens: set[str]) -> Impls:
 
 
 def stored_fp4_layout(model) -> None:
-    """Undo moe=fp4_topk's fp4p word layout in place (every MoE layer), back to the checkpoint's."""
+    """Undo moe=fp4_topk's fp4p / fp4t layouts in place (every MoE layer), back to the checkpoint's."""
     for mod in model.modules():
         mw = getattr(mod, "mw", None)
-        if isinstance(mw, MoEWeights) and mw.w1.fmt == "fp4p":
+        if isinstance(mw, MoEWeights) and mw.w1.fmt in ("fp4p", "fp4t"):
+            for q in (mw.w1, mw.w2, mw.w3):
+                if q.fmt == "fp4t":
+                    q.weight.copy_(untile_fp4_mma(q.weight))
             plain = {n: QWeight("fp4", unpack_fp4_mma(q.weight, out=q.weight), q.scale)
                      for n, q in (("w1", mw.w1), ("w2", mw.w2), ("w3", mw.w3))}
             mod.mw = dataclasses.replace(mw, **plain)
@@ -174,6 +178,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # nopack: the routed experts in the stored FP4 layout (as DS4_FP4_PACK=0 at load); other variants
     # re-lay them as fp4p through configure() (moe=fp4_topk's prepare)
     os.environ["DS4_FP4_PACK"] = "0" if "nopack" in toks else "1"
+    os.environ["DS4_FP4_TILE"] = "1" if "tile" in toks else "0"  # fp4t (configure re-lays fp4p <-> fp4t)
     if "nopack" in toks:
         stored_fp4_layout(model)
     model.configure(ops=ops, comm=comm)

@@ -47,7 +47,10 @@ def _options():
                      # the shared expert's FP8 rows take the FMA kernels: every site falls back, as in the plain row);
                      # with DS4_MMA=all every one folds; DS4_HC_FOLD=0 requests none
                      pytest.param(combos[-1], {"DS4_HC_FOLD": "0"}, id="all-fused,DS4_HC_FOLD=0"),
-                     pytest.param(combos[-1], {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="all-fused,DS4_HC_FOLD=1,MMA=all")]
+                     pytest.param(combos[-1], {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="all-fused,DS4_HC_FOLD=1,MMA=all"),
+                     # the fp4t expert layout (opt-in, not yet run on a GPU when written): one-row decode steps on the
+                     # tensor-core kernels, the prompt's chunks through the reference
+                     pytest.param(combos[-1], {"DS4_FP4_TILE": "1"}, id="all-fused,DS4_FP4_TILE=1")]
 
 
 # A step is "confident" when the reference's top-2 logit gap exceeds this. At 1.0, one step in ~100

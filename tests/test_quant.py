@@ -200,6 +200,45 @@ def test_qweight_fp4p_dequantises_like_fp4():
     exact(b[1].dequant(torch.bfloat16), a[1].dequant(torch.bfloat16))
 
 
+def test_fp4t_tiling_is_the_kernels_fragment_order():
+    """fp4t (ds4.quant.tile_fp4_mma): the 16 bytes csrc/mma_dot.cuh's MmaStream loads for lane (g, t), round r,
+    chunk w of a tile's row half h at ((r W + w) 2 + h) 512 + (4 g + t) 16 inside the tile's block are the
+    bytes the row-major layout has at row 16 T + 8 h + g, byte (4 W r + W t + w) 16; untile undoes it."""
+    from ds4.quant import TILE_W, fp4t_ok, tile_fp4_mma, untile_fp4_mma
+    g = torch.Generator().manual_seed(9)
+    E, O, rb = 2, 48, 3 * 64 * TILE_W  # 3 tiles of 16 rows, 3 rounds per row
+    w = torch.randint(-128, 128, (E, O, rb), generator=g, dtype=torch.int8)
+    t = tile_fp4_mma(w)
+    assert t.shape == w.shape and t.dtype == w.dtype and not torch.equal(t, w)
+    assert torch.equal(untile_fp4_mma(t), w)
+    W, flat = TILE_W, t.view(E, -1)
+    for e in range(E):
+        for T in range(O // 16):
+            for r in range(rb // (64 * W)):
+                for cw in range(W):
+                    for h in range(2):
+                        for lane in range(32):
+                            gg, tt = lane >> 2, lane & 3
+                            got = flat[e, T * 16 * rb + ((r * W + cw) * 2 + h) * 512 + lane * 16:][:16]
+                            c = 4 * W * r + W * tt + cw
+                            exact(got, w[e, 16 * T + 8 * h + gg, 16 * c:16 * c + 16])
+    assert fp4t_ok(32, 2 * 64 * TILE_W) and not fp4t_ok(40, 64 * TILE_W) and not fp4t_ok(32, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tile_fp4_mma(torch.zeros(24, 64 * TILE_W, dtype=torch.int8))
+
+
+def test_qweight_fp4t_dequantises_like_fp4():
+    from ds4.ops.base import QWeight
+    from ds4.quant import tile_fp4_mma
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(-128, 128, (2, 32, 256), generator=g, dtype=torch.int8)
+    s = torch.randint(118, 130, (2, 32, 16), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    a, b = QWeight("fp4", w, s), QWeight("fp4t", tile_fp4_mma(pack_fp4_mma(w)), s)
+    assert b.in_features == a.in_features == 512
+    exact(b.dequant(), a.dequant())
+    exact(b[1].dequant(torch.bfloat16), a[1].dequant(torch.bfloat16))
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8 E4M3
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Thin typed wrappers over torch.ops.ds4.* (the extension is loaded on first use).
 
 fmt codes: "bf16" -> 0, "fp8" -> 1 (E4M3 + E8M0 128x128), "fp4" -> 2 (E2M1 pairs + E8M0 per 32),
-"fp4p" -> 3 (fp4 with the permuted words of ds4.quant.pack_fp4_mma; the MoE kernels only).
+"fp4p" -> 3 (fp4 with the permuted words of ds4.quant.pack_fp4_mma; the MoE kernels only), "fp4t" -> 4
+(fp4p in the tensor-core kernels' fragment order, ds4.quant.tile_fp4_mma; the one-token MoE kernels only).
 All kernels take BF16 activations and accumulate in fp32; they handle 1..8 tokens per launch and
 loop over token chunks beyond that (callers send prefill-sized batches elsewhere).
 """
@@ -12,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-FMT = {"bf16": 0, "fp8": 1, "fp4": 2, "fp4p": 3}
+FMT = {"bf16": 0, "fp8": 1, "fp4": 2, "fp4p": 3, "fp4t": 4}
 # "auto": tensor-core kernels for one-token FP4 products and one-token FP8 products with K >= 2048 or
 # with K >= 1024 and >= 16384 rows (csrc/ds4_launch.h; DS4_MMA=0 / all / k2048 overrides), FMA kernels
 # otherwise; "fma" / "mma" force one (an "mma" request it cannot serve raises).
@@ -20,10 +21,11 @@ KERNEL = {"auto": 0, "fma": 1, "mma": 2}
 
 
 def _fmt(fmt: str, dense: bool = False) -> int:
-    """The kernels' fmt code; fp4p (the routed experts' permuted layout) only for the MoE kernels."""
+    """The kernels' fmt code; fp4p / fp4t (the routed experts' layouts) only for the MoE kernels (fp4t: their
+    one-token tensor-core forms)."""
     allowed = ("bf16", "fp8", "fp4") if dense else tuple(FMT)
     if fmt not in allowed:
-        why = " (fp4p is the routed experts' layout: the MoE kernels only)" if fmt == "fp4p" else ""
+        why = f" ({fmt} is the routed experts' layout: the MoE kernels only)" if fmt in ("fp4p", "fp4t") else ""
         raise ValueError(f"ds4.kernels: fmt must be one of {list(allowed)}, got {fmt!r}{why}")
     return FMT[fmt]
 
@@ -93,6 +95,13 @@ class InKernelRoute(NamedTuple):
     route_scale: float
 
 
+def _fp4t_check(fmt: str, n_tok: int, kernel: str) -> None:
+    """fp4t is read by the one-token tensor-core MoE kernels only: refused here, before the op."""
+    if fmt == "fp4t" and (n_tok != 1 or kernel == "fma"):
+        raise ValueError(f"ds4.kernels: fp4t experts take one token on the tensor-core kernels (got {n_tok} tokens, "
+                         f"kernel={kernel!r})")
+
+
 def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tensor, s1: Tensor | None,
                 w3: Tensor, s3: Tensor | None, fmt: str, expert_offset: int = 0, n_local: int | None = None,
                 limit: float = 10.0, ptrs: Tensor | None = None, kernel: str = "auto",
@@ -106,6 +115,7 @@ def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tenso
     if n_local is None:
         n_local = w1.shape[0] if w1.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
+    _fp4t_check(fmt, x.shape[0], kernel)
     r = route or InKernelRoute(None, None, None, None, 1.0)
     return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, f, expert_offset, n_local, limit, k,
                               r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale))
@@ -124,6 +134,7 @@ def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | 
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
+    _fp4t_check(fmt, h.shape[0] // max(topk, 1), kernel)
     r = route or InKernelRoute(None, None, None, None, 1.0)
     if fold is not None and (out_f32 or h.shape[0] != topk or fold.out.shape[-1] != w2.shape[-2] or not hc_fold_ok(
             "moe_down", fmt, w2.shape[-2], h.shape[-1], topk, fold.out.shape[-2])):

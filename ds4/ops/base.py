@@ -42,6 +42,8 @@ class QWeight:
     fmt "fp4":  weight int8 [..., O, I/2] (low nibble = even element), scale e8m0 [..., O, I/32]
     fmt "fp4p": fp4 with the bits of each 4-byte word permuted (ds4.quant.formats.pack_fp4_mma): the
                 routed experts' layout under moe=fp4_topk (its kernels decode it in fewer instructions)
+    fmt "fp4t": fp4p words in the tensor-core kernels' fragment order (ds4.quant.tile_fp4_mma; moe=fp4_topk with
+                DS4_FP4_TILE=1): read by the one-token MoE kernels only
     fmt "bf16": weight bfloat16 or float32 [..., O, I], scale None
     A leading dim, when present, stacks experts: [E, O, ...].
     """
@@ -55,16 +57,18 @@ class QWeight:
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[-1] * (2 if self.fmt in ("fp4", "fp4p") else 1)
+        return self.weight.shape[-1] * (2 if self.fmt in ("fp4", "fp4p", "fp4t") else 1)
 
     def dequant(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        from ds4.quant import dequant_fp4, dequant_fp8, unpack_fp4_mma
+        from ds4.quant import dequant_fp4, dequant_fp8, unpack_fp4_mma, untile_fp4_mma
         if self.fmt == "fp8":
             return dequant_fp8(self.weight, self.scale, dtype)
         if self.fmt == "fp4":
             return dequant_fp4(self.weight, self.scale, dtype)
         if self.fmt == "fp4p":
             return dequant_fp4(unpack_fp4_mma(self.weight.contiguous()), self.scale, dtype)
+        if self.fmt == "fp4t":
+            return dequant_fp4(unpack_fp4_mma(untile_fp4_mma(self.weight)), self.scale, dtype)
         return self.weight.to(dtype)
 
     def nbytes(self) -> int:

@@ -32,6 +32,10 @@ moe=fp4_topk
           (QWeight fmt "fp4p", ds4.quant.pack_fp4_mma, in place: no extra memory) so the kernels decode
           a weight word in ~9 integer instructions instead of ~17; every other reader dequantises through
           QWeight, which undoes it. DS4_FP4_PACK=0 at load keeps the stored layout (the ablation).
+          DS4_FP4_TILE=1 at load (opt-in, written in session 14 after its device time, not yet run on a
+          GPU; bench token `tile`) also places the words in the tensor-core kernels' fragment order
+          (fmt "fp4t", ds4.quant.tile_fp4_mma: every warp load of MmaStream 512 contiguous bytes); the
+          FMA kernels cannot read it, so calls of several tokens take the torch reference path then.
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -57,7 +61,7 @@ from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops import side_stream
 from ds4.ops.base import HcFold, MoEWeights, QWeight
-from ds4.quant import pack_fp4_mma
+from ds4.quant import fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
 # Up to this many tokens (short prompts) prefill runs the decode kernels chunk by chunk: each chunk
@@ -95,6 +99,7 @@ def add_shared(y: Tensor, up: SharedUp) -> Tensor:
 
 class Fp4TopkMoE:
     name = "fp4_topk"
+    tiles = True  # DS4_FP4_TILE=1 may lay the experts out as fp4t (prepare)
 
     @property
     def shared_after_route(self) -> bool:
@@ -106,14 +111,29 @@ class Fp4TopkMoE:
         return DequantMoE()
 
     def prepare(self, mw: MoEWeights) -> MoEWeights:
-        """At load: CUDA FP4 routed experts -> the fp4p layout, in place (DS4_FP4_PACK=0 keeps them)."""
-        if mw.w1.fmt != "fp4" or not mw.w1.weight.is_cuda or os.environ.get("DS4_FP4_PACK", "1") == "0":
+        """At load: CUDA FP4 routed experts -> the fp4p layout, in place (DS4_FP4_PACK=0 keeps them), or with
+        DS4_FP4_TILE=1 the fp4t layout (in the same storage; fp4p <-> fp4t both ways, so one loaded model can
+        be configured with either)."""
+        if mw.w1.fmt not in ("fp4", "fp4p", "fp4t") or not mw.w1.weight.is_cuda:
             return mw
-        packed = {}
-        for name in ("w1", "w2", "w3"):
-            q: QWeight = getattr(mw, name)
-            packed[name] = QWeight("fp4p", pack_fp4_mma(q.weight, out=q.weight), q.scale)
-        return dataclasses.replace(mw, **packed)
+        if mw.w1.fmt == "fp4" and os.environ.get("DS4_FP4_PACK", "1") == "0":
+            return mw
+        qs = {name: getattr(mw, name) for name in ("w1", "w2", "w3")}
+        tile = self.tiles and os.environ.get("DS4_FP4_TILE") == "1" and all(
+            fp4t_ok(q.weight.shape[-2], q.weight.shape[-1]) for q in qs.values())
+        if all(q.fmt == ("fp4t" if tile else "fp4p") for q in qs.values()):
+            return mw  # laid out already
+        out = {}
+        for name, q in qs.items():
+            w = q.weight
+            if q.fmt == "fp4":
+                pack_fp4_mma(w, out=w)
+            if q.fmt == "fp4t" and not tile:
+                w.copy_(untile_fp4_mma(w))
+            elif q.fmt != "fp4t" and tile:
+                w.copy_(tile_fp4_mma(w))
+            out[name] = QWeight("fp4t" if tile else "fp4p", w, q.scale)
+        return dataclasses.replace(mw, **out)
 
     # Whether a captured decode step may leave the router's tail to the routed kernels (off in subclasses
     # that read the ids on the host).
@@ -186,6 +206,9 @@ class Fp4TopkMoE:
             if pending is ids:  # route() left the tail to these kernels: they write weights and ids
                 return self._routed_launches(x, weights, ids, mw, act_quant, shared, route, fold)
             raise RuntimeError("moe=fp4_topk: routed() must take the (weights, ids) of the route() call just before it")
+        if mw.w1.fmt == "fp4t" and n != 1:  # the tiled layout: the one-token tensor-core kernels only
+            y = self._reference().routed(x, weights, ids, mw, act_quant)
+            return y if shared is None else add_shared(y, shared)
         if shared is not None:
             if n > PREFILL_TOKENS:
                 raise ValueError("routed(shared=...) takes the shared_up result of a decode-sized call")
@@ -256,6 +279,7 @@ class Bf16CacheMoE(Fp4TopkMoE):
     """Hot-expert BF16 cache (per layer, keyed by the layer's w1 storage)."""
     name = "bf16_cache"
     route_in_kernels = False  # its routed() reads the ids on the host
+    tiles = False  # its cold experts go through the FMA kernels for several tokens, which cannot read fp4t
 
     def __init__(self, cap_bytes: int | None = None, min_free_bytes: int | None = None,
                  warmup_calls: int | None = None) -> None:

@@ -250,6 +250,45 @@ def unpack_fp4_mma(w: Tensor, out: Tensor | None = None) -> Tensor:
     return _permute_word_bits(w, _FP4_MMA_INV, out)
 
 
+# The fp4t layout (opt-in DS4_FP4_TILE=1 under moe=fp4_topk): fp4p words placed in the tensor-core kernels'
+# fragment order, so that one warp instruction of csrc/mma_dot.cuh's MmaStream reads 512 contiguous bytes
+# instead of 16-byte chunks of 8 rows. MmaStream's lane (g, t) of round r reads chunks 4 W r + W t + w (w < W)
+# of rows g and g + 8 of a 16-row tile; fp4t stores tile T's (16 rows x row bytes) block where the stored
+# layout has it, and inside it the chunk of (round r, chunk w, row half h, lane 4 g + t) at
+# ((r W + w) 2 + h) 512 + (4 g + t) 16. W is fixed at TILE_W (the kernels' default run width).
+TILE_W = 2
+
+
+def fp4t_ok(rows: int, row_bytes: int) -> bool:
+    """Whether an [rows, row_bytes] FP4 matrix can be laid out as fp4t (whole 16-row tiles and rounds)."""
+    return rows % 16 == 0 and row_bytes % (64 * TILE_W) == 0
+
+
+def _tile_view(w: Tensor) -> tuple[list[int], int, int]:
+    *lead, rows, rb = w.shape
+    if not fp4t_ok(rows, rb):
+        raise ValueError(f"fp4t: rows {rows} must be a multiple of 16 and row bytes {rb} of {64 * TILE_W}")
+    return lead, rows // 16, rb // (64 * TILE_W)
+
+
+def tile_fp4_mma(w: Tensor) -> Tensor:
+    """fp4p bytes [..., O, I/2] -> the fp4t layout (a copy: same shape, dtype and scales)."""
+    lead, nt, nr = _tile_view(w)
+    nl = len(lead)
+    x = w.reshape(*lead, nt, 2, 8, nr, 4, TILE_W, 16)            # tile, half, g, round, t, w, byte
+    order = [*range(nl)] + [nl + i for i in (0, 3, 5, 1, 2, 4, 6)]  # tile, round, w, half, g, t, byte
+    return x.permute(*order).contiguous().view(w.shape)
+
+
+def untile_fp4_mma(w: Tensor) -> Tensor:
+    """The inverse of tile_fp4_mma: fp4t bytes -> fp4p bytes (a copy)."""
+    lead, nt, nr = _tile_view(w)
+    nl = len(lead)
+    x = w.reshape(*lead, nt, nr, TILE_W, 2, 8, 4, 16)            # tile, round, w, half, g, t, byte
+    order = [*range(nl)] + [nl + i for i in (0, 3, 4, 1, 5, 2, 6)]  # tile, half, g, round, t, w, byte
+    return x.permute(*order).contiguous().view(w.shape)
+
+
 # ----------------------------------------------------------------------------------------------
 # block dequantisation
 # ----------------------------------------------------------------------------------------------
