@@ -8,6 +8,7 @@ loop over token chunks beyond that (callers send prefill-sized batches elsewhere
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -97,9 +98,9 @@ class InKernelRoute(NamedTuple):
 
 def _fp4t_check(fmt: str, n_tok: int, kernel: str) -> None:
     """fp4t is read by the one-token tensor-core MoE kernels only: refused here, before the op."""
-    if fmt == "fp4t" and (n_tok != 1 or kernel == "fma"):
+    if fmt == "fp4t" and (n_tok != 1 or kernel == "fma" or (kernel == "auto" and os.environ.get("DS4_MMA") == "0")):
         raise ValueError(f"ds4.kernels: fp4t experts take one token on the tensor-core kernels (got {n_tok} tokens, "
-                         f"kernel={kernel!r})")
+                         f"kernel={kernel!r}, DS4_MMA={os.environ.get('DS4_MMA')!r})")
 
 
 def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tensor, s1: Tensor | None,
