@@ -330,9 +330,9 @@ def test_moe_fp4p_layout_bit_exact(kernel, n, dims):
 @pytest.mark.parametrize("dims", [(4096, 2048), (512, 256)])
 def test_moe_fp4t_layout_bit_exact(depth, case, dims, monkeypatch):
     """The fp4t layout (fp4p words in the fragment order, DS4_FP4_TILE=1's) feeds the tensor-core kernels the same
-    fragments in the same order: one token's h and output equal the fp4p kernels' bit for bit, at every depth
-    (the shared-memory stream's request takes the register stream for fp4t); a bf16 add and the folded
-    output too. Not yet run on a GPU when written (session 14)."""
+    fragments in the same order: one token's h and output (fp32, and bf16 with an add) equal the fp4p kernels'
+    bit for bit, at every depth (the shared-memory stream's request takes the register stream for fp4t). Not yet
+    run on a GPU when written (session 14)."""
     if depth == "smem":
         monkeypatch.setenv("DS4_MMA_LOAD", "smem")
     else:
