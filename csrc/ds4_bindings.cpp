@@ -52,6 +52,15 @@ int64_t scale_ld(const std::optional<at::Tensor>& s, int64_t fmt, const char* na
 
 const void* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
+// A dense weight's scale row length, its shape checked against the [O, K] weight (fp8: 128x128 blocks; fp4:
+// per row and 32 values; bf16: none).
+int64_t dense_scale_ld(const std::optional<at::Tensor>& scale, int64_t fmt, int64_t O, int64_t K, const char* op) {
+  const int64_t s_ld = scale_ld(scale, fmt, "w");
+  if (fmt == FMT_FP8) TORCH_CHECK(scale->size(0) == (O + 127) / 128 && s_ld == (K + 127) / 128, op, ": fp8 scale shape");
+  if (fmt == FMT_FP4) TORCH_CHECK(scale->size(0) == O && s_ld == K / 32, op, ": fp4 scale shape");
+  return s_ld;
+}
+
 void check_aligned16(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name, " must be 16-byte aligned");
 }
@@ -97,10 +106,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   TORCH_CHECK(x.size(1) == K * groups, "ds4.gemv: x has ", x.size(1), " columns, expected ", K * groups);
   const int64_t vals = fmt == FMT_BF16 ? 8 : (fmt == FMT_FP8 ? 16 : 32);
   TORCH_CHECK(K % vals == 0, "ds4.gemv: in_features must be a multiple of ", vals);
-  const int64_t s_ld = scale_ld(scale, fmt, "w");
-  if (fmt == FMT_FP8)
-    TORCH_CHECK(scale->size(0) == (O + 127) / 128 && s_ld == (K + 127) / 128, "ds4.gemv: fp8 scale shape");
-  if (fmt == FMT_FP4) TORCH_CHECK(scale->size(0) == O && s_ld == K / 32, "ds4.gemv: fp4 scale shape");
+  const int64_t s_ld = dense_scale_ld(scale, fmt, O, K, "ds4.gemv");
   c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({N, O}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (N == 0) return out;
@@ -132,10 +138,7 @@ at::Tensor gemv_fold(const at::Tensor& x, const at::Tensor& w, const std::option
   check_weight(w, fmt, "w");
   const int64_t O = w.size(0), K = logical_in(w, fmt);
   TORCH_CHECK(x.size(1) == K, "ds4.gemv_fold: x has ", x.size(1), " columns, expected ", K);
-  const int64_t s_ld = scale_ld(scale, fmt, "w");
-  if (fmt == FMT_FP8)
-    TORCH_CHECK(scale->size(0) == (O + 127) / 128 && s_ld == (K + 127) / 128, "ds4.gemv_fold: fp8 scale shape");
-  if (fmt == FMT_FP4) TORCH_CHECK(scale->size(0) == O && s_ld == K / 32, "ds4.gemv_fold: fp4 scale shape");
+  const int64_t s_ld = dense_scale_ld(scale, fmt, O, K, "ds4.gemv_fold");
   const ds4::HcFold f = make_fold(res, post, comb, fn, out, part, O, "ds4.gemv_fold");
   TORCH_CHECK(ds4::hc_fold_ok(0, (int)fmt, (int)O, (int)K, 1, f.n),
               "ds4.gemv_fold: no fold at this shape or format (hc_fold_ok; DS4_MMA=0 turns the tensor cores off)");
@@ -166,10 +169,7 @@ at::Tensor gemv_rmsnorm(const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(x.size(1) == K, "ds4.gemv_rmsnorm: x has ", x.size(1), " columns, expected ", K);
   TORCH_CHECK(ds4::gemv_rmsnorm_ok((int)fmt, (int)O, (int)K), "ds4.gemv_rmsnorm: no tensor-core kernel for fmt ", fmt,
               " at ", O, " x ", K, " (see gemv_rmsnorm_ok)");
-  const int64_t s_ld = scale_ld(scale, fmt, "w");
-  if (fmt == FMT_FP8)
-    TORCH_CHECK(scale->size(0) == (O + 127) / 128 && s_ld == (K + 127) / 128, "ds4.gemv_rmsnorm: fp8 scale shape");
-  if (fmt == FMT_FP4) TORCH_CHECK(scale->size(0) == O && s_ld == K / 32, "ds4.gemv_rmsnorm: fp4 scale shape");
+  const int64_t s_ld = dense_scale_ld(scale, fmt, O, K, "ds4.gemv_rmsnorm");
   const bool nw_f32 = norm_weight.scalar_type() == at::kFloat;
   TORCH_CHECK((nw_f32 || norm_weight.scalar_type() == at::kBFloat16) && norm_weight.dim() == 1 &&
                   norm_weight.size(0) == K && norm_weight.is_contiguous(),

@@ -635,6 +635,25 @@ bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, long fold_smem) {
          4L * mma_part_floats(1) + 2L * topk * inter + fold_smem <= MOE_MMA_SMEM_CAP;
 }
 
+// The one-token tensor-core down launch of a.fmt (FMT_FP4T at its own run width), fp32 or bf16 out, with or
+// without the hc fold.
+template <bool F32, bool FOLD>
+static cudaError_t down_mma(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
+                            const HcFold& fold) {
+  if (a.fmt == FMT_FP4T) {
+    if (!fp4t_shape_ok(a)) return cudaErrorInvalidValue;
+    return with_fp4t_shape(mma_depth(a.inter, false), [&](auto u) {
+      return down_mma_go<FMT_FP4T, decltype(u)::value, FP4T_W, F32, FOLD>(a, h, add, out, st, fold);
+    });
+  }
+  return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(a.inter, false), [&](auto cw, auto u) {
+    constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
+    if (a.fmt == FMT_FP8) return down_mma_go<FMT_FP8, U, CW, F32, FOLD>(a, h, add, out, st, fold);
+    if (a.fmt == FMT_FP4P) return down_mma_go<FMT_FP4P, U, CW, F32, FOLD>(a, h, add, out, st, fold);
+    return down_mma_go<FMT_FP4, U, CW, F32, FOLD>(a, h, add, out, st, fold);
+  });
+}
+
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st, const HcFold* fold) {
   const int mma = moe_use_mma(a);
@@ -643,40 +662,12 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, vo
     if (mma != 1 || out_f32 || a.n_tok != 1 || !hc_fold_ok(1, a.fmt, a.dim, a.inter, a.topk, fold->n) ||
         fold->mix != (2 + fold->n) * fold->n)
       return cudaErrorInvalidValue;
-    if (a.fmt == FMT_FP4T) {
-      if (!fp4t_shape_ok(a)) return cudaErrorInvalidValue;
-      return with_fp4t_shape(mma_depth(a.inter, false), [&](auto u) {
-        return down_mma_go<FMT_FP4T, decltype(u)::value, FP4T_W, false, true>(a, h, add, out, st, *fold);
-      });
-    }
-    return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(a.inter, false), [&](auto cw, auto u) {
-      constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
-      if (a.fmt == FMT_FP8) return down_mma_go<FMT_FP8, U, CW, false, true>(a, h, add, out, st, *fold);
-      if (a.fmt == FMT_FP4P) return down_mma_go<FMT_FP4P, U, CW, false, true>(a, h, add, out, st, *fold);
-      return down_mma_go<FMT_FP4, U, CW, false, true>(a, h, add, out, st, *fold);
-    });
+    return down_mma<false, true>(a, h, add, out, st, *fold);
   }
-  if (a.fmt == FMT_FP4T) {
-    if (mma != 1 || !fp4t_shape_ok(a)) return cudaErrorInvalidValue;
-    return with_fp4t_shape(mma_depth(a.inter, false), [&](auto u) {
-      constexpr int U = decltype(u)::value;
-      return out_f32 ? down_mma_go<FMT_FP4T, U, FP4T_W, true>(a, h, add, out, st)
-                     : down_mma_go<FMT_FP4T, U, FP4T_W, false>(a, h, add, out, st);
-    });
-  }
-  if (mma) {
-    return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(a.inter, false), [&](auto cw, auto u) {
-      constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
-      if (a.fmt == FMT_FP8)
-        return out_f32 ? down_mma_go<FMT_FP8, U, CW, true>(a, h, add, out, st)
-                       : down_mma_go<FMT_FP8, U, CW, false>(a, h, add, out, st);
-      if (a.fmt == FMT_FP4P)
-        return out_f32 ? down_mma_go<FMT_FP4P, U, CW, true>(a, h, add, out, st)
-                       : down_mma_go<FMT_FP4P, U, CW, false>(a, h, add, out, st);
-      return out_f32 ? down_mma_go<FMT_FP4, U, CW, true>(a, h, add, out, st)
-                     : down_mma_go<FMT_FP4, U, CW, false>(a, h, add, out, st);
-    });
-  }
+  if (a.fmt == FMT_FP4T && mma != 1) return cudaErrorInvalidValue;  // (the FMA kernels cannot read it)
+  if (mma)
+    return out_f32 ? down_mma<true, false>(a, h, add, out, st, HcFold{})
+                   : down_mma<false, false>(a, h, add, out, st, HcFold{});
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return out_f32 ? down_nt<FMT_FP4, true>(a, h, add, out, st) : down_nt<FMT_FP4, false>(a, h, add, out, st);
   if (a.fmt == FMT_FP4P) return out_f32 ? down_nt<FMT_FP4P, true>(a, h, add, out, st) : down_nt<FMT_FP4P, false>(a, h, add, out, st);

@@ -152,6 +152,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
   return {h, xn, pn, cn};
 }
 
+// The router fold's finishing launch (launch_hc_finish_router) on h [N, n, D] bf16 and its partials: -> (x, post,
+// comb, logits [N, E] fp32 = x . gate^T); the caller has checked the shapes (N >= 1).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_router_finish(
+    const at::Tensor& h, const at::Tensor& part, int64_t nsplit, int64_t mix, const at::Tensor& scale,
+    const at::Tensor& base, int64_t iters, double hc_eps, double norm_eps, const at::Tensor& norm, bool nf,
+    const at::Tensor& gate) {
+  const int64_t N = h.size(0), n = h.size(1), D = h.size(2), E = gate.size(0);
+  auto x = at::empty({N, D}, h.options());
+  auto post = at::empty({N, n}, h.options().dtype(at::kFloat));
+  auto comb = at::empty({N, n, n}, h.options().dtype(at::kFloat));
+  auto logits = at::empty({N, E}, h.options().dtype(at::kFloat));
+  check_launch(ds4_attn::launch_hc_finish_router(h.data_ptr(), part.data_ptr<float>(), (int)N, (int)n, (int)D, (int)mix,
+                                                 (int)nsplit, scale.data_ptr<float>(), base.data_ptr<float>(),
+                                                 (int)iters, (float)hc_eps, (float)norm_eps, x.data_ptr(),
+                                                 post.data_ptr<float>(), comb.data_ptr<float>(), norm.data_ptr(), nf,
+                                                 gate.data_ptr(), (int)E, logits.data_ptr<float>(),
+                                                 c10::cuda::getCurrentCUDAStream().stream()),
+               "hc_finish_router");
+  return {x, post, comb, logits};
+}
+
 // hc_post_pre with the block norm whose finishing launch also computes the router's logits (the router fold,
 // opt-in; launch_hc_finish_router): -> (h, x_next, post_next, comb_next, logits [N, E] fp32 = x_next . gate^T).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_router(
@@ -170,23 +191,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_p
   c10::cuda::CUDAGuard guard(res.device());
   const int64_t E = gate.size(0), mix = fn.size(0), nsplit = ds4_attn::hc_nsplit((int)(n * D));
   auto h = at::empty_like(res);
-  auto xn = at::empty({N, D}, res.options());
-  auto pn = at::empty({N, n}, res.options().dtype(at::kFloat));
-  auto cn = at::empty({N, n, n}, res.options().dtype(at::kFloat));
-  auto logits = at::empty({N, E}, res.options().dtype(at::kFloat));
-  if (N == 0) return {h, xn, pn, cn, logits};
+  if (N == 0)
+    return {h, at::empty({N, D}, res.options()), at::empty({N, n}, res.options().dtype(at::kFloat)),
+            at::empty({N, n, n}, res.options().dtype(at::kFloat)), at::empty({N, E}, res.options().dtype(at::kFloat))};
   auto part = at::empty({N, mix + 1, nsplit}, res.options().dtype(at::kFloat));
-  const cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
   check_launch(ds4_attn::launch_hc_post_partials(x.data_ptr(), xf, res.data_ptr(), rf, post.data_ptr<float>(),
                                                  comb.data_ptr<float>(), (int)N, (int)n, (int)D, h.data_ptr(),
-                                                 fn.data_ptr<float>(), (int)mix, (int)nsplit, part.data_ptr<float>(), st),
+                                                 fn.data_ptr<float>(), (int)mix, (int)nsplit, part.data_ptr<float>(),
+                                                 c10::cuda::getCurrentCUDAStream().stream()),
                "hc_post_partials");
-  check_launch(ds4_attn::launch_hc_finish_router(h.data_ptr(), part.data_ptr<float>(), (int)N, (int)n, (int)D, (int)mix,
-                                                 (int)nsplit, scale.data_ptr<float>(), base.data_ptr<float>(),
-                                                 (int)iters, (float)hc_eps, (float)norm_eps, xn.data_ptr(),
-                                                 pn.data_ptr<float>(), cn.data_ptr<float>(), norm.data_ptr(), nf,
-                                                 gate.data_ptr(), (int)E, logits.data_ptr<float>(), st),
-               "hc_finish_router");
+  auto [xn, pn, cn, logits] = hc_router_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, norm, nf, gate);
   return {h, xn, pn, cn, logits};
 }
 
@@ -222,20 +236,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_fold_finish(
   TORCH_CHECK(gate->scalar_type() == at::kBFloat16 && gate->dim() == 2 && gate->size(1) == D && gate->size(0) >= 1,
               "ds4_attn.hc_fold_finish: gate must be bf16 [E, D]");
   const bool nf = norm_weight_f32(*norm, D, "hc_fold_finish");
-  const int64_t E = gate->size(0);
-  auto xn = at::empty({N, D}, h.options());
-  auto pn = at::empty({N, n}, h.options().dtype(at::kFloat));
-  auto cn = at::empty({N, n, n}, h.options().dtype(at::kFloat));
-  auto logits = at::empty({N, E}, h.options().dtype(at::kFloat));
-  if (N == 0) return {xn, pn, cn, logits};
-  check_launch(ds4_attn::launch_hc_finish_router(h.data_ptr(), part.data_ptr<float>(), (int)N, (int)n, (int)D, (int)mix,
-                                                 (int)nsplit, scale.data_ptr<float>(), base.data_ptr<float>(),
-                                                 (int)iters, (float)hc_eps, (float)norm_eps, xn.data_ptr(),
-                                                 pn.data_ptr<float>(), cn.data_ptr<float>(), norm->data_ptr(), nf,
-                                                 gate->data_ptr(), (int)E, logits.data_ptr<float>(),
-                                                 c10::cuda::getCurrentCUDAStream().stream()),
-               "hc_finish_router");
-  return {xn, pn, cn, logits};
+  if (N == 0)
+    return {at::empty({N, D}, h.options()), at::empty({N, n}, h.options().dtype(at::kFloat)),
+            at::empty({N, n, n}, h.options().dtype(at::kFloat)),
+            at::empty({N, gate->size(0)}, h.options().dtype(at::kFloat))};
+  return hc_router_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, *norm, nf, *gate);
 }
 
 // hc_head, and with norm (the final RMSNorm's weight) the normalised collapse in the same finishing launch.
