@@ -540,6 +540,10 @@ def test_fp4_topk_prepare_packs_in_place(n, monkeypatch):
     monkeypatch.setenv("DS4_FP4_TILE", "0")
     mb = impl.prepare(mt)
     assert mb.w1.fmt == "fp4p" and torch.equal(mb.w1.weight, pack_fp4_mma(stored))
+    from ds4.ops.moe_cuda import Bf16CacheMoE
+    monkeypatch.setenv("DS4_FP4_TILE", "1")
+    with pytest.raises(ValueError, match="DS4_FP4_TILE=1"):  # an explicit request it cannot serve: at load
+        Bf16CacheMoE().prepare(mb)
 
 
 @pytest.mark.parametrize("kroute", [False, True], ids=["topk_kernel", "route_in_moe"])

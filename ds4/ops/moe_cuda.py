@@ -35,7 +35,8 @@ moe=fp4_topk
           DS4_FP4_TILE=1 at load (opt-in, written in session 14 after its device time, not yet run on a
           GPU; bench token `tile`) also places the words in the tensor-core kernels' fragment order
           (fmt "fp4t", ds4.quant.tile_fp4_mma: every warp load of MmaStream 512 contiguous bytes); the
-          FMA kernels cannot read it, so calls of several tokens take the torch reference path then.
+          FMA kernels cannot read it, so calls of several tokens take the torch reference path then;
+          experts it cannot lay out (shapes, moe=bf16_cache) fail at load.
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -61,7 +62,7 @@ from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops import side_stream
 from ds4.ops.base import HcFold, MoEWeights, QWeight
-from ds4.quant import fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
+from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
 # Up to this many tokens (short prompts) prefill runs the decode kernels chunk by chunk: each chunk
@@ -119,8 +120,12 @@ class Fp4TopkMoE:
         if mw.w1.fmt == "fp4" and os.environ.get("DS4_FP4_PACK", "1") == "0":
             return mw
         qs = {name: getattr(mw, name) for name in ("w1", "w2", "w3")}
-        tile = self.tiles and os.environ.get("DS4_FP4_TILE") == "1" and all(
-            fp4t_ok(q.weight.shape[-2], q.weight.shape[-1]) for q in qs.values())
+        tile = os.environ.get("DS4_FP4_TILE") == "1"
+        if tile and not (self.tiles and all(fp4t_ok(q.weight.shape[-2], q.weight.shape[-1]) for q in qs.values())):
+            # an explicit request that cannot be served fails here, at load, rather than keeping fp4p silently
+            raise ValueError(f"DS4_FP4_TILE=1: moe={self.name} cannot lay these experts out as fp4t (it needs "
+                             f"moe=fp4_topk, rows in 16s and row bytes in {64 * TILE_W}s: "
+                             f"{[tuple(q.weight.shape) for q in qs.values()]}); unset it")
         if all(q.fmt == ("fp4t" if tile else "fp4p") for q in qs.values()):
             return mw  # laid out already
         out = {}
