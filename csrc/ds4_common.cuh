@@ -22,8 +22,9 @@ namespace ds4 {
 
 // FMT_FP4P: MXFP4 whose 32-bit words have their bits permuted at load time (fp4p_regs below):
 // the same bytes and scales as FMT_FP4, decoded in about half the integer instructions.
-// FMT_FP4T: FMT_FP4P words placed in MmaStream's fragment order (ds4.quant.tile_fp4_mma, run width 2; the
-// one-token tensor-core MoE kernels only: mma_dot.cuh's MmaStream reads it, the FMA kernels do not).
+// FMT_FP4T: FMT_FP4P words placed in MmaStream's fragment order (ds4.quant.tile_fp4_mma, run width 2): the
+// routed experts' layout that the one-token tensor-core MoE kernels read in 512-B warp loads (mma_dot.cuh);
+// the FMA MoE kernels (several tokens) find their chunks with chunk_ptr.
 enum Fmt : int { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3, FMT_FP4T = 4 };
 constexpr int FP4T_W = 2;  // the run width FMT_FP4T is laid out for (ds4.quant.formats.TILE_W)
 
@@ -52,6 +53,7 @@ template <> __device__ __forceinline__ float post_factor<FMT_BF16>() { return 9.
 template <> __device__ __forceinline__ float post_factor<FMT_FP8>()  { return 1.2089258196146292e24f; }  // 2^80
 template <> __device__ __forceinline__ float post_factor<FMT_FP4>()  { return 7.737125245533627e25f; }   // 2^86
 template <> __device__ __forceinline__ float post_factor<FMT_FP4P>() { return 7.737125245533627e25f; }   // 2^86
+template <> __device__ __forceinline__ float post_factor<FMT_FP4T>() { return 7.737125245533627e25f; }   // 2^86
 
 __device__ __forceinline__ float e8m0_to_f32(uint32_t b) {
   return __uint_as_float(b ? (b << 23) : 0x00400000u);
@@ -130,9 +132,26 @@ template <> struct Dec<FMT_FP4P> {
   }
 };
 
+template <> struct Dec<FMT_FP4T> : Dec<FMT_FP4P> {};  // the same words, placed elsewhere (chunk_ptr)
+
 // Row byte length and scale byte of chunk c of row r.
 template <int FMT> __host__ __device__ __forceinline__ long row_bytes(int K) {
   return FMT == FMT_BF16 ? 2L * K : (FMT == FMT_FP8 ? (long)K : (long)K / 2);
+}
+
+// The 16-B chunk c of row r of a matrix at W with rb bytes per row, as the row-at-a-time (FMA) kernels read
+// it. FMT_FP4T: row r = 16 tile + 8 half + g lies in its tile's block (16 rb bytes from 16 tile rb) and its
+// fp4p chunk c = (4 round + t) FP4T_W + w at ((round FP4T_W + w) 2 + half) 512 + (4 g + t) 16 inside it
+// (MmaStream's fragment order, ds4.quant.tile_fp4_mma); the whole matrix is tiles and rounds (the launchers
+// check). The scales keep their row-major place.
+template <int FMT>
+__device__ __forceinline__ const uint8_t* chunk_ptr(const uint8_t* W, int r, long rb, int c) {
+  if constexpr (FMT == FMT_FP4T) {
+    const int w = c % FP4T_W, t = (c / FP4T_W) & 3, round = c / (4 * FP4T_W);
+    return W + (long)(r >> 4) * 16 * rb + (((round * FP4T_W + w) * 2 + ((r >> 3) & 1)) * 32 + (r & 7) * 4 + t) * 16L;
+  } else {
+    return W + (long)r * rb + (long)c * 16;
+  }
 }
 template <int FMT>
 __device__ __forceinline__ float chunk_scale(const uint8_t* __restrict__ S, int r, int c, int s_ld) {

@@ -147,15 +147,15 @@ moe_gate_up_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bf
   const int rbase = blockIdx.x * (MOE_WARPS * R) + warp * R;
   const long rb = row_bytes<FMT>(K);
   const int nch = K / VALS;
-  const uint8_t* wr[2 * R];
+  const uint8_t* wr[2 * R];  // the matrix (w1 or w3) of row j
   const uint8_t* sr[2 * R];
   int rr[2 * R];
 #pragma unroll
   for (int j = 0; j < R; ++j) {
     const int r = min(rbase + j, a.inter - 1);
     rr[j] = rr[R + j] = r;
-    wr[j] = W1 + r * rb;
-    wr[R + j] = W3 + r * rb;
+    wr[j] = W1;
+    wr[R + j] = W3;
     sr[j] = S1;
     sr[R + j] = S3;
   }
@@ -173,7 +173,7 @@ moe_gate_up_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bf
       if (c < nch) {
 #pragma unroll
         for (int j = 0; j < 2 * R; ++j) {
-          wv[uu][j] = ld_stream16(wr[j] + (long)c * 16);
+          wv[uu][j] = ld_stream16(chunk_ptr<FMT>(wr[j], rr[j], rb, c));
           sc[uu][j] = chunk_scale<FMT>(sr[j], rr[j], c, a.s13_ld);
         }
       }
@@ -257,7 +257,7 @@ moe_down_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void
         expert_base<FMT>(a, s_e[u], 2, W, S);
 #pragma unroll
         for (int j = 0; j < R; ++j) {
-          wv[k][j] = ld_stream16(W + rr[j] * rb + (long)c * 16);
+          wv[k][j] = ld_stream16(chunk_ptr<FMT>(W, rr[j], rb, c));
           sc[k][j] = chunk_scale<FMT>(S, rr[j], c, a.s2_ld);
         }
       }
@@ -565,9 +565,9 @@ static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStre
   return gate_up_go<FMT, 8>(a, x, h, st);
 }
 
-// FMT_FP4T (ds4_common.cuh): the one-token tensor-core kernels only, at the layout's run width FP4T_W and on
-// the register stream (depth 8 / 4 / 2; the shared-memory stream reads rows contiguously, so depth 0 takes
-// 2), with whole 16-row tiles and rounds in both matrices.
+// FMT_FP4T (ds4_common.cuh): whole 16-row tiles and rounds in both matrices. The tensor-core kernels take it
+// at the layout's run width FP4T_W on the register stream (depth 8 / 4 / 2; the shared-memory stream reads
+// rows contiguously, so depth 0 takes 2); the FMA kernels through chunk_ptr.
 static bool fp4t_shape_ok(const MoEArgs& a) {
   constexpr int ROUND = 4 * FP4T_W * 32;  // values of a row one round covers
   return a.dim % 16 == 0 && a.inter % 16 == 0 && a.dim % ROUND == 0 && a.inter % ROUND == 0;
@@ -584,8 +584,8 @@ static cudaError_t with_fp4t_shape(int depth, F f) {
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && (!moe_route_ok(a) || !a.ids_out || !a.rw_out))) return cudaErrorInvalidValue;
-  if (a.fmt == FMT_FP4T) {
-    if (mma != 1 || !fp4t_shape_ok(a)) return cudaErrorInvalidValue;
+  if (a.fmt == FMT_FP4T && mma) {
+    if (!fp4t_shape_ok(a)) return cudaErrorInvalidValue;
     return with_fp4t_shape(mma_depth(a.dim, false), [&](auto u) {
       return gate_up_mma_go<FMT_FP4T, decltype(u)::value, FP4T_W>(a, x, h, st);
     });
@@ -600,6 +600,7 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStr
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return gate_up_nt<FMT_FP4>(a, x, h, st);
   if (a.fmt == FMT_FP4P) return gate_up_nt<FMT_FP4P>(a, x, h, st);
+  if (a.fmt == FMT_FP4T) return fp4t_shape_ok(a) ? gate_up_nt<FMT_FP4T>(a, x, h, st) : cudaErrorInvalidValue;
   if (a.fmt == FMT_FP8) return gate_up_nt<FMT_FP8>(a, x, h, st);
   if (a.fmt == FMT_BF16) return gate_up_nt<FMT_BF16>(a, x, h, st);
   return cudaErrorInvalidValue;
@@ -664,13 +665,16 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, vo
       return cudaErrorInvalidValue;
     return down_mma<false, true>(a, h, add, out, st, *fold);
   }
-  if (a.fmt == FMT_FP4T && mma != 1) return cudaErrorInvalidValue;  // (the FMA kernels cannot read it)
   if (mma)
     return out_f32 ? down_mma<true, false>(a, h, add, out, st, HcFold{})
                    : down_mma<false, false>(a, h, add, out, st, HcFold{});
   if (!moe_shape_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return out_f32 ? down_nt<FMT_FP4, true>(a, h, add, out, st) : down_nt<FMT_FP4, false>(a, h, add, out, st);
   if (a.fmt == FMT_FP4P) return out_f32 ? down_nt<FMT_FP4P, true>(a, h, add, out, st) : down_nt<FMT_FP4P, false>(a, h, add, out, st);
+  if (a.fmt == FMT_FP4T) {
+    if (!fp4t_shape_ok(a)) return cudaErrorInvalidValue;
+    return out_f32 ? down_nt<FMT_FP4T, true>(a, h, add, out, st) : down_nt<FMT_FP4T, false>(a, h, add, out, st);
+  }
   if (a.fmt == FMT_FP8) return out_f32 ? down_nt<FMT_FP8, true>(a, h, add, out, st) : down_nt<FMT_FP8, false>(a, h, add, out, st);
   if (a.fmt == FMT_BF16) return out_f32 ? down_nt<FMT_BF16, true>(a, h, add, out, st) : down_nt<FMT_BF16, false>(a, h, add, out, st);
   return cudaErrorInvalidValue;

@@ -24,8 +24,9 @@ default), smem
 (DS4_SHARED_FORK=late: the side-stream shared expert forks after the router, not before), k2048
 (DS4_MMA=k2048: wq_b on the FMA kernel, the rule before session 9), noqf (DS4_QNORM_FUSED=0: q_norm in
 its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k
-inside the routed kernels instead of its own launch), tile (DS4_FP4_TILE=1: the routed experts in the fp4t
-layout, their words in the tensor-core kernels' fragment order; not yet run on a GPU), nopack (the routed experts in the checkpoint's FP4
+inside the routed kernels instead of its own launch), notile (DS4_FP4_TILE=0: the routed experts in the fp4p
+layout instead of the default fp4t (the fp4p words in the tensor-core kernels' fragment order)), tile (DS4_FP4_TILE=1:
+fp4t required), nopack (the routed experts in the checkpoint's FP4
 layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), noidxm (CSA layers: the indexer's
 query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), hwin (CSA layers
 with the merged query: the indexer's head weights after the indexer compressor's step in its branch, not in
@@ -178,7 +179,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # nopack: the routed experts in the stored FP4 layout (as DS4_FP4_PACK=0 at load); other variants
     # re-lay them as fp4p through configure() (moe=fp4_topk's prepare)
     os.environ["DS4_FP4_PACK"] = "0" if "nopack" in toks else "1"
-    os.environ["DS4_FP4_TILE"] = "1" if "tile" in toks else "0"  # fp4t (configure re-lays fp4p <-> fp4t)
+    # fp4t by default where the shapes allow; notile: fp4p (configure re-lays fp4p <-> fp4t)
+    os.environ["DS4_FP4_TILE"] = "0" if "notile" in toks else ("1" if "tile" in toks else "auto")
     if "nopack" in toks:
         stored_fp4_layout(model)
     model.configure(ops=ops, comm=comm)

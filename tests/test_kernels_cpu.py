@@ -115,17 +115,15 @@ def test_csrc_compiles(folder, archs, expected, tmp_path):
     assert not failed, failed
 
 
-@pytest.mark.parametrize("n,kernel,mma_env", [(2, "auto", None), (1, "fma", None), (1, "auto", "0")])
-def test_fp4t_refused_before_any_launch(n, kernel, mma_env, monkeypatch):
-    """fp4t (DS4_FP4_TILE=1's expert layout) is read by the one-token tensor-core MoE kernels only."""
-    if mma_env is None:
-        monkeypatch.delenv("DS4_MMA", raising=False)
-    else:
-        monkeypatch.setenv("DS4_MMA", mma_env)
-    x = torch.zeros(n, 256, dtype=torch.bfloat16)
-    w = torch.zeros(4, 16, 128, dtype=torch.int8)
+@pytest.mark.parametrize("shape", [(4, 16, 64), (4, 8, 128), (4, 24, 256)])
+def test_fp4t_bad_shapes_refused_before_any_launch(shape):
+    """fp4t matrices are whole 16-row tiles and rounds of 128 bytes; any other shape is refused in Python, before
+    the op (these tensors are on the CPU: reaching the op would fail differently)."""
+    n, k = 2, shape[-1] * 2
+    x = torch.zeros(n, k, dtype=torch.bfloat16)
+    w = torch.zeros(*shape, dtype=torch.int8)
     ids = torch.zeros(n, 2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="one token on the tensor-core"):
-        kernels.moe_gate_up(x, ids, None, w, None, w, None, "fp4t", kernel=kernel)
-    with pytest.raises(ValueError, match="one token on the tensor-core"):
-        kernels.moe_down(torch.zeros(2 * n, 256, dtype=torch.bfloat16), ids, 2, w, None, "fp4t", kernel=kernel)
+    with pytest.raises(ValueError, match="whole 16-row tiles"):
+        kernels.moe_gate_up(x, ids, None, w, None, w, None, "fp4t")
+    with pytest.raises(ValueError, match="whole 16-row tiles"):
+        kernels.moe_down(torch.zeros(2 * n, k, dtype=torch.bfloat16), ids, 2, w, None, "fp4t")

@@ -2,17 +2,18 @@
 
 fmt codes: "bf16" -> 0, "fp8" -> 1 (E4M3 + E8M0 128x128), "fp4" -> 2 (E2M1 pairs + E8M0 per 32),
 "fp4p" -> 3 (fp4 with the permuted words of ds4.quant.pack_fp4_mma; the MoE kernels only), "fp4t" -> 4
-(fp4p in the tensor-core kernels' fragment order, ds4.quant.tile_fp4_mma; the one-token MoE kernels only).
+(fp4p in the tensor-core kernels' fragment order, ds4.quant.tile_fp4_mma; the MoE kernels only).
 All kernels take BF16 activations and accumulate in fp32; they handle 1..8 tokens per launch and
 loop over token chunks beyond that (callers send prefill-sized batches elsewhere).
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from ds4.quant.formats import fp4t_ok
 
 FMT = {"bf16": 0, "fp8": 1, "fp4": 2, "fp4p": 3, "fp4t": 4}
 # "auto": tensor-core kernels for one-token FP4 products and one-token FP8 products with K >= 2048 or
@@ -22,8 +23,7 @@ KERNEL = {"auto": 0, "fma": 1, "mma": 2}
 
 
 def _fmt(fmt: str, dense: bool = False) -> int:
-    """The kernels' fmt code; fp4p / fp4t (the routed experts' layouts) only for the MoE kernels (fp4t: their
-    one-token tensor-core forms)."""
+    """The kernels' fmt code; fp4p / fp4t (the routed experts' layouts) only for the MoE kernels."""
     allowed = ("bf16", "fp8", "fp4") if dense else tuple(FMT)
     if fmt not in allowed:
         why = f" ({fmt} is the routed experts' layout: the MoE kernels only)" if fmt in ("fp4p", "fp4t") else ""
@@ -96,11 +96,12 @@ class InKernelRoute(NamedTuple):
     route_scale: float
 
 
-def _fp4t_check(fmt: str, n_tok: int, kernel: str) -> None:
-    """fp4t is read by the one-token tensor-core MoE kernels only: refused here, before the op."""
-    if fmt == "fp4t" and (n_tok != 1 or kernel == "fma" or (kernel == "auto" and os.environ.get("DS4_MMA") == "0")):
-        raise ValueError(f"ds4.kernels: fp4t experts take one token on the tensor-core kernels (got {n_tok} tokens, "
-                         f"kernel={kernel!r}, DS4_MMA={os.environ.get('DS4_MMA')!r})")
+def _fp4t_check(fmt: str, *ws: Tensor) -> None:
+    """fp4t matrices are whole 16-row tiles and rounds (ds4.quant.fp4t_ok; tile_fp4_mma makes no others): any
+    other shape is refused here, before the op."""
+    if fmt == "fp4t" and not all(fp4t_ok(w.shape[-2], w.shape[-1]) for w in ws):
+        raise ValueError(f"ds4.kernels: fp4t experts must be whole 16-row tiles and rounds (ds4.quant.fp4t_ok); "
+                         f"got {[tuple(w.shape) for w in ws]}")
 
 
 def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tensor, s1: Tensor | None,
@@ -116,7 +117,7 @@ def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tenso
     if n_local is None:
         n_local = w1.shape[0] if w1.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
-    _fp4t_check(fmt, x.shape[0], kernel)
+    _fp4t_check(fmt, w1, w3)
     r = route or InKernelRoute(None, None, None, None, 1.0)
     return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, f, expert_offset, n_local, limit, k,
                               r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale))
@@ -135,7 +136,7 @@ def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | 
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
-    _fp4t_check(fmt, h.shape[0] // max(topk, 1), kernel)
+    _fp4t_check(fmt, w2)
     r = route or InKernelRoute(None, None, None, None, 1.0)
     if fold is not None and (out_f32 or h.shape[0] != topk or fold.out.shape[-1] != w2.shape[-2] or not hc_fold_ok(
             "moe_down", fmt, w2.shape[-2], h.shape[-1], topk, fold.out.shape[-2])):

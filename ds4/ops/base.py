@@ -42,8 +42,8 @@ class QWeight:
     fmt "fp4":  weight int8 [..., O, I/2] (low nibble = even element), scale e8m0 [..., O, I/32]
     fmt "fp4p": fp4 with the bits of each 4-byte word permuted (ds4.quant.formats.pack_fp4_mma): the
                 routed experts' layout under moe=fp4_topk (its kernels decode it in fewer instructions)
-    fmt "fp4t": fp4p words in the tensor-core kernels' fragment order (ds4.quant.tile_fp4_mma; moe=fp4_topk with
-                DS4_FP4_TILE=1): read by the one-token MoE kernels only
+    fmt "fp4t": fp4p words in the tensor-core kernels' fragment order (ds4.quant.tile_fp4_mma): moe=fp4_topk's
+                default layout of the routed experts where the shapes allow (its kernels only)
     fmt "bf16": weight bfloat16 or float32 [..., O, I], scale None
     A leading dim, when present, stacks experts: [E, O, ...].
     """

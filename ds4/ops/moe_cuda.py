@@ -32,11 +32,13 @@ moe=fp4_topk
           (QWeight fmt "fp4p", ds4.quant.pack_fp4_mma, in place: no extra memory) so the kernels decode
           a weight word in ~9 integer instructions instead of ~17; every other reader dequantises through
           QWeight, which undoes it. DS4_FP4_PACK=0 at load keeps the stored layout (the ablation).
-          DS4_FP4_TILE=1 at load (opt-in, written in session 14 after its device time, not yet run on a
-          GPU; bench token `tile`) also places the words in the tensor-core kernels' fragment order
-          (fmt "fp4t", ds4.quant.tile_fp4_mma: every warp load of MmaStream 512 contiguous bytes); the
-          FMA kernels cannot read it, so calls of several tokens take the torch reference path then;
-          experts it cannot lay out (shapes, moe=bf16_cache) fail at load.
+          By default the words are also placed in the tensor-core kernels' fragment order (fmt "fp4t",
+          ds4.quant.tile_fp4_mma: every warp load of the one-token kernels' MmaStream is 512 contiguous
+          bytes; the FMA kernels for several tokens find their chunks by address arithmetic) wherever
+          the shapes allow (whole 16-row tiles and rounds; V4's do), fp4p elsewhere: H200, 1 GPU, 126.4
+          against 128.2 us per layer (experiments/decode_session15_h200.md). DS4_FP4_TILE=0 keeps fp4p;
+          DS4_FP4_TILE=1 requires fp4t and fails at load where it cannot be laid out (shapes,
+          moe=bf16_cache).
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -100,7 +102,7 @@ def add_shared(y: Tensor, up: SharedUp) -> Tensor:
 
 class Fp4TopkMoE:
     name = "fp4_topk"
-    tiles = True  # DS4_FP4_TILE=1 may lay the experts out as fp4t (prepare)
+    tiles = True  # prepare may lay the experts out as fp4t
 
     @property
     def shared_after_route(self) -> bool:
@@ -112,16 +114,20 @@ class Fp4TopkMoE:
         return DequantMoE()
 
     def prepare(self, mw: MoEWeights) -> MoEWeights:
-        """At load: CUDA FP4 routed experts -> the fp4p layout, in place (DS4_FP4_PACK=0 keeps them), or with
-        DS4_FP4_TILE=1 the fp4t layout (in the same storage; fp4p <-> fp4t both ways, so one loaded model can
-        be configured with either)."""
+        """At load: CUDA FP4 routed experts -> the fp4t layout where it can lay them out, fp4p elsewhere, in
+        place (DS4_FP4_PACK=0 keeps the stored layout; DS4_FP4_TILE=0 takes fp4p, =1 requires fp4t). fp4p <->
+        fp4t both ways in the same storage, so one loaded model can be configured with either."""
         if mw.w1.fmt not in ("fp4", "fp4p", "fp4t") or not mw.w1.weight.is_cuda:
             return mw
         if mw.w1.fmt == "fp4" and os.environ.get("DS4_FP4_PACK", "1") == "0":
             return mw
         qs = {name: getattr(mw, name) for name in ("w1", "w2", "w3")}
-        tile = os.environ.get("DS4_FP4_TILE") == "1"
-        if tile and not (self.tiles and all(fp4t_ok(q.weight.shape[-2], q.weight.shape[-1]) for q in qs.values())):
+        req = os.environ.get("DS4_FP4_TILE", "auto")
+        if req not in ("auto", "0", "1"):
+            raise ValueError(f"DS4_FP4_TILE must be 0, 1 or unset (auto), got {req!r}")
+        can = self.tiles and all(fp4t_ok(q.weight.shape[-2], q.weight.shape[-1]) for q in qs.values())
+        tile = can if req == "auto" else req == "1"
+        if tile and not can:
             # an explicit request that cannot be served fails here, at load, rather than keeping fp4p silently
             raise ValueError(f"DS4_FP4_TILE=1: moe={self.name} cannot lay these experts out as fp4t (it needs "
                              f"moe=fp4_topk, rows in 16s and row bytes in {64 * TILE_W}s: "
@@ -211,9 +217,6 @@ class Fp4TopkMoE:
             if pending is ids:  # route() left the tail to these kernels: they write weights and ids
                 return self._routed_launches(x, weights, ids, mw, act_quant, shared, route, fold)
             raise RuntimeError("moe=fp4_topk: routed() must take the (weights, ids) of the route() call just before it")
-        if mw.w1.fmt == "fp4t" and n != 1:  # the tiled layout: the one-token tensor-core kernels only
-            y = self._reference().routed(x, weights, ids, mw, act_quant)
-            return y if shared is None else add_shared(y, shared)
         if shared is not None:
             if n > PREFILL_TOKENS:
                 raise ValueError("routed(shared=...) takes the shared_up result of a decode-sized call")
@@ -284,7 +287,7 @@ class Bf16CacheMoE(Fp4TopkMoE):
     """Hot-expert BF16 cache (per layer, keyed by the layer's w1 storage)."""
     name = "bf16_cache"
     route_in_kernels = False  # its routed() reads the ids on the host
-    tiles = False  # its cold experts go through the FMA kernels for several tokens, which cannot read fp4t
+    tiles = False  # the seed-phase ablation keeps fp4p (its cache and cold path not tested with fp4t)
 
     def __init__(self, cap_bytes: int | None = None, min_free_bytes: int | None = None,
                  warmup_calls: int | None = None) -> None:

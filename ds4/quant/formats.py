@@ -250,7 +250,7 @@ def unpack_fp4_mma(w: Tensor, out: Tensor | None = None) -> Tensor:
     return _permute_word_bits(w, _FP4_MMA_INV, out)
 
 
-# The fp4t layout (opt-in DS4_FP4_TILE=1 under moe=fp4_topk): fp4p words placed in the tensor-core kernels'
+# The fp4t layout (moe=fp4_topk's default where the shapes allow; DS4_FP4_TILE=0 keeps fp4p): fp4p words placed in the tensor-core kernels'
 # fragment order, so that one warp instruction of csrc/mma_dot.cuh's MmaStream reads 512 contiguous bytes
 # instead of 16-byte chunks of 8 rows. MmaStream's lane (g, t) of round r reads chunks 4 W r + W t + w (w < W)
 # of rows g and g + 8 of a 16-row tile; fp4t stores tile T's (16 rows x row bytes) block where the stored
