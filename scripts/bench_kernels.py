@@ -13,8 +13,10 @@ and out; GB/s = bytes / µs; %copy = GB/s / copy bandwidth.
 Untagged rows run the default ("auto", see csrc/ds4_launch.h); rows tagged [fma] / [mma wN dM] force the
 FMA / tensor-core kernels, N = DS4_MMA_W (the widest run of 16-B chunks a lane reads per row), M =
 DS4_MMA_DEPTH (16-B chunks per lane and row in flight; fewer buy more resident warps; d0 = the
-shared-memory stream, DS4_MMA_LOAD=smem), from --mma. The routed-MoE rows run the experts in the fp4p
-word layout moe=fp4_topk uses (ds4.quant.pack_fp4_mma); "[stored layout]" rows run the checkpoint's.
+shared-memory stream, DS4_MMA_LOAD=smem), from --mma. The routed-MoE rows run the experts in the fp4t
+layout moe=fp4_topk uses by default (ds4.quant.tile_fp4_mma: fp4p words in the tensor-core kernels' fragment
+order, run width 2 whatever DS4_MMA_W says), "fp4p" rows in the fp4p word layout (ds4.quant.pack_fp4_mma,
+DS4_FP4_TILE=0) and "[stored layout]" rows in the checkpoint's.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4 import kernels  # noqa: E402
-from ds4.quant import pack_fp4_mma  # noqa: E402
+from ds4.quant import pack_fp4_mma, tile_fp4_mma  # noqa: E402
 
 DEV = torch.device("cuda")
 L2_ROTATE_BYTES = 400 << 20
@@ -203,20 +205,25 @@ def main() -> int:
     b_gu = int(avg_exp * per_expert * 2 / 3) + n * dim * 2 + h_bytes
     b_dn = int(avg_exp * per_expert / 3) + h_bytes + n * dim * 4
     hs = [kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0) for ids in idsets]
-    p1, p3, p2 = (pack_fp4_mma(w) for w in (w1, w3, w2))  # the fp4p layout moe=fp4_topk runs on
+    p1, p3, p2 = (pack_fp4_mma(w) for w in (w1, w3, w2))  # the fp4p layout (DS4_FP4_TILE=0)
 
     def moe_rows(fmt, a1, a3, a2, kern, tag):
         def routed(ids):
             h = kernels.moe_gate_up(x, ids, rw, a1, s1, a3, s3, fmt, 0, E, 10.0, kernel=kern)
             return kernels.moe_down(h, ids, k, a2, s2, fmt, 0, E, None, True, kernel=kern)
-        record("moe fp4 gate+up (6 experts)" + tag, b_gu,
+        name = "moe fp4" if fmt == "fp4t" else f"moe {fmt}"
+        record(f"{name} gate+up (6 experts)" + tag, b_gu,
                [(lambda ids=ids: kernels.moe_gate_up(x, ids, rw, a1, s1, a3, s3, fmt, 0, E, 10.0, kernel=kern))
                 for ids in idsets])
-        record("moe fp4 down (6 experts)" + tag, b_dn,
+        record(f"{name} down (6 experts)" + tag, b_dn,
                [(lambda ids=ids, h=h: kernels.moe_down(h, ids, k, a2, s2, fmt, 0, E, None, True, kernel=kern))
                 for ids, h in zip(idsets, hs)])
-        record("moe fp4 routed top-6 (2 launches)" + tag, b_gu + b_dn - 2 * h_bytes,
+        record(f"{name} routed top-6 (2 launches)" + tag, b_gu + b_dn - 2 * h_bytes,
                [(lambda ids=ids: routed(ids)) for ids in idsets], target_us=25.0)
+    t1, t3, t2 = (tile_fp4_mma(w) for w in (p1, p3, p2))  # the fp4t layout moe=fp4_topk runs on by default
+    for kern, tag in variants():
+        moe_rows("fp4t", t1, t3, t2, kern, tag)
+    del t1, t3, t2
     for kern, tag in variants():
         moe_rows("fp4p", p1, p3, p2, kern, tag)
     moe_rows("fp4", w1, w3, w2, "auto", " [stored layout]")  # before the word permutation (DS4_FP4_PACK=0)

@@ -72,9 +72,11 @@ def test_gemv_fold(fmt, D, K, n, stream, monkeypatch):
 
 
 @pytest.mark.parametrize("stream", list(STREAMS))
-@pytest.mark.parametrize("fmt,dims,n", [("fp4p", (4096, 2048), 4), ("fp4", (512, 256), 2), ("fp8", (4096, 2048), 1)])
+@pytest.mark.parametrize("fmt,dims,n", [("fp4t", (4096, 2048), 4), ("fp4t", (512, 256), 2), ("fp4p", (4096, 2048), 4),
+                                        ("fp4", (512, 256), 2), ("fp8", (4096, 2048), 1)])
 def test_moe_down_fold(fmt, dims, n, stream, monkeypatch):
-    """The routed down of one token with the finished shared expert's bf16 output added (the block output)."""
+    """The routed down of one token with the finished shared expert's bf16 output added (the block output), in
+    every expert layout the down kernel reads (fp4t: moe=fp4_topk's default)."""
     for k, v in STREAMS[stream].items():
         monkeypatch.setenv(k, v)
     dim, inter = dims
