@@ -35,8 +35,8 @@ moe=fp4_topk
           By default the words are also placed in the tensor-core kernels' fragment order (fmt "fp4t",
           ds4.quant.tile_fp4_mma: every warp load of the one-token kernels' MmaStream is 512 contiguous
           bytes; the FMA kernels for several tokens find their chunks by address arithmetic) wherever
-          the shapes allow (whole 16-row tiles and rounds; V4's do), fp4p elsewhere: H200, 1 GPU, 126.4
-          against 128.2 us per layer (experiments/decode_session15_h200.md). DS4_FP4_TILE=0 keeps fp4p;
+          the shapes allow (whole 16-row tiles and rounds; V4's do), fp4p elsewhere: H200, 1 GPU, 126.3
+          against 127.9 us per layer (experiments/decode_session15_h200.md, run 2). DS4_FP4_TILE=0 keeps fp4p;
           DS4_FP4_TILE=1 requires fp4t and fails at load where it cannot be laid out (shapes,
           moe=bf16_cache).
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
