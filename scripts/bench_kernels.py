@@ -13,10 +13,10 @@ and out; GB/s = bytes / µs; %copy = GB/s / copy bandwidth.
 Untagged rows run the default ("auto", see csrc/ds4_launch.h); rows tagged [fma] / [mma wN dM] force the
 FMA / tensor-core kernels, N = DS4_MMA_W (the widest run of 16-B chunks a lane reads per row), M =
 DS4_MMA_DEPTH (16-B chunks per lane and row in flight; fewer buy more resident warps; d0 = the
-shared-memory stream, DS4_MMA_LOAD=smem), from --mma. The routed-MoE rows run the experts in the fp4t
-layout moe=fp4_topk uses by default (ds4.quant.tile_fp4_mma: fp4p words in the tensor-core kernels' fragment
-order, run width 2 whatever DS4_MMA_W says), "fp4p" rows in the fp4p word layout (ds4.quant.pack_fp4_mma,
-DS4_FP4_TILE=0) and "[stored layout]" rows in the checkpoint's.
+shared-memory stream, DS4_MMA_LOAD=smem), from --mma. The routed-MoE rows named "moe fp4" run the experts
+in the fp4t layout moe=fp4_topk uses by default (ds4.quant.tile_fp4_mma: fp4p words in the tensor-core
+kernels' fragment order, run width 2 whatever DS4_MMA_W says), "moe fp4p" rows in the fp4p word layout
+(ds4.quant.pack_fp4_mma, DS4_FP4_TILE=0) and "[stored layout]" rows in the checkpoint's.
 """
 from __future__ import annotations
 
