@@ -87,7 +87,7 @@ def stored_fp4_layout(model) -> None:
         if isinstance(mw, MoEWeights) and mw.w1.fmt in ("fp4p", "fp4t"):
             for q in (mw.w1, mw.w2, mw.w3):
                 if q.fmt == "fp4t":
-                    q.weight.copy_(untile_fp4_mma(q.weight))
+                    untile_fp4_mma(q.weight, out=q.weight)
             plain = {n: QWeight("fp4", unpack_fp4_mma(q.weight, out=q.weight), q.scale)
                      for n, q in (("w1", mw.w1), ("w2", mw.w2), ("w3", mw.w3))}
             mod.mw = dataclasses.replace(mw, **plain)

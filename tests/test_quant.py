@@ -227,6 +227,24 @@ def test_fp4t_tiling_is_the_kernels_fragment_order():
         tile_fp4_mma(torch.zeros(24, 64 * TILE_W, dtype=torch.int8))
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 16 * 128, 1 << 26])
+def test_fp4t_relayout_in_place_by_chunks(chunk_bytes):
+    """tile / untile with out=w (moe=fp4_topk's prepare at load) convert a chunk of whole tiles at a time: the
+    same bytes as the out-of-place form, for stacked and single matrices, with chunks that cut the stack mid-expert."""
+    from ds4.quant import TILE_W, tile_fp4_mma, untile_fp4_mma
+    g = torch.Generator().manual_seed(11)
+    for shape in ((3, 80, 2 * 64 * TILE_W), (32, 64 * TILE_W)):
+        w = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+        want = tile_fp4_mma(w.clone(), chunk_bytes=1 << 30)
+        t = w.clone()
+        assert tile_fp4_mma(t, out=t, chunk_bytes=chunk_bytes) is t
+        exact(t, want)
+        assert untile_fp4_mma(t, out=t, chunk_bytes=chunk_bytes) is t
+        exact(t, w)
+    with pytest.raises(ValueError, match="contiguous"):
+        tile_fp4_mma(torch.zeros(32, 2 * 64 * TILE_W, dtype=torch.int8)[:, :64 * TILE_W])
+
+
 def test_qweight_fp4t_dequantises_like_fp4():
     from ds4.ops.base import QWeight
     from ds4.quant import tile_fp4_mma

@@ -140,9 +140,9 @@ class Fp4TopkMoE:
             if q.fmt == "fp4":
                 pack_fp4_mma(w, out=w)
             if q.fmt == "fp4t" and not tile:
-                w.copy_(untile_fp4_mma(w))
+                untile_fp4_mma(w, out=w)
             elif q.fmt != "fp4t" and tile:
-                w.copy_(tile_fp4_mma(w))
+                tile_fp4_mma(w, out=w)
             out[name] = QWeight("fp4t" if tile else "fp4p", w, q.scale)
         return dataclasses.replace(mw, **out)
 

@@ -271,22 +271,36 @@ def _tile_view(w: Tensor) -> tuple[list[int], int, int]:
     return lead, rows // 16, rb // (64 * TILE_W)
 
 
-def tile_fp4_mma(w: Tensor) -> Tensor:
-    """fp4p bytes [..., O, I/2] -> the fp4t layout (a copy: same shape, dtype and scales)."""
-    lead, nt, nr = _tile_view(w)
-    nl = len(lead)
-    x = w.reshape(*lead, nt, 2, 8, nr, 4, TILE_W, 16)            # tile, half, g, round, t, w, byte
-    order = [*range(nl)] + [nl + i for i in (0, 3, 5, 1, 2, 4, 6)]  # tile, round, w, half, g, t, byte
-    return x.permute(*order).contiguous().view(w.shape)
+def _relay_tiles(w: Tensor, out: Tensor | None, src: tuple[int, ...], order: tuple[int, ...],
+                 chunk_bytes: int) -> Tensor:
+    """Permute the bytes inside every 16-row tile of w (viewed as tile x src) by `order` into out, a chunk of
+    whole tiles at a time, so that out may be w itself with a transient of one chunk, not of the whole
+    stacked tensor (a layer's w1 is 1 GB at V4-Flash's shapes)."""
+    if not w.is_contiguous():
+        raise ValueError(f"fp4t: needs a contiguous tensor, got strides {w.stride()}")
+    out = torch.empty_like(w) if out is None else out
+    tiles = w.view(-1, *src)
+    dst = out.view(tiles.shape[0], -1)
+    per = max(1, chunk_bytes // dst.shape[1])
+    for t0 in range(0, tiles.shape[0], per):
+        # the permuted chunk is materialised before it is written back (in place: an alias would be the
+        # identity permutation, which writes what is there)
+        dst[t0:t0 + per] = tiles[t0:t0 + per].permute(0, *order).reshape(-1, dst.shape[1])
+    return out
 
 
-def untile_fp4_mma(w: Tensor) -> Tensor:
-    """The inverse of tile_fp4_mma: fp4t bytes -> fp4p bytes (a copy)."""
-    lead, nt, nr = _tile_view(w)
-    nl = len(lead)
-    x = w.reshape(*lead, nt, nr, TILE_W, 2, 8, 4, 16)            # tile, round, w, half, g, t, byte
-    order = [*range(nl)] + [nl + i for i in (0, 3, 4, 1, 5, 2, 6)]  # tile, half, g, round, t, w, byte
-    return x.permute(*order).contiguous().view(w.shape)
+def tile_fp4_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 << 26) -> Tensor:
+    """fp4p bytes [..., O, I/2] -> the fp4t layout (same shape, dtype and scales); `out=w` converts in place."""
+    _, _, nr = _tile_view(w)
+    # tile, half, g, round, t, w, byte -> tile, round, w, half, g, t, byte
+    return _relay_tiles(w, out, (2, 8, nr, 4, TILE_W, 16), (3, 5, 1, 2, 4, 6), chunk_bytes)
+
+
+def untile_fp4_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 << 26) -> Tensor:
+    """The inverse of tile_fp4_mma: fp4t bytes -> fp4p bytes; `out=w` converts in place."""
+    _, _, nr = _tile_view(w)
+    # tile, round, w, half, g, t, byte -> tile, half, g, round, t, w, byte
+    return _relay_tiles(w, out, (nr, TILE_W, 2, 8, 4, 16), (3, 4, 1, 5, 2, 6), chunk_bytes)
 
 
 # ----------------------------------------------------------------------------------------------
