@@ -13,6 +13,9 @@
 #                  its --mma list, e.g. w2d8,w2d4; $KBENCH_ARGS: more options, e.g. --quick)
 #   ncu            Nsight Compute counters of the batch-1 weight kernels alone (scripts/ncu_kernels.py; ncu.txt
 #                  and ncu_pipes.txt under $OUT) and the SASS of the GEMV / MoE kernels (sass_moe_gemv.txt.gz)
+#   ncu_step       Nsight Compute counters of one kernel form inside the captured decode step (4 layers of V4-Flash,
+#                  bench_decode's default variant; $NCU_KERNEL: a regex on the demangled name, default the folding
+#                  routed down in fp4t; $NCU_COUNT launches; ncu_step.txt under $OUT). Written in session 15, not yet run
 #   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH; $PROBE_ARGS: modes,
 #                  space-separated, e.g. "hc packed"; "indexer": the indexer scores kernel with and without its RoPE, and sparse_chunk)
 #   pytest         a diagnostic pytest run ($PYTEST_ARGS: files and options; CUDA_LAUNCH_BLOCKING=1, long tracebacks)
@@ -72,6 +75,14 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
         > "$OUT/ncu_pipes.txt" 2>&1
       grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Stall|Achieved Occ|Registers Per" \
         "$OUT/ncu.txt" > "$L/ncu.log" 2>&1 ;;
+    ncu_step)
+      CUDA_VISIBLE_DEVICES=$g timeout 240 ncu --clock-control none --graph-profiling node --kernel-name-base demangled \
+        --kernel-name regex:"${NCU_KERNEL:-moe_down_mma_kernel<4, [0-9], 2, false, true>}" --launch-count "${NCU_COUNT:-4}" \
+        --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
+        --section LaunchStats --section SchedulerStats python3 scripts/bench_decode.py --layers 4 --new-tokens 8 \
+        --variants kernels+fused+graph+cap8192 --out /tmp/ds4_ncu_step_bench.json > "$OUT/ncu_step.txt" 2>&1
+      grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Stall|Achieved Occ|Registers Per|No Eligible|Active Warps" \
+        "$OUT/ncu_step.txt" > "$L/ncu_step.log" 2>&1 ;;
     probe) nvcc -std=c++17 -O3 -arch=${PROBE_ARCH:-sm_90} -DDS4_PROBE scripts/probe_phases.cu -o /tmp/ds4_probe \
         > "$L/probe.log" 2>&1 || return
       local m; for m in ${PROBE_ARGS:-all}; do   # modes, space-separated (all: the default probe set)
