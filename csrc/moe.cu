@@ -492,14 +492,17 @@ bool moe_route_ok(const MoEArgs& a) {
          4L * a.n_experts <= (long)a.topk * a.inter;
 }
 
-// Host: the blocks a tensor-core MoE launch may take out of one resident wave `wave`. The routed experts
-// (ids or routing given) take the whole wave. The shared expert (ids == nullptr) takes DS4_SHARED_WAVE
-// percent of it (default 100, read at every launch, for the ablation): in the decode step it runs on a
-// side stream beside the router's small kernels, and a whole wave of its blocks (2 per SM at depth 8 fill
-// the register file) leaves them no slot until its blocks exit (experiments/decode_session8_h200.md).
+// Host: the blocks a tensor-core MoE launch may take out of one resident wave `wave` (default all of it).
+// The shared expert (ids == nullptr) takes DS4_SHARED_WAVE percent of it (read at every launch, for the
+// ablation): in the decode step it runs on a side stream beside the router's small kernels, and a whole
+// wave of its blocks (2 per SM at depth 8 fill the register file) leaves them no slot until its blocks
+// exit (experiments/decode_session8_h200.md). The routed experts (ids or routing given) take
+// DS4_ROUTED_WAVE percent (written in session 15, not yet measured): at 50 a routed launch leaves each SM
+// the registers of one block of the next kernel, whose blocks can then be resident under PDL while it
+// runs (their prologue and first weight loads done when it ends) instead of only once its blocks exit.
 static int moe_wave(const MoEArgs& a, int wave) {
-  if (a.ids != nullptr || a.route_logits != nullptr) return wave;
-  const char* env = std::getenv("DS4_SHARED_WAVE");
+  const bool routed = a.ids != nullptr || a.route_logits != nullptr;
+  const char* env = std::getenv(routed ? "DS4_ROUTED_WAVE" : "DS4_SHARED_WAVE");
   const int pct = env ? std::atoi(env) : 100;
   if (pct <= 0 || pct >= 100) return wave;
   return std::max(1, wave * pct / 100);

@@ -269,7 +269,7 @@ MOE_CASES = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "fp4p"])
+@pytest.mark.parametrize("fmt", ["fp4", "fp4p", "fp4t"])
 @pytest.mark.parametrize("case", list(MOE_CASES))
 @pytest.mark.parametrize("dims", [(4096, 2048), (512, 256)])
 def test_moe_routed_fp4(case, dims, fmt):
@@ -396,6 +396,30 @@ def test_moe_one_token_kernels(kernel, width, depth, case, fmt, dims, monkeypatc
     yb = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, addb, False, kernel=kernel)
     y0 = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, None, True, kernel=kernel)
     assert yb.dtype == torch.bfloat16 and torch.equal(yb, (y0 + addb.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("wave", ["50", "1"])
+@pytest.mark.parametrize("fmt,dims", [("fp4t", (4096, 2048)), ("fp4t", (512, 256)), ("fp4p", (4096, 2048))])
+def test_routed_wave_cap(wave, fmt, dims, monkeypatch):
+    """DS4_ROUTED_WAVE: the one-token routed launches on part of a resident wave (more tiles per block) give the
+    reference's output, and the same as the whole wave up to the summation order of a tile's warps."""
+    dim, inter = dims
+    g = gen(seed_of("wave", wave, fmt, dims))
+    (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = make_experts(16, dim, inter, g, fmt)
+    ids = torch.tensor([ONE_TOKEN_IDS["distinct"]], device=DEV)
+    weights = torch.rand(1, 6, device=DEV, generator=g) + 0.1
+    x = rand_x(1, dim, g)
+    ref = ref_routed(x, weights, ids, d1, d3, d2, 32, 10.0)
+    monkeypatch.setenv("DS4_ROUTED_WAVE", "100")
+    y_all = kernels.moe_down(kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, fmt, 32, 16, 10.0), ids, 6, w2,
+                             s2, fmt, 32, 16, None, True)
+    monkeypatch.setenv("DS4_ROUTED_WAVE", wave)
+    poison()
+    h = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, fmt, 32, 16, 10.0)
+    poison()
+    y = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, None, True)
+    assert torch.isfinite(y).all() and rel(y, ref) <= TOL, rel(y, ref)
+    assert rel(y, y_all) <= 1e-5, rel(y, y_all)
 
 
 # wave: DS4_SHARED_WAVE, the percent of a resident wave the one-token (tensor-core) shared expert launches take
