@@ -14,7 +14,7 @@
 #   ncu            Nsight Compute counters of the batch-1 weight kernels alone (scripts/ncu_kernels.py; ncu.txt
 #                  and ncu_pipes.txt under $OUT) and the SASS of the GEMV / MoE kernels (sass_moe_gemv.txt.gz)
 #   ncu_step       Nsight Compute counters of one kernel form inside the captured decode step (4 layers of V4-Flash,
-#                  bench_decode's default variant; $NCU_KERNEL: a regex on the demangled name, default the folding
+#                  variant kernels+fused+graph+cap8192; $NCU_KERNEL: a regex on the demangled name, default the folding
 #                  routed down in fp4t; $NCU_COUNT launches; ncu_step.txt under $OUT). Written in session 15, not yet run
 #   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH; $PROBE_ARGS: modes,
 #                  space-separated, e.g. "hc packed"; "indexer": the indexer scores kernel with and without its RoPE, and sparse_chunk)
