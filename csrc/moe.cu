@@ -496,12 +496,14 @@ bool moe_route_ok(const MoEArgs& a) {
 // The shared expert (ids == nullptr) takes DS4_SHARED_WAVE percent of it (read at every launch, for the
 // ablation): in the decode step it runs on a side stream beside the router's small kernels, and a whole
 // wave of its blocks (2 per SM at depth 8 fill the register file) leaves them no slot until its blocks
-// exit (experiments/decode_session8_h200.md). The routed experts (ids or routing given) take
-// DS4_ROUTED_WAVE percent (written in session 15, not yet measured): at 50 a routed launch leaves each SM
-// the registers of one block of the next kernel, whose blocks can then be resident under PDL while it
-// runs (their prologue and first weight loads done when it ends) instead of only once its blocks exit.
-static int moe_wave(const MoEArgs& a, int wave) {
+// exit (experiments/decode_session8_h200.md). The routed experts' gate+up (ids or routing given) takes
+// DS4_ROUTED_WAVE percent (written in session 15, not yet measured): at 50 it leaves each SM the registers
+// of one block of the down kernel, whose blocks can then be resident under PDL while it runs (their
+// prologue and first weight loads done when it ends) instead of only once its blocks exit; the routed down
+// keeps the whole wave.
+static int moe_wave(const MoEArgs& a, int wave, bool gate_up) {
   const bool routed = a.ids != nullptr || a.route_logits != nullptr;
+  if (routed && !gate_up) return wave;
   const char* env = std::getenv(routed ? "DS4_ROUTED_WAVE" : "DS4_SHARED_WAVE");
   const int pct = env ? std::atoi(env) : 100;
   if (pct <= 0 || pct >= 100) return wave;
@@ -519,7 +521,7 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
   if (e != cudaSuccess) return e;
   // pairs for the most local slots (topk); at most MMA_STREAM_MAX_TILES / 2 per block
   const int pairs = a.topk * ((a.inter + 15) / 16);
-  int grid = std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem)), pairs);
+  int grid = std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem), true), pairs);
   const int floor_grid = (pairs + MMA_STREAM_MAX_TILES / 2 - 1) / (MMA_STREAM_MAX_TILES / 2);
   if (grid < floor_grid) grid = floor_grid;
   return ds4_pdl::launch(kern, dim3(grid), dim3(MMA_STREAM_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
@@ -540,7 +542,7 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
   }
   cudaError_t e = set_smem(kern, smem_for(1));
   if (e != cudaSuccess) return e;
-  int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem_for(1))), T));
+  int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem_for(1)), false), T));
   while (FOLD && tpb > 1 && smem_for(tpb) > MOE_MMA_SMEM_CAP) tpb /= 2;
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;

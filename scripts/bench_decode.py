@@ -33,8 +33,8 @@ with the merged query: the indexer's head weights after the indexer compressor's
 a branch of their own), sprio
 (DS4_SIDE_PRIORITY=high: the side-stream branches above the main stream's priority), shwNN
 (DS4_SHARED_WAVE=NN: the shared expert's tensor-core launches take NN % of a resident wave, leaving SM
-slots to the router's kernels beside them), rwNN (DS4_ROUTED_WAVE=NN: the routed experts' tensor-core launches
-take NN % of a resident wave, so the next kernel's blocks can be resident beside them under PDL), capN (the state's caches sized for
+slots to the router's kernels beside them), rwNN (DS4_ROUTED_WAVE=NN: the routed experts' tensor-core gate+up
+takes NN % of a resident wave, so the down kernel's blocks can be resident beside it under PDL), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
@@ -214,7 +214,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SIDE_PRIORITY"] = "high" if "sprio" in toks else "default"
     # shwNN: the side-stream shared expert's launches take NN % of a resident wave (DS4_SHARED_WAVE)
     os.environ["DS4_SHARED_WAVE"] = str(_number_token(toks, "shw", 100))
-    # rwNN: the routed experts' tensor-core launches take NN % of a resident wave (DS4_ROUTED_WAVE)
+    # rwNN: the routed experts' tensor-core gate+up takes NN % of a resident wave (DS4_ROUTED_WAVE)
     os.environ["DS4_ROUTED_WAVE"] = str(_number_token(toks, "rw", 100))
     # pf: the L2 prefetch's default sites; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those
     # sites; neither: no prefetch (DS4_L2_PREFETCH)

@@ -19,8 +19,7 @@ from ds4.ops.base import HcFold  # noqa: E402
 from test_kernels_gpu import make_experts, rand_fp4_weight, rand_fp8_weight, rand_x, seed_of  # noqa: E402
 
 STREAMS = {"default": {}, "depth2": {"DS4_MMA_DEPTH": "2"}, "depth8": {"DS4_MMA_DEPTH": "8"},
-           "smem": {"DS4_MMA_LOAD": "smem"},
-           "routed_wave50": {"DS4_ROUTED_WAVE": "50"}}  # the routed down: 2 tiles per block at V4's shapes
+           "smem": {"DS4_MMA_LOAD": "smem"}}
 
 
 def _site(n, D, g):

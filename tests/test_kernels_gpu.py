@@ -401,7 +401,7 @@ def test_moe_one_token_kernels(kernel, width, depth, case, fmt, dims, monkeypatc
 @pytest.mark.parametrize("wave", ["50", "1"])
 @pytest.mark.parametrize("fmt,dims", [("fp4t", (4096, 2048)), ("fp4t", (512, 256)), ("fp4p", (4096, 2048))])
 def test_routed_wave_cap(wave, fmt, dims, monkeypatch):
-    """DS4_ROUTED_WAVE: the one-token routed launches on part of a resident wave (more tiles per block) give the
+    """DS4_ROUTED_WAVE: the one-token routed gate+up on part of a resident wave (more tiles per block) gives the
     reference's output, and the same as the whole wave up to the summation order of a tile's warps."""
     dim, inter = dims
     g = gen(seed_of("wave", wave, fmt, dims))
