@@ -126,6 +126,20 @@ std::tuple<int64_t, int64_t, int64_t, bool, bool> check_post_inputs(const at::Te
   return {N, n, D, xf, rf};
 }
 
+// hc_post's new streams into h [N, n, D] and the next site's partials [N, mix + 1, nsplit] fp32
+// (launch_hc_post_partials), for N >= 1 rows whose shapes the caller has checked.
+at::Tensor hc_post_partials(const at::Tensor& x, bool xf, const at::Tensor& res, bool rf, const at::Tensor& post,
+                            const at::Tensor& comb, const at::Tensor& fn, const at::Tensor& h, int64_t nsplit) {
+  const int64_t N = res.size(0), n = res.size(1), D = res.size(2), mix = fn.size(0);
+  auto part = at::empty({N, mix + 1, nsplit}, res.options().dtype(at::kFloat));
+  check_launch(ds4_attn::launch_hc_post_partials(x.data_ptr(), xf, res.data_ptr(), rf, post.data_ptr<float>(),
+                                                 comb.data_ptr<float>(), (int)N, (int)n, (int)D, h.data_ptr(),
+                                                 fn.data_ptr<float>(), (int)mix, (int)nsplit, part.data_ptr<float>(),
+                                                 c10::cuda::getCurrentCUDAStream().stream()),
+               "hc_post_partials");
+  return part;
+}
+
 // hc_post(x, res, post, comb) followed by hc_pre of the result with the next site's weights, in 2 launches:
 // -> (h, x_next, post_next, comb_next).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
@@ -142,12 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
     return {h, at::empty({N, D}, res.options()), at::empty({N, n}, res.options().dtype(at::kFloat)),
             at::empty({N, n, n}, res.options().dtype(at::kFloat))};
   const int64_t mix = fn.size(0), nsplit = ds4_attn::hc_nsplit((int)(n * D));
-  auto part = at::empty({N, mix + 1, nsplit}, res.options().dtype(at::kFloat));
-  check_launch(ds4_attn::launch_hc_post_partials(x.data_ptr(), xf, res.data_ptr(), rf, post.data_ptr<float>(),
-                                                 comb.data_ptr<float>(), (int)N, (int)n, (int)D, h.data_ptr(),
-                                                 fn.data_ptr<float>(), (int)mix, (int)nsplit, part.data_ptr<float>(),
-                                                 c10::cuda::getCurrentCUDAStream().stream()),
-               "hc_post_partials");
+  const auto part = hc_post_partials(x, xf, res, rf, post, comb, fn, h, nsplit);
   auto [xn, pn, cn] = hc_pre_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, norm, nf);
   return {h, xn, pn, cn};
 }
@@ -194,12 +203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_p
   if (N == 0)
     return {h, at::empty({N, D}, res.options()), at::empty({N, n}, res.options().dtype(at::kFloat)),
             at::empty({N, n, n}, res.options().dtype(at::kFloat)), at::empty({N, E}, res.options().dtype(at::kFloat))};
-  auto part = at::empty({N, mix + 1, nsplit}, res.options().dtype(at::kFloat));
-  check_launch(ds4_attn::launch_hc_post_partials(x.data_ptr(), xf, res.data_ptr(), rf, post.data_ptr<float>(),
-                                                 comb.data_ptr<float>(), (int)N, (int)n, (int)D, h.data_ptr(),
-                                                 fn.data_ptr<float>(), (int)mix, (int)nsplit, part.data_ptr<float>(),
-                                                 c10::cuda::getCurrentCUDAStream().stream()),
-               "hc_post_partials");
+  const auto part = hc_post_partials(x, xf, res, rf, post, comb, fn, h, nsplit);
   auto [xn, pn, cn, logits] = hc_router_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, norm, nf, gate);
   return {h, xn, pn, cn, logits};
 }
