@@ -145,7 +145,7 @@ def build_spec(cfg: DictConfig) -> RunSpec:
         weights_seed=_int(cfg, "weights.seed") if kind == "synthetic" else 0,
         tokenizer=_get(cfg, "weights.tokenizer"), impls=Impls(**impls),
         numerics=_choice(cfg, "numerics"), reduce=_choice(cfg, "reduce"), runtime=_choice(cfg, "runtime"),
-        task=task, task_opts=task_opts, tp=tp, comm=_comm(cfg), rank=rank)
+        task=task, task_opts=task_opts, tp=tp, comm=_comm(cfg), experts=_experts(cfg), rank=rank)
 
 
 def _comm(cfg) -> str:
@@ -155,13 +155,21 @@ def _comm(cfg) -> str:
     return v
 
 
+def _experts(cfg) -> str:
+    from ds4.weights.schema import EXPERT_LAYOUTS
+    v = str(_get(cfg, "parallel.experts"))
+    if v not in EXPERT_LAYOUTS:
+        raise UserError(f"parallel.experts={v}: choose one of {', '.join(EXPERT_LAYOUTS)}")
+    return v
+
+
 def check_setup(spec: RunSpec, args: ModelArgs) -> None:
     """Setups that cannot run (tensor-parallel split, GPU memory, runtime) fail before any weights load."""
     from ds4.weights.schema import local_tensors
     try:
-        local = local_tensors(args, spec.rank, spec.tp, include_mtp=False)
+        local = local_tensors(args, spec.rank, spec.tp, include_mtp=False, experts=spec.experts)
     except ValueError as e:
-        raise UserError(f"parallel.tp={spec.tp} does not fit this model: {e}") from None
+        raise UserError(f"parallel.tp={spec.tp} (experts {spec.experts}) does not fit this model: {e}") from None
     if spec.device.type == "cuda":  # fail before loading, not with an out-of-memory error minutes later
         need = sum(ls.nbytes for ls, _ in local.values())
         free = torch.cuda.mem_get_info(spec.device)[0]
@@ -215,10 +223,11 @@ def load_weights(spec: RunSpec, args: ModelArgs) -> tuple[ModelArgs, dict]:
     if spec.weights_kind == "checkpoint":
         from ds4.weights.checkpoint import load_checkpoint
         return load_checkpoint(str(Path(str(spec.weights_path)).expanduser()), args=args, device=spec.device,
-                               rank=spec.rank, world=spec.tp, include_mtp=False, progress=spec.rank == 0)
+                               rank=spec.rank, world=spec.tp, include_mtp=False, progress=spec.rank == 0,
+                               experts=spec.experts)
     from ds4.weights.synthetic import random_weights
     return args, random_weights(args, seed=spec.weights_seed, device=spec.device, rank=spec.rank, world=spec.tp,
-                                include_mtp=False)
+                                include_mtp=False, experts=spec.experts)
 
 
 def execute(spec: RunSpec, record: dict, log=print) -> dict:
@@ -241,7 +250,8 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     for c in COMPONENTS:
         note = ops.notes[c]
         log(f"  {c:<9}{ops.chosen[c]:<12}" + (f"({note})" if note != ops.chosen[c] else ""))
-    reduce = f"reduce {spec.reduce}, comm {spec.comm}" if spec.tp > 1 else "reduce (world 1: no reduction)"
+    reduce = (f"reduce {spec.reduce}, comm {spec.comm}, experts {spec.experts}" if spec.tp > 1
+              else "reduce (world 1: no reduction)")
     log(f"  numerics {spec.numerics}, {reduce}, runtime {spec.runtime}, tp {spec.tp}")
 
     tok = load_tokenizer(spec.tokenizer, args.vocab_size)
@@ -317,7 +327,7 @@ def run(cfg: DictConfig) -> dict:
         main = spec.rank == 0  # under torchrun only rank 0 prints, writes metrics.json and logs to wandb
         record.update(task=spec.task, device=str(spec.device), dtype=str(spec.dtype).removeprefix("torch."),
                       gpu=torch.cuda.get_device_name(spec.device) if spec.device.type == "cuda" else None,
-                      tp=spec.tp)
+                      tp=spec.tp, experts=spec.experts)
         if main:
             tracker = tracking.Tracker(OmegaConf.to_container(cfg.tracking, resolve=True), job,
                                        tracking.config_dict(cfg), spec.task)

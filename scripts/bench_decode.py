@@ -6,7 +6,9 @@
 Per variant: TPOT median/p90 (CUDA events per decode step, after warm-up), decode and end-to-end
 tok/s, bytes/token per GPU from the actual tensors, achieved GB/s and the ratio to the copy
 bandwidth measured in this process, peak memory per GPU, CUDA-graph warm-up/capture time. With
-two --layers values the per-layer time is the TPOT slope. Writes JSON (rank 0) to --out.
+two --layers values the per-layer time is the TPOT slope. Writes JSON (rank 0) to --out. --experts ep,tp
+loads the weights once per routed-expert layout over the ranks (parallel.experts) and names the rows of a
+layout other than ep VARIANT@LAYOUT.
 
 Variants are '+'-joined tokens: ref (torch/dequant everywhere), kernels (linear=gemv_cuda,
 moe=fp4_topk), fused (attn/indexer/hc=fused_cuda), graph (runtime=cuda_graph), bf16 (reduce=bf16),
@@ -260,6 +262,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--experts", default="ep",
+                    help="comma list of routed-expert layouts over the ranks (parallel.experts: ep, tp); each "
+                         "loads the weights once more, its rows named VARIANT@LAYOUT (ep: no suffix)")
     a = ap.parse_args()
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     e = ddist.init(kind, int(os.environ.get("WORLD_SIZE", 1)))
@@ -267,26 +272,32 @@ def main():
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
     bw = copy_bandwidth(dev, 1 << 31)
     rows = []
+    names = []  # variant names in order, with the layout suffix
     for n in [int(x) for x in a.layers.split(",")]:
         args = preset(a.model)
         args = args.with_layers(n) if n < args.n_layers else args
-        t0 = time.perf_counter()
-        model = Transformer(args, build_ops(Impls(), dev), "plain", dtype, dev, e.rank, e.world)
-        model.load_weights(random_weights(args, seed=0, device=dev, rank=e.rank, world=e.world, include_mtp=False))
-        load_s = time.perf_counter() - t0
-        prompt = [(13 * i + 7) % args.vocab_size for i in range(a.prompt_len)]
-        for v in a.variants.split(","):
-            try:
-                r = run_variant(model, v, prompt, a.new_tokens, bw, e.world)
-            except (ImplUnavailable, RuntimeError, ValueError) as err:
-                r = {"variant": v, "error": f"{type(err).__name__}: {err}"}
-            r.update(n_layers=n, world=e.world, weights_s=load_s)
-            rows.append(r)
-            if e.rank == 0:
-                print(json.dumps(r), flush=True)
-        del model
-        if kind == "cuda":
-            torch.cuda.empty_cache()
+        for lay in a.experts.split(","):
+            t0 = time.perf_counter()
+            model = Transformer(args, build_ops(Impls(), dev), "plain", dtype, dev, e.rank, e.world)
+            model.load_weights(random_weights(args, seed=0, device=dev, rank=e.rank, world=e.world,
+                                              include_mtp=False, experts=lay))
+            load_s = time.perf_counter() - t0
+            prompt = [(13 * i + 7) % args.vocab_size for i in range(a.prompt_len)]
+            for v in a.variants.split(","):
+                name = v if lay == "ep" else f"{v}@{lay}"
+                try:
+                    r = run_variant(model, v, prompt, a.new_tokens, bw, e.world)
+                except (ImplUnavailable, RuntimeError, ValueError) as err:
+                    r = {"variant": v, "error": f"{type(err).__name__}: {err}"}
+                r.update(variant=name, experts=lay, n_layers=n, world=e.world, weights_s=load_s)
+                rows.append(r)
+                if name not in names:
+                    names.append(name)
+                if e.rank == 0:
+                    print(json.dumps(r), flush=True)
+            del model
+            if kind == "cuda":
+                torch.cuda.empty_cache()
     if e.rank == 0:
         gpu = torch.cuda.get_device_name(dev) if kind == "cuda" else "cpu"
         print(f"\n{gpu} x{e.world}, copy bandwidth {bw:.0f} GB/s")
@@ -300,7 +311,7 @@ def main():
                   f"{100 * r['bw_ratio']:>6.1f}{r['peak_mem_gib']:>8.1f}")
         ns = sorted({r["n_layers"] for r in rows})
         if len(ns) == 2:
-            for v in a.variants.split(","):
+            for v in names:
                 t = {r["n_layers"]: r["tpot_ms"] for r in rows if r["variant"] == v and "tpot_ms" in r}
                 if len(t) == 2:
                     print(f"per-layer {v}: {1e3 * (t[ns[1]] - t[ns[0]]) / (ns[1] - ns[0]):.1f} us/layer")

@@ -14,8 +14,9 @@
 #   ncu            Nsight Compute counters of the batch-1 weight kernels alone (scripts/ncu_kernels.py; ncu.txt
 #                  and ncu_pipes.txt under $OUT) and the SASS of the GEMV / MoE kernels (sass_moe_gemv.txt.gz)
 #   ncu_step       Nsight Compute counters of one kernel form inside the captured decode step (4 layers of V4-Flash,
-#                  variant kernels+fused+graph+cap8192; $NCU_KERNEL: a regex on the demangled name, default the folding
-#                  routed down in fp4t; $NCU_COUNT launches; ncu_step.txt under $OUT). Written in session 15, not yet run
+#                  variant kernels+fused+graph+cap8192; $NCU_KERNEL: a regex on the demangled name as ncu prints it,
+#                  "(int)4" for a template argument 4; default the folding routed down in fp4t; $NCU_COUNT launches;
+#                  ncu_step.txt under $OUT). Session 16's first run matched nothing (its regex lacked the "(int)")
 #   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH; $PROBE_ARGS: modes,
 #                  space-separated, e.g. "hc packed"; "indexer": the indexer scores kernel with and without its RoPE, and sparse_chunk)
 #   pytest         a diagnostic pytest run ($PYTEST_ARGS: files and options; CUDA_LAUNCH_BLOCKING=1, long tracebacks)
@@ -31,7 +32,9 @@
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart ($SEED_JOBS:
 #                  the sweep's experiment=... list, default all of it)
 #   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope; $TP_LAYERS: another
-#                  list, e.g. 43); alone in a group
+#                  list, e.g. 43; $TP_EXPERTS: routed-expert layouts, e.g. ep,tp); alone in a group
+#   fid            ds4_best's fidelity against the reference on 8 layers of V4-Flash, with the hc fold (the default)
+#                  and without it (DS4_HC_FOLD=0): one job each, tables fid_hcf1.md / fid_hcf0.md under $OUT
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group; $SEED_TP2_TIMEOUT s, default 540)
 set -u
 # Each finished stage appends its logs to $OUT/logs.txt (one file: a call brings back at most 8), so a
@@ -77,7 +80,8 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
         "$OUT/ncu.txt" > "$L/ncu.log" 2>&1 ;;
     ncu_step)
       CUDA_VISIBLE_DEVICES=$g timeout 240 ncu --clock-control none --graph-profiling node --kernel-name-base demangled \
-        --kernel-name regex:"${NCU_KERNEL:-moe_down_mma_kernel<4, [0-9], 2, false, true>}" --launch-count "${NCU_COUNT:-4}" \
+        --kernel-name regex:"${NCU_KERNEL:-moe_down_mma_kernel<\(int\)4, \(int\)[0-9], \(int\)2, \(bool\)0, \(bool\)1>}" \
+        --launch-count "${NCU_COUNT:-4}" \
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
         --section LaunchStats --section SchedulerStats python3 scripts/bench_decode.py --layers 4 --new-tokens 8 \
         --variants kernels+fused+graph+cap8192 --out /tmp/ds4_ncu_step_bench.json > "$OUT/ncu_step.txt" 2>&1
@@ -105,6 +109,13 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
         max_new_tokens=32 $SEED_JOBS hydra.sweep.dir="$S/seed_1gpu" > "$L/seed_1gpu.log" 2>&1
       python3 -m ds4.compare "$S/seed_1gpu" --baseline seed_phase1 --md "$OUT/seed_phases_1gpu.md" \
         --out "$OUT/seed_phases_1gpu.png" > "$L/compare_1gpu.log" 2>&1 ;;
+    fid)
+      local f; for f in 1 0; do
+        DS4_HC_FOLD=$f CUDA_VISIBLE_DEVICES=$g timeout 150 python3 -m ds4 ablation=seed_phases model.n_layers=8 tracking=none \
+          max_new_tokens=32 experiment=ds4_best hydra.sweep.dir="$S/fid_hcf$f" > "$L/fid_run$f.log" 2>&1
+        python3 -m ds4.compare "$S/fid_hcf$f" --md "$OUT/fid_hcf$f.md" > /dev/null 2>> "$L/fid.log"
+        { echo "DS4_HC_FOLD=$f"; cat "$OUT/fid_hcf$f.md"; } >> "$L/fid.log" 2>&1
+      done ;;
     seed_tp2)
       CUDA_VISIBLE_DEVICES=0,1 timeout ${SEED_TP2_TIMEOUT:-540} torchrun --nproc-per-node 2 -m ds4 ablation=seed_phases parallel.tp=2 \
         task.fidelity=false tracking=none max_new_tokens=32 $SEED_JOBS hydra.sweep.dir="$S/seed_tp2" > "$L/seed_tp2.log" 2>&1
@@ -114,7 +125,7 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
       local n=${1#tp}
       [ "$NGPU" -ge "$n" ] || { echo "$1: needs $n GPUs, have $NGPU" > "$L/$1.log"; return; }
       timeout 240 torchrun --nproc-per-node "$n" scripts/bench_decode.py --layers "${TP_LAYERS:-8,43}" --new-tokens 48 \
-        --variants "$TP_VARIANTS" --out "$OUT/bench_$1.json" > "$L/bench_$1.log" 2>&1 ;;
+        --variants "$TP_VARIANTS" --experts "${TP_EXPERTS:-ep}" --out "$OUT/bench_$1.json" > "$L/bench_$1.log" 2>&1 ;;
     *) echo "unknown stage $1" ;;
   esac
 }
@@ -150,6 +161,7 @@ for f in kernel_tests e2e_tests tp2_tests; do
 done
 [ -f "$L/pytest.log" ] && { echo "--- pytest"; grep -v "^\s*$" "$L/pytest.log" | tail -n 60; }
 [ -f "$L/ncu.log" ] && { echo "--- ncu"; head -n 120 "$L/ncu.log"; }
+[ -f "$L/ncu_step.log" ] && { echo "--- ncu_step"; head -n 60 "$L/ncu_step.log"; }
 [ -f "$L/probe.log" ] && { echo "--- probe"; grep -v -i warn "$L/probe.log"; }
 [ -f "$L/kbench.log" ] && { echo "--- kbench"; sed -n '/^kernel /,$p' "$L/kbench.log"; }
 for f in bench_1gpu bench_tp2 bench_tp4; do
@@ -159,5 +171,6 @@ for f in profile profile0; do  # the critical path's table, then the per-kernel 
   [ -f "$L/$f.log" ] && { echo "--- $f"; sed -n '/^timeline of one replay/,/^the critical path in order/p' "$L/$f.log" | head -n 30
     sed -n '/^NVIDIA .*n_layers=/,$p' "$L/$f.log" | grep -v "^\s*$" | head -n 26; }
 done
+[ -f "$L/fid.log" ] && { echo "--- fid"; grep -E "^DS4_HC_FOLD|^\| experiment|^\| job" "$L/fid.log"; }
 for f in "$OUT"/seed_phases_*.md; do [ -f "$f" ] && { echo "--- $f"; head -n 16 "$f"; }; done
 exit 0

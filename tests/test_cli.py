@@ -110,6 +110,7 @@ def test_failing_job_is_recorded_and_sweep_goes_on(tmp_path):
     (["parallel.tp=2"], "torchrun --nproc-per-node 2"),           # tp asked, one process launched
     (["runtime=cuda_graph"], "runtime=cuda_graph needs a CUDA device"),
     (["parallel.comm=ring"], "parallel.comm=ring"),
+    (["parallel.experts=dp"], "parallel.experts=dp"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, args, message):
     r = ds4(*args, "tracking=none", "device=cpu", cwd=tmp_path)
@@ -157,21 +158,22 @@ def test_bench_reference_skips_fidelity_and_eval_ppl(tmp_path):
     assert torch.isfinite(torch.tensor(f["nll"]))
 
 
-def test_torchrun_tp2_on_cpu(tmp_path):
+@pytest.mark.parametrize("experts", ["ep", "tp"])
+def test_torchrun_tp2_on_cpu(experts, tmp_path):
     """`torchrun --nproc-per-node 2 -m ds4 parallel.tp=2` on gloo: rank 0 alone writes metrics.json,
-    and the greedy tokens equal the single-process run's."""
+    and the greedy tokens equal the single-process run's, with either routed-expert layout."""
     common = ["tracking=none", "device=cpu", "dtype=float32", "max_new_tokens=6", "profile=false"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ds4",
-                        "parallel.tp=2", *common, f"hydra.run.dir={tmp_path}/tp2"],
+                        "parallel.tp=2", f"parallel.experts={experts}", *common, f"hydra.run.dir={tmp_path}/tp2"],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     r1 = ds4(*common, f"hydra.run.dir={tmp_path}/tp1", cwd=tmp_path)
     assert r1.returncode == 0, r1.stderr[-2000:]
     m2 = json.loads((tmp_path / "tp2" / "metrics.json").read_text())
     m1 = json.loads((tmp_path / "tp1" / "metrics.json").read_text())
-    assert m2["tp"] == 2 and m2["status"] == "ok"
+    assert m2["tp"] == 2 and m2["experts"] == experts and m2["status"] == "ok"
     assert m2["generated_ids"] == m1["generated_ids"]
     assert r.stdout.count("metrics:") == 1  # only rank 0 reports
 

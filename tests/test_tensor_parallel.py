@@ -32,7 +32,7 @@ def _args(world: int):
     return tiny() if world <= 2 else tiny().replace(o_groups=4)
 
 
-def _run(rank: int, world: int, reduce: str, port: int, out: str, ckpt: str | None):
+def _run(rank: int, world: int, reduce: str, port: int, out: str, ckpt: str | None, experts: str = "ep"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     from ds4 import dist as ddist
@@ -41,9 +41,9 @@ def _run(rank: int, world: int, reduce: str, port: int, out: str, ckpt: str | No
         args = _args(world)
         if ckpt:
             from ds4.weights.checkpoint import load_checkpoint
-            _, w = load_checkpoint(ckpt, rank=rank, world=world, progress=False, include_mtp=False)
+            _, w = load_checkpoint(ckpt, rank=rank, world=world, progress=False, include_mtp=False, experts=experts)
         else:
-            w = random_weights(args, seed=1, rank=rank, world=world, include_mtp=False)
+            w = random_weights(args, seed=1, rank=rank, world=world, include_mtp=False, experts=experts)
         m = Transformer(args, torch_reference_ops(), "plain", torch.float32, rank=rank, world=world,
                         comm=ddist.TensorParallel(reduce))
         m.load_weights(w)
@@ -68,10 +68,13 @@ def _single(world=2):
     return greedy, sampled, g.teacher_forced_logits(PROMPTS[0], greedy[0])
 
 
-@pytest.mark.parametrize("world,reduce", [(2, "fp32"), (2, "bf16"), (4, "fp32")])
-def test_tp_matches_single_process(world, reduce, tmp_path):
+@pytest.mark.parametrize("world,reduce,experts", [(2, "fp32", "ep"), (2, "bf16", "ep"), (4, "fp32", "ep"),
+                                                  (2, "fp32", "tp"), (4, "fp32", "tp")])
+def test_tp_matches_single_process(world, reduce, experts, tmp_path):
+    """experts=tp: every rank holds a slice of every expert's intermediate dim; only the fp32 summation order of
+    the routed sum changes, so the same bars hold."""
     out = str(tmp_path / "r.json")
-    mp.start_processes(_run, args=(world, reduce, _free_port(), out, None), nprocs=world, start_method="spawn")
+    mp.start_processes(_run, args=(world, reduce, _free_port(), out, None, experts), nprocs=world, start_method="spawn")
     res = json.load(open(out))
     greedy, sampled, logits = _single(world)
     tp_logits = torch.tensor(res["logits"])
@@ -85,14 +88,48 @@ def test_tp_matches_single_process(world, reduce, tmp_path):
         assert agree >= 0.9 and err < 0.05, (agree, float(err))
 
 
-def test_tp_loads_checkpoint_slices(tmp_path):
+@pytest.mark.parametrize("experts", ["ep", "tp"])
+def test_tp_loads_checkpoint_slices(experts, tmp_path):
     """Each rank reads only its slices from a written checkpoint and generates like one process."""
     from ds4.weights.writer import write_checkpoint
     ck = tmp_path / "ck"
     write_checkpoint(ck, tiny(), random_weights(tiny(), seed=1), max_shard_bytes=1 << 20)
     out = str(tmp_path / "r.json")
-    mp.start_processes(_run, args=(2, "fp32", _free_port(), out, str(ck)), nprocs=2, start_method="spawn")
+    mp.start_processes(_run, args=(2, "fp32", _free_port(), out, str(ck), experts), nprocs=2, start_method="spawn")
     assert json.load(open(out))["greedy"] == _single()[0]
+
+
+def test_expert_layouts_slice_the_intermediate_dim():
+    """experts=tp: rank r holds every expert, rows [r I/W, (r+1) I/W) of w1 / w3 and the same columns of w2
+    (packed FP4 bytes and E8M0 scale groups alike), bit-identical to those slices of the one-process
+    tensors; experts=ep: whole experts by id. Bad layouts and cuts that split a scale block are refused."""
+    from ds4.weights.schema import local_tensors
+    a = tiny()
+    full = random_weights(a, seed=4, include_mtp=False)
+    n_e, inter = a.n_routed_experts, a.moe_inter_dim
+    for r in range(2):
+        tp = random_weights(a, seed=4, rank=r, world=2, include_mtp=False, experts="tp")
+        ep = random_weights(a, seed=4, rank=r, world=2, include_mtp=False, experts="ep")
+        for e in (0, n_e - 1):
+            p = f"layers.1.ffn.experts.{e}"
+            for part, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+                for leaf in ("weight", "scale"):
+                    f = full[f"{p}.{part}.{leaf}"]
+                    n = f.shape[dim] // 2
+                    want = f.narrow(dim, r * n, n)
+                    got = tp[f"{p}.{part}.{leaf}"]
+                    assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            assert tp[f"{p}.w1.weight"].shape[0] == inter // 2
+            owned = e // (n_e // 2) == r
+            assert (f"{p}.w1.weight" in ep) == owned
+        # everything that is not a routed expert is the same in both layouts
+        assert {k for k in tp if ".experts." not in k} == {k for k in ep if ".experts." not in k}
+    with pytest.raises(ValueError, match="experts="):
+        local_tensors(a, rank=0, world=2, experts="dp")
+    fp8 = a.replace(expert_dtype="fp8")  # 128-row scale blocks: an intermediate dim of 128 cannot be cut in 2
+    local_tensors(fp8, rank=0, world=2, experts="ep")
+    with pytest.raises(ValueError, match="divide"):
+        local_tensors(fp8, rank=0, world=2, experts="tp")
 
 
 def test_bad_tp_setups():

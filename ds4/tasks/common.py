@@ -49,6 +49,7 @@ class RunSpec:
     task_opts: dict = field(default_factory=dict)
     tp: int = 1                     # tensor-parallel size (torchrun processes)
     comm: str = "nccl"
+    experts: str = "ep"             # routed experts over the ranks: ep (whole, by id) | tp (sliced); schema.EXPERT_LAYOUTS
     rank: int = 0
 
 

@@ -262,8 +262,9 @@ def _plan_transformers(args, entries, problems) -> dict[str, _Source]:
 
 def load_checkpoint(path: str | os.PathLike, args: ModelArgs | None = None, rank: int = 0, world: int = 1,
                     device="cpu", include_mtp: bool = True, progress: bool = True,
-                    dtype_policy: str = "keep") -> tuple[ModelArgs, dict[str, Tensor]]:
-    """Validate then read rank `rank`'s tensors of the checkpoint at `path` (official naming out).
+                    dtype_policy: str = "keep", experts: str = "ep") -> tuple[ModelArgs, dict[str, Tensor]]:
+    """Validate then read rank `rank`'s tensors of the checkpoint at `path` (official naming out); routed
+    experts in the layout `experts` (schema.EXPERT_LAYOUTS).
 
     args: taken from `config.json` unless given (transformers naming: always `dense_args`).
     dtype_policy: "keep" = stored dtypes (a transformers F32 checkpoint stays F32);
@@ -290,7 +291,7 @@ def load_checkpoint(path: str | os.PathLike, args: ModelArgs | None = None, rank
     if problems:
         _raise(root, problems)
 
-    local = local_tensors(args, rank, world, include_mtp)
+    local = local_tensors(args, rank, world, include_mtp, experts)
     full = expected_tensors(args, include_mtp)
     by_file: dict[str, list[str]] = {}
     for name in local:
@@ -311,7 +312,9 @@ def load_checkpoint(path: str | os.PathLike, args: ModelArgs | None = None, rank
                     if src.expert is None:
                         t = f.get_slice(src.key)[idx]
                     else:
-                        t = _read_expert(f, src, args, world, stacked_cache)
+                        t = _read_expert(f, src, args, world if experts == "ep" else 1, stacked_cache)
+                        if experts == "tp":  # this rank's slice of the expert, in storage of its own
+                            t = t[idx].clone()
                     t = _apply_policy(t, full[name], dtype_policy)
                     if tuple(t.shape) != lspec.shape:
                         raise CheckpointError(f"{fname}: tensor {src.key}: read shape {list(t.shape)}, "
@@ -328,7 +331,8 @@ def load_checkpoint(path: str | os.PathLike, args: ModelArgs | None = None, rank
 
 
 def _read_expert(f, src: _Source, args: ModelArgs, world: int, cache: dict) -> Tensor:
-    """One routed expert out of a stacked [E, ...] tensor; the owned range is read once."""
+    """One routed expert (whole) out of a stacked [E, ...] tensor; the owned range (world: the ranks the
+    experts are distributed over, 1 when every rank holds a slice of each) is read once."""
     if src.key not in cache:
         layer = src.key.rsplit(".experts", 1)[0]
         for k in [k for k in cache if not k.startswith(layer + ".")]:

@@ -11,11 +11,12 @@ The model consumes a flat dict in exactly this naming, in checkpoint-native dtyp
 * BF16 linear (weight_dtype/expert_dtype "bf16"): `<name>.weight` bfloat16 [out, in], no scale.
 
 Tensor parallelism (spec §10.4/§10.6): `split` is the dimension cut into W equal parts
-(None = replicated); routed experts are distributed whole (`expert` = its id).
+(None = replicated); routed experts (`expert` = its id) are laid out as `local_tensors(experts=)` says:
+distributed whole ("ep", the reference's layout) or cut along their intermediate dim ("tp").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -181,12 +182,40 @@ def expert_owner(expert: int, n_experts: int, world: int) -> int:
     return expert // (n_experts // world)
 
 
-def local_tensors(a: ModelArgs, rank: int = 0, world: int = 1, include_mtp: bool = True) -> dict[str, tuple[TensorSpec, tuple[slice, ...]]]:
-    """name -> (local spec, index into the full tensor) for everything rank `rank` holds."""
+# How routed experts are laid out over the ranks (parallel.experts):
+#   ep: rank i holds experts [i E/W, (i+1) E/W) whole (the reference's layout, spec §10.4). At batch 1 a
+#       token's k experts fall unevenly on the ranks (k = 6, W = 2: the busier rank streams 3.94 experts on
+#       average, not 3), and every rank waits for the busiest at the all-reduce.
+#   tp: every rank holds a 1/W slice of every expert's intermediate dim (w1 / w3 rows, w2 columns, and
+#       their scales), so each rank streams exactly k/W experts' bytes per token. The down projection's
+#       output is a partial sum either way, reduced by the same all-reduce.
+EXPERT_LAYOUTS = ("ep", "tp")
+
+
+def expert_split_dim(name: str) -> int:
+    """The dim of a routed-expert tensor (weight or scale) that the "tp" layout cuts: the intermediate dim,
+    rows of w1 / w3 ([inter, dim]) and columns of w2 ([dim, inter])."""
+    part = name.rsplit(".", 2)[-2]
+    if part not in ("w1", "w2", "w3"):
+        raise ValueError(f"{name}: not a routed expert's w1 / w2 / w3")
+    return 1 if part == "w2" else 0
+
+
+def local_tensors(a: ModelArgs, rank: int = 0, world: int = 1, include_mtp: bool = True,
+                  experts: str = "ep") -> dict[str, tuple[TensorSpec, tuple[slice, ...]]]:
+    """name -> (local spec, index into the full tensor) for everything rank `rank` holds; `experts`: the
+    routed experts' layout (EXPERT_LAYOUTS)."""
+    if experts not in EXPERT_LAYOUTS:
+        raise ValueError(f"experts={experts!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
     out = {}
     for name, spec in expected_tensors(a, include_mtp).items():
         if spec.expert is not None:
-            if expert_owner(spec.expert, a.n_routed_experts, world) == rank:
+            if experts == "tp":
+                # packed FP4 columns and block scales are cut too: rank_slice refuses any dim (weight or
+                # scale) that does not divide, e.g. FP8 experts whose intermediate dim / W is not whole 128-blocks
+                lspec, idx = rank_slice(name, replace(spec, expert=None, split=expert_split_dim(name)), rank, world)
+                out[name] = (replace(lspec, expert=spec.expert), idx)
+            elif expert_owner(spec.expert, a.n_routed_experts, world) == rank:
                 out[name] = (spec, tuple(slice(None) for _ in spec.shape))
             continue
         out[name] = rank_slice(name, spec, rank, world)

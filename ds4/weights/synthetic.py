@@ -2,7 +2,8 @@
 
 Every tensor is drawn from its own generator, seeded from (seed, tensor name), as a FULL tensor
 on the target device and then sliced for this rank. So a rank's slice is bit-identical to the
-same slice of the world=1 weights, and routed experts cost only the experts a rank owns.
+same slice of the world=1 weights, and routed experts cost only the experts a rank owns (the "ep"
+layout; under "tp" every rank draws every expert and keeps its slice of each).
 
 Magnitudes are chosen so activations stay O(1) through many layers and the model is confident
 (a reference argmax with margins, spec BENCHMARKING): linear weights ~ N(0, 1/in) so outputs are
@@ -95,15 +96,16 @@ def _full_tensors(name: str, spec: TensorSpec, specs: dict[str, TensorSpec], a: 
 
 
 def random_weights(args: ModelArgs, seed: int = 0, device="cpu", rank: int = 0, world: int = 1,
-                   include_mtp: bool = True) -> dict[str, Tensor]:
-    """Every tensor rank `rank` of `world` holds (schema.local_tensors), native formats, on `device`.
+                   include_mtp: bool = True, experts: str = "ep") -> dict[str, Tensor]:
+    """Every tensor rank `rank` of `world` holds (schema.local_tensors, routed experts laid out as `experts`
+    says), native formats, on `device`.
 
     Deterministic: the same (args, seed, device type) gives bit-identical tensors, and rank r's
     tensors equal the same slices of the world=1 tensors.
     """
     device = torch.device(device)
     specs = expected_tensors(args, include_mtp)
-    local = local_tensors(args, rank, world, include_mtp)
+    local = local_tensors(args, rank, world, include_mtp, experts)
     out: dict[str, Tensor] = {}
     pending: dict[str, Tensor] = {}
     for name, (lspec, idx) in local.items():
