@@ -7,8 +7,8 @@ Per variant: TPOT median/p90 (CUDA events per decode step, after warm-up), decod
 tok/s, bytes/token per GPU from the actual tensors, achieved GB/s and the ratio to the copy
 bandwidth measured in this process, peak memory per GPU, CUDA-graph warm-up/capture time. With
 two --layers values the per-layer time is the TPOT slope. Writes JSON (rank 0) to --out. --experts ep,tp
-loads the weights once per routed-expert layout over the ranks (parallel.experts) and names the rows of a
-layout other than ep VARIANT@LAYOUT.
+loads the weights once per routed-expert layout over the ranks (parallel.experts, default tp) and names the
+rows of a layout other than tp VARIANT@LAYOUT (session 16's run 3 printed the opposite: its suffix was @tp).
 
 Variants are '+'-joined tokens: ref (torch/dequant everywhere), kernels (linear=gemv_cuda,
 moe=fp4_topk), fused (attn/indexer/hc=fused_cuda), graph (runtime=cuda_graph), bf16 (reduce=bf16),
@@ -262,9 +262,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--experts", default="ep",
-                    help="comma list of routed-expert layouts over the ranks (parallel.experts: ep, tp); each "
-                         "loads the weights once more, its rows named VARIANT@LAYOUT (ep: no suffix)")
+    ap.add_argument("--experts", default="tp",
+                    help="comma list of routed-expert layouts over the ranks (parallel.experts: tp, the default, "
+                         "or ep); each loads the weights once more, its rows named VARIANT@LAYOUT (tp: no suffix)")
     a = ap.parse_args()
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     e = ddist.init(kind, int(os.environ.get("WORLD_SIZE", 1)))
@@ -284,7 +284,7 @@ def main():
             load_s = time.perf_counter() - t0
             prompt = [(13 * i + 7) % args.vocab_size for i in range(a.prompt_len)]
             for v in a.variants.split(","):
-                name = v if lay == "ep" else f"{v}@{lay}"
+                name = v if lay == "tp" else f"{v}@{lay}"
                 try:
                     r = run_variant(model, v, prompt, a.new_tokens, bw, e.world)
                 except (ImplUnavailable, RuntimeError, ValueError) as err:

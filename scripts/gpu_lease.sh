@@ -32,7 +32,7 @@
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart ($SEED_JOBS:
 #                  the sweep's experiment=... list, default all of it)
 #   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope; $TP_LAYERS: another
-#                  list, e.g. 43; $TP_EXPERTS: routed-expert layouts, e.g. ep,tp); alone in a group
+#                  list, e.g. 43; $TP_EXPERTS: routed-expert layouts, default tp, e.g. tp,ep); alone in a group
 #   fid            ds4_best's fidelity against the reference on 8 layers of V4-Flash, with the hc fold (the default)
 #                  and without it (DS4_HC_FOLD=0): one job each, tables fid_hcf1.md / fid_hcf0.md under $OUT
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group; $SEED_TP2_TIMEOUT s, default 540)
@@ -125,7 +125,7 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
       local n=${1#tp}
       [ "$NGPU" -ge "$n" ] || { echo "$1: needs $n GPUs, have $NGPU" > "$L/$1.log"; return; }
       timeout 240 torchrun --nproc-per-node "$n" scripts/bench_decode.py --layers "${TP_LAYERS:-8,43}" --new-tokens 48 \
-        --variants "$TP_VARIANTS" --experts "${TP_EXPERTS:-ep}" --out "$OUT/bench_$1.json" > "$L/bench_$1.log" 2>&1 ;;
+        --variants "$TP_VARIANTS" --experts "${TP_EXPERTS:-tp}" --out "$OUT/bench_$1.json" > "$L/bench_$1.log" 2>&1 ;;
     *) echo "unknown stage $1" ;;
   esac
 }

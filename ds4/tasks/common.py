@@ -49,7 +49,7 @@ class RunSpec:
     task_opts: dict = field(default_factory=dict)
     tp: int = 1                     # tensor-parallel size (torchrun processes)
     comm: str = "nccl"
-    experts: str = "ep"             # routed experts over the ranks: ep (whole, by id) | tp (sliced); schema.EXPERT_LAYOUTS
+    experts: str = "tp"             # routed experts over the ranks: tp (sliced, the default) | ep (whole, by id)
     rank: int = 0
 
 
