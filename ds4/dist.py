@@ -72,6 +72,12 @@ def init(device_type: str, expected_world: int) -> DistEnv:
     return e
 
 
+def symm_dtypes(reduce_dtype: torch.dtype) -> list[torch.dtype]:
+    """The dtypes of the symmetric-memory buffers, in rendezvous order: the activation reduce dtype, then fp32
+    (the embedding's exact sums) unless they are the same."""
+    return [reduce_dtype] + ([torch.float32] if reduce_dtype != torch.float32 else [])
+
+
 class TensorParallel:
     def __init__(self, reduce: str = "fp32", comm: str = "nccl", group=None, device: torch.device | None = None,
                  max_numel: int = 1 << 16):
@@ -88,8 +94,11 @@ class TensorParallel:
                 raise ValueError("comm=symm_mem needs CUDA devices")
             import torch.distributed._symmetric_memory as symm_mem
             self._group_name = self.group.group_name
-            # One symmetric buffer per reduce dtype, allocated and exchanged once (never per step).
-            for dt in {self.reduce_dtype, torch.float32}:
+            # One symmetric buffer per reduce dtype, allocated and exchanged once (never per step), in the same
+            # order on every rank (symm_dtypes: a list; a set's order follows the dtype objects' addresses,
+            # which differ between processes, and a rendezvous of a bf16 buffer on one rank with an fp32 one on
+            # the other fails on their sizes)
+            for dt in symm_dtypes(self.reduce_dtype):
                 buf = symm_mem.empty(max_numel, dtype=dt, device=device)
                 symm_mem.rendezvous(buf, self._group_name)
                 self._bufs[dt] = buf

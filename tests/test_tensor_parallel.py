@@ -132,6 +132,15 @@ def test_expert_layouts_slice_the_intermediate_dim():
         local_tensors(fp8, rank=0, world=2, experts="tp")
 
 
+def test_symm_buffers_rendezvous_in_a_fixed_order():
+    """The symmetric-memory buffers are exchanged in a list's order on every rank: a set of dtypes iterates in
+    address order, which two processes need not share (session 16: ds4_best at tp=2 failed its rendezvous
+    with 'buffer_size' mismatched, a bf16 buffer on one rank against an fp32 one on the other)."""
+    from ds4 import dist as ddist
+    assert ddist.symm_dtypes(torch.bfloat16) == [torch.bfloat16, torch.float32]
+    assert ddist.symm_dtypes(torch.float32) == [torch.float32]
+
+
 def test_bad_tp_setups():
     from ds4 import dist as ddist
     with pytest.raises(ValueError, match="process"):
