@@ -83,9 +83,9 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
         --kernel-name regex:"${NCU_KERNEL:-moe_down_mma_kernel<\(int\)4, \(int\)[0-9], \(int\)2, \(bool\)0, \(bool\)1>}" \
         --launch-count "${NCU_COUNT:-4}" \
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
-        --section LaunchStats --section SchedulerStats python3 scripts/bench_decode.py --layers 4 --new-tokens 8 \
+        --section LaunchStats --section SchedulerStats --section SourceCounters python3 scripts/bench_decode.py --layers 4 --new-tokens 8 \
         --variants kernels+fused+graph+cap8192 --out /tmp/ds4_ncu_step_bench.json > "$OUT/ncu_step.txt" 2>&1
-      grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Stall|Achieved Occ|Registers Per|No Eligible|Active Warps" \
+      grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Stall|Achieved Occ|Registers Per|No Eligible|Active Warps|Warp Stall Sampling|Branch Instructions" \
         "$OUT/ncu_step.txt" > "$L/ncu_step.log" 2>&1 ;;
     probe) nvcc -std=c++17 -O3 -arch=${PROBE_ARCH:-sm_90} -DDS4_PROBE scripts/probe_phases.cu -o /tmp/ds4_probe \
         > "$L/probe.log" 2>&1 || return
