@@ -273,12 +273,17 @@ def test_hf_module_naming_stacked_experts_world2(hf_model, weights, tmp_path):
     save_file({k: v.contiguous() for k, v in hf_model.state_dict().items()}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(ARGS.to_hf_config(quantized=False)))
     ref = _dequantised(weights)
-    for rank in range(2):
-        args, part = load_checkpoint(tmp_path, rank=rank, world=2, progress=False)
-        local = local_tensors(args, rank, 2, include_mtp=False)
-        assert list(part) == list(local)
-        for n, (_, idx) in local.items():
-            assert torch.equal(part[n], ref[n][idx]), n
+    for experts in ("ep", "tp"):  # whole experts by id, or every expert's slice of its intermediate dim
+        for rank in range(2):
+            args, part = load_checkpoint(tmp_path, rank=rank, world=2, progress=False, experts=experts)
+            local = local_tensors(args, rank, 2, include_mtp=False, experts=experts)
+            assert list(part) == list(local)
+            for n, (_, idx) in local.items():
+                assert torch.equal(part[n], ref[n][idx]), n
+            w2 = "layers.3.ffn.experts.0.w2.weight"
+            assert (w2 in part) == (experts == "tp" or rank == 0)
+            if experts == "tp":
+                assert part[w2].shape[1] * 2 == ref[w2].shape[1] and part[w2].is_contiguous()
     # a bad stacked tensor is reported with its file and name
     sd = load_file(tmp_path / "model.safetensors")
     sd["model.layers.3.mlp.experts.down_proj"] = sd["model.layers.3.mlp.experts.down_proj"][:, :, :64].contiguous()
