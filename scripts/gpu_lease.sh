@@ -171,6 +171,6 @@ for f in profile profile0; do  # the critical path's table, then the per-kernel 
   [ -f "$L/$f.log" ] && { echo "--- $f"; sed -n '/^timeline of one replay/,/^the critical path in order/p' "$L/$f.log" | head -n 30
     sed -n '/^NVIDIA .*n_layers=/,$p' "$L/$f.log" | grep -v "^\s*$" | head -n 26; }
 done
-[ -f "$L/fid.log" ] && { echo "--- fid"; grep -E "^DS4_HC_FOLD|^\| experiment|^\| job" "$L/fid.log"; }
+[ -f "$L/fid.log" ] && { echo "--- fid"; grep -E "^DS4_HC_FOLD|^\| (ablation|experiment|job)" "$L/fid.log"; }
 for f in "$OUT"/seed_phases_*.md; do [ -f "$f" ] && { echo "--- $f"; head -n 16 "$f"; }; done
 exit 0
