@@ -497,10 +497,10 @@ bool moe_route_ok(const MoEArgs& a) {
 // ablation): in the decode step it runs on a side stream beside the router's small kernels, and a whole
 // wave of its blocks (2 per SM at depth 8 fill the register file) leaves them no slot until its blocks
 // exit (experiments/decode_session8_h200.md). The routed experts' gate+up (ids or routing given) takes
-// DS4_ROUTED_WAVE percent (written in session 15, not yet measured): at 50 it leaves each SM the registers
-// of one block of the down kernel, whose blocks can then be resident under PDL while it runs (their
-// prologue and first weight loads done when it ends) instead of only once its blocks exit; the routed down
-// keeps the whole wave.
+// DS4_ROUTED_WAVE percent: at 50 it leaves each SM the registers of one block of the down kernel, whose
+// blocks can then be resident under PDL while it runs (their prologue and first weight loads done when it
+// ends) instead of only once its blocks exit; the routed down keeps the whole wave. Measured slower (H200:
+// 130.1 against 127.1 us per layer at 50, experiments/decode_session16_h200.md), so an opt-in.
 static int moe_wave(const MoEArgs& a, int wave, bool gate_up) {
   const bool routed = a.ids != nullptr || a.route_logits != nullptr;
   if (routed && !gate_up) return wave;

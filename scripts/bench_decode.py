@@ -272,7 +272,6 @@ def main():
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
     bw = copy_bandwidth(dev, 1 << 31)
     rows = []
-    names = []  # variant names in order, with the layout suffix
     for n in [int(x) for x in a.layers.split(",")]:
         args = preset(a.model)
         args = args.with_layers(n) if n < args.n_layers else args
@@ -291,8 +290,6 @@ def main():
                     r = {"variant": v, "error": f"{type(err).__name__}: {err}"}
                 r.update(variant=name, experts=lay, n_layers=n, world=e.world, weights_s=load_s)
                 rows.append(r)
-                if name not in names:
-                    names.append(name)
                 if e.rank == 0:
                     print(json.dumps(r), flush=True)
             del model
@@ -311,7 +308,7 @@ def main():
                   f"{100 * r['bw_ratio']:>6.1f}{r['peak_mem_gib']:>8.1f}")
         ns = sorted({r["n_layers"] for r in rows})
         if len(ns) == 2:
-            for v in names:
+            for v in dict.fromkeys(r["variant"] for r in rows):  # in order, with the layout suffix
                 t = {r["n_layers"]: r["tpot_ms"] for r in rows if r["variant"] == v and "tpot_ms" in r}
                 if len(t) == 2:
                     print(f"per-layer {v}: {1e3 * (t[ns[1]] - t[ns[0]]) / (ns[1] - ns[0]):.1f} us/layer")

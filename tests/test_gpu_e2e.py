@@ -218,8 +218,7 @@ def _tp_graph_worker(rank, world, port, experts, path):
     with _rank_group(rank, world, port) as dev:
         args = tiny()
         w = random_weights(args, seed=2, device=dev, rank=rank, world=world, include_mtp=False, experts=experts)
-        impls = Impls(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
-        m = Transformer(args, build_ops(impls, dev), "plain", torch.bfloat16, dev, rank=rank, world=world,
+        m = Transformer(args, build_ops(Impls(**_FUSED), dev), "plain", torch.bfloat16, dev, rank=rank, world=world,
                         comm=ddist.TensorParallel("fp32", "nccl", device=dev))
         m.load_weights(w)
         prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]]

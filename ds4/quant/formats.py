@@ -252,8 +252,8 @@ def unpack_fp4_mma(w: Tensor, out: Tensor | None = None) -> Tensor:
 
 # The fp4t layout (moe=fp4_topk's default where the shapes allow; DS4_FP4_TILE=0 keeps fp4p): fp4p words
 # placed in the tensor-core kernels' fragment order, so that one warp instruction of csrc/mma_dot.cuh's
-# MmaStream reads 512 contiguous bytes instead of 16-byte chunks of 8 rows. MmaStream's lane (g, t) of round r reads chunks 4 W r + W t + w (w < W)
-# of rows g and g + 8 of a 16-row tile; fp4t stores tile T's (16 rows x row bytes) block where the stored
+# MmaStream reads 512 contiguous bytes instead of 16-byte chunks of 8 rows. MmaStream's lane (g, t) of
+# round r reads chunks 4 W r + W t + w (w < W) of rows g and g + 8 of a 16-row tile; fp4t stores tile T's (16 rows x row bytes) block where the stored
 # layout has it, and inside it the chunk of (round r, chunk w, row half h, lane 4 g + t) at
 # ((r W + w) 2 + h) 512 + (4 g + t) 16. W is fixed at TILE_W (the kernels' default run width).
 TILE_W = 2
