@@ -111,6 +111,7 @@ def _number_token(toks: set[str], prefix: str, default: int) -> int:
 #   xrouter  no router kernels (a fixed device (weights, ids): experts 0..k-1 of this rank, weights 1/k)
 #   xrouted  no routed-expert kernels (the routed sum is zero)
 #   xattn    no attention-core kernels (the attention output is zero)
+#   xar      tp > 1: no all-reduce (each rank keeps its partial sums; the ranks no longer wait for each other)
 def skip_shared_expert(moe) -> None:
     """xshared: this MoE implementation launches no shared-expert kernel in decode steps; the routed sum
     gets zeros in its place (one memset)."""
@@ -179,6 +180,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     if world > 1:
         comm = ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", "symm_mem" if "symm" in toks else "nccl",
                                     device=model.device)
+        if "xar" in toks:  # a removal diagnostic (timing only)
+            comm.all_reduce = lambda x, site: x
     # nopack: the routed experts in the stored FP4 layout (as DS4_FP4_PACK=0 at load); other variants
     # re-lay them as fp4p through configure() (moe=fp4_topk's prepare)
     os.environ["DS4_FP4_PACK"] = "0" if "nopack" in toks else "1"

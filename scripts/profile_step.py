@@ -1,6 +1,12 @@
 """Where one batch-1 decode step's time goes, kernel by kernel (one GPU, CUDA-graph replay).
 
     python scripts/profile_step.py --layers 4 --variant kernels+fused [--replays 20] [--out f.json]
+    torchrun --nproc-per-node 2 scripts/profile_step.py --layers 8 --variant kernels+fused+symm --timeline
+
+Under torchrun every rank replays and profiles its own step (the collectives inside the graph need both);
+rank 0 prints and writes. Variant tokens for tp > 1: symm (comm=symm_mem), bf16 (reduce=bf16); the routed
+experts are laid out as parallel.experts=tp (the default). capN sizes the caches for N positions, as in
+bench_decode.py.
 
 The captured step is replayed under torch.profiler (CUPTI sees every kernel inside the graph):
 per kernel name, the GPU time per step and per layer, and the step's wall time, whose difference
@@ -23,11 +29,13 @@ import collections
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 
 import torch
 
+from ds4 import dist as ddist
 from ds4.model.args import preset
 from ds4.model.transformer import Transformer
 from ds4.registry import build_ops
@@ -35,7 +43,7 @@ from ds4.runtime.generate import Generator
 from ds4.timeline import critical_path, kernels_from_trace, one_step, path_parts
 from ds4.weights.synthetic import random_weights
 
-from bench_decode import impls_of  # the variant tokens of the decode benchmark (same folder)
+from bench_decode import _number_token, impls_of  # the variant tokens of the decode benchmark (same folder)
 
 # a readable label per kernel: template arguments and namespaces dropped
 _LABEL = re.compile(r"^(?:void )?(?:[\w:]+::)?(\w+)")
@@ -60,12 +68,24 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="also print one replay's critical path (ds4.timeline)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    dev = torch.device("cuda")
+    e = ddist.init("cuda", int(os.environ.get("WORLD_SIZE", 1)))
+    if e.rank:  # every rank runs and profiles the same step; rank 0 reports
+        sys.stdout = open(os.devnull, "w")
+        a.out = None
+    dev = torch.device("cuda", e.local_rank)
+    toks = set(a.variant.split("+"))
+    comm = None
+    if e.world > 1:
+        comm = ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", "symm_mem" if "symm" in toks else "nccl",
+                                    device=dev)
     args = preset(a.model)
     args = args.with_layers(a.layers) if a.layers < args.n_layers else args
-    model = Transformer(args, build_ops(impls_of(set(a.variant.split("+"))), dev), "plain", torch.bfloat16, dev)
-    model.load_weights(random_weights(args, seed=0, device=dev, include_mtp=False))
-    gen = Generator(model, 1, max(a.context, a.long_context) + 3 * a.replays + 64, runtime="cuda_graph")
+    model = Transformer(args, build_ops(impls_of(toks), dev), "plain", torch.bfloat16, dev, e.rank, e.world,
+                        comm=comm)
+    model.load_weights(random_weights(args, seed=0, device=dev, rank=e.rank, world=e.world, include_mtp=False,
+                                      experts="tp"))
+    cap = max(a.context, a.long_context) + 3 * a.replays + 64
+    gen = Generator(model, 1, max(cap, _number_token(toks, "cap", 0)), runtime="cuda_graph")
     prompt = [(13 * i + 7) % args.vocab_size for i in range(a.context)]
     gen.generate([prompt], 4, stop_at_eos=False)            # prefill, capture, a few steps
     step = gen.graph_step(1, "argmax")
@@ -104,7 +124,8 @@ def main() -> None:
     rows = sorted(((k, v[0] / a.replays, v[1] / a.replays) for k, v in per.items()), key=lambda r: -r[1])
     busy = sum(r[1] for r in rows)
     launches = sum(r[2] for r in rows)
-    print(f"\n{torch.cuda.get_device_name(dev)}: {a.model} n_layers={a.layers} {a.variant}, context {a.context}")
+    print(f"\n{torch.cuda.get_device_name(dev)}: {a.model} n_layers={a.layers} {a.variant}, context {a.context}"
+          + (f", tp={e.world} (rank 0)" if e.world > 1 else ""))
     print(f"step wall {wall_us:.1f} us, kernel time {busy:.1f} us, {launches:.0f} kernels per step "
           f"({launches / a.layers:.1f} per layer), gaps {wall_us - busy:.1f} us")
     if long_us is not None:
@@ -116,10 +137,12 @@ def main() -> None:
     if a.out:
         json.dump({"gpu": torch.cuda.get_device_name(dev), "layers": a.layers, "variant": a.variant,
                    "context": a.context, "wall_us": wall_us, "kernel_us": busy, "kernels": launches,
-                   "long_context": a.long_context, "long_context_wall_us": long_us,
+                   "long_context": a.long_context, "long_context_wall_us": long_us, "world": e.world,
                    "rows": [{"kernel": k, "us_per_step": us, "calls_per_step": n} for k, us, n in rows],
                    "timeline": timeline},
                   open(a.out, "w"), indent=1)
+    if e.world > 1:
+        torch.distributed.destroy_process_group()
 
 
 def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
