@@ -507,6 +507,39 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
+// One-shot all-reduce over peer memory (parallel.comm=ll; allreduce.cu): x [n] fp32 or bf16, contiguous; peers: every rank's buffer ([2][W][cap] uint2, zeroed before the first call) as mapped
+// here; counters int32 [>= ceil(cap / AR_CHUNK)] (zeroed; this kernel's own state). out_f32 picks the output dtype.
+at::Tensor all_reduce_ll(const at::Tensor& x, at::IntArrayRef peers,
+                         at::Tensor& counters, int64_t rank, int64_t cap, bool round_bf16, bool out_f32) {
+  check_cuda(x, "x");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
+                  x.numel() >= 1 && x.numel() <= cap,
+              "ds4.all_reduce_ll: x must be contiguous fp32 or bf16 with 1..cap elements");
+  const int64_t W = (int64_t)peers.size();
+  TORCH_CHECK(W >= 2 && W <= ds4::AR_MAX_WORLD && rank >= 0 && rank < W, "ds4.all_reduce_ll: 2..",
+              ds4::AR_MAX_WORLD, " ranks, rank in range");
+  check_cuda(counters, "counters");
+  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.is_contiguous() && counters.device() == x.device() &&
+                  counters.numel() >= (cap + ds4::AR_CHUNK - 1) / ds4::AR_CHUNK,
+              "ds4.all_reduce_ll: counters must be int32 [ceil(cap / ", ds4::AR_CHUNK, ")] on x's device");
+  ds4::AllReduceArgs a{};
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty(x.sizes(), x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
+  a.x = x.data_ptr();
+  a.out = out.data_ptr();
+  for (int64_t r = 0; r < W; ++r) a.peers[r] = reinterpret_cast<uint2*>(static_cast<uintptr_t>(peers[r]));
+  a.counters = static_cast<int*>(counters.data_ptr());
+  a.n = x.numel();
+  a.cap = cap;
+  a.rank = (int)rank;
+  a.world = (int)W;
+  a.x_bf16 = x.scalar_type() == at::kBFloat16;
+  a.out_bf16 = !out_f32;
+  a.round_bf16 = round_bf16;
+  check_launch(ds4::launch_all_reduce_ll(a, at::cuda::getCurrentCUDAStream()), "all_reduce_ll");
+  return out;
+}
+
 // Prefetch into L2 (no output): the given tensors (t0 and the present ones of t1..t3) whole, or with ids
 // (int64 [n], on the device) the experts ids[k] - id_offset of tensors stacked by local expert ([E_local, ...],
 // all with the same E_local).
@@ -561,6 +594,8 @@ TORCH_LIBRARY(ds4, m) {
         "float route_scale, Tensor? logits=None) -> (Tensor, Tensor)");
   m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("all_reduce_ll(Tensor x, int[] peers, Tensor(a!) counters, int rank, int cap, bool round_bf16, "
+        "bool out_f32) -> Tensor");
   m.def("l2_prefetch(Tensor t0, Tensor? t1, Tensor? t2, Tensor? t3, Tensor? ids, int id_offset) -> ()");
   m.def("gemv_rmsnorm_ok(int fmt, int rows, int cols) -> bool", &gemv_rmsnorm_ok);  // host-only question
   m.def("gemv_fold(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor res, Tensor post, Tensor comb, Tensor fn, "
@@ -576,5 +611,6 @@ TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
   m.impl("gemv_rmsnorm", &gemv_rmsnorm);
   m.impl("gemv_fold", &gemv_fold);
   m.impl("argmax", &argmax);
+  m.impl("all_reduce_ll", &all_reduce_ll);
   m.impl("l2_prefetch", &l2_prefetch);
 }

@@ -147,4 +147,23 @@ struct L2PrefetchArgs {
 };
 cudaError_t launch_l2_prefetch(const L2PrefetchArgs& a, cudaStream_t st);
 
+// One-shot all-reduce over peer memory (allreduce.cu, parallel.comm=ll): out[i] = (sum over ranks r in rank
+// order of the partials x_r[i], each rounded to bf16 first and the sum too when round_bf16). peers[r]:
+// rank r's buffer as mapped in this process ([2][world][cap] uint2, zeroed before the first call); counters:
+// one int per block (n <= cap, ceil(cap / AR_CHUNK) of them, zeroed), this rank's memory. Every rank must
+// make the same calls in the same order.
+constexpr int AR_THREADS = 256;
+constexpr int AR_CHUNK = 512;  // elements per block
+constexpr int AR_MAX_WORLD = 8;
+struct AllReduceArgs {
+  const void* x;               // fp32, or bf16 with x_bf16
+  void* out;                   // fp32, or bf16 with out_bf16
+  uint2* peers[AR_MAX_WORLD];
+  int* counters;
+  long n, cap;
+  int rank, world;
+  bool x_bf16, out_bf16, round_bf16;
+};
+cudaError_t launch_all_reduce_ll(const AllReduceArgs& a, cudaStream_t st);
+
 }  // namespace ds4

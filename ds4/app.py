@@ -145,13 +145,15 @@ def build_spec(cfg: DictConfig) -> RunSpec:
         weights_seed=_int(cfg, "weights.seed") if kind == "synthetic" else 0,
         tokenizer=_get(cfg, "weights.tokenizer"), impls=Impls(**impls),
         numerics=_choice(cfg, "numerics"), reduce=_choice(cfg, "reduce"), runtime=_choice(cfg, "runtime"),
-        task=task, task_opts=task_opts, tp=tp, comm=_comm(cfg), experts=_experts(cfg), rank=rank)
+        task=task, task_opts=task_opts, tp=tp, comm=_comm(cfg), experts=_experts(cfg),
+        shared_expert=_shared_expert(cfg), rank=rank)
 
 
 def _comm(cfg) -> str:
+    from ds4.dist import COMMS
     v = str(_get(cfg, "parallel.comm"))
-    if v not in ("nccl", "symm_mem"):
-        raise UserError(f"parallel.comm={v}: choose nccl or symm_mem")
+    if v not in COMMS:
+        raise UserError(f"parallel.comm={v}: choose one of {', '.join(COMMS)}")
     return v
 
 
@@ -163,13 +165,23 @@ def _experts(cfg) -> str:
     return v
 
 
+def _shared_expert(cfg) -> str:
+    from ds4.weights.schema import SHARED_LAYOUTS
+    v = str(_get(cfg, "parallel.shared_expert"))
+    if v not in SHARED_LAYOUTS:
+        raise UserError(f"parallel.shared_expert={v}: choose one of {', '.join(SHARED_LAYOUTS)}")
+    return v
+
+
 def check_setup(spec: RunSpec, args: ModelArgs) -> None:
     """Setups that cannot run (tensor-parallel split, GPU memory, runtime) fail before any weights load."""
     from ds4.weights.schema import local_tensors
     try:
-        local = local_tensors(args, spec.rank, spec.tp, include_mtp=False, experts=spec.experts)
+        local = local_tensors(args, spec.rank, spec.tp, include_mtp=False, experts=spec.experts,
+                              shared=spec.shared_expert)
     except ValueError as e:
-        raise UserError(f"parallel.tp={spec.tp} (experts {spec.experts}) does not fit this model: {e}") from None
+        raise UserError(f"parallel.tp={spec.tp} (experts {spec.experts}, shared expert {spec.shared_expert}) "
+                        f"does not fit this model: {e}") from None
     if spec.device.type == "cuda":  # fail before loading, not with an out-of-memory error minutes later
         need = sum(ls.nbytes for ls, _ in local.values())
         free = torch.cuda.mem_get_info(spec.device)[0]
@@ -177,8 +189,13 @@ def check_setup(spec: RunSpec, args: ModelArgs) -> None:
             raise UserError(f"the weights need {need / 2**30:.1f} GiB per GPU but {spec.device} has "
                             f"{free / 2**30:.1f} GiB free; use more GPUs (torchrun ... parallel.tp=N) "
                             "or fewer layers (model.n_layers=N)")
-    if spec.comm == "symm_mem" and spec.device.type != "cuda":
-        raise UserError("parallel.comm=symm_mem needs CUDA devices")
+    if spec.comm in ("symm_mem", "ll") and spec.device.type != "cuda":
+        raise UserError(f"parallel.comm={spec.comm} needs CUDA devices")
+    if spec.comm == "ll" and spec.tp > 1:
+        from ds4 import kernels
+        reason = kernels.unavailable_reason()
+        if reason is not None:
+            raise UserError(f"parallel.comm=ll runs ds4's all-reduce kernel, which cannot run here: {reason}")
     if spec.runtime == "cuda_graph":
         if spec.device.type != "cuda":
             raise UserError("runtime=cuda_graph needs a CUDA device")
@@ -224,10 +241,10 @@ def load_weights(spec: RunSpec, args: ModelArgs) -> tuple[ModelArgs, dict]:
         from ds4.weights.checkpoint import load_checkpoint
         return load_checkpoint(str(Path(str(spec.weights_path)).expanduser()), args=args, device=spec.device,
                                rank=spec.rank, world=spec.tp, include_mtp=False, progress=spec.rank == 0,
-                               experts=spec.experts)
+                               experts=spec.experts, shared=spec.shared_expert)
     from ds4.weights.synthetic import random_weights
     return args, random_weights(args, seed=spec.weights_seed, device=spec.device, rank=spec.rank, world=spec.tp,
-                                include_mtp=False, experts=spec.experts)
+                                include_mtp=False, experts=spec.experts, shared=spec.shared_expert)
 
 
 def execute(spec: RunSpec, record: dict, log=print) -> dict:
@@ -250,7 +267,8 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     for c in COMPONENTS:
         note = ops.notes[c]
         log(f"  {c:<9}{ops.chosen[c]:<12}" + (f"({note})" if note != ops.chosen[c] else ""))
-    reduce = (f"reduce {spec.reduce}, comm {spec.comm}, experts {spec.experts}" if spec.tp > 1
+    reduce = (f"reduce {spec.reduce}, comm {spec.comm}, experts {spec.experts}, shared expert {spec.shared_expert}"
+              if spec.tp > 1
               else "reduce (world 1: no reduction)")
     log(f"  numerics {spec.numerics}, {reduce}, runtime {spec.runtime}, tp {spec.tp}")
 
@@ -327,7 +345,7 @@ def run(cfg: DictConfig) -> dict:
         main = spec.rank == 0  # under torchrun only rank 0 prints, writes metrics.json and logs to wandb
         record.update(task=spec.task, device=str(spec.device), dtype=str(spec.dtype).removeprefix("torch."),
                       gpu=torch.cuda.get_device_name(spec.device) if spec.device.type == "cuda" else None,
-                      tp=spec.tp, experts=spec.experts)
+                      tp=spec.tp, experts=spec.experts, shared_expert=spec.shared_expert)
         if main:
             tracker = tracking.Tracker(OmegaConf.to_container(cfg.tracking, resolve=True), job,
                                        tracking.config_dict(cfg), spec.task)

@@ -1,10 +1,12 @@
 """Collectives the model calls, and process-group setup under torchrun.
 
 `SingleProcess` is the world-size-1 identity. `TensorParallel` sums partial results over the
-ranks of one group in the configured precision (`reduce=fp32|bf16`) through either NCCL/gloo
-(`comm=nccl`) or PyTorch's symmetric-memory one-shot all-reduce over NVLink P2P
-(`comm=symm_mem`, CUDA only; graph-capturable). Greedy decoding can use the seed's
-distributed argmax instead of gathering the whole vocabulary.
+ranks of one group in the configured precision (`reduce=fp32|bf16`) through NCCL/gloo (`comm=nccl`),
+PyTorch's symmetric-memory one-shot all-reduce over NVLink P2P (`comm=symm_mem`, CUDA only;
+graph-capturable), or ds4's own one-shot kernel over the same peer memory (`comm=ll`, CUDA only: one
+launch that also casts to the output dtype, csrc/allreduce.cu; tensors above its capacity, e.g. long
+prompts, go through NCCL). Greedy decoding can use the seed's distributed argmax instead of gathering the
+whole vocabulary.
 """
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class SingleProcess:
     rank, world = 0, 1
 
-    def all_reduce(self, x: Tensor, site: str) -> Tensor:
-        """Sum partial results over ranks (site: 'attn', 'moe', 'embed')."""
-        return x
+    def all_reduce(self, x: Tensor, site: str, out_dtype: torch.dtype | None = None) -> Tensor:
+        """Sum partial results over ranks (site: 'attn', 'moe', 'embed'), in out_dtype (x's by default)."""
+        return x if out_dtype is None else x.to(out_dtype)
 
     def gather_vocab(self, logits: Tensor) -> Tensor:
         """Concatenate vocab-parallel logits [..., V/W] over ranks -> [..., V]."""
@@ -78,20 +80,26 @@ def symm_dtypes(reduce_dtype: torch.dtype) -> list[torch.dtype]:
     return [reduce_dtype] + ([torch.float32] if reduce_dtype != torch.float32 else [])
 
 
+COMMS = ("nccl", "symm_mem", "ll")
+
+
 class TensorParallel:
     def __init__(self, reduce: str = "fp32", comm: str = "nccl", group=None, device: torch.device | None = None,
                  max_numel: int = 1 << 16):
         if reduce not in REDUCE_DTYPES:
             raise ValueError(f"reduce must be one of {sorted(REDUCE_DTYPES)}, got {reduce!r}")
-        if comm not in ("nccl", "symm_mem"):
-            raise ValueError(f"comm must be nccl|symm_mem, got {comm!r}")
+        if comm not in COMMS:
+            raise ValueError(f"comm must be one of {'|'.join(COMMS)}, got {comm!r}")
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.reduce_dtype, self.comm = REDUCE_DTYPES[reduce], comm
         self._bufs: dict[torch.dtype, Tensor] = {}
+        self._ll: _LowLatency | None = None
+        if comm in ("symm_mem", "ll") and (device is None or device.type != "cuda"):
+            raise ValueError(f"comm={comm} needs CUDA devices")
+        if comm == "ll":
+            self._ll = _LowLatency(self.group, device, max_numel)
         if comm == "symm_mem":
-            if device is None or device.type != "cuda":
-                raise ValueError("comm=symm_mem needs CUDA devices")
             import torch.distributed._symmetric_memory as symm_mem
             self._group_name = self.group.group_name
             # One symmetric buffer per reduce dtype, allocated and exchanged once (never per step), in the same
@@ -112,11 +120,15 @@ class TensorParallel:
         dist.all_reduce(y, group=self.group)
         return y
 
-    def all_reduce(self, x: Tensor, site: str) -> Tensor:
+    def all_reduce(self, x: Tensor, site: str, out_dtype: torch.dtype | None = None) -> Tensor:
+        """The sum over the ranks of x, reduced in the reduce precision, returned in out_dtype (x's by default)."""
         # Embedding rows are exact sums of one rank's row and zeros: keep them fp32 (exact) whatever the
         # activation reduce precision.
         dtype = torch.float32 if site == "embed" else self.reduce_dtype
-        return self._sum(x, dtype).to(x.dtype)
+        out_dtype = out_dtype or x.dtype
+        if self._ll is not None and x.numel() <= self._ll.cap:  # one launch: the casts are part of it
+            return self._ll.sum(x, dtype == torch.bfloat16, out_dtype)
+        return self._sum(x, dtype).to(out_dtype)
 
     def gather_vocab(self, logits: Tensor) -> Tensor:
         parts = [torch.empty_like(logits) for _ in range(self.world)]
@@ -136,3 +148,34 @@ class TensorParallel:
         best = allp[..., 0].max(0).values
         cand = torch.where(allp[..., 0] == best, allp[..., 1], torch.full_like(allp[..., 1], float("inf")))
         return cand.min(0).values.long()
+
+
+class _LowLatency:
+    """comm=ll: the state of ds4's one-shot all-reduce kernel (ds4.kernels.all_reduce_ll): one symmetric buffer
+    of [2 slots][W ranks][cap] 8-byte words per rank, exchanged once, and this rank's per-block call counters.
+    Both start at zero; the barrier after zeroing keeps a peer from writing its first values before they are."""
+
+    def __init__(self, group, device: torch.device, cap: int):
+        from ds4 import kernels
+        reason = kernels.unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"comm=ll needs the ds4 CUDA kernels: {reason}")
+        import torch.distributed._symmetric_memory as symm_mem
+        world = dist.get_world_size(group)
+        if world > kernels.AR_MAX_WORLD:
+            raise ValueError(f"comm=ll takes at most {kernels.AR_MAX_WORLD} ranks, got {world}")
+        self.cap, self.rank = cap, dist.get_rank(group)
+        self.buf = symm_mem.empty(2 * world * cap * 2, dtype=torch.int32, device=device)  # 2 int32 = one word
+        self.buf.zero_()
+        hdl = symm_mem.rendezvous(self.buf, group.group_name)
+        # buffer_ptrs are the allocations' bases; the tensor sits at the same offset in each
+        off = self.buf.data_ptr() - int(hdl.buffer_ptrs[self.rank])
+        self.peers = [int(p) + off for p in hdl.buffer_ptrs]
+        self.counters = torch.zeros(-(-cap // kernels.AR_CHUNK), dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+
+    def sum(self, x: Tensor, round_bf16: bool, out_dtype: torch.dtype) -> Tensor:
+        from ds4 import kernels
+        return kernels.all_reduce_ll(x.contiguous(), self.peers, self.counters, self.rank, self.cap, round_bf16,
+                                     out_dtype).view(x.shape)

@@ -9,10 +9,12 @@ bandwidth measured in this process, peak memory per GPU, CUDA-graph warm-up/capt
 two --layers values the per-layer time is the TPOT slope. Writes JSON (rank 0) to --out. --experts ep,tp
 loads the weights once per routed-expert layout over the ranks (parallel.experts, default tp) and names the
 rows of a layout other than tp VARIANT@LAYOUT (session 16's run 3 printed the opposite: its suffix was @tp).
+--shared replicate,tp does the same for the shared expert's layout (parallel.shared_expert; rows of tp named
+VARIANT@shtp).
 
 Variants are '+'-joined tokens: ref (torch/dequant everywhere), kernels (linear=gemv_cuda,
 moe=fp4_topk), fused (attn/indexer/hc=fused_cuda), graph (runtime=cuda_graph), bf16 (reduce=bf16),
-symm (comm=symm_mem), nopdl (DS4_PDL=0: no programmatic dependent launch on sm_90), fma (DS4_MMA=0:
+symm (comm=symm_mem), ll (comm=ll: ds4's all-reduce kernel), nopdl (DS4_PDL=0: no programmatic dependent launch on sm_90), fma (DS4_MMA=0:
 the FMA kernels for the FP4 MoE too, instead of the tensor-core ones), mma8 (DS4_MMA=all: the
 tensor-core kernels for one-token FP8 products too), w1 / w2 / w4 (DS4_MMA_W: the widest run of
 16-B chunks a lane of the tensor-core kernels reads per row; without them the library default, 2), d8 / d4 /
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -96,6 +99,11 @@ def stored_fp4_layout(model) -> None:
             mod.mw = dataclasses.replace(mw, **plain)
             for n, q in plain.items():
                 setattr(mod, n, q)
+
+
+def _comm_of(toks: set[str]) -> str:
+    """parallel.comm of a variant at tp > 1: ll, symm (symm_mem) or neither (nccl)."""
+    return "ll" if "ll" in toks else ("symm_mem" if "symm" in toks else "nccl")
 
 
 def _number_token(toks: set[str], prefix: str, default: int) -> int:
@@ -142,12 +150,12 @@ def skip_routed_experts(moe) -> None:
     from ds4.ops.moe_cuda import PREFILL_TOKENS
     routed = moe.routed
 
-    def no_routed(x, weights, ids, mw, act_quant=False, shared=None, fold=None):  # (never folds)
+    def no_routed(x, weights, ids, mw, act_quant=False, shared=None, fold=None, partial=False):  # (never folds)
         if x.shape[0] > PREFILL_TOKENS:
-            return routed(x, weights, ids, mw, act_quant, shared, fold)
-        if shared is not None:  # routed(shared=) returns routed + shared in x's dtype
+            return routed(x, weights, ids, mw, act_quant, shared, fold, partial)
+        if shared is not None:  # routed(shared=) returns routed + shared in x's dtype (partial: fp32)
             shared.branch.join()
-            return shared.out.clone()
+            return shared.out.float() if partial else shared.out.clone()
         return torch.zeros(x.shape, device=x.device, dtype=torch.float32)
     moe.routed = no_routed
 
@@ -178,7 +186,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     ops = build_ops(impls_of(toks), model.device)
     comm = None
     if world > 1:
-        comm = ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", "symm_mem" if "symm" in toks else "nccl",
+        comm = ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", _comm_of(toks),
                                     device=model.device)
         if "xar" in toks:  # a removal diagnostic (timing only)
             comm.all_reduce = lambda x, site: x
@@ -268,6 +276,9 @@ def main():
     ap.add_argument("--experts", default="tp",
                     help="comma list of routed-expert layouts over the ranks (parallel.experts: tp, the default, "
                          "or ep); each loads the weights once more, its rows named VARIANT@LAYOUT (tp: no suffix)")
+    ap.add_argument("--shared", default="replicate",
+                    help="comma list of shared-expert layouts (parallel.shared_expert: replicate, the default, or tp); "
+                         "each loads the weights once more, rows of tp named VARIANT@shtp")
     a = ap.parse_args()
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     e = ddist.init(kind, int(os.environ.get("WORLD_SIZE", 1)))
@@ -278,20 +289,20 @@ def main():
     for n in [int(x) for x in a.layers.split(",")]:
         args = preset(a.model)
         args = args.with_layers(n) if n < args.n_layers else args
-        for lay in a.experts.split(","):
+        for lay, sh in itertools.product(a.experts.split(","), a.shared.split(",")):
             t0 = time.perf_counter()
             model = Transformer(args, build_ops(Impls(), dev), "plain", dtype, dev, e.rank, e.world)
             model.load_weights(random_weights(args, seed=0, device=dev, rank=e.rank, world=e.world,
-                                              include_mtp=False, experts=lay))
+                                              include_mtp=False, experts=lay, shared=sh))
             load_s = time.perf_counter() - t0
             prompt = [(13 * i + 7) % args.vocab_size for i in range(a.prompt_len)]
             for v in a.variants.split(","):
-                name = v if lay == "tp" else f"{v}@{lay}"
+                name = v + ("" if lay == "tp" else f"@{lay}") + ("" if sh == "replicate" else f"@sh{sh}")
                 try:
                     r = run_variant(model, v, prompt, a.new_tokens, bw, e.world)
                 except (ImplUnavailable, RuntimeError, ValueError) as err:
                     r = {"variant": v, "error": f"{type(err).__name__}: {err}"}
-                r.update(variant=name, experts=lay, n_layers=n, world=e.world, weights_s=load_s)
+                r.update(variant=name, experts=lay, shared_expert=sh, n_layers=n, world=e.world, weights_s=load_s)
                 rows.append(r)
                 if e.rank == 0:
                     print(json.dumps(r), flush=True)

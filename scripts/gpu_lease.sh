@@ -21,7 +21,7 @@
 #                  space-separated, e.g. "hc packed"; "indexer": the indexer scores kernel with and without its RoPE, and sparse_chunk)
 #   pytest         a diagnostic pytest run ($PYTEST_ARGS: files and options; CUDA_LAUNCH_BLOCKING=1, long tracebacks)
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
-#   tp2_tests      the 2-GPU tests (tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
+#   tp2_tests      the 2-GPU tests (comm=ll's kernel; tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
 #   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
 #   profile        per-kernel profile of an 8-layer step, the critical path of one replay (ds4.timeline) and
 #                  the step's time at position 65536 (PROFILE_PDL=0:
@@ -34,7 +34,8 @@
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart ($SEED_JOBS:
 #                  the sweep's experiment=... list, default all of it)
 #   tp2 / tp4      the full 43-layer model at tp=2 / tp=4 (8 and 43 layers: per-layer slope; $TP_LAYERS: another
-#                  list, e.g. 43; $TP_EXPERTS: routed-expert layouts, default tp, e.g. tp,ep); alone in a group
+#                  list, e.g. 43; $TP_EXPERTS: routed-expert layouts, default tp, e.g. tp,ep; $TP_SHARED: shared-expert
+#                  layouts, default replicate, e.g. replicate,tp); alone in a group
 #   fid            ds4_best's fidelity against the reference on 8 layers of V4-Flash, with the hc fold (the default)
 #                  and without it (DS4_HC_FOLD=0): one job each, tables fid_hcf1.md / fid_hcf0.md under $OUT
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group; $SEED_TP2_TIMEOUT s, default 540)
@@ -97,7 +98,8 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
     pytest) CUDA_VISIBLE_DEVICES=$g CUDA_LAUNCH_BLOCKING=1 timeout 200 python3 -X faulthandler -m pytest -m gpu -q \
         -p no:cacheprovider --tb=long $PYTEST_ARGS > "$L/pytest.log" 2>&1 ;;
     e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 420 $PT tests/test_gpu_e2e.py -k "${E2E_K:-not tp2}" > "$L/e2e_tests.log" 2>&1 ;;
-    tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_gpu_e2e.py -k "${TP2_K:-tp2}" > "$L/tp2_tests.log" 2>&1 ;;
+    tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_allreduce_gpu.py tests/test_gpu_e2e.py \
+        -k "${TP2_K:-tp2 or all_reduce}" > "$L/tp2_tests.log" 2>&1 ;;
     bench) CUDA_VISIBLE_DEVICES=$g timeout 320 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
         --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu.json" > "$L/bench_1gpu.log" 2>&1 ;;
     profile|profile0)  # profile0: the same without PDL (each kernel's own time; the strict critical path)
@@ -130,7 +132,8 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
       local n=${1#tp}
       [ "$NGPU" -ge "$n" ] || { echo "$1: needs $n GPUs, have $NGPU" > "$L/$1.log"; return; }
       timeout 240 torchrun --nproc-per-node "$n" scripts/bench_decode.py --layers "${TP_LAYERS:-8,43}" --new-tokens 48 \
-        --variants "$TP_VARIANTS" --experts "${TP_EXPERTS:-tp}" --out "$OUT/bench_$1.json" > "$L/bench_$1.log" 2>&1 ;;
+        --variants "$TP_VARIANTS" --experts "${TP_EXPERTS:-tp}" \
+        --shared "${TP_SHARED:-replicate}" --out "$OUT/bench_$1.json" > "$L/bench_$1.log" 2>&1 ;;
     *) echo "unknown stage $1" ;;
   esac
 }

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 scripts/profile_step.py --layers 8 --variant kernels+fused+symm --timeline
 
 Under torchrun every rank replays and profiles its own step (the collectives inside the graph need both);
-rank 0 prints and writes. Variant tokens for tp > 1: symm (comm=symm_mem), bf16 (reduce=bf16); the routed
+rank 0 prints and writes. Variant tokens for tp > 1: symm (comm=symm_mem), ll (comm=ll), bf16 (reduce=bf16); the routed
 experts are laid out as parallel.experts=tp (the default). capN sizes the caches for N positions, as in
 bench_decode.py.
 
@@ -43,7 +43,7 @@ from ds4.runtime.generate import Generator
 from ds4.timeline import critical_path, kernels_from_trace, one_step, path_parts
 from ds4.weights.synthetic import random_weights
 
-from bench_decode import _number_token, impls_of  # the variant tokens of the decode benchmark (same folder)
+from bench_decode import _comm_of, _number_token, impls_of  # the variant tokens of the decode benchmark (same folder)
 
 # a readable label per kernel: template arguments and namespaces dropped
 _LABEL = re.compile(r"^(?:void )?(?:[\w:]+::)?(\w+)")
@@ -76,7 +76,7 @@ def main() -> None:
     toks = set(a.variant.split("+"))
     comm = None
     if e.world > 1:
-        comm = ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", "symm_mem" if "symm" in toks else "nccl",
+        comm = ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", _comm_of(toks),
                                     device=dev)
     args = preset(a.model)
     args = args.with_layers(a.layers) if a.layers < args.n_layers else args

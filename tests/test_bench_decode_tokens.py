@@ -52,7 +52,7 @@ def test_removal_diagnostics_replace_only_decode_sized_calls():
             calls.append("route")
             return "routed by the implementation"
 
-        def routed(self, x, weights, ids, mw, act_quant=False, shared=None, fold=None):
+        def routed(self, x, weights, ids, mw, act_quant=False, shared=None, fold=None, partial=False):
             calls.append("routed")
             return "experts by the implementation"
 
@@ -69,6 +69,8 @@ def test_removal_diagnostics_replace_only_decode_sized_calls():
     assert torch.equal(ops.moe.routed(x, w, ids, mw), torch.zeros(1, 16))
     up = SharedUp(torch.ones(1, 16, dtype=torch.bfloat16), Branch(None, x.device))
     assert torch.equal(ops.moe.routed(x, w, ids, mw, shared=up), up.out)
+    part = ops.moe.routed(x, w, ids, mw, shared=up, partial=True)  # a sliced shared expert: fp32 partial sum
+    assert part.dtype == torch.float32 and torch.equal(part, up.out.float())
     q = torch.randn(1, 4, 8)
     assert torch.equal(ops.attn.decode(q, None, None), torch.zeros_like(q))
     assert calls == []

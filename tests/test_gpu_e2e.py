@@ -170,13 +170,14 @@ def _rank_group(rank, world, port):
         dist.destroy_process_group()
 
 
-def _tp_worker(rank, world, port, comm, experts, path):
+def _tp_worker(rank, world, port, comm, experts, shared, path):
     import json
     from ds4 import dist as ddist
     with _rank_group(rank, world, port) as dev:
         args = small()
         job = json.load(open(path))
-        w = random_weights(args, seed=0, device=dev, rank=rank, world=world, include_mtp=False, experts=experts)
+        w = random_weights(args, seed=0, device=dev, rank=rank, world=world, include_mtp=False, experts=experts,
+                           shared=shared)
         # experts=tp runs the kernels (each rank's MoE launches then take every expert, 1/W of its rows)
         ops = torch_reference_ops() if experts == "ep" else build_ops(Impls(**_FUSED), dev)
         m = Transformer(args, ops, "plain", torch.bfloat16, dev, rank=rank, world=world,
@@ -190,12 +191,16 @@ def _tp_worker(rank, world, port, comm, experts, path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("comm,experts", [("nccl", "ep"), ("symm_mem", "ep"), ("symm_mem", "tp")],
-                         ids=["nccl-experts_ep", "symm_mem-experts_ep", "symm_mem-experts_tp"])
-def test_tp2_agrees_with_tp1_on_small(comm, experts, small_weights, tmp_path):
+@pytest.mark.parametrize("comm,experts,shared", [("nccl", "ep", "replicate"), ("symm_mem", "ep", "replicate"),
+                                                 ("symm_mem", "tp", "replicate"), ("ll", "tp", "replicate"),
+                                                 ("ll", "tp", "tp")],
+                         ids=["nccl-experts_ep", "symm_mem-experts_ep", "symm_mem-experts_tp", "ll-experts_tp",
+                              "ll-experts_tp-shared_tp"])
+def test_tp2_agrees_with_tp1_on_small(comm, experts, shared, small_weights, tmp_path):
     """tp=2 teacher-forced on tp=1's 128 greedy tokens agrees >= 99% on confident steps; the CUDA-graph step
     (collectives captured) gives the same tokens as eager tp=2. experts=tp: the routed experts sliced along
-    their intermediate dim (parallel.experts=tp), through the kernels."""
+    their intermediate dim (parallel.experts=tp), through the kernels; shared=tp: the shared expert too
+    (parallel.shared_expert=tp); comm=ll: ds4's all-reduce kernel."""
     import json
     import torch.multiprocessing as mp
     args = small()
@@ -205,21 +210,21 @@ def test_tp2_agrees_with_tp1_on_small(comm, experts, small_weights, tmp_path):
     ref_logits = rg.teacher_forced_logits(prompt, ref)
     path = str(tmp_path / "job.json")
     json.dump({"prompt": prompt, "ref": ref}, open(path, "w"))
-    mp.start_processes(_tp_worker, args=(2, _free_port(), comm, experts, path), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_worker, args=(2, _free_port(), comm, experts, shared, path), nprocs=2, start_method="spawn")
     res = json.load(open(path))
     overall, confident, n = _agreement(torch.tensor(res["tf"]), ref_logits)
     assert n >= 16 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
     assert res["graph"] == res["eager"]
 
 
-def _tp_graph_worker(rank, world, port, experts, path):
+def _tp_graph_worker(rank, world, port, experts, comm, path):
     import json
     from ds4 import dist as ddist
     with _rank_group(rank, world, port) as dev:
         args = tiny()
         w = random_weights(args, seed=2, device=dev, rank=rank, world=world, include_mtp=False, experts=experts)
         m = Transformer(args, build_ops(Impls(**_FUSED), dev), "plain", torch.bfloat16, dev, rank=rank, world=world,
-                        comm=ddist.TensorParallel("fp32", "nccl", device=dev))
+                        comm=ddist.TensorParallel("fp32", comm, device=dev))
         m.load_weights(w)
         prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]]
         outs = {rt: Generator(m, 2, 1100, runtime=rt).generate(prompts, 1000, stop_at_eos=False).tokens
@@ -229,13 +234,14 @@ def _tp_graph_worker(rank, world, port, experts, path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("experts", ["ep", "tp"], ids=["experts_ep", "experts_tp"])
-def test_tp2_cuda_graph_matches_eager_1000_steps(experts, tmp_path):
-    """tp=2 with every kernel option: the captured step (NCCL all-reduces and the distributed argmax
+@pytest.mark.parametrize("experts,comm", [("ep", "nccl"), ("tp", "nccl"), ("tp", "ll")],
+                         ids=["experts_ep", "experts_tp", "experts_tp-ll"])
+def test_tp2_cuda_graph_matches_eager_1000_steps(experts, comm, tmp_path):
+    """tp=2 with every kernel option: the captured step (NCCL or ds4's ll all-reduces and the distributed argmax
     inside the graph) gives eager's tokens over 1000 steps of tiny (window wraps, CSA/HCA emissions)."""
     import json
     import torch.multiprocessing as mp
     path = str(tmp_path / "tokens.json")
-    mp.start_processes(_tp_graph_worker, args=(2, _free_port(), experts, path), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_graph_worker, args=(2, _free_port(), experts, comm, path), nprocs=2, start_method="spawn")
     res = json.load(open(path))
     assert len(res["eager"][0]) == 1000 and res["cuda_graph"] == res["eager"]

@@ -27,30 +27,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _args(world: int):
-    # tiny has 2 o-groups of 128 FP8 rows: 4 ranks need 4 groups (still 1 head each)
-    return tiny() if world <= 2 else tiny().replace(o_groups=4)
+def _args(world: int, shared: str = "replicate"):
+    # tiny has 2 o-groups of 128 FP8 rows: 4 ranks need 4 groups (still 1 head each); a sliced FP8 shared
+    # expert needs whole 128-row blocks per rank
+    a = tiny() if world <= 2 else tiny().replace(o_groups=4)
+    return a.replace(moe_inter_dim=128 * world) if shared == "tp" else a
 
 
-def _run(rank: int, world: int, reduce: str, port: int, out: str, ckpt: str | None, experts: str = "ep"):
+def _run(rank: int, world: int, reduce: str, port: int, out: str, ckpt: str | None, experts: str = "ep",
+         shared: str = "replicate", tf_tokens: list[int] | None = None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     from ds4 import dist as ddist
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        args = _args(world)
+        args = _args(world, shared)
         if ckpt:
             from ds4.weights.checkpoint import load_checkpoint
-            _, w = load_checkpoint(ckpt, rank=rank, world=world, progress=False, include_mtp=False, experts=experts)
+            _, w = load_checkpoint(ckpt, rank=rank, world=world, progress=False, include_mtp=False, experts=experts,
+                                   shared=shared)
         else:
-            w = random_weights(args, seed=1, rank=rank, world=world, include_mtp=False, experts=experts)
+            w = random_weights(args, seed=1, rank=rank, world=world, include_mtp=False, experts=experts, shared=shared)
         m = Transformer(args, torch_reference_ops(), "plain", torch.float32, rank=rank, world=world,
                         comm=ddist.TensorParallel(reduce))
         m.load_weights(w)
         g = Generator(m, 2, 64)
         greedy = g.generate(PROMPTS, STEPS, stop_at_eos=False).tokens                  # distributed argmax
         sampled = g.generate(PROMPTS, STEPS, Sampling(1.0, top_k=20, seed=3), stop_at_eos=False).tokens
-        logits = g.teacher_forced_logits(PROMPTS[0], greedy[0])                       # gathered vocab
+        # gathered vocab; on the given tokens (one process's greedy ones), so a divergence of the greedy runs
+        # does not compare logits of different sequences
+        logits = g.teacher_forced_logits(PROMPTS[0], tf_tokens or greedy[0])
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({"greedy": greedy, "sampled": sampled, "logits": logits.tolist()}, f)
@@ -58,8 +64,8 @@ def _run(rank: int, world: int, reduce: str, port: int, out: str, ckpt: str | No
         dist.destroy_process_group()
 
 
-def _single(world=2):
-    args = _args(world)
+def _single(world=2, shared="replicate"):
+    args = _args(world, shared)
     m = Transformer(args, torch_reference_ops(), "plain", torch.float32)
     m.load_weights(random_weights(args, seed=1, include_mtp=False))
     g = Generator(m, 2, 64)
@@ -68,35 +74,41 @@ def _single(world=2):
     return greedy, sampled, g.teacher_forced_logits(PROMPTS[0], greedy[0])
 
 
-@pytest.mark.parametrize("world,reduce,experts", [(2, "fp32", "ep"), (2, "bf16", "ep"), (4, "fp32", "ep"),
-                                                  (2, "fp32", "tp"), (4, "fp32", "tp")])
-def test_tp_matches_single_process(world, reduce, experts, tmp_path):
-    """experts=tp: every rank holds a slice of every expert's intermediate dim; only the fp32 summation order of
-    the routed sum changes, so the same bars hold."""
+@pytest.mark.parametrize("world,reduce,experts,shared", [
+    (2, "fp32", "ep", "replicate"), (2, "bf16", "ep", "replicate"), (4, "fp32", "ep", "replicate"),
+    (2, "fp32", "tp", "replicate"), (4, "fp32", "tp", "replicate"), (2, "fp32", "tp", "tp")])
+def test_tp_matches_single_process(world, reduce, experts, shared, tmp_path):
+    """experts=tp: every rank holds a slice of every expert's intermediate dim; shared=tp: the same for the
+    shared expert, whose partial output joins the routed partial sum before the one all-reduce. Only the fp32
+    summation order changes, so the same bars hold."""
+    greedy, sampled, logits = _single(world, shared)
     out = str(tmp_path / "r.json")
-    mp.start_processes(_run, args=(world, reduce, _free_port(), out, None, experts), nprocs=world, start_method="spawn")
+    mp.start_processes(_run, args=(world, reduce, _free_port(), out, None, experts, shared, greedy[0]), nprocs=world,
+                       start_method="spawn")
     res = json.load(open(out))
-    greedy, sampled, logits = _single(world)
     tp_logits = torch.tensor(res["logits"])
     err = (tp_logits - logits).abs().max() / logits.abs().max()
     if reduce == "fp32":
         assert res["greedy"] == greedy
         assert res["sampled"] == sampled
         assert err < 1e-4, float(err)
-    else:  # BF16 partial sums: close, not identical
-        agree = sum(a == b for r, s in zip(res["greedy"], greedy) for a, b in zip(r, s)) / (2 * STEPS)
-        assert agree >= 0.9 and err < 0.05, (agree, float(err))
+    else:  # BF16 partial sums: close, not identical. Teacher-forced on one process's greedy tokens: free runs
+        # diverge for good after the first near-tie flip (by CPU: session 17's AMD host at step 10 of 24)
+        agree = (tp_logits.argmax(-1) == logits.argmax(-1)).float().mean()
+        assert agree >= 0.9 and err < 0.05, (float(agree), float(err))
 
 
-@pytest.mark.parametrize("experts", ["ep", "tp"])
-def test_tp_loads_checkpoint_slices(experts, tmp_path):
+@pytest.mark.parametrize("experts,shared", [("ep", "replicate"), ("tp", "replicate"), ("tp", "tp")])
+def test_tp_loads_checkpoint_slices(experts, shared, tmp_path):
     """Each rank reads only its slices from a written checkpoint and generates like one process."""
     from ds4.weights.writer import write_checkpoint
     ck = tmp_path / "ck"
-    write_checkpoint(ck, tiny(), random_weights(tiny(), seed=1), max_shard_bytes=1 << 20)
+    a = _args(2, shared)
+    write_checkpoint(ck, a, random_weights(a, seed=1), max_shard_bytes=1 << 20)
     out = str(tmp_path / "r.json")
-    mp.start_processes(_run, args=(2, "fp32", _free_port(), out, str(ck), experts), nprocs=2, start_method="spawn")
-    assert json.load(open(out))["greedy"] == _single()[0]
+    mp.start_processes(_run, args=(2, "fp32", _free_port(), out, str(ck), experts, shared), nprocs=2,
+                       start_method="spawn")
+    assert json.load(open(out))["greedy"] == _single(2, shared)[0]
 
 
 def test_expert_layouts_slice_the_intermediate_dim():
@@ -130,6 +142,33 @@ def test_expert_layouts_slice_the_intermediate_dim():
     local_tensors(fp8, rank=0, world=2, experts="ep")
     with pytest.raises(ValueError, match="divide"):
         local_tensors(fp8, rank=0, world=2, experts="tp")
+
+
+def test_shared_expert_layouts():
+    """shared=tp: rank r holds rows [r I/W, (r+1) I/W) of the shared w1 / w3 and those columns of w2 (and their
+    128-block scales), bit-identical to those slices of the one-process tensors; nothing else changes. A cut
+    inside a scale block and unknown layouts are refused."""
+    from ds4.weights.schema import local_tensors
+    a = _args(2, "tp")
+    full = random_weights(a, seed=4, include_mtp=False)
+    for r in range(2):
+        sl = random_weights(a, seed=4, rank=r, world=2, include_mtp=False, experts="tp", shared="tp")
+        rep = random_weights(a, seed=4, rank=r, world=2, include_mtp=False, experts="tp")
+        p = "layers.3.ffn.shared_experts"
+        for part, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+            for leaf in ("weight", "scale"):
+                f = full[f"{p}.{part}.{leaf}"]
+                n = f.shape[dim] // 2
+                got = sl[f"{p}.{part}.{leaf}"]
+                assert torch.equal(got.view(torch.uint8), f.narrow(dim, r * n, n).contiguous().view(torch.uint8))
+                assert rep[f"{p}.{part}.{leaf}"].shape == f.shape
+        same = [k for k in sl if ".shared_experts." not in k]
+        assert same == [k for k in rep if ".shared_experts." not in k]
+        assert all(torch.equal(sl[k].view(torch.uint8), rep[k].view(torch.uint8)) for k in same)
+    with pytest.raises(ValueError, match="shared="):
+        local_tensors(a, rank=0, world=2, shared="ep")
+    with pytest.raises(ValueError, match="divide"):  # tiny's 128 shared rows are one FP8 scale block
+        local_tensors(tiny(), rank=0, world=2, shared="tp")
 
 
 def test_symm_buffers_rendezvous_in_a_fixed_order():

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from ds4.kernels.ops import (ARGMAX_MAX_ROWS, InKernelRoute, argmax, gemv, gemv_fold, gemv_rmsnorm,  # noqa: F401
-                             gemv_rmsnorm_ok, hc_fold_ok, l2_prefetch, moe_down, moe_gate_up, moe_route_ok,
+from ds4.kernels.ops import (AR_CHUNK, AR_MAX_WORLD, ARGMAX_MAX_ROWS, InKernelRoute, all_reduce_ll,  # noqa: F401
+                             argmax, gemv, gemv_fold, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok, l2_prefetch, moe_down, moe_gate_up, moe_route_ok,
                              router)  # (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
-SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "router.cu", "argmax.cu", "prefetch.cu")
+SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "router.cu", "argmax.cu", "prefetch.cu", "allreduce.cu")
 EXT_NAME = "ds4_ext"
 DEFAULT_ARCHS = "8.0;9.0"
 
@@ -109,4 +109,4 @@ def unavailable_reason() -> str | None:
 
 
 __all__ = ["load", "unavailable_reason", "is_loaded", "build_dir", "gemv", "moe_gate_up", "moe_down", "router",
-           "argmax", "l2_prefetch"]
+           "argmax", "l2_prefetch", "all_reduce_ll"]

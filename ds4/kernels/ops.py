@@ -180,3 +180,20 @@ def l2_prefetch(tensors: list[Tensor], ids: Tensor | None = None, id_offset: int
         raise ValueError(f"ds4.kernels.l2_prefetch: 1..{PREFETCH_MAX_TENSORS} tensors, got {len(ts)}")
     ts += [None] * (PREFETCH_MAX_TENSORS - len(ts))
     _ops().l2_prefetch(*ts, None if ids is None else ids.reshape(-1), int(id_offset))
+
+
+AR_CHUNK = 512  # elements per block of all_reduce_ll (AR_CHUNK in ds4_launch.h): its counters cover cap / AR_CHUNK
+AR_MAX_WORLD = 8
+
+
+def all_reduce_ll(x: Tensor, peers: list[int], counters: Tensor, rank: int, cap: int, round_bf16: bool,
+                  out_dtype: torch.dtype) -> Tensor:
+    """One-shot all-reduce of contiguous fp32 / bf16 x over the ranks' peer-mapped buffers (csrc/allreduce.cu):
+    the partials (rounded to bf16 first with round_bf16) summed in rank order, the sum rounded to bf16 with
+    round_bf16, in out_dtype (fp32 or bf16). peers: each rank's buffer address in this process
+    ([2][W][cap] 8-byte words, zeroed before the first call); counters: int32 [ceil(cap / AR_CHUNK)], zeroed,
+    this rank's. Every rank must make the same calls in the same order (a rank left waiting traps)."""
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"ds4.kernels.all_reduce_ll: out_dtype fp32 or bf16, got {out_dtype}")
+    return _ops().all_reduce_ll(x, [int(p) for p in peers], counters, int(rank), int(cap), bool(round_bf16),
+                                out_dtype == torch.float32)

@@ -35,6 +35,12 @@ class MoE(WeightsModule):
         names = lambda w: [f"{p}.experts.{e}.{w}" for e in local]  # noqa: E731
         efmt = weight_format(t[f"{names('w1')[0]}.weight"])
         sfmt = weight_format(t[f"{p}.shared_experts.w1.weight"])
+        # parallel.shared_expert=tp: this rank holds a slice of the shared expert's intermediate dim, so its
+        # output is a partial sum like the routed experts' (schema.SHARED_LAYOUTS)
+        shared_rows = t[f"{p}.shared_experts.w1.weight"].shape[0]
+        if a.moe_inter_dim % shared_rows:
+            raise ValueError(f"{p}: {shared_rows} shared-expert rows are no slice of {a.moe_inter_dim}")
+        self.shared_partial = shared_rows < a.moe_inter_dim
         self.mw = MoEWeights(
             gate=gate, bias=bias, tid2eid=tid2eid,
             w1=self.take_stacked("w1", t, names("w1"), efmt),
@@ -79,6 +85,17 @@ class MoE(WeightsModule):
         if late:
             up = start_shared()
         fold = fold if self.comm.world == 1 else None
+        if self.shared_partial:  # one all-reduce sums routed and shared partials; it writes x's dtype
+            if self.comm.world == 1:
+                raise RuntimeError("a sliced shared expert (parallel.shared_expert=tp) needs the tensor-parallel comm")
+            with self.prof("moe.routed"):
+                if up is not None:  # the shared partial (bf16) added in the down kernel's epilogue, fp32 out
+                    y = moe.routed(x, w, ids, self.mw, act_quant=self.qat, shared=up, partial=True)
+                else:
+                    y = moe.routed(x, w, ids, self.mw, act_quant=self.qat)
+                    y = y + moe.shared(x, self.mw, act_quant=self.qat).float()
+            with self.prof("comm.moe"):
+                return self.comm.all_reduce(y, "moe", out_dtype=x.dtype)
         if up is not None and self.comm.world == 1:
             with self.prof("moe.routed"):  # nothing to reduce: returns (routed + shared.float()).to(x.dtype)
                 return moe.routed(x, w, ids, self.mw, act_quant=self.qat, shared=up, fold=fold)

@@ -132,10 +132,11 @@ class MoEImpl(Protocol):
         ...
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
-               shared: object | None = None, fold: HcFold | None = None) -> Tensor:
+               shared: object | None = None, fold: HcFold | None = None, partial: bool = False) -> Tensor:
         """Sum over the k selected experts held on this rank (others contribute 0): f32 [N, dim]. With
         `shared` (a shared_up result; only when nothing is summed over ranks after this) the block output
-        instead: (sum + shared.float()).to(x.dtype); `fold` then as in LinearImpl.__call__."""
+        instead: (sum + shared.float()).to(x.dtype); `fold` then as in LinearImpl.__call__. With `shared` and
+        `partial` (a sliced shared expert, reduced over ranks after this): sum + shared.float() in f32."""
         ...
 
     def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> object | None:

@@ -182,7 +182,7 @@ class Fp4TopkMoE:
 
     def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool,
                          shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None,
-                         fold: HcFold | None = None) -> Tensor:
+                         fold: HcFold | None = None, partial: bool = False) -> Tensor:
         fmt = mw.w1.fmt
         xq = _act_quant_sim(x) if act_quant else x
         # the chosen experts' down projections into L2 while gate+up streams (site "d"; ids are on the device
@@ -200,28 +200,30 @@ class Fp4TopkMoE:
             add = shared.out
         # the hc fold (one row, the block output in bf16): the down kernel's epilogue forms the next mHC site's
         # streams and partials
-        if not (add is not None and _down_folds(fold, x, fmt, mw.w2.weight.shape[-2], h.shape[-1], ids.shape[1])):
+        if partial or not (add is not None and _down_folds(fold, x, fmt, mw.w2.weight.shape[-2], h.shape[-1],
+                                                           ids.shape[1])):
             fold = None
+        # fp32 out: the routed sum, or with a sliced shared expert (partial) the routed + shared partial sum
         y = kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt, mw.expert_offset,
-                             mw.w2.weight.shape[0], add, add is None, route=route, fold=fold)
+                             mw.w2.weight.shape[0], add, add is None or partial, route=route, fold=fold)
         if fold is not None:
             fold.fused = True
         return y
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
-               shared: SharedUp | None = None, fold: HcFold | None = None) -> Tensor:
+               shared: SharedUp | None = None, fold: HcFold | None = None, partial: bool = False) -> Tensor:
         n = x.shape[0]
         if self._deferred is not None:
             pending, route = self._deferred
             self._deferred = None
             if pending is ids:  # route() left the tail to these kernels: they write weights and ids
-                return self._routed_launches(x, weights, ids, mw, act_quant, shared, route, fold)
+                return self._routed_launches(x, weights, ids, mw, act_quant, shared, route, fold, partial)
             raise RuntimeError("moe=fp4_topk: routed() must take the (weights, ids) of the route() call just before it")
         if shared is not None:
             if n > PREFILL_TOKENS:
                 raise ValueError("routed(shared=...) takes the shared_up result of a decode-sized call")
             return self._routed_launches(x, weights, ids.to(torch.int64).contiguous(), mw, act_quant, shared,
-                                         fold=fold)
+                                         fold=fold, partial=partial)
         if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().routed(x, weights, ids, mw, act_quant)
         ids = ids.to(torch.int64).contiguous()
@@ -317,9 +319,14 @@ class Bf16CacheMoE(Fp4TopkMoE):
         self.bytes += need
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
-               shared: SharedUp | None = None, fold: HcFold | None = None) -> Tensor:  # never folds
+               shared: SharedUp | None = None, fold: HcFold | None = None,
+               partial: bool = False) -> Tensor:  # never folds
         if shared is not None:  # its routed sum ends in one of two down launches: the shared output added after
-            return add_shared(self.routed(x, weights, ids, mw, act_quant), shared)
+            y = self.routed(x, weights, ids, mw, act_quant)
+            if partial:
+                shared.branch.join()
+                return y + shared.out.float()
+            return add_shared(y, shared)
         if x.shape[0] > PREFILL_TOKENS or x.shape[0] == 0:
             return self._reference().routed(x, weights, ids, mw, act_quant)
         ids = ids.to(torch.int64).contiguous()

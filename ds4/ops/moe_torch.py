@@ -48,7 +48,7 @@ class DequantMoE:
         return route(x, token_ids, mw, logits)
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
-               shared: None = None, fold=None) -> Tensor:  # never folds
+               shared: None = None, fold=None, partial: bool = False) -> Tensor:  # never folds
         if shared is not None:
             raise ValueError(f"moe={self.name}: routed() takes no shared-expert result (its shared_up starts nothing)")
         n, k = ids.shape

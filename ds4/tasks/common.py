@@ -50,6 +50,7 @@ class RunSpec:
     tp: int = 1                     # tensor-parallel size (torchrun processes)
     comm: str = "nccl"
     experts: str = "tp"             # routed experts over the ranks: tp (sliced, the default) | ep (whole, by id)
+    shared_expert: str = "replicate"  # the shared expert over the ranks: replicate | tp (sliced)
     rank: int = 0
 
 

@@ -262,9 +262,10 @@ def _plan_transformers(args, entries, problems) -> dict[str, _Source]:
 
 def load_checkpoint(path: str | os.PathLike, args: ModelArgs | None = None, rank: int = 0, world: int = 1,
                     device="cpu", include_mtp: bool = True, progress: bool = True,
-                    dtype_policy: str = "keep", experts: str = "ep") -> tuple[ModelArgs, dict[str, Tensor]]:
+                    dtype_policy: str = "keep", experts: str = "ep",
+                    shared: str = "replicate") -> tuple[ModelArgs, dict[str, Tensor]]:
     """Validate then read rank `rank`'s tensors of the checkpoint at `path` (official naming out); routed
-    experts in the layout `experts` (schema.EXPERT_LAYOUTS).
+    experts in the layout `experts` (schema.EXPERT_LAYOUTS), the shared expert in `shared` (SHARED_LAYOUTS).
 
     args: taken from `config.json` unless given (transformers naming: always `dense_args`).
     dtype_policy: "keep" = stored dtypes (a transformers F32 checkpoint stays F32);
@@ -291,7 +292,7 @@ def load_checkpoint(path: str | os.PathLike, args: ModelArgs | None = None, rank
     if problems:
         _raise(root, problems)
 
-    local = local_tensors(args, rank, world, include_mtp, experts)
+    local = local_tensors(args, rank, world, include_mtp, experts, shared)
     full = expected_tensors(args, include_mtp)
     by_file: dict[str, list[str]] = {}
     for name in local:

@@ -16,6 +16,7 @@ distributed whole ("ep", the reference's layout) or cut along their intermediate
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -190,25 +191,36 @@ def expert_owner(expert: int, n_experts: int, world: int) -> int:
 #       their scales), so each rank streams exactly k/W experts' bytes per token. The down projection's
 #       output is a partial sum either way, reduced by the same all-reduce.
 EXPERT_LAYOUTS = ("ep", "tp")
+# How the shared expert is laid out (parallel.shared_expert):
+#   replicate: every rank holds all of it and adds its output after the all-reduce (the reference, spec §10.6);
+#   tp: every rank holds 1/W of its intermediate dim, as the routed experts under "tp": its output is then a
+#       partial sum, added to the routed partial sum before the one all-reduce (each rank streams 1/W of it).
+SHARED_LAYOUTS = ("replicate", "tp")
+_SHARED_EXPERT = re.compile(r"\.shared_experts\.w[123]\.(weight|scale)$")
 
 
 def expert_split_dim(name: str) -> int:
-    """The dim of a routed-expert tensor (weight or scale) that the "tp" layout cuts: the intermediate dim,
-    rows of w1 / w3 ([inter, dim]) and columns of w2 ([dim, inter])."""
+    """The dim of an expert tensor (weight or scale) that the "tp" layouts cut: the intermediate dim, rows of
+    w1 / w3 ([inter, dim]) and columns of w2 ([dim, inter])."""
     part = name.rsplit(".", 2)[-2]
     if part not in ("w1", "w2", "w3"):
-        raise ValueError(f"{name}: not a routed expert's w1 / w2 / w3")
+        raise ValueError(f"{name}: not an expert's w1 / w2 / w3")
     return 1 if part == "w2" else 0
 
 
 def local_tensors(a: ModelArgs, rank: int = 0, world: int = 1, include_mtp: bool = True,
-                  experts: str = "ep") -> dict[str, tuple[TensorSpec, tuple[slice, ...]]]:
+                  experts: str = "ep", shared: str = "replicate") -> dict[str, tuple[TensorSpec, tuple[slice, ...]]]:
     """name -> (local spec, index into the full tensor) for everything rank `rank` holds; `experts`: the
-    routed experts' layout (EXPERT_LAYOUTS)."""
+    routed experts' layout (EXPERT_LAYOUTS); `shared`: the shared expert's (SHARED_LAYOUTS)."""
     if experts not in EXPERT_LAYOUTS:
         raise ValueError(f"experts={experts!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
+    if shared not in SHARED_LAYOUTS:
+        raise ValueError(f"shared={shared!r}: choose one of {', '.join(SHARED_LAYOUTS)}")
     out = {}
     for name, spec in expected_tensors(a, include_mtp).items():
+        if shared == "tp" and _SHARED_EXPERT.search(name):  # (rank_slice refuses a cut inside a scale block)
+            out[name] = rank_slice(name, replace(spec, split=expert_split_dim(name)), rank, world)
+            continue
         if spec.expert is not None:
             if experts == "tp":
                 # packed FP4 columns and block scales are cut too: rank_slice refuses any dim (weight or

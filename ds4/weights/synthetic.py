@@ -96,16 +96,16 @@ def _full_tensors(name: str, spec: TensorSpec, specs: dict[str, TensorSpec], a: 
 
 
 def random_weights(args: ModelArgs, seed: int = 0, device="cpu", rank: int = 0, world: int = 1,
-                   include_mtp: bool = True, experts: str = "ep") -> dict[str, Tensor]:
+                   include_mtp: bool = True, experts: str = "ep", shared: str = "replicate") -> dict[str, Tensor]:
     """Every tensor rank `rank` of `world` holds (schema.local_tensors, routed experts laid out as `experts`
-    says), native formats, on `device`.
+    says, the shared expert as `shared`), native formats, on `device`.
 
     Deterministic: the same (args, seed, device type) gives bit-identical tensors, and rank r's
     tensors equal the same slices of the world=1 tensors.
     """
     device = torch.device(device)
     specs = expected_tensors(args, include_mtp)
-    local = local_tensors(args, rank, world, include_mtp, experts)
+    local = local_tensors(args, rank, world, include_mtp, experts, shared)
     out: dict[str, Tensor] = {}
     pending: dict[str, Tensor] = {}
     for name, (lspec, idx) in local.items():

@@ -1,0 +1,116 @@
+"""comm=ll on two GPUs: ds4's one-shot all-reduce kernel (csrc/allreduce.cu) against the sums of the gathered
+partials, bit for bit, eager and inside a replayed CUDA graph, and the same bits on every rank."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 GPUs", allow_module_level=True)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _expected(parts: list[torch.Tensor], round_bf16: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's arithmetic in torch: partials (rounded to bf16 first with round_bf16) summed in fp32 in rank
+    order, the sum rounded to bf16 with round_bf16, cast to out_dtype."""
+    acc = torch.zeros_like(parts[0], dtype=torch.float32)
+    for p in parts:
+        p = p.float()
+        acc = acc + (p.to(torch.bfloat16).float() if round_bf16 else p)
+    if round_bf16:
+        acc = acc.to(torch.bfloat16).float()
+    return acc.to(out_dtype)
+
+
+def _worker(rank, world, port, path):
+    import torch.distributed as dist
+    from ds4 import dist as ddist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    ddist.init("cuda", world)
+    dev = torch.device("cuda", rank)
+    bad = []
+    try:
+        g = torch.Generator(device=dev).manual_seed(100 + rank)
+        comms = {red: ddist.TensorParallel(red, "ll", device=dev, max_numel=1 << 14) for red in ("fp32", "bf16")}
+
+        def check(tag, x, site, red, out_dtype, y):
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x)
+            want = _expected(parts, red == "bf16" and site != "embed", out_dtype or x.dtype)
+            if y.dtype != want.dtype or y.shape != x.shape or not torch.equal(y, want):
+                bad.append(f"{tag}: max diff {float((y.float() - want.float()).abs().max())}")
+            everyone = [torch.empty_like(y) for _ in range(world)]
+            dist.all_gather(everyone, y)
+            if not all(torch.equal(e, y) for e in everyone):
+                bad.append(f"{tag}: ranks differ")
+
+        # sizes around the block chunk (512) up to the capacity, both input dtypes, both precisions, an out
+        # dtype other than x's, the embedding site (fp32 whatever the reduce precision); 3 rounds so the
+        # per-block counters and both buffer slots are exercised with sizes changing between calls
+        for rnd in range(3):
+            for n in (1, 7, 511, 512, 513, 4096, 1 << 14):
+                for dt in (torch.float32, torch.bfloat16):
+                    for red, comm in comms.items():
+                        for site, out_dtype in (("attn", None), ("moe", torch.bfloat16), ("embed", None)):
+                            x = (torch.randn(n, generator=g, device=dev) * 4).to(dt)
+                            check(f"r{rnd} n={n} {dt} {red} {site}", x, site, red, out_dtype,
+                                  comm.all_reduce(x, site, out_dtype=out_dtype))
+        # above the capacity: NCCL, the same result (on a copy: an fp32 NCCL reduce sums in place)
+        x = torch.randn(2, 1 << 14, generator=g, device=dev)
+        check("over cap", x, "attn", "fp32", None, comms["fp32"].all_reduce(x.clone(), "attn"))
+
+        # inside a CUDA graph: two sites per "layer" as in the decode step, replayed with new inputs each time
+        comm = comms["bf16"]
+        xa = torch.zeros(1, 4096, device=dev, dtype=torch.bfloat16)
+        xm = torch.zeros(1, 4096, device=dev, dtype=torch.float32)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up outside the graph (same call sequence on both ranks)
+            comm.all_reduce(xa, "attn"), comm.all_reduce(xm, "moe", out_dtype=torch.bfloat16)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ya = comm.all_reduce(xa, "attn")
+            ym = comm.all_reduce(ya.float() + xm, "moe", out_dtype=torch.bfloat16)
+        for step in range(300):
+            xa.copy_(torch.randn(1, 4096, generator=g, device=dev))
+            xm.copy_(torch.randn(1, 4096, generator=g, device=dev))
+            graph.replay()
+            if step % 50 == 0 or step == 299:
+                pa = [torch.empty_like(xa) for _ in range(world)]
+                dist.all_gather(pa, xa)
+                want_a = _expected(pa, True, torch.bfloat16)
+                pm = [torch.empty_like(xm) for _ in range(world)]
+                dist.all_gather(pm, xm)
+                want_m = _expected([want_a.float() + p for p in pm], True, torch.bfloat16)
+                if not (torch.equal(ya, want_a) and torch.equal(ym, want_m)):
+                    bad.append(f"graph replay {step}")
+        torch.cuda.synchronize(dev)
+    finally:
+        if rank == 0:
+            json.dump(bad, open(path, "w"))
+        dist.destroy_process_group()
+
+
+def test_all_reduce_ll_bit_exact_eager_and_graph(tmp_path):
+    """Every call gives the rank-order sum of the gathered partials bit for bit (both input dtypes, both reduce
+    precisions, sizes around the block chunk up to the capacity, out dtypes), identical on both ranks; larger
+    tensors go through NCCL; 300 graph replays with new inputs each time stay exact (epochs, both slots)."""
+    import torch.multiprocessing as mp
+    from ds4 import kernels
+    if kernels.unavailable_reason() is not None:
+        pytest.skip(kernels.unavailable_reason())
+    path = str(tmp_path / "bad.json")
+    mp.start_processes(_worker, args=(2, _free_port(), path), nprocs=2, start_method="spawn")
+    assert json.load(open(path)) == []
