@@ -507,8 +507,9 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
-// One-shot all-reduce over peer memory (parallel.comm=ll; allreduce.cu): x [n] fp32 or bf16, contiguous; peers: every rank's buffer ([2][W][cap] uint2, zeroed before the first call) as mapped
-// here; counters int32 [>= ceil(cap / AR_CHUNK)] (zeroed; this kernel's own state). out_f32 picks the output dtype.
+// One-shot all-reduce over peer memory (parallel.comm=ll; allreduce.cu): x [n] fp32 or bf16, contiguous;
+// peers: every rank's buffer ([2][W][cap] uint2, zeroed before the first call) as mapped here; counters
+// int32 [>= ceil(cap / AR_CHUNK)] (zeroed; this kernel's own state). out_f32 picks the output dtype.
 at::Tensor all_reduce_ll(const at::Tensor& x, at::IntArrayRef peers,
                          at::Tensor& counters, int64_t rank, int64_t cap, bool round_bf16, bool out_f32) {
   check_cuda(x, "x");

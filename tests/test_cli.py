@@ -111,6 +111,8 @@ def test_failing_job_is_recorded_and_sweep_goes_on(tmp_path):
     (["runtime=cuda_graph"], "runtime=cuda_graph needs a CUDA device"),
     (["parallel.comm=ring"], "parallel.comm=ring"),
     (["parallel.experts=dp"], "parallel.experts=dp"),
+    (["parallel.shared_expert=ep"], "parallel.shared_expert=ep"),
+    (["parallel.comm=ll"], "parallel.comm=ll needs CUDA devices"),           # explicit, cannot run: before weights
 ])
 def test_bad_input_is_one_clear_error(tmp_path, args, message):
     r = ds4(*args, "tracking=none", "device=cpu", cwd=tmp_path)
