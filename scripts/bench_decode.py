@@ -14,8 +14,8 @@ VARIANT@shtp).
 
 Variants are '+'-joined tokens: ref (torch/dequant everywhere), kernels (linear=gemv_cuda,
 moe=fp4_topk), fused (attn/indexer/hc=fused_cuda), graph (runtime=cuda_graph), bf16 (reduce=bf16),
-symm (comm=symm_mem), ll (comm=ll: ds4's all-reduce kernel), nopdl (DS4_PDL=0: no programmatic dependent launch on sm_90), fma (DS4_MMA=0:
-the FMA kernels for the FP4 MoE too, instead of the tensor-core ones), mma8 (DS4_MMA=all: the
+symm (comm=symm_mem), ll (comm=ll: ds4's all-reduce kernel), nopdl (DS4_PDL=0: no programmatic
+dependent launch on sm_90), fma (DS4_MMA=0: the FMA kernels for the FP4 MoE too, instead of the tensor-core ones), mma8 (DS4_MMA=all: the
 tensor-core kernels for one-token FP8 products too), w1 / w2 / w4 (DS4_MMA_W: the widest run of
 16-B chunks a lane of the tensor-core kernels reads per row; without them the library default, 2), d8 / d4 /
 d2 (DS4_MMA_DEPTH: the chunks per lane and row those kernels keep in flight; without them the per-shape

@@ -4,9 +4,9 @@
     torchrun --nproc-per-node 2 scripts/profile_step.py --layers 8 --variant kernels+fused+symm --timeline
 
 Under torchrun every rank replays and profiles its own step (the collectives inside the graph need both);
-rank 0 prints and writes. Variant tokens for tp > 1: symm (comm=symm_mem), ll (comm=ll), bf16 (reduce=bf16); the routed
-experts are laid out as parallel.experts=tp (the default). capN sizes the caches for N positions, as in
-bench_decode.py.
+rank 0 prints and writes. Variant tokens for tp > 1: symm (comm=symm_mem), ll (comm=ll), bf16
+(reduce=bf16); the routed experts are laid out as parallel.experts=tp (the default), the shared expert
+whole (replicate). capN sizes the caches for N positions, as in bench_decode.py.
 
 The captured step is replayed under torch.profiler (CUPTI sees every kernel inside the graph):
 per kernel name, the GPU time per step and per layer, and the step's wall time, whose difference

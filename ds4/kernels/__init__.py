@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from ds4.kernels.ops import (AR_CHUNK, AR_MAX_WORLD, ARGMAX_MAX_ROWS, InKernelRoute, all_reduce_ll,  # noqa: F401
-                             argmax, gemv, gemv_fold, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok, l2_prefetch, moe_down, moe_gate_up, moe_route_ok,
-                             router)  # (typed wrappers)
+                             argmax, gemv, gemv_fold, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok, l2_prefetch,
+                             moe_down, moe_gate_up, moe_route_ok, router)  # (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
