@@ -22,6 +22,7 @@ from ds4 import tracking
 from ds4.model.args import ModelArgs, preset
 from ds4.registry import COMPONENTS, Impls, ImplUnavailable, build_ops
 from ds4.tasks.common import Context, RunSpec, format_figures, reset_memory
+from ds4.weights.schema import EXPERT_LAYOUTS, SHARED_LAYOUTS
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -145,31 +146,15 @@ def build_spec(cfg: DictConfig) -> RunSpec:
         weights_seed=_int(cfg, "weights.seed") if kind == "synthetic" else 0,
         tokenizer=_get(cfg, "weights.tokenizer"), impls=Impls(**impls),
         numerics=_choice(cfg, "numerics"), reduce=_choice(cfg, "reduce"), runtime=_choice(cfg, "runtime"),
-        task=task, task_opts=task_opts, tp=tp, comm=_comm(cfg), experts=_experts(cfg),
-        shared_expert=_shared_expert(cfg), rank=rank)
+        task=task, task_opts=task_opts, tp=tp, comm=_one_of(cfg, "parallel.comm", ddist.COMMS),
+        experts=_one_of(cfg, "parallel.experts", EXPERT_LAYOUTS),
+        shared_expert=_one_of(cfg, "parallel.shared_expert", SHARED_LAYOUTS), rank=rank)
 
 
-def _comm(cfg) -> str:
-    from ds4.dist import COMMS
-    v = str(_get(cfg, "parallel.comm"))
-    if v not in COMMS:
-        raise UserError(f"parallel.comm={v}: choose one of {', '.join(COMMS)}")
-    return v
-
-
-def _experts(cfg) -> str:
-    from ds4.weights.schema import EXPERT_LAYOUTS
-    v = str(_get(cfg, "parallel.experts"))
-    if v not in EXPERT_LAYOUTS:
-        raise UserError(f"parallel.experts={v}: choose one of {', '.join(EXPERT_LAYOUTS)}")
-    return v
-
-
-def _shared_expert(cfg) -> str:
-    from ds4.weights.schema import SHARED_LAYOUTS
-    v = str(_get(cfg, "parallel.shared_expert"))
-    if v not in SHARED_LAYOUTS:
-        raise UserError(f"parallel.shared_expert={v}: choose one of {', '.join(SHARED_LAYOUTS)}")
+def _one_of(cfg, key: str, choices: tuple[str, ...]) -> str:
+    v = str(_get(cfg, key))
+    if v not in choices:
+        raise UserError(f"{key}={v}: choose one of {', '.join(choices)}")
     return v
 
 

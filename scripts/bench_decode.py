@@ -15,9 +15,9 @@ VARIANT@shtp).
 Variants are '+'-joined tokens: ref (torch/dequant everywhere), kernels (linear=gemv_cuda,
 moe=fp4_topk), fused (attn/indexer/hc=fused_cuda), graph (runtime=cuda_graph), bf16 (reduce=bf16),
 symm (comm=symm_mem), ll (comm=ll: ds4's all-reduce kernel), nopdl (DS4_PDL=0: no programmatic
-dependent launch on sm_90), fma (DS4_MMA=0: the FMA kernels for the FP4 MoE too, instead of the tensor-core ones), mma8 (DS4_MMA=all: the
-tensor-core kernels for one-token FP8 products too), w1 / w2 / w4 (DS4_MMA_W: the widest run of
-16-B chunks a lane of the tensor-core kernels reads per row; without them the library default, 2), d8 / d4 /
+dependent launch on sm_90), fma (DS4_MMA=0: the FMA kernels for the FP4 MoE too, instead of the
+tensor-core ones), mma8 (DS4_MMA=all: the tensor-core kernels for one-token FP8 products too), w1 / w2 /
+w4 (DS4_MMA_W: the widest run of 16-B chunks a lane of the tensor-core kernels reads per row; without them the library default, 2), d8 / d4 /
 d2 (DS4_MMA_DEPTH: the chunks per lane and row those kernels keep in flight; without them the per-shape
 default), smem
 (DS4_MMA_LOAD=smem: those kernels stream the weights through shared memory with cp.async), noovl
@@ -101,9 +101,11 @@ def stored_fp4_layout(model) -> None:
                 setattr(mod, n, q)
 
 
-def _comm_of(toks: set[str]) -> str:
-    """parallel.comm of a variant at tp > 1: ll, symm (symm_mem) or neither (nccl)."""
-    return "ll" if "ll" in toks else ("symm_mem" if "symm" in toks else "nccl")
+def tp_comm(toks: set[str], device: torch.device) -> ddist.TensorParallel:
+    """A variant's communicator at tp > 1: reduce=bf16 with the bf16 token (else fp32); comm=ll, symm (symm_mem)
+    or neither (nccl)."""
+    comm = "ll" if "ll" in toks else ("symm_mem" if "symm" in toks else "nccl")
+    return ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", comm, device=device)
 
 
 def _number_token(toks: set[str], prefix: str, default: int) -> int:
@@ -186,10 +188,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     ops = build_ops(impls_of(toks), model.device)
     comm = None
     if world > 1:
-        comm = ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", _comm_of(toks),
-                                    device=model.device)
-        if "xar" in toks:  # a removal diagnostic (timing only)
-            comm.all_reduce = lambda x, site: x
+        comm = tp_comm(toks, model.device)
+        if "xar" in toks:  # a removal diagnostic (timing only): one process's identity (casts kept)
+            comm.all_reduce = ddist.SingleProcess().all_reduce
     # nopack: the routed experts in the stored FP4 layout (as DS4_FP4_PACK=0 at load); other variants
     # re-lay them as fp4p through configure() (moe=fp4_topk's prepare)
     os.environ["DS4_FP4_PACK"] = "0" if "nopack" in toks else "1"

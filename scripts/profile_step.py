@@ -43,7 +43,7 @@ from ds4.runtime.generate import Generator
 from ds4.timeline import critical_path, kernels_from_trace, one_step, path_parts
 from ds4.weights.synthetic import random_weights
 
-from bench_decode import _comm_of, _number_token, impls_of  # the variant tokens of the decode benchmark (same folder)
+from bench_decode import _number_token, impls_of, tp_comm  # the variant tokens of the decode benchmark (same folder)
 
 # a readable label per kernel: template arguments and namespaces dropped
 _LABEL = re.compile(r"^(?:void )?(?:[\w:]+::)?(\w+)")
@@ -76,8 +76,7 @@ def main() -> None:
     toks = set(a.variant.split("+"))
     comm = None
     if e.world > 1:
-        comm = ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", _comm_of(toks),
-                                    device=dev)
+        comm = tp_comm(toks, dev)
     args = preset(a.model)
     args = args.with_layers(a.layers) if a.layers < args.n_layers else args
     model = Transformer(args, build_ops(impls_of(toks), dev), "plain", torch.bfloat16, dev, e.rank, e.world,
