@@ -481,7 +481,13 @@ static bool moe_mma_ok(const MoEArgs& a) {
 static int moe_use_mma(const MoEArgs& a) {
   const bool ok = moe_mma_ok(a);
   if (a.kernel == KERNEL_MMA) return ok ? 1 : -1;
-  return a.kernel == KERNEL_AUTO && ok && mma_auto(a.fmt, std::min(a.dim, a.inter), a.dim) ? 1 : 0;
+  // FP8 (the shared expert): rows of K = dim (gate+up) and inter (down) decide by the shorter, except that a
+  // shared expert sliced over the ranks (parallel.shared_expert=tp: inter 1024 at tp=2) stays on the tensor
+  // cores: on the FMA kernels the shorter rows chose it sat on the tp=2 step's critical path; DS4_MMA=all
+  // (it and the other short FP8 rows on tensor cores) took 0.14 ms per token off, this rule alone as much
+  // (experiments/decode_session18_h200.md)
+  const int k_rule = a.fmt == FMT_FP8 && a.inter >= 1024 ? a.dim : std::min(a.dim, a.inter);
+  return a.kernel == KERNEL_AUTO && ok && mma_auto(a.fmt, k_rule, a.dim) ? 1 : 0;
 }
 
 bool moe_route_ok(const MoEArgs& a) {

@@ -28,8 +28,8 @@
 #                  without PDL; PROFILE_INLINE=1: side-stream branches in line too — both, and each
 #                  kernel's time is its own)
 #   profile_tp2    the same profile of rank 0 in an 8-layer step of the full-width model at tp=2 (torchrun; routed experts
-#                  sliced, caches for 8192 positions; $PROFILE_TP2_VARIANT, default kernels+fused+symm+cap8192, e.g.
-#                  kernels+fused+ll+cap8192); alone in its group
+#                  sliced, caches for 8192 positions; $PROFILE_TP2_VARIANT, default kernels+fused+ll+shtp+cap8192 (ds4_best's
+#                  all-reduce and shared-expert layout), e.g. kernels+fused+symm+cap8192); alone in its group
 #   profile0       the same without PDL (DS4_PDL=0: each kernel's own time, the strict critical path),
 #                  beside profile in one lease ($OUT/profile_step_nopdl.json)
 #   seed           seed-phase sweep on 8 layers of V4-Flash, one GPU, + ds4.compare table and chart ($SEED_JOBS:
@@ -111,7 +111,7 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
         --long-context 65536 --out "$OUT/profile_step$tag.json" > "$L/$1.log" 2>&1 ;;
     profile_tp2)
       CUDA_VISIBLE_DEVICES=0,1 timeout 150 torchrun --nproc-per-node 2 scripts/profile_step.py --layers 8 \
-        --variant "${PROFILE_TP2_VARIANT:-kernels+fused+symm+cap8192}" --timeline --out "$OUT/profile_step_tp2.json" \
+        --variant "${PROFILE_TP2_VARIANT:-kernels+fused+ll+shtp+cap8192}" --timeline --out "$OUT/profile_step_tp2.json" \
         > "$L/$1.log" 2>&1 ;;
     seed)
       CUDA_VISIBLE_DEVICES=$g timeout 240 python3 -m ds4 ablation=seed_phases model.n_layers=8 tracking=none \

@@ -422,12 +422,14 @@ def test_routed_wave_cap(wave, fmt, dims, monkeypatch):
     assert rel(y, y_all) <= 1e-5, rel(y, y_all)
 
 
-# wave: DS4_SHARED_WAVE, the percent of a resident wave the one-token (tensor-core) shared expert launches take
-@pytest.mark.parametrize("n,wave", [(1, "100"), (3, "100"), (8, "100"), (1, "40"), (1, "1")])
-def test_shared_expert_fp8(n, wave, monkeypatch):
+# wave: DS4_SHARED_WAVE, the percent of a resident wave the one-token (tensor-core) shared expert launches take;
+# inter 1024: V4-Flash's shared expert sliced over 2 ranks (parallel.shared_expert=tp), on the tensor cores too
+@pytest.mark.parametrize("n,wave,inter", [(1, "100", 2048), (3, "100", 2048), (8, "100", 2048), (1, "40", 2048),
+                                          (1, "1", 2048), (1, "100", 1024), (2, "100", 1024)])
+def test_shared_expert_fp8(n, wave, inter, monkeypatch):
     monkeypatch.setenv("DS4_SHARED_WAVE", wave)
-    g = gen(500 + n)
-    dim, inter = 4096, 2048
+    g = gen(500 + n + inter)
+    dim = 4096
     w1, s1 = rand_fp8_weight(inter, dim, g)
     w3, s3 = rand_fp8_weight(inter, dim, g)
     w2, s2 = rand_fp8_weight(dim, inter, g)
@@ -441,6 +443,9 @@ def test_shared_expert_fp8(n, wave, monkeypatch):
     y = kernels.moe_down(h, None, 1, w2, s2, "fp8", 0, 1, None, False)
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     assert rel(y, ref) <= TOL
+    if n == 1:  # auto takes the tensor cores for one token at both sizes: the same bits as asking for them
+        hm = kernels.moe_gate_up(x, None, None, w1, s1, w3, s3, "fp8", 0, 1, 10.0, kernel="mma")
+        assert torch.equal(y, kernels.moe_down(hm, None, 1, w2, s2, "fp8", 0, 1, None, False, kernel="mma"))
 
 
 def _moe_weights(g, e_local=16, offset=32, dim=512, inter=256, n_experts=64, hash_layer=False):
