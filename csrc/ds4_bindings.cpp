@@ -541,6 +541,46 @@ at::Tensor all_reduce_ll(const at::Tensor& x, at::IntArrayRef peers,
   return out;
 }
 
+// all_reduce_ll with the hc fold (bf16 out; x one block output [1, D] or [D]): the fold's buffers as gemv_fold's,
+// peers: the fold region of each rank's buffer, counters: the fold calls' own.
+at::Tensor all_reduce_ll_fold(const at::Tensor& x, at::IntArrayRef peers, at::Tensor& counters, int64_t rank,
+                              int64_t cap, bool round_bf16, const at::Tensor& res, const at::Tensor& post,
+                              const at::Tensor& comb, const at::Tensor& fn, const at::Tensor& out,
+                              const at::Tensor& part) {
+  check_cuda(x, "x");
+  const int64_t D = x.numel();
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() && D >= 16 &&
+                  D % 16 == 0 && D <= cap,
+              "ds4.all_reduce_ll_fold: x must be one contiguous fp32 or bf16 row of D elements, D % 16 == 0, D <= cap");
+  const int64_t W = (int64_t)peers.size();
+  TORCH_CHECK(W >= 2 && W <= ds4::AR_MAX_WORLD && rank >= 0 && rank < W, "ds4.all_reduce_ll_fold: 2..",
+              ds4::AR_MAX_WORLD, " ranks, rank in range");
+  check_cuda(counters, "counters");
+  const int64_t per = 16 * ds4::AR_FOLD_TILES;
+  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.is_contiguous() && counters.device() == x.device() &&
+                  counters.numel() >= (cap + per - 1) / per,
+              "ds4.all_reduce_ll_fold: counters must be int32 [ceil(cap / ", per, ")] on x's device");
+  const ds4::HcFold f = make_fold(res, post, comb, fn, out, part, D, "ds4.all_reduce_ll_fold");
+  for (const at::Tensor* t : {&res, &post, &comb, &fn, &out, &part})
+    TORCH_CHECK(t->device() == x.device(), "ds4.all_reduce_ll_fold: the fold's tensors on x's device");
+  ds4::AllReduceArgs a{};
+  c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  a.x = x.data_ptr();
+  a.out = y.data_ptr();
+  for (int64_t r = 0; r < W; ++r) a.peers[r] = reinterpret_cast<uint2*>(static_cast<uintptr_t>(peers[r]));
+  a.counters = static_cast<int*>(counters.data_ptr());
+  a.n = D;
+  a.cap = cap;
+  a.rank = (int)rank;
+  a.world = (int)W;
+  a.x_bf16 = x.scalar_type() == at::kBFloat16;
+  a.out_bf16 = true;
+  a.round_bf16 = round_bf16;
+  check_launch(ds4::launch_all_reduce_ll_fold(a, f, at::cuda::getCurrentCUDAStream()), "all_reduce_ll_fold");
+  return y;
+}
+
 // Prefetch into L2 (no output): the given tensors (t0 and the present ones of t1..t3) whole, or with ids
 // (int64 [n], on the device) the experts ids[k] - id_offset of tensors stacked by local expert ([E_local, ...],
 // all with the same E_local).
@@ -597,6 +637,8 @@ TORCH_LIBRARY(ds4, m) {
   m.def("argmax(Tensor x) -> Tensor");
   m.def("all_reduce_ll(Tensor x, int[] peers, Tensor(a!) counters, int rank, int cap, bool round_bf16, "
         "bool out_f32) -> Tensor");
+  m.def("all_reduce_ll_fold(Tensor x, int[] peers, Tensor(a!) counters, int rank, int cap, bool round_bf16, "
+        "Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor(b!) out, Tensor(c!) part) -> Tensor");
   m.def("l2_prefetch(Tensor t0, Tensor? t1, Tensor? t2, Tensor? t3, Tensor? ids, int id_offset) -> ()");
   m.def("gemv_rmsnorm_ok(int fmt, int rows, int cols) -> bool", &gemv_rmsnorm_ok);  // host-only question
   m.def("gemv_fold(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor res, Tensor post, Tensor comb, Tensor fn, "
@@ -613,5 +655,6 @@ TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
   m.impl("gemv_fold", &gemv_fold);
   m.impl("argmax", &argmax);
   m.impl("all_reduce_ll", &all_reduce_ll);
+  m.impl("all_reduce_ll_fold", &all_reduce_ll_fold);
   m.impl("l2_prefetch", &l2_prefetch);
 }

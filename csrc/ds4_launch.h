@@ -165,5 +165,12 @@ struct AllReduceArgs {
   bool x_bf16, out_bf16, round_bf16;
 };
 cudaError_t launch_all_reduce_ll(const AllReduceArgs& a, cudaStream_t st);
+// The same all-reduce of a block output y [n = D] (bf16 out) with the hc fold (HcFold, D % 16 == 0, n = 1, 2, 4
+// streams) in the same launch: out = y, and the fold's new streams and partials (one per 16-row tile) as the
+// one-GPU fold forms them from y. a.peers: a buffer region of its own, a.counters: one int per block of
+// AR_FOLD_TILES tiles (ceil(cap / (16 AR_FOLD_TILES)), zeroed), both used by these calls only.
+constexpr int AR_FOLD_TILES = 2;    // 16-row tiles per block
+constexpr int AR_FOLD_THREADS = 128;  // >= 16 AR_FOLD_TILES (exchange) and a pass of the 4-stream fold
+cudaError_t launch_all_reduce_ll_fold(const AllReduceArgs& a, const HcFold& f, cudaStream_t st);
 
 }  // namespace ds4

@@ -24,9 +24,12 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class SingleProcess:
     rank, world = 0, 1
+    folds_hc = False  # (one rank: the kernel producing a block output forms the hc fold itself)
 
-    def all_reduce(self, x: Tensor, site: str, out_dtype: torch.dtype | None = None) -> Tensor:
-        """Sum partial results over ranks (site: 'attn', 'moe', 'embed'), in out_dtype (x's by default)."""
+    def all_reduce(self, x: Tensor, site: str, out_dtype: torch.dtype | None = None, fold=None) -> Tensor:
+        """Sum partial results over ranks (site: 'attn', 'moe', 'embed'), in out_dtype (x's by default).
+        fold: a pending hc fold (ds4.ops.base.HcFold) that the reduction may form from its result (see
+        TensorParallel.all_reduce); untouched here."""
         return x if out_dtype is None else x.to(out_dtype)
 
     def gather_vocab(self, logits: Tensor) -> Tensor:
@@ -120,12 +123,27 @@ class TensorParallel:
         dist.all_reduce(y, group=self.group)
         return y
 
-    def all_reduce(self, x: Tensor, site: str, out_dtype: torch.dtype | None = None) -> Tensor:
-        """The sum over the ranks of x, reduced in the reduce precision, returned in out_dtype (x's by default)."""
+    @property
+    def folds_hc(self) -> bool:
+        """Whether the model should hand the block's hc fold to all_reduce (comm=ll: csrc/allreduce.cu's fold
+        kernel). Opt-in, DS4_AR_FOLD=1 (read per call): on two H200s it has not yet measured faster than the
+        all-reduce and the hc site's own first launch (experiments/decode_session19_h200.md)."""
+        return self._ll is not None and os.environ.get("DS4_AR_FOLD") == "1"
+
+    def all_reduce(self, x: Tensor, site: str, out_dtype: torch.dtype | None = None, fold=None) -> Tensor:
+        """The sum over the ranks of x, reduced in the reduce precision, returned in out_dtype (x's by default).
+        fold: the block's pending hc fold (ds4.ops.base.HcFold), for a block output: with comm=ll, one bf16 row
+        whose length is the fold's D, the same launch also forms the fold (the post onto the streams and the next
+        mHC site's partials; then fold.fused), so that site's first launch leaves the step; else untouched."""
         # Embedding rows are exact sums of one rank's row and zeros: keep them fp32 (exact) whatever the
         # activation reduce precision.
         dtype = torch.float32 if site == "embed" else self.reduce_dtype
         out_dtype = out_dtype or x.dtype
+        if (fold is not None and self._ll is not None and site != "embed" and out_dtype == torch.bfloat16
+                and x.numel() == fold.out.shape[-1] and x.numel() % 16 == 0 and x.numel() <= self._ll.cap):
+            y = self._ll.sum_fold(x, dtype == torch.bfloat16, fold).view(x.shape)
+            fold.fused = True
+            return y
         if self._ll is not None and x.numel() <= self._ll.cap:  # one launch: the casts are part of it
             return self._ll.sum(x, dtype == torch.bfloat16, out_dtype)
         return self._sum(x, dtype).to(out_dtype)
@@ -151,9 +169,10 @@ class TensorParallel:
 
 
 class _LowLatency:
-    """comm=ll: the state of ds4's one-shot all-reduce kernel (ds4.kernels.all_reduce_ll): one symmetric buffer
-    of [2 slots][W ranks][cap] 8-byte words per rank, exchanged once, and this rank's per-block call counters.
-    Both start at zero; the barrier after zeroing keeps a peer from writing its first values before they are."""
+    """comm=ll: the state of ds4's one-shot all-reduce kernels (ds4.kernels.all_reduce_ll, all_reduce_ll_fold): one
+    symmetric buffer per rank of two regions (one per kernel: their epochs are separate sequences) of [2 slots]
+    [W ranks][cap] 8-byte words, exchanged once, and this rank's per-block call counters of each kernel. All
+    start at zero; the barrier after zeroing keeps a peer from writing its first values before they are."""
 
     def __init__(self, group, device: torch.device, cap: int):
         from ds4 import kernels
@@ -165,13 +184,16 @@ class _LowLatency:
         if world > kernels.AR_MAX_WORLD:
             raise ValueError(f"comm=ll takes at most {kernels.AR_MAX_WORLD} ranks, got {world}")
         self.cap, self.rank = cap, dist.get_rank(group)
-        self.buf = symm_mem.empty(2 * world * cap * 2, dtype=torch.int32, device=device)  # 2 int32 = one word
+        region = 2 * world * cap  # words
+        self.buf = symm_mem.empty(2 * region * 2, dtype=torch.int32, device=device)  # 2 int32 = one word
         self.buf.zero_()
         hdl = symm_mem.rendezvous(self.buf, group.group_name)
         # buffer_ptrs are the allocations' bases; the tensor sits at the same offset in each
         off = self.buf.data_ptr() - int(hdl.buffer_ptrs[self.rank])
         self.peers = [int(p) + off for p in hdl.buffer_ptrs]
+        self.peers_fold = [p + region * 8 for p in self.peers]
         self.counters = torch.zeros(-(-cap // kernels.AR_CHUNK), dtype=torch.int32, device=device)
+        self.counters_fold = torch.zeros(-(-cap // kernels.AR_FOLD_ROWS), dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
 
@@ -179,3 +201,8 @@ class _LowLatency:
         from ds4 import kernels
         return kernels.all_reduce_ll(x.contiguous(), self.peers, self.counters, self.rank, self.cap, round_bf16,
                                      out_dtype).view(x.shape)
+
+    def sum_fold(self, x: Tensor, round_bf16: bool, fold) -> Tensor:
+        from ds4 import kernels
+        return kernels.all_reduce_ll_fold(x.contiguous(), self.peers_fold, self.counters_fold, self.rank, self.cap,
+                                          round_bf16, fold)

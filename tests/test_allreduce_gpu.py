@@ -1,5 +1,6 @@
 """comm=ll on two GPUs: ds4's one-shot all-reduce kernel (csrc/allreduce.cu) against the sums of the gathered
-partials, bit for bit, eager and inside a replayed CUDA graph, and the same bits on every rank."""
+partials, bit for bit, eager and inside a replayed CUDA graph, and the same bits on every rank; its form with
+the hc fold against the plain call and the one-GPU fold's checks."""
 from __future__ import annotations
 
 import json
@@ -97,16 +98,85 @@ def _worker(rank, world, port, path):
                 if not (torch.equal(ya, want_a) and torch.equal(ym, want_m)):
                     bad.append(f"graph replay {step}")
         torch.cuda.synchronize(dev)
+        _fold_checks(dev, world, comms, g, bad)
     finally:
         if rank == 0:
             json.dump(bad, open(path, "w"))
         dist.destroy_process_group()
 
 
+def _fold_checks(dev, world, comms, g, bad):
+    """all_reduce with the hc fold (comm=ll's fold kernel): y as the plain call gives it, bit for bit; the fold's
+    streams and partials as test_hc_fold_gpu checks the one-GPU fold's; the same bits on every rank; eager calls
+    mixed with plain ones (separate epochs), then 200 graph replays."""
+    import torch.distributed as dist
+    from test_hc_fold_gpu import _check_fold, _site
+    same = torch.Generator(device=dev).manual_seed(7)  # the streams and weights: replicated, as in the model
+
+    def check(tag, x, red, y, fold, scale, base, norm):
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x)
+        want = _expected(parts, red == "bf16", torch.bfloat16)
+        if not (fold.fused and y.dtype == torch.bfloat16 and torch.equal(y, want)):
+            bad.append(f"fold {tag}: y, fused {fold.fused}")
+            return
+        try:
+            _check_fold(y.view(1, -1), fold, scale, base, norm)
+        except AssertionError as e:
+            bad.append(f"fold {tag}: {str(e)[:200]}")
+        for t in (fold.out, fold.part):
+            everyone = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(everyone, t.contiguous())
+            if not all(torch.equal(e, t) for e in everyone):
+                bad.append(f"fold {tag}: ranks differ")
+
+    for rnd in range(2):
+        for n, D in ((4, 4096), (2, 256), (1, 1024), (4, 48)):
+            for dt in (torch.float32, torch.bfloat16):
+                for red, comm in comms.items():
+                    fold, scale, base, norm = _site(n, D, same)
+                    x = (torch.randn(1, D, generator=g, device=dev) * 4).to(dt)
+                    y = comm.all_reduce(x, "moe", out_dtype=torch.bfloat16, fold=fold)
+                    check(f"r{rnd} n={n} D={D} {dt} {red}", x, red, y, fold, scale, base, norm)
+                    comm.all_reduce(x, "attn")  # a plain call between fold calls
+    # not taken (left unfused, the plain result): fp32 out, the embedding site, a length other than the fold's
+    fold = _site(4, 256, same)[0]
+    x = torch.randn(1, 256, generator=g, device=dev)
+    comms["fp32"].all_reduce(x, "attn", fold=fold)
+    comms["fp32"].all_reduce(x, "embed", out_dtype=torch.bfloat16, fold=fold)
+    comms["fp32"].all_reduce(torch.randn(1, 512, generator=g, device=dev), "attn", torch.bfloat16, fold=fold)
+    if fold.fused:
+        bad.append("fold taken where it does not apply")
+
+    comm = comms["bf16"]
+    fold, scale, base, norm = _site(4, 4096, same)
+    xm = torch.zeros(1, 4096, device=dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        comm.all_reduce(xm, "moe", out_dtype=torch.bfloat16, fold=fold)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ya = comm.all_reduce(xm, "attn", out_dtype=torch.bfloat16)
+        ym = comm.all_reduce(xm, "moe", out_dtype=torch.bfloat16, fold=fold)
+    for step in range(200):
+        xm.copy_(torch.randn(1, 4096, generator=g, device=dev))
+        fold.out.fill_(float("nan"))
+        fold.part.fill_(float("nan"))
+        graph.replay()
+        if step % 40 == 0 or step == 199:
+            check(f"graph replay {step}", xm, "bf16", ym, fold, scale, base, norm)
+            if not torch.equal(ya, ym):
+                bad.append(f"fold graph replay {step}: the plain call differs")
+    torch.cuda.synchronize(dev)
+
+
 def test_all_reduce_ll_bit_exact_eager_and_graph(tmp_path):
     """Every call gives the rank-order sum of the gathered partials bit for bit (both input dtypes, both reduce
     precisions, sizes around the block chunk up to the capacity, out dtypes), identical on both ranks; larger
-    tensors go through NCCL; 300 graph replays with new inputs each time stay exact (epochs, both slots)."""
+    tensors go through NCCL; 300 graph replays with new inputs each time stay exact (epochs, both slots). The
+    fold kernel likewise, with its streams and partials checked (_fold_checks)."""
     import torch.multiprocessing as mp
     from ds4 import kernels
     if kernels.unavailable_reason() is not None:

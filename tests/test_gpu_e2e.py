@@ -170,9 +170,10 @@ def _rank_group(rank, world, port):
         dist.destroy_process_group()
 
 
-def _tp_worker(rank, world, port, comm, experts, shared, path):
+def _tp_worker(rank, world, port, comm, experts, shared, ar_fold, path):
     import json
     from ds4 import dist as ddist
+    os.environ["DS4_AR_FOLD"] = "1" if ar_fold else "0"
     with _rank_group(rank, world, port) as dev:
         args = small()
         job = json.load(open(path))
@@ -191,16 +192,18 @@ def _tp_worker(rank, world, port, comm, experts, shared, path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("comm,experts,shared", [("nccl", "ep", "replicate"), ("symm_mem", "ep", "replicate"),
-                                                 ("symm_mem", "tp", "replicate"), ("ll", "tp", "replicate"),
-                                                 ("ll", "tp", "tp")],
-                         ids=["nccl-experts_ep", "symm_mem-experts_ep", "symm_mem-experts_tp", "ll-experts_tp",
-                              "ll-experts_tp-shared_tp"])
-def test_tp2_agrees_with_tp1_on_small(comm, experts, shared, small_weights, tmp_path):
+@pytest.mark.parametrize("comm,experts,shared,ar_fold", [
+    ("nccl", "ep", "replicate", False), ("symm_mem", "ep", "replicate", False), ("symm_mem", "tp", "replicate", False),
+    ("ll", "tp", "replicate", False), ("ll", "tp", "tp", False), ("ll", "tp", "replicate", True),
+    ("ll", "tp", "tp", True)],
+    ids=["nccl-experts_ep", "symm_mem-experts_ep", "symm_mem-experts_tp", "ll-experts_tp", "ll-experts_tp-shared_tp",
+         "ll-experts_tp-arfold", "ll-experts_tp-shared_tp-arfold"])
+def test_tp2_agrees_with_tp1_on_small(comm, experts, shared, ar_fold, small_weights, tmp_path):
     """tp=2 teacher-forced on tp=1's 128 greedy tokens agrees >= 99% on confident steps; the CUDA-graph step
     (collectives captured) gives the same tokens as eager tp=2. experts=tp: the routed experts sliced along
     their intermediate dim (parallel.experts=tp), through the kernels; shared=tp: the shared expert too
-    (parallel.shared_expert=tp); comm=ll: ds4's all-reduce kernel."""
+    (parallel.shared_expert=tp); comm=ll: ds4's all-reduce kernel; ar_fold: with the hc fold formed by it
+    (DS4_AR_FOLD=1; with a replicated shared expert the FFN's fold falls to the shared expert's down kernel)."""
     import json
     import torch.multiprocessing as mp
     args = small()
@@ -210,38 +213,43 @@ def test_tp2_agrees_with_tp1_on_small(comm, experts, shared, small_weights, tmp_
     ref_logits = rg.teacher_forced_logits(prompt, ref)
     path = str(tmp_path / "job.json")
     json.dump({"prompt": prompt, "ref": ref}, open(path, "w"))
-    mp.start_processes(_tp_worker, args=(2, _free_port(), comm, experts, shared, path), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_worker, args=(2, _free_port(), comm, experts, shared, ar_fold, path), nprocs=2,
+                       start_method="spawn")
     res = json.load(open(path))
     overall, confident, n = _agreement(torch.tensor(res["tf"]), ref_logits)
     assert n >= 16 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
     assert res["graph"] == res["eager"]
 
 
-def _tp_graph_worker(rank, world, port, experts, comm, path):
+def _tp_graph_worker(rank, world, port, experts, comm, batch, path):
     import json
     from ds4 import dist as ddist
+    if comm == "ll" and batch == 1:  # the all-reduces also form the hc fold (one row; opt-in)
+        os.environ["DS4_AR_FOLD"] = "1"
     with _rank_group(rank, world, port) as dev:
         args = tiny()
         w = random_weights(args, seed=2, device=dev, rank=rank, world=world, include_mtp=False, experts=experts)
         m = Transformer(args, build_ops(Impls(**_FUSED), dev), "plain", torch.bfloat16, dev, rank=rank, world=world,
                         comm=ddist.TensorParallel("fp32", comm, device=dev))
         m.load_weights(w)
-        prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]]
-        outs = {rt: Generator(m, 2, 1100, runtime=rt).generate(prompts, 1000, stop_at_eos=False).tokens
+        prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]][:batch]
+        outs = {rt: Generator(m, batch, 1100, runtime=rt).generate(prompts, 1000, stop_at_eos=False).tokens
                 for rt in ("eager", "cuda_graph")}
         if rank == 0:
             json.dump(outs, open(path, "w"))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("experts,comm", [("ep", "nccl"), ("tp", "nccl"), ("tp", "ll")],
-                         ids=["experts_ep", "experts_tp", "experts_tp-ll"])
-def test_tp2_cuda_graph_matches_eager_1000_steps(experts, comm, tmp_path):
+@pytest.mark.parametrize("experts,comm,batch", [("ep", "nccl", 2), ("tp", "nccl", 2), ("tp", "ll", 2), ("tp", "ll", 1)],
+                         ids=["experts_ep", "experts_tp", "experts_tp-ll", "experts_tp-ll-b1"])
+def test_tp2_cuda_graph_matches_eager_1000_steps(experts, comm, batch, tmp_path):
     """tp=2 with every kernel option: the captured step (NCCL or ds4's ll all-reduces and the distributed argmax
-    inside the graph) gives eager's tokens over 1000 steps of tiny (window wraps, CSA/HCA emissions)."""
+    inside the graph) gives eager's tokens over 1000 steps of tiny (window wraps, CSA/HCA emissions); at batch 1
+    with ll the all-reduces also form the hc fold (DS4_AR_FOLD=1: csrc/allreduce.cu's fold kernel)."""
     import json
     import torch.multiprocessing as mp
     path = str(tmp_path / "tokens.json")
-    mp.start_processes(_tp_graph_worker, args=(2, _free_port(), experts, comm, path), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_graph_worker, args=(2, _free_port(), experts, comm, batch, path), nprocs=2,
+                       start_method="spawn")
     res = json.load(open(path))
     assert len(res["eager"][0]) == 1000 and res["cuda_graph"] == res["eager"]

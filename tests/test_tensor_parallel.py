@@ -202,3 +202,23 @@ def test_indexer_is_replicated():
         assert loc[n][0].shape == full[n].shape, n
     wq_b = next(n for n in full if n.endswith(".attn.wq_b.weight"))
     assert loc[wq_b][0].shape[0] * 2 == full[wq_b].shape[0]  # the attention's heads stay split
+
+
+def test_the_hc_fold_goes_to_the_all_reduce_only_with_ll_and_opt_in(monkeypatch):
+    """The block hands its hc fold to the all-reduce only where comm=ll's fold kernel can take it and
+    DS4_AR_FOLD=1 asks for it (opt-in: not measured faster yet); one process leaves the fold to the kernel
+    producing the block output, and its all_reduce leaves a fold it is given untouched."""
+    from ds4 import dist as ddist
+    from ds4.ops.base import HcFold
+    sp = ddist.SingleProcess()
+    x = torch.randn(1, 32)
+    fold = HcFold(*(torch.zeros(1) for _ in range(6)))
+    assert sp.folds_hc is False and sp.all_reduce(x, "attn", fold=fold) is x and not fold.fused
+    tp = object.__new__(ddist.TensorParallel)  # the attribute folds_hc reads, without a process group
+    tp._ll = None
+    monkeypatch.setenv("DS4_AR_FOLD", "1")
+    assert tp.folds_hc is False  # nccl / symm_mem: no fold kernel
+    tp._ll = object()
+    assert tp.folds_hc is True
+    monkeypatch.delenv("DS4_AR_FOLD")
+    assert tp.folds_hc is False

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ds4.kernels.ops import (AR_CHUNK, AR_MAX_WORLD, ARGMAX_MAX_ROWS, InKernelRoute, all_reduce_ll,  # noqa: F401
+from ds4.kernels.ops import (AR_CHUNK, AR_FOLD_ROWS, AR_MAX_WORLD, ARGMAX_MAX_ROWS, InKernelRoute,  # noqa: F401
+                             all_reduce_ll, all_reduce_ll_fold,
                              argmax, gemv, gemv_fold, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok, l2_prefetch,
                              moe_down, moe_gate_up, moe_route_ok, router)  # (typed wrappers)
 
@@ -109,4 +110,4 @@ def unavailable_reason() -> str | None:
 
 
 __all__ = ["load", "unavailable_reason", "is_loaded", "build_dir", "gemv", "moe_gate_up", "moe_down", "router",
-           "argmax", "l2_prefetch", "all_reduce_ll"]
+           "argmax", "l2_prefetch", "all_reduce_ll", "all_reduce_ll_fold"]

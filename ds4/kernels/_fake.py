@@ -51,6 +51,11 @@ def _all_reduce_ll(x, peers, counters, rank, cap, round_bf16, out_f32):
     return x.new_empty(x.shape, dtype=torch.float32 if out_f32 else torch.bfloat16)
 
 
+@register_fake("ds4::all_reduce_ll_fold")
+def _all_reduce_ll_fold(x, peers, counters, rank, cap, round_bf16, res, post, comb, fn, out, part):
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
 @register_fake("ds4::l2_prefetch")
 def _l2_prefetch(t0, t1, t2, t3, ids, id_offset):
     return None

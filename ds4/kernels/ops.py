@@ -184,6 +184,7 @@ def l2_prefetch(tensors: list[Tensor], ids: Tensor | None = None, id_offset: int
 
 AR_CHUNK = 512  # elements per block of all_reduce_ll (AR_CHUNK in ds4_launch.h): its counters cover cap / AR_CHUNK
 AR_MAX_WORLD = 8
+AR_FOLD_ROWS = 32  # elements per block of all_reduce_ll_fold (16 AR_FOLD_TILES in ds4_launch.h): one counter each
 
 
 def all_reduce_ll(x: Tensor, peers: list[int], counters: Tensor, rank: int, cap: int, round_bf16: bool,
@@ -197,3 +198,15 @@ def all_reduce_ll(x: Tensor, peers: list[int], counters: Tensor, rank: int, cap:
         raise ValueError(f"ds4.kernels.all_reduce_ll: out_dtype fp32 or bf16, got {out_dtype}")
     return _ops().all_reduce_ll(x, [int(p) for p in peers], counters, int(rank), int(cap), bool(round_bf16),
                                 out_dtype == torch.float32)
+
+
+def all_reduce_ll_fold(x: Tensor, peers: list[int], counters: Tensor, rank: int, cap: int, round_bf16: bool,
+                       fold) -> Tensor:
+    """all_reduce_ll of one block output x ([1, D] or [D], D % 16 == 0) into bf16, with the hc fold (fold: an
+    ds4.ops.base.HcFold with D = x's length) formed in the same launch: the fold's new streams and its per-tile
+    partials, as gemv_fold forms them from its y. peers: each rank's fold region (its own, not all_reduce_ll's);
+    counters: int32 [ceil(cap / AR_FOLD_ROWS)], zeroed, used by these calls only. Same-calls rule as all_reduce_ll."""
+    if fold.out.shape[-1] != x.numel():
+        raise ValueError(f"ds4.kernels.all_reduce_ll_fold: streams {tuple(fold.out.shape)} for {x.numel()} values")
+    return _ops().all_reduce_ll_fold(x, [int(p) for p in peers], counters, int(rank), int(cap), bool(round_bf16),
+                                     *fold.args())

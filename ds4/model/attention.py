@@ -116,11 +116,13 @@ class Attention(WeightsModule):
 
     def _out(self, o: Tensor, fold=None) -> Tensor:
         """o [N, H, D] (already de-rotated) -> [N, dim]: grouped wo_a, wo_b, all-reduce. fold: the block's pending
-        mHC step, which wo_b's kernel may form (ds4.ops.base.HcFold; not where an all-reduce follows)."""
-        fold = fold if self.comm.world == 1 else None
-        y = self.ops.attn.out_proj(o.flatten(-2), self.wo_a, self.wo_b, self.groups, self.ops.linear, self.qat, fold)
+        mHC step (ds4.ops.base.HcFold), which wo_b's kernel may form on one rank, the all-reduce under tensor
+        parallelism (comm=ll, when the block asked for it: comm.folds_hc)."""
+        one_rank = self.comm.world == 1
+        y = self.ops.attn.out_proj(o.flatten(-2), self.wo_a, self.wo_b, self.groups, self.ops.linear, self.qat,
+                                   fold if one_rank else None)
         with self.prof("comm.attn"):
-            return self.comm.all_reduce(y, "attn")
+            return self.comm.all_reduce(y, "attn", fold=None if one_rank else fold)
 
     # ---- prefill: one sequence ----------------------------------------------------------
     def prefill(self, x: Tensor, st: dict[str, Tensor], row: int, fold=None) -> Tensor:

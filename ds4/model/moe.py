@@ -70,8 +70,8 @@ class MoE(WeightsModule):
     def forward(self, x: Tensor, token_ids: Tensor, logits: Tensor | None = None, fold=None) -> Tensor:
         """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert.
         logits: the router's x . gate^T when the caller formed them (hc's router fold), else None.
-        fold: the block's pending mHC step, which the kernel forming the output may do (ds4.ops.base.HcFold;
-        only where nothing is reduced over ranks after it)."""
+        fold: the block's pending mHC step (ds4.ops.base.HcFold), which the kernel forming the output may do
+        where nothing is reduced over ranks after it, else the all-reduce (comm=ll)."""
         moe = self.ops.moe
 
         def start_shared():  # may start on a side stream, overlapping routing (unless late) and routed experts
@@ -84,7 +84,6 @@ class MoE(WeightsModule):
             w, ids = moe.route(x, token_ids, self.mw, logits)
         if late:
             up = start_shared()
-        fold = fold if self.comm.world == 1 else None
         if self.shared_partial:  # one all-reduce sums routed and shared partials; it writes x's dtype
             if self.comm.world == 1:
                 raise RuntimeError("a sliced shared expert (parallel.shared_expert=tp) needs the tensor-parallel comm")
@@ -95,7 +94,7 @@ class MoE(WeightsModule):
                     y = moe.routed(x, w, ids, self.mw, act_quant=self.qat)
                     y = y + moe.shared(x, self.mw, act_quant=self.qat).float()
             with self.prof("comm.moe"):
-                return self.comm.all_reduce(y, "moe", out_dtype=x.dtype)
+                return self.comm.all_reduce(y, "moe", out_dtype=x.dtype, fold=fold)
         if up is not None and self.comm.world == 1:
             with self.prof("moe.routed"):  # nothing to reduce: returns (routed + shared.float()).to(x.dtype)
                 return moe.routed(x, w, ids, self.mw, act_quant=self.qat, shared=up, fold=fold)
@@ -103,5 +102,5 @@ class MoE(WeightsModule):
             y = moe.routed(x, w, ids, self.mw, act_quant=self.qat)
         with self.prof("comm.moe"):
             y = self.comm.all_reduce(y, "moe")
-        with self.prof("moe.shared"):  # returns (y + shared.float()).to(x.dtype)
+        with self.prof("moe.shared"):  # returns (y + shared.float()).to(x.dtype); the block output: may fold
             return moe.shared(x, self.mw, act_quant=self.qat, add=y, up=up, fold=fold)

@@ -86,9 +86,11 @@ class Block(WeightsModule):
             else:
                 h, x, post, comb = hc.post_pre(*carry, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                                a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
-        # (no fold where an all-reduce follows the producing kernel: tensor parallel)
-        one_rank = self.attn.comm.world == 1
-        fold = hc.fold(h, post, comb, self.hc_ffn_fn) if one_rank else None
+        # the fold is formed by the kernel producing the sub-block output on one rank; under tensor parallelism by
+        # the all-reduce after it where the communicator takes it (comm.folds_hc: comm=ll with DS4_AR_FOLD=1)
+        comm = self.attn.comm
+        folds = comm.world == 1 or comm.folds_hc
+        fold = hc.fold(h, post, comb, self.hc_ffn_fn) if folds else None
         x = attend(self.attn, x, fold)
         with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN (which may also give
             # the router's logits: hc's router fold, opt-in)
@@ -99,7 +101,7 @@ class Block(WeightsModule):
                 h, x, post, comb, logits = hc.post_pre_route(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale,
                                                              self.hc_ffn_base, a.hc_sinkhorn_iters, a.hc_eps,
                                                              a.norm_eps, self.ffn_norm, self.ffn.gate)
-        fold = hc.fold(h, post, comb, next_fn) if next_fn is not None and one_rank else None
+        fold = hc.fold(h, post, comb, next_fn) if next_fn is not None and folds else None
         x = self.ffn(x, token_ids, logits, fold)
         if fold is not None and fold.fused:
             return h, fold
