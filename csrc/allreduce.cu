@@ -45,6 +45,41 @@ __device__ __forceinline__ uint2 ld_ll(const uint2* p) {
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// Element i of this rank's partial in the reduce precision (what every rank sums), sent to every peer's buffer
+// (slot of epoch e, this rank's row) as {value, e}.
+__device__ __forceinline__ float ll_send(const AllReduceArgs& a, long slot, long i, uint32_t e) {
+  const float x = a.x_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(a.x)[i])
+                           : static_cast<const float*>(a.x)[i];
+  const float v = a.round_bf16 ? round_bf16(x) : x;
+  for (int r = 0; r < a.world; ++r)
+    if (r != a.rank) st_ll(a.peers[r] + slot + (long)a.rank * a.cap + i, __float_as_uint(v), e);
+  return v;
+}
+
+// The sum of element i over the ranks in rank order (the same sum on every rank), v being this rank's value: each
+// peer's value polled from this rank's buffer until its flag is e (a trap after AR_SPIN_LIMIT polls: the ranks'
+// calls differ, a bug); rounded to bf16 in the bf16 reduce precision.
+__device__ __forceinline__ float ll_sum(const AllReduceArgs& a, long slot, long i, float v, uint32_t e) {
+  float acc = 0.f;
+  for (int r = 0; r < a.world; ++r) {
+    float t = v;
+    if (r != a.rank) {
+      const uint2* p = a.peers[a.rank] + slot + (long)r * a.cap + i;
+      uint2 w = ld_ll(p);
+      for (long long spins = 0; w.y != e; w = ld_ll(p)) {
+        if (++spins == AR_SPIN_LIMIT) {
+          printf("ds4 all_reduce_ll: rank %d, block %d waited %lld polls for rank %d (epoch %u, flag %u)\n", a.rank,
+                 blockIdx.x, spins, r, e, w.y);
+          __trap();
+        }
+      }
+      t = __uint_as_float(w.x);
+    }
+    acc += t;
+  }
+  return a.round_bf16 ? round_bf16(acc) : acc;
+}
+
 __global__ void __launch_bounds__(AR_THREADS) all_reduce_ll_kernel(const AllReduceArgs a) {
   __shared__ uint32_t s_epoch;
   ds4_pdl::wait();  // x comes from the kernels before; the counters from this kernel's previous launch
@@ -57,36 +92,13 @@ __global__ void __launch_bounds__(AR_THREADS) all_reduce_ll_kernel(const AllRedu
 #pragma unroll
   for (int u = 0; u < AR_VPT; ++u) {  // send this rank's values to every peer first, then collect
     const long i = (long)blockIdx.x * AR_CHUNK + u * AR_THREADS + threadIdx.x;
-    if (i >= a.n) continue;
-    const float x = a.x_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(a.x)[i])
-                             : static_cast<const float*>(a.x)[i];
-    v[u] = a.round_bf16 ? round_bf16(x) : x;  // the reduce precision: what every rank sums
-    for (int r = 0; r < a.world; ++r)
-      if (r != a.rank) st_ll(a.peers[r] + slot + (long)a.rank * a.cap + i, __float_as_uint(v[u]), e);
+    if (i < a.n) v[u] = ll_send(a, slot, i, e);
   }
-  const uint2* mine = a.peers[a.rank] + slot;
 #pragma unroll
   for (int u = 0; u < AR_VPT; ++u) {
     const long i = (long)blockIdx.x * AR_CHUNK + u * AR_THREADS + threadIdx.x;
     if (i >= a.n) continue;
-    float acc = 0.f;
-    for (int r = 0; r < a.world; ++r) {  // rank order on every rank: the same sum everywhere
-      float t = v[u];
-      if (r != a.rank) {
-        const uint2* p = mine + (long)r * a.cap + i;
-        uint2 w = ld_ll(p);
-        for (long long spins = 0; w.y != e; w = ld_ll(p)) {
-          if (++spins == AR_SPIN_LIMIT) {
-            printf("ds4 all_reduce_ll: rank %d, block %d waited %lld polls for rank %d (epoch %u, flag %u)\n", a.rank,
-                   blockIdx.x, spins, r, e, w.y);
-            __trap();
-          }
-        }
-        t = __uint_as_float(w.x);
-      }
-      acc += t;
-    }
-    if (a.round_bf16) acc = round_bf16(acc);  // the reduced sum in the reduce precision
+    const float acc = ll_sum(a, slot, i, v[u], e);
     if (a.out_bf16)
       static_cast<__nv_bfloat16*>(a.out)[i] = __float2bfloat16(acc);
     else
@@ -94,21 +106,6 @@ __global__ void __launch_bounds__(AR_THREADS) all_reduce_ll_kernel(const AllRedu
   }
   __syncthreads();  // every thread's epoch read is done before the counter moves on
   if (threadIdx.x == 0) a.counters[blockIdx.x] = (int)e;
-}
-
-// The value of element i from rank r != a.rank for epoch e (this rank's buffer, slot of e), polled until its
-// flag is e; traps after AR_SPIN_LIMIT polls (the ranks' calls differ: a bug).
-__device__ __forceinline__ float ll_recv(const AllReduceArgs& a, long slot, int r, long i, uint32_t e) {
-  const uint2* p = a.peers[a.rank] + slot + (long)r * a.cap + i;
-  uint2 w = ld_ll(p);
-  for (long long spins = 0; w.y != e; w = ld_ll(p)) {
-    if (++spins == AR_SPIN_LIMIT) {
-      printf("ds4 all_reduce_ll_fold: rank %d, block %d waited %lld polls for rank %d (epoch %u, flag %u)\n", a.rank,
-             blockIdx.x, spins, r, e, w.y);
-      __trap();
-    }
-  }
-  return __uint_as_float(w.x);
 }
 
 // The all-reduce with the hc fold (hc_fold.cuh) in the same launch, for tensor-parallel decode: the block output
@@ -134,18 +131,8 @@ __global__ void __launch_bounds__(AR_FOLD_THREADS) all_reduce_ll_fold_kernel(con
   const long slot = (long)(e & 1u) * a.world * a.cap;
   const long i = (long)t0 * 16 + threadIdx.x;
   const bool mine = threadIdx.x < nt * 16;
-  float v = 0.f;
   if (mine) {  // send first, then collect (all_reduce_ll_kernel's arithmetic)
-    const float x = a.x_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(a.x)[i])
-                             : static_cast<const float*>(a.x)[i];
-    v = a.round_bf16 ? round_bf16(x) : x;
-    for (int r = 0; r < a.world; ++r)
-      if (r != a.rank) st_ll(a.peers[r] + slot + (long)a.rank * a.cap + i, __float_as_uint(v), e);
-  }
-  if (mine) {
-    float acc = 0.f;
-    for (int r = 0; r < a.world; ++r) acc += r == a.rank ? v : ll_recv(a, slot, r, i, e);
-    if (a.round_bf16) acc = round_bf16(acc);
+    const float acc = ll_sum(a, slot, i, ll_send(a, slot, i, e), e);
     const __nv_bfloat16 y = __float2bfloat16(acc);
     static_cast<__nv_bfloat16*>(a.out)[i] = y;
     s.ys[threadIdx.x] = __bfloat162float(y);  // y as stored, as the fold's producers give it

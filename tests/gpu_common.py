@@ -25,6 +25,18 @@ def randn(*shape, g: torch.Generator, dtype=torch.float32, scale: float = 1.0) -
     return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
 
 
+def ll_sum_expected(parts: list[torch.Tensor], round_bf16: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """comm=ll's all-reduce arithmetic in torch: partials (rounded to bf16 first with round_bf16) summed in fp32
+    in rank order, the sum rounded to bf16 with round_bf16, cast to out_dtype."""
+    acc = torch.zeros_like(parts[0], dtype=torch.float32)
+    for p in parts:
+        p = p.float()
+        acc = acc + (p.to(torch.bfloat16).float() if round_bf16 else p)
+    if round_bf16:
+        acc = acc.to(torch.bfloat16).float()
+    return acc.to(out_dtype)
+
+
 def poison() -> None:
     """Fill a large cached block with NaN and free it, so the next outputs come from NaN memory."""
     t = torch.full((64 << 20,), float("nan"), device=DEV)

@@ -9,6 +9,7 @@ import socket
 
 import pytest
 import torch
+from gpu_common import ll_sum_expected as _expected
 
 pytestmark = pytest.mark.gpu
 if torch.cuda.device_count() < 2:
@@ -19,18 +20,6 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _expected(parts: list[torch.Tensor], round_bf16: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    """The kernel's arithmetic in torch: partials (rounded to bf16 first with round_bf16) summed in fp32 in rank
-    order, the sum rounded to bf16 with round_bf16, cast to out_dtype."""
-    acc = torch.zeros_like(parts[0], dtype=torch.float32)
-    for p in parts:
-        p = p.float()
-        acc = acc + (p.to(torch.bfloat16).float() if round_bf16 else p)
-    if round_bf16:
-        acc = acc.to(torch.bfloat16).float()
-    return acc.to(out_dtype)
 
 
 def _worker(rank, world, port, path):
