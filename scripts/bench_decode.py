@@ -45,11 +45,11 @@ next GEMV's weights in captured steps at the default sites; measured slower, off
 (those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), hcr (DS4_HC_ROUTER=1: the FFN's
 hc launch also forms the router's logits, the router GEMV launch leaves the step), nohcf (DS4_HC_FOLD=0:
 without the hc fold, the library default since session 14 — the next mHC site's first launch done by wo_b's
-and the MoE down's epilogues — so each site is its own 2 launches again; at tp > 1 with arf: the all-reduce's fold too), arf (DS4_AR_FOLD=1,
-tp > 1 with ll: the all-reduce also forms the hc fold, so the next site's first launch leaves the step; opt-in),
-arfnp (DS4_AR_FOLD_PDL=0: that fold kernel launched without PDL), arfpack (DS4_AR_FOLD_SPREAD=0: its blocks sized
-by their buffers alone, so several share an SM), xshared / xrouter / xrouted /
-xattn (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core kernels, to
+and the MoE down's epilogues — so each site is its own 2 launches again; with arf the all-reduce's fold too),
+arf (DS4_AR_FOLD=1, tp > 1 with ll: the all-reduce also forms the hc fold, so the next site's first launch
+leaves the step; opt-in), arfnp (DS4_AR_FOLD_PDL=0: that fold kernel launched without PDL), arfpack
+(DS4_AR_FOLD_SPREAD=0: its blocks sized by their buffers alone, so several share an SM), xshared / xrouter /
+xrouted / xattn (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core kernels, to
 time what each costs the step). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
