@@ -581,6 +581,139 @@ at::Tensor all_reduce_ll_fold(const at::Tensor& x, at::IntArrayRef peers, at::Te
   return y;
 }
 
+// The whole one-token MoE FFN in one launch (moe_ffn.cu): routed experts in fp4t (stacked [E_local, rows, cols]),
+// ids / route_w [1, topk], and the fp8 shared expert; bf16 [1, dim] = the block output the separate launches
+// form (routed sum + the shared expert's bf16 output), with the hc fold when its six tensors are given.
+void ffn_routed_args(ds4::MoEArgs& r, const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& w3,
+                     const at::Tensor& s3, const at::Tensor& w2, const at::Tensor& s2, int64_t dim, int64_t k) {
+  for (const at::Tensor* t : {&w1, &s1, &w3, &s3, &w2, &s2}) check_cuda(*t, "routed expert tensor");
+  for (const at::Tensor* t : {&w1, &w3, &w2}) check_weight(*t, FMT_FP4T, "routed w");
+  TORCH_CHECK(w1.dim() == 3 && w3.sizes() == w1.sizes() && w2.dim() == 3 && w2.size(0) == w1.size(0),
+              "ds4.moe_ffn: routed w1 / w3 / w2 must be stacked [E_local, rows, cols]");
+  const int64_t inter = w1.size(1);
+  TORCH_CHECK(logical_in(w1, FMT_FP4T) == dim && w2.size(1) == dim && logical_in(w2, FMT_FP4T) == inter,
+              "ds4.moe_ffn: routed shapes (w1 / w3 [E, inter, dim / 2], w2 [E, dim, inter / 2])");
+  TORCH_CHECK(s1.sizes() == s3.sizes() && s1.dim() == 3 && s1.size(1) == inter && s1.size(2) == dim / 32 &&
+                  s2.dim() == 3 && s2.size(1) == dim && s2.size(2) == inter / 32 && s1.element_size() == 1 &&
+                  s2.element_size() == 1,
+              "ds4.moe_ffn: routed scales (E8M0 [E, rows, cols / 32])");
+  r.fmt = (int)FMT_FP4T;
+  r.n_tok = 1;
+  r.topk = (int)k;
+  r.n_local = (int)w1.size(0);
+  r.W1 = w1.data_ptr();
+  r.W3 = w3.data_ptr();
+  r.S1 = s1.data_ptr();
+  r.S3 = s3.data_ptr();
+  r.W2 = w2.data_ptr();
+  r.S2 = s2.data_ptr();
+  r.w13_estride = w1.stride(0);
+  r.s13_estride = s1.stride(0);
+  r.w2_estride = w2.stride(0);
+  r.s2_estride = s2.stride(0);
+  r.s13_ld = (int)s1.size(2);
+  r.s2_ld = (int)s2.size(2);
+  r.dim = (int)dim;
+  r.inter = (int)inter;
+}
+
+void ffn_shared_args(ds4::MoEArgs& s, const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& w3,
+                     const at::Tensor& s3, const at::Tensor& w2, const at::Tensor& s2, int64_t dim) {
+  for (const at::Tensor* t : {&w1, &s1, &w3, &s3, &w2, &s2}) check_cuda(*t, "shared expert tensor");
+  for (const at::Tensor* t : {&w1, &w3, &w2}) check_weight(*t, FMT_FP8, "shared w");
+  TORCH_CHECK(w1.dim() == 2 && w3.sizes() == w1.sizes() && w2.dim() == 2 && w1.size(1) == dim && w2.size(0) == dim &&
+                  w2.size(1) == w1.size(0),
+              "ds4.moe_ffn: shared shapes (w1 / w3 [inter, dim], w2 [dim, inter])");
+  const int64_t inter = w1.size(0);
+  dense_scale_ld(s1, FMT_FP8, inter, dim, "ds4.moe_ffn (shared w1)");
+  dense_scale_ld(s3, FMT_FP8, inter, dim, "ds4.moe_ffn (shared w3)");
+  dense_scale_ld(s2, FMT_FP8, dim, inter, "ds4.moe_ffn (shared w2)");
+  s.fmt = (int)FMT_FP8;
+  s.n_tok = 1;
+  s.topk = 1;
+  s.W1 = w1.data_ptr();
+  s.W3 = w3.data_ptr();
+  s.S1 = s1.data_ptr();
+  s.S3 = s3.data_ptr();
+  s.W2 = w2.data_ptr();
+  s.S2 = s2.data_ptr();
+  s.s13_ld = (int)s1.size(1);
+  s.s2_ld = (int)s2.size(1);
+  s.dim = (int)dim;
+  s.inter = (int)inter;
+}
+
+bool moe_ffn_ok_host(int64_t topk, int64_t dim, int64_t inter, int64_t shared_inter, int64_t fold_n) {
+  ds4::MoEArgs r, s;
+  r.fmt = (int)FMT_FP4T;
+  r.topk = (int)topk;
+  r.dim = s.dim = (int)dim;
+  r.inter = (int)inter;
+  s.fmt = (int)FMT_FP8;
+  s.inter = (int)shared_inter;
+  ds4::HcFold f;
+  f.n = (int)fold_n;
+  f.mix = (2 + f.n) * f.n;
+  return ds4::moe_ffn_ok(r, s, fold_n > 0 ? &f : nullptr);
+}
+
+at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& route_w, const at::Tensor& w1,
+                   const at::Tensor& s1, const at::Tensor& w3, const at::Tensor& s3, const at::Tensor& w2,
+                   const at::Tensor& s2, int64_t expert_offset, double limit, const at::Tensor& sw1,
+                   const at::Tensor& ss1, const at::Tensor& sw3, const at::Tensor& ss3, const at::Tensor& sw2,
+                   const at::Tensor& ss2, const std::optional<at::Tensor>& fold_res,
+                   const std::optional<at::Tensor>& fold_post, const std::optional<at::Tensor>& fold_comb,
+                   const std::optional<at::Tensor>& fold_fn, const std::optional<at::Tensor>& fold_out,
+                   const std::optional<at::Tensor>& fold_part, const std::optional<at::Tensor>& shared_h) {
+  check_cuda(x, "x");
+  check_cuda(ids, "ids");
+  check_cuda(route_w, "route_w");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1,
+              "ds4.moe_ffn: x must be one contiguous bf16 row [1, dim]");
+  check_aligned16(x, "ds4.moe_ffn", "x");
+  const int64_t dim = x.size(1), k = ids.dim() == 2 ? ids.size(1) : 0;
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.size(0) == 1 && k >= 1,
+              "ds4.moe_ffn: ids must be int64 [1, k]");
+  TORCH_CHECK(route_w.scalar_type() == at::kFloat && route_w.numel() == k, "ds4.moe_ffn: route_w must be f32 [1, k]");
+  ds4::MoEArgs r, s;
+  ffn_routed_args(r, w1, s1, w3, s3, w2, s2, dim, k);
+  ffn_shared_args(s, sw1, ss1, sw3, ss3, sw2, ss2, dim);
+  r.ids = static_cast<const int64_t*>(ids.data_ptr());
+  r.rw = static_cast<const float*>(route_w.data_ptr());
+  r.expert_offset = (int)expert_offset;
+  r.limit = s.limit = (float)limit;
+  const int nfold = fold_res.has_value() + fold_post.has_value() + fold_comb.has_value() + fold_fn.has_value() +
+                    fold_out.has_value() + fold_part.has_value();
+  TORCH_CHECK(nfold == 0 || nfold == 6, "ds4.moe_ffn: the fold takes all of fold_res, fold_post, fold_comb, fold_fn, "
+              "fold_out, fold_part");
+  ds4::HcFold fold;
+  if (nfold == 6) fold = make_fold(*fold_res, *fold_post, *fold_comb, *fold_fn, *fold_out, *fold_part, dim, "ds4.moe_ffn");
+  TORCH_CHECK(ds4::moe_ffn_ok(r, s, nfold == 6 ? &fold : nullptr),
+              "ds4.moe_ffn: no one-launch FFN at this shape (moe_ffn_ok: fp4t routed and fp8 shared experts, "
+              "topk <= 32, the kernels' run widths)");
+  if (shared_h.has_value()) {
+    check_cuda(*shared_h, "shared_h");
+    TORCH_CHECK(shared_h->scalar_type() == at::kBFloat16 && shared_h->numel() == s.inter &&
+                    shared_h->device() == x.device(),
+                "ds4.moe_ffn: shared_h must be the shared expert's bf16 h row [1, ", s.inter, "] on x's device");
+    check_aligned16(*shared_h, "ds4.moe_ffn", "shared_h");
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({1, dim}, x.options());
+  auto hbuf = at::empty({k * r.inter + s.inter}, x.options());
+  check_launch(ds4::launch_moe_ffn(r, s, x.data_ptr(), hbuf.data_ptr(), shared_h ? shared_h->data_ptr() : nullptr,
+                                   out.data_ptr(), nfold == 6 ? &fold : nullptr, at::cuda::getCurrentCUDAStream()),
+               "moe_ffn");
+  return out;
+}
+
+// The phase probe of the last moe_ffn launch under DS4_FFN_PROBE=1 (ds4_launch.h): int64 [blocks, 4] on the CPU.
+at::Tensor moe_ffn_probe(int64_t blocks) {
+  auto t = at::zeros({blocks, 4}, at::TensorOptions().dtype(at::kLong));
+  check_launch(ds4::moe_ffn_probe_read(reinterpret_cast<unsigned long long*>(t.data_ptr()), (int)blocks), "moe_ffn_probe");
+  return t;
+}
+
 // Prefetch into L2 (no output): the given tensors (t0 and the present ones of t1..t3) whole, or with ids
 // (int64 [n], on the device) the experts ids[k] - id_offset of tensors stacked by local expert ([E_local, ...],
 // all with the same E_local).
@@ -644,6 +777,12 @@ TORCH_LIBRARY(ds4, m) {
   m.def("gemv_fold(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor res, Tensor post, Tensor comb, Tensor fn, "
         "Tensor(a!) out, Tensor(b!) part) -> Tensor");
   m.def("hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) -> bool", &hc_fold_ok_host);
+  m.def("moe_ffn(Tensor x, Tensor ids, Tensor route_w, Tensor w1, Tensor s1, Tensor w3, Tensor s3, Tensor w2, "
+        "Tensor s2, int expert_offset, float limit, Tensor sw1, Tensor ss1, Tensor sw3, Tensor ss3, Tensor sw2, "
+        "Tensor ss2, Tensor? fold_res=None, Tensor? fold_post=None, Tensor? fold_comb=None, Tensor? fold_fn=None, "
+        "Tensor(a!)? fold_out=None, Tensor(b!)? fold_part=None, Tensor? shared_h=None) -> Tensor");
+  m.def("moe_ffn_ok(int topk, int dim, int inter, int shared_inter, int fold_n) -> bool", &moe_ffn_ok_host);
+  m.def("moe_ffn_probe(int blocks) -> Tensor", &moe_ffn_probe);  // host-only diagnostic (DS4_FFN_PROBE=1)
 }
 
 TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
@@ -657,4 +796,5 @@ TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
   m.impl("all_reduce_ll", &all_reduce_ll);
   m.impl("all_reduce_ll_fold", &all_reduce_ll_fold);
   m.impl("l2_prefetch", &l2_prefetch);
+  m.impl("moe_ffn", &moe_ffn);
 }

@@ -110,6 +110,20 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, di
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st, const HcFold* fold = nullptr);
 
+// The whole one-token MoE FFN in one launch (moe_ffn.cu): r the routed experts (FMT_FP4T, ids and rw given,
+// one token), s the shared expert (FP8, one expert, its w1 / w3 / w2 set like launch_moe_gate_up's and
+// launch_moe_down's), x bf16 [1, dim]. out bf16 [1, dim] = bf16(bf16(shared(x)) + routed sum) — the separate
+// launches' block output — and, with fold, the hc fold's streams and partials. hbuf: a bf16 workspace of
+// topk * r.inter + s.inter values (the h rows). sh_h (bf16 [s.inter], or nullptr): the shared expert's h row formed
+// by an earlier launch (its gate+up), so the launch runs only the shared expert's down. moe_ffn_ok: whether it takes these shapes (FMT_FP4T / FP8 run
+// widths, topk <= 32, shared memory); one launch at a time per device (its grid barrier's state is global).
+bool moe_ffn_ok(const MoEArgs& r, const MoEArgs& s, const HcFold* fold);
+cudaError_t launch_moe_ffn(const MoEArgs& r, const MoEArgs& s, const void* x, void* hbuf, const void* sh_h, void* out,
+                           const HcFold* fold, cudaStream_t st);
+// The phase probe of the last moe_ffn launches run with DS4_FFN_PROBE=1: per block (< 1024) 4 %globaltimer stamps
+// (PDL wait's end, phase 1's end, barrier exit, end; 0 where a block stopped earlier), copied to host[blocks][4].
+cudaError_t moe_ffn_probe_read(unsigned long long* host, int blocks);
+
 // Greedy argmax: out[r] = first index of the maximum of fp32 x[r, 0..V) (NaN largest), as torch.argmax(-1);
 // one launch, B <= ARGMAX_MAX_ROWS rows (argmax.cu).
 constexpr int ARGMAX_MAX_ROWS = 64;

@@ -157,8 +157,9 @@ __device__ __forceinline__ uint4 mma_stage_vec(const uint4& in4) {
 
 // Rows 0 .. nrows-1 of bf16 activations (row(r): 16-byte aligned, K % 8 == 0) -> bf16 x 2^64, permuted
 // for mma_chunk, into shared memory rows of K. A thread issues up to 4 16-byte loads before it
-// converts and stores any (the staging sits between a kernel's PDL wait and its first MMA).
-template <int FMT, typename RowFn>
+// converts and stores any (the staging sits between a kernel's PDL wait and its first MMA). CG: loads
+// through L2 only (ld.global.cg), for rows other blocks of the same launch wrote (moe_ffn.cu).
+template <int FMT, bool CG = false, typename RowFn>
 __device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, int nrows, int K) {
   const int per = K / 8, total = nrows * per;
   for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
@@ -166,7 +167,10 @@ __device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, in
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int i = i0 + j * blockDim.x, r = i / per;
-      if (i < total) in4[j] = *reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
+      if (i < total) {
+        const uint4* p = reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
+        in4[j] = CG ? __ldcg(p) : *p;
+      }
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

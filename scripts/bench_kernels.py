@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4 import kernels  # noqa: E402
+from ds4.ops.base import QWeight  # noqa: E402
 from ds4.quant import pack_fp4_mma, tile_fp4_mma  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -223,6 +224,34 @@ def main() -> int:
     t1, t3, t2 = (tile_fp4_mma(w) for w in (p1, p3, p2))  # the fp4t layout moe=fp4_topk runs on by default
     for kern, tag in variants():
         moe_rows("fp4t", t1, t3, t2, kern, tag)
+
+    def shared_set():
+        a1, b1 = rand_fp8(inter, dim, g)
+        a3, b3 = rand_fp8(inter, dim, g)
+        a2, b2 = rand_fp8(dim, inter, g)
+        return a1, b1, a3, b3, a2, b2
+
+    def shared(p, kern):
+        h = kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0, kernel=kern)
+        return kernels.moe_down(h, None, 1, p[4], p[5], "fp8", 0, 1, None, False, kernel=kern)
+
+    if n == 1:  # the whole FFN (routed top-6 + the shared expert): the step's four launches, in line, against one
+        ssets = [shared_set() for _ in range(16)]
+        routed_q = tuple(QWeight("fp4t", w, s) for w, s in ((t1, s1), (t3, s3), (t2, s2)))
+
+        def ffn4(ids, p):
+            sh = shared(p, "auto")
+            h = kernels.moe_gate_up(x, ids, rw, t1, s1, t3, s3, "fp4t", 0, E, 10.0)
+            return kernels.moe_down(h, ids, k, t2, s2, "fp4t", 0, E, sh, False)
+
+        def ffn1(ids, p):
+            sq = tuple(QWeight("fp8", p[i], p[i + 1]) for i in (0, 2, 4))
+            return kernels.moe_ffn(x, ids, rw, *routed_q, *sq, 0, 10.0)
+        b_ffn = b_gu + b_dn - 2 * h_bytes + nbytes(*ssets[0])
+        record("ffn routed+shared (4 launches)", b_ffn, [(lambda i=i, p=p: ffn4(i, p)) for i, p in zip(idsets, ssets)])
+        record("ffn routed+shared (moe_ffn, 1)", b_ffn, [(lambda i=i, p=p: ffn1(i, p)) for i, p in zip(idsets, ssets)],
+               target_us=b_ffn / (0.75 * bw) / 1e3)
+        del ssets
     del t1, t3, t2
     for kern, tag in variants():
         moe_rows("fp4p", p1, p3, p2, kern, tag)
@@ -231,17 +260,8 @@ def main() -> int:
     del hs
 
     # shared expert FP8 (2 launches), rotating weight copies
-    def shared_set():
-        a1, b1 = rand_fp8(inter, dim, g)
-        a3, b3 = rand_fp8(inter, dim, g)
-        a2, b2 = rand_fp8(dim, inter, g)
-        return a1, b1, a3, b3, a2, b2
     sets = [shared_set() for _ in range(16)]
     bts = nbytes(*sets[0]) + n * dim * 2 * 2
-
-    def shared(p, kern):
-        h = kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0, kernel=kern)
-        return kernels.moe_down(h, None, 1, p[4], p[5], "fp8", 0, 1, None, False, kernel=kern)
     for kern, tag in variants():
         record("shared expert fp8 (2 launches)" + tag, bts,
                [(lambda p=p, kern=kern: shared(p, kern)) for p in sets], target_us=8.0)

@@ -24,7 +24,7 @@
 #   tp2_tests      the 2-GPU tests (comm=ll's kernel; tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
 #   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
 #   profile        per-kernel profile of an 8-layer step, the critical path of one replay (ds4.timeline) and
-#                  the step's time at position 65536 (PROFILE_PDL=0:
+#                  the step's time at position 65536 ($PROFILE_VARIANT, default kernels+fused; PROFILE_PDL=0:
 #                  without PDL; PROFILE_INLINE=1: side-stream branches in line too — both, and each
 #                  kernel's time is its own)
 #   profile_tp2    the same profile of rank 0 in an 8-layer step of the full-width model at tp=2 (torchrun; routed experts
@@ -65,7 +65,8 @@ stage() {  # stage name, GPU index
   local g=$2
   case $1 in
     kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
-                    tests/test_decode_glue_gpu.py tests/test_hc_fold_gpu.py > "$L/kernel_tests.log" 2>&1 ;;
+                    tests/test_decode_glue_gpu.py tests/test_hc_fold_gpu.py tests/test_moe_ffn_gpu.py \
+                    > "$L/kernel_tests.log" 2>&1 ;;
     kbench) CUDA_VISIBLE_DEVICES=$g timeout 300 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" --mma "${MMA_SHAPES:-w2d8}" \
         ${KBENCH_ARGS:-} > "$L/kbench.log" 2>&1 ;;
     ncu)
@@ -107,7 +108,7 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
       local ovl=1 pdl=${PROFILE_PDL:-1} tag=""; [ "${PROFILE_INLINE:-0}" = 1 ] && ovl=0
       [ "$1" = profile0 ] && { pdl=0; tag=_nopdl; }
       DS4_PDL=$pdl DS4_COMPRESS_OVERLAP=$ovl DS4_ATTN_OVERLAP=$ovl DS4_SHARED_OVERLAP=$ovl \
-        CUDA_VISIBLE_DEVICES=$g timeout 90 python3 scripts/profile_step.py --layers 8 --variant kernels+fused --timeline \
+        CUDA_VISIBLE_DEVICES=$g timeout 90 python3 scripts/profile_step.py --layers 8 --variant "${PROFILE_VARIANT:-kernels+fused}" --timeline \
         --long-context 65536 --out "$OUT/profile_step$tag.json" > "$L/$1.log" 2>&1 ;;
     profile_tp2)
       CUDA_VISIBLE_DEVICES=0,1 timeout 150 torchrun --nproc-per-node 2 scripts/profile_step.py --layers 8 \

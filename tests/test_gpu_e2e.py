@@ -49,7 +49,11 @@ def _options():
                      pytest.param(combos[-1], {"DS4_HC_FOLD": "0"}, id="all-fused,DS4_HC_FOLD=0"),
                      pytest.param(combos[-1], {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="all-fused,DS4_HC_FOLD=1,MMA=all"),
                      # the routed experts in fp4p (small's take the default fp4t layout in the other rows)
-                     pytest.param(combos[-1], {"DS4_FP4_TILE": "0"}, id="all-fused,DS4_FP4_TILE=0")]
+                     pytest.param(combos[-1], {"DS4_FP4_TILE": "0"}, id="all-fused,DS4_FP4_TILE=0"),
+                     # the routed and shared experts in one launch (opt-in), with and without the hc fold
+                     pytest.param(combos[-1], {"DS4_MOE_FFN": "1"}, id="all-fused,DS4_MOE_FFN=1"),
+                     pytest.param(combos[-1], {"DS4_MOE_FFN": "1", "DS4_HC_FOLD": "1", "DS4_MMA": "all"},
+                                  id="all-fused,DS4_MOE_FFN=1,HC_FOLD=1,MMA=all")]
 
 
 # A step is "confident" when the reference's top-2 logit gap exceeds this. At 1.0, one step in ~100
@@ -91,6 +95,7 @@ def test_options_agree_with_reference_on_small(impls, env, small_weights, monkey
     fast = Transformer(args, ops, "plain", torch.bfloat16, DEV)
     fast.load_weights(small_weights)
     folds = _record_folds(ops.hc)
+    ffn_calls = _count_calls(ops.moe, "ffn")
     lf = Generator(fast, 1, 512).teacher_forced_logits(prompt, toks)
     overall, confident, n = _agreement(lf.argmax(-1), ref_logits)
     assert n >= 16 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
@@ -98,6 +103,19 @@ def test_options_agree_with_reference_on_small(impls, env, small_weights, monkey
         assert folds and all(f.fused for f in folds), (len(folds), sum(f.fused for f in folds))
     if env.get("DS4_HC_FOLD") == "0":
         assert not folds
+    if env.get("DS4_MOE_FFN") == "1":  # every decode step's FFNs took the one launch
+        assert ffn_calls[0] >= 255 * args.n_layers, ffn_calls
+
+
+def _count_calls(obj, name: str) -> list[int]:
+    """[calls] of obj.name from now on (0 and never counted where obj has no such method)."""
+    calls, fn = [0], getattr(obj, name, None)
+    if fn is not None:
+        def counting(*args, **kw):
+            calls[0] += 1
+            return fn(*args, **kw)
+        setattr(obj, name, counting)
+    return calls
 
 
 def _record_folds(hc) -> list:
@@ -147,6 +165,24 @@ def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch)
                 monkeypatch.setenv(k, v)
         g = Generator(_model(args, w, impls), 2, 1100, runtime=runtime)
         outs.append(g.generate(prompts, 1000, stop_at_eos=False).tokens)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_moe_ffn_graph_matches_eager_on_small(mode, small_weights, monkeypatch):
+    """The one-launch FFN (DS4_MOE_FFN=1; tiny's dims are below its run widths, small's are not) captured in the
+    decode graph, its grid barrier replayed every layer of 400 steps, with the hc fold: the same tokens as eager.
+    Mode 2: in the graph the shared expert's gate+up is a side-stream launch and the one launch takes its h row."""
+    for k, v in {"DS4_MOE_FFN": mode, "DS4_HC_FOLD": "1", "DS4_MMA": "all"}.items():
+        monkeypatch.setenv(k, v)
+    args = small()
+    prompt = [(13 * i + 7) % args.vocab_size for i in range(32)]
+    outs = []
+    for runtime in ("eager", "cuda_graph"):
+        m = _model(args, small_weights, Impls(**_FUSED))
+        calls = _count_calls(m.ops.moe, "ffn")
+        outs.append(Generator(m, 1, 512, runtime=runtime).generate([prompt], 400, stop_at_eos=False).tokens)
+        assert calls[0] >= args.n_layers, calls  # eager: every step; graph: the capture (replays run no Python)
     assert outs[0] == outs[1]
 
 

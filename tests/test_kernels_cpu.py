@@ -95,7 +95,8 @@ def test_cuda_impls_construct_without_extension():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("folder,archs,expected", [
-    ("", ("80",), {"gemv.cu", "moe.cu", "router.cu", "argmax.cu", "prefetch.cu", "allreduce.cu"}),  # GEMV / MoE ext.
+    ("", ("80",), {"gemv.cu", "moe.cu", "router.cu", "argmax.cu", "prefetch.cu", "allreduce.cu",
+              "moe_ffn.cu"}),  # GEMV / MoE ext.
     ("attn", ("80", "90"), {"hc.cu", "sparse_attn.cu", "indexer.cu", "decode_glue.cu", "topk.cu"}),  # ds4_attn
 ])
 def test_csrc_compiles(folder, archs, expected, tmp_path):
@@ -127,3 +128,23 @@ def test_fp4t_bad_shapes_refused_before_any_launch(shape):
         kernels.moe_gate_up(x, ids, None, w, None, w, None, "fp4t")
     with pytest.raises(ValueError, match="whole 16-row tiles"):
         kernels.moe_down(torch.zeros(2 * n, k, dtype=torch.bfloat16), ids, 2, w, None, "fp4t")
+
+
+def test_moe_ffn_gating_without_cuda(monkeypatch):
+    """The one-launch FFN is opt-in (DS4_MOE_FFN=1), never taken off the GPU or by moe=bf16_cache, and a format it
+    does not take is refused in Python, before the op (these tensors are on the CPU: the op would fail otherwise)."""
+    from ds4.ops.base import MoEWeights, QWeight
+    from ds4.ops.moe_cuda import Bf16CacheMoE, Fp4TopkMoE
+    w = QWeight("fp4t", torch.zeros(2, 256, 128, dtype=torch.int8), torch.zeros(2, 256, 8, dtype=torch.uint8))
+    s = QWeight("fp8", torch.zeros(256, 256, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8))
+    mw = MoEWeights(gate=torch.zeros(2, 256), bias=None, tid2eid=None, w1=w, w2=w, w3=w, shared_w1=s, shared_w2=s,
+                    shared_w3=s, n_experts=2, expert_offset=0, topk=1, route_scale=1.0, swiglu_limit=10.0)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    monkeypatch.delenv("DS4_MOE_FFN", raising=False)
+    assert not Fp4TopkMoE().ffn_ok(x, mw)
+    monkeypatch.setenv("DS4_MOE_FFN", "1")
+    assert not Fp4TopkMoE().ffn_ok(x, mw)  # x on the CPU: decided before any extension call
+    assert not Bf16CacheMoE().ffn_capable
+    fp4p = QWeight("fp4p", w.weight, w.scale)
+    with pytest.raises(ValueError, match="no one-launch FFN"):
+        kernels.moe_ffn(x, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), fp4p, fp4p, fp4p, s, s, s, 0, 10.0)

@@ -35,6 +35,12 @@ def _down(h, ids, topk, w2, s2, ptrs, fmt, expert_offset, n_local, add, out_f32,
     return h.new_empty((h.shape[0] // topk, w2.shape[-2]), dtype=torch.float32 if out_f32 else torch.bfloat16)
 
 
+@register_fake("ds4::moe_ffn")
+def _moe_ffn(x, ids, route_w, w1, s1, w3, s3, w2, s2, expert_offset, limit, sw1, ss1, sw3, ss3, sw2, ss2,
+             fold_res=None, fold_post=None, fold_comb=None, fold_fn=None, fold_out=None, fold_part=None, shared_h=None):
+    return x.new_empty((1, x.shape[1]), dtype=torch.bfloat16)
+
+
 @register_fake("ds4::router")
 def _router(x, gate, bias, tid2eid, token_ids, topk, route_scale, logits=None):
     n = x.shape[0]

@@ -146,6 +146,33 @@ def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | 
                            r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale), *fa)
 
 
+def moe_ffn(x: Tensor, ids: Tensor, route_w: Tensor, w1, w3, w2, shared_w1, shared_w3, shared_w2,
+            expert_offset: int, limit: float, fold=None, shared_h: Tensor | None = None) -> Tensor:
+    """The whole one-token MoE FFN in one launch (csrc/moe_ffn.cu): bf16 [1, dim] = bf16(bf16(shared(x)) + sum over
+    the slots of route_w * routed(x)) — the block output of moe_gate_up / moe_down with the shared expert's output
+    added in the down epilogue — plus the hc fold's streams and partials with fold (an ds4.ops.base.HcFold).
+    w1 / w3 / w2: the routed experts' QWeights in fp4t (stacked by local expert); shared_*: the shared expert's fp8
+    QWeights. ids int64 [1, k], route_w f32 [1, k]. shared_h (bf16 [1, shared inter]): the shared expert's h row
+    from its own gate+up launch (moe_gate_up), so this launch runs only its down. Only where moe_ffn_ok holds
+    (checked here, before the op)."""
+    inter, dim = w1.weight.shape[-2], x.shape[-1]
+    fold_n = 0 if fold is None else fold.out.shape[-2]
+    if (w1.fmt != "fp4t" or shared_w1.fmt != "fp8" or x.shape[0] != 1 or (fold is not None and fold.out.shape[-1] != dim)
+            or not moe_ffn_ok(ids.shape[-1], dim, inter, shared_w1.weight.shape[0], fold_n)):
+        raise ValueError(f"ds4.kernels.moe_ffn: no one-launch FFN for routed {w1.fmt} {tuple(w1.weight.shape)}, shared "
+                         f"{shared_w1.fmt} {tuple(shared_w1.weight.shape)}, x {tuple(x.shape)} (moe_ffn_ok)")
+    fa = fold.args() if fold is not None else (None,) * 6
+    return _ops().moe_ffn(x, ids, route_w, w1.weight, w1.scale, w3.weight, w3.scale, w2.weight, w2.scale,
+                          int(expert_offset), float(limit), shared_w1.weight, shared_w1.scale, shared_w3.weight,
+                          shared_w3.scale, shared_w2.weight, shared_w2.scale, *fa, shared_h)
+
+
+def moe_ffn_ok(topk: int, dim: int, inter: int, shared_inter: int, fold_n: int = 0) -> bool:
+    """Whether moe_ffn takes these shapes (host-only; fp4t routed experts of [inter, dim], an fp8 shared expert of
+    [shared_inter, dim], topk slots, the hc fold over fold_n streams or none)."""
+    return bool(_ops().moe_ffn_ok(int(topk), int(dim), int(inter), int(shared_inter), int(fold_n)))
+
+
 def moe_route_ok(fmt: str, topk: int, dim: int, inter: int, n_experts: int) -> bool:
     """Whether the one-token MoE kernels can route for themselves (InKernelRoute) at this shape (host-only)."""
     return fmt in FMT and bool(_ops().moe_route_ok(FMT[fmt], topk, dim, inter, n_experts))

@@ -73,6 +73,16 @@ class MoE(WeightsModule):
         fold: the block's pending mHC step (ds4.ops.base.HcFold), which the kernel forming the output may do
         where nothing is reduced over ranks after it, else the all-reduce (comm=ll)."""
         moe = self.ops.moe
+        ffn_ok = getattr(moe, "ffn_ok", None)
+        if self.comm.world == 1 and ffn_ok is not None and ffn_ok(x, self.mw, self.qat):
+            # routed and shared experts in one launch (nothing is reduced over ranks after it, so it may fold); with
+            # DS4_MOE_FFN=2 the shared expert's gate+up runs beside the router first
+            with self.prof("moe.shared_up"):
+                up = moe.ffn_shared_up(x, self.mw)
+            with self.prof("moe.gate"):
+                w, ids = moe.route(x, token_ids, self.mw, logits)
+            with self.prof("moe.ffn"):
+                return moe.ffn(x, w, ids, self.mw, fold=fold, shared=up)
 
         def start_shared():  # may start on a side stream, overlapping routing (unless late) and routed experts
             with self.prof("moe.shared_up"):

@@ -25,6 +25,13 @@ moe=fp4_topk
           returned. One launch fewer, but each block's serial top-k delays its weight loads: H200, 1 GPU,
           151.5 against 133.3 us per layer; full model tp=2 6.599 against 6.222 ms
           (experiments/decode_session9_h200.md, run 6).
+  ffn:    DS4_MOE_FFN=1 (opt-in until measured faster; read per call): a one-token call on one GPU runs the
+          routed and the shared expert, gate+up and down, in one launch (kernels.moe_ffn, csrc/moe_ffn.cu: one
+          resident wave, a grid barrier between the phases, the down weights loaded before it) instead of the
+          four launches above, with the same block output (to fp32 summation order) and the hc fold. Needs the
+          routed experts in fp4t and the shared expert in fp8 (moe_ffn_ok); other calls keep the launches above.
+          DS4_MOE_FFN=2: the same, except that the shared expert's gate+up stays a launch of its own (in a captured
+          step on the side stream, beside the router: ffn_shared_up) and the one launch takes its h row.
   prefetch: with DS4_L2_PREFETCH naming site "d" (opt-in: measured slower, ds4.ops.prefetch), a captured
           decode step brings the chosen experts' w2 (and scales) into L2 on a side stream while gate+up
           streams w1 / w3.
@@ -180,6 +187,45 @@ class Fp4TopkMoE:
             return w, ids
         return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale, logits=logits)
 
+    ffn_capable = True  # off in subclasses that read the ids on the host
+
+    def ffn_ok(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> bool:
+        """Whether this call may take the one-launch FFN (ffn): DS4_MOE_FFN=1 or 2, one token on the GPU, plain
+        numerics, the router's tail in its own kernel, fp4t routed and fp8 shared experts at shapes moe_ffn_ok takes."""
+        return (self.ffn_capable and os.environ.get("DS4_MOE_FFN") in ("1", "2") and x.is_cuda and x.shape[0] == 1
+                and not act_quant and os.environ.get("DS4_ROUTE_IN_MOE") != "1"
+                and mw.w1.fmt == "fp4t" and mw.shared_w1.fmt == "fp8" and mw.w1.weight.dim() == 3
+                and kernels.moe_ffn_ok(mw.topk, x.shape[-1], mw.w1.weight.shape[-2], mw.shared_w1.weight.shape[0]))
+
+    def ffn_shared_up(self, x: Tensor, mw: MoEWeights) -> SharedUp | None:
+        """DS4_MOE_FFN=2: the shared expert's gate+up (its h row) as a launch of its own — in a captured step on the
+        side stream, forked before the router like shared_up, in eager steps in line (the same arithmetic in both
+        runtimes); None otherwise (ffn's launch forms it)."""
+        if os.environ.get("DS4_MOE_FFN") != "2":
+            return None
+        side = side_stream.fork(x.device, "DS4_SHARED_OVERLAP")
+        with side_stream.Branch(side, x.device) as branch:
+            h = self._shared_h(x, mw, False)
+        return SharedUp(h, branch)
+
+    def ffn(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, fold: HcFold | None = None,
+            shared: SharedUp | None = None) -> Tensor:
+        """The block's FFN output (routed sum + shared expert, x's dtype [1, dim]) in one launch, where ffn_ok holds;
+        with fold the launch also forms the hc fold when moe_ffn_ok takes it (then fold.fused is set); with shared
+        (ffn_shared_up's) it takes the shared expert's h row from that side-stream launch."""
+        dim, inter, s_inter = x.shape[-1], mw.w1.weight.shape[-2], mw.shared_w1.weight.shape[0]
+        if fold is not None and not (fold.out.shape[-1] == dim
+                                     and kernels.moe_ffn_ok(mw.topk, dim, inter, s_inter, fold.out.shape[-2])):
+            fold = None
+        if shared is not None:
+            shared.branch.join()
+        y = kernels.moe_ffn(_bf16(x), ids.to(torch.int64).contiguous(), weights.float().contiguous(), mw.w1, mw.w3,
+                            mw.w2, mw.shared_w1, mw.shared_w3, mw.shared_w2, mw.expert_offset, mw.swiglu_limit, fold,
+                            None if shared is None else shared.out)
+        if fold is not None:
+            fold.fused = True
+        return y.to(x.dtype)
+
     def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool,
                          shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None,
                          fold: HcFold | None = None, partial: bool = False) -> Tensor:
@@ -289,6 +335,7 @@ class Bf16CacheMoE(Fp4TopkMoE):
     """Hot-expert BF16 cache (per layer, keyed by the layer's w1 storage)."""
     name = "bf16_cache"
     route_in_kernels = False  # its routed() reads the ids on the host
+    ffn_capable = False
     tiles = False  # the seed-phase ablation keeps fp4p (its cache and cold path not tested with fp4t)
 
     def __init__(self, cap_bytes: int | None = None, min_free_bytes: int | None = None,

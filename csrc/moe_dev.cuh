@@ -1,0 +1,75 @@
+// Device helpers of the MoE kernels shared by moe.cu (gate+up / down launches) and moe_ffn.cu (the whole
+// one-token FFN in one launch): expert weight bases, the limited SwiGLU, a block's slots of its token.
+#pragma once
+#include "ds4_common.cuh"
+#include "ds4_launch.h"
+#include "route_dev.cuh"
+
+namespace ds4 {
+
+template <int FMT>
+__device__ __forceinline__ void expert_base(const MoEArgs& a, int e, int which, const uint8_t*& W,
+                                            const uint8_t*& S) {
+  // which: 0 = w1, 1 = w3, 2 = w2
+  if (a.ptrs) {
+    W = reinterpret_cast<const uint8_t*>(a.ptrs[3 * e + which]);
+    S = nullptr;
+    return;
+  }
+  if (which == 2) {
+    W = reinterpret_cast<const uint8_t*>(a.W2) + (long)e * a.w2_estride;
+    S = a.S2 ? reinterpret_cast<const uint8_t*>(a.S2) + (long)e * a.s2_estride : nullptr;
+  } else {
+    W = reinterpret_cast<const uint8_t*>(which ? a.W3 : a.W1) + (long)e * a.w13_estride;
+    const void* s = which ? a.S3 : a.S1;
+    S = s ? reinterpret_cast<const uint8_t*>(s) + (long)e * a.s13_estride : nullptr;
+  }
+}
+
+// h = bf16(silu(min(g, lim)) * clamp(up, +-lim) * w): the reference's limited SwiGLU, route weight w.
+__device__ __forceinline__ __nv_bfloat16 swiglu_h(float g, float up, float lim, float w) {
+  g = fminf(g, lim);
+  up = fminf(fmaxf(up, -lim), lim);
+  return __float2bfloat16(g / (1.0f + expf(-g)) * up * w);
+}
+
+// The block's slots of its one token: global expert id and route weight per slot (s_ids / s_rw, shared),
+// read from ids / rw (ids == nullptr: the one shared expert, weight 1), or routed here from
+// a.route_logits by warp 0 (scratch: 2 n_experts floats of shared memory), block 0 of the launch then
+// writing them to ids_out / rw_out when write_out. Ends with __syncthreads.
+__device__ __forceinline__ void moe_slots(const MoEArgs& a, float* scratch, int* s_ids, float* s_rw, bool write_out) {
+  if (a.route_logits) {
+    if (threadIdx.x < 32)
+      route_token_warp(a.route_logits, a.n_experts, a.route_bias, a.tid2eid, a.tid64, a.token_ids, 0, a.topk,
+                       a.route_scale, scratch, scratch + a.n_experts, s_ids, s_rw);
+    __syncthreads();
+    if (write_out && blockIdx.x == 0 && threadIdx.x < a.topk) {
+      a.ids_out[threadIdx.x] = s_ids[threadIdx.x];
+      a.rw_out[threadIdx.x] = s_rw[threadIdx.x];
+    }
+    return;
+  }
+  if (threadIdx.x < a.topk) {
+    s_ids[threadIdx.x] = a.ids ? (int)a.ids[threadIdx.x] : a.expert_offset;
+    s_rw[threadIdx.x] = a.rw ? a.rw[threadIdx.x] : 1.f;
+  }
+  __syncthreads();
+}
+
+// Bit j set = slot j (< topk <= 32) holds a local expert.
+__device__ __forceinline__ unsigned moe_local_slots(const MoEArgs& a, const int* s_ids) {
+  const int lane = threadIdx.x & 31;
+  bool loc = false;
+  if (lane < a.topk) {
+    const int e = s_ids[lane] - a.expert_offset;
+    loc = e >= 0 && e < a.n_local;
+  }
+  return __ballot_sync(0xffffffffu, loc);
+}
+
+__device__ __forceinline__ int nth_bit(unsigned m, int n) {
+  for (int i = 0; i < n; ++i) m &= m - 1;
+  return __ffs(m) - 1;  // -1 when m has <= n bits
+}
+
+}  // namespace ds4
