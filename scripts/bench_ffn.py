@@ -6,7 +6,8 @@ replaces (in line), per plan variant, and where its blocks spend the launch (the
 
 A plan variant sets DS4_FFN_SHARED_PPB (N: the shared expert's gate+up tile pairs per block; auto: the byte-balanced
 split) or DS4_FFN_SH_DOWN=reg (reg: the shared expert's down on the register stream, not the shared-memory one);
-auto and reg also run with the shared expert's h row given (its gate+up launched first, DS4_MOE_FFN=2's form). Timing as scripts/bench_kernels.py (CUDA-graph replay over rotating expert sets; bytes as KERNEL_NOTES §1).
+auto and reg also run with the shared expert's h row given (its gate+up launched first, DS4_MOE_FFN=2's form).
+Timing as scripts/bench_kernels.py (CUDA-graph replay over rotating expert sets; bytes as KERNEL_NOTES §1).
 """
 from __future__ import annotations
 

@@ -157,7 +157,8 @@ def moe_ffn(x: Tensor, ids: Tensor, route_w: Tensor, w1, w3, w2, shared_w1, shar
     (checked here, before the op)."""
     inter, dim = w1.weight.shape[-2], x.shape[-1]
     fold_n = 0 if fold is None else fold.out.shape[-2]
-    if (w1.fmt != "fp4t" or shared_w1.fmt != "fp8" or x.shape[0] != 1 or (fold is not None and fold.out.shape[-1] != dim)
+    if (w1.fmt != "fp4t" or shared_w1.fmt != "fp8" or x.shape[0] != 1
+            or (fold is not None and fold.out.shape[-1] != dim)
             or not moe_ffn_ok(ids.shape[-1], dim, inter, shared_w1.weight.shape[0], fold_n)):
         raise ValueError(f"ds4.kernels.moe_ffn: no one-launch FFN for routed {w1.fmt} {tuple(w1.weight.shape)}, shared "
                          f"{shared_w1.fmt} {tuple(shared_w1.weight.shape)}, x {tuple(x.shape)} (moe_ffn_ok)")

@@ -25,11 +25,13 @@ moe=fp4_topk
           returned. One launch fewer, but each block's serial top-k delays its weight loads: H200, 1 GPU,
           151.5 against 133.3 us per layer; full model tp=2 6.599 against 6.222 ms
           (experiments/decode_session9_h200.md, run 6).
-  ffn:    DS4_MOE_FFN=1 (opt-in until measured faster; read per call): a one-token call on one GPU runs the
-          routed and the shared expert, gate+up and down, in one launch (kernels.moe_ffn, csrc/moe_ffn.cu: one
-          resident wave, a grid barrier between the phases, the down weights loaded before it) instead of the
-          four launches above, with the same block output (to fp32 summation order) and the hc fold. Needs the
-          routed experts in fp4t and the shared expert in fp8 (moe_ffn_ok); other calls keep the launches above.
+  ffn:    DS4_MOE_FFN=1 (opt-in, read per call): a one-token call on one GPU runs the routed and the shared
+          expert, gate+up and down, in one launch (kernels.moe_ffn, csrc/moe_ffn.cu: one resident wave, a grid
+          barrier between the phases, the down weights loaded before it) instead of the four launches above,
+          with the same block output (to fp32 summation order) and the hc fold. Needs the routed experts in fp4t
+          and the shared expert in fp8 (moe_ffn_ok); other calls keep the launches above. Faster than the four
+          launches alone, slower in the decode step, where those overlap the router (H200, 1 GPU: 139.1 against
+          126.7 us per layer; experiments/decode_session20_h200.md).
           DS4_MOE_FFN=2: the same, except that the shared expert's gate+up stays a launch of its own (in a captured
           step on the side stream, beside the router: ffn_shared_up) and the one launch takes its h row.
   prefetch: with DS4_L2_PREFETCH naming site "d" (opt-in: measured slower, ds4.ops.prefetch), a captured
@@ -212,7 +214,7 @@ class Fp4TopkMoE:
             shared: SharedUp | None = None) -> Tensor:
         """The block's FFN output (routed sum + shared expert, x's dtype [1, dim]) in one launch, where ffn_ok holds;
         with fold the launch also forms the hc fold when moe_ffn_ok takes it (then fold.fused is set); with shared
-        (ffn_shared_up's) it takes the shared expert's h row from that side-stream launch."""
+        (ffn_shared_up's) it takes the shared expert's h row from that launch."""
         dim, inter, s_inter = x.shape[-1], mw.w1.weight.shape[-2], mw.shared_w1.weight.shape[0]
         if fold is not None and not (fold.out.shape[-1] == dim
                                      and kernels.moe_ffn_ok(mw.topk, dim, inter, s_inter, fold.out.shape[-2])):
