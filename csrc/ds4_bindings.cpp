@@ -584,6 +584,23 @@ at::Tensor all_reduce_ll_fold(const at::Tensor& x, at::IntArrayRef peers, at::Te
 // The whole one-token MoE FFN in one launch (moe_ffn.cu): routed experts in fp4t (stacked [E_local, rows, cols]),
 // ids / route_w [1, topk], and the fp8 shared expert; bf16 [1, dim] = the block output the separate launches
 // form (routed sum + the shared expert's bf16 output), with the hc fold when its six tensors are given.
+// One token's expert weights of moe_ffn (formats and shapes checked by the callers).
+void ffn_weights(ds4::MoEArgs& a, int64_t fmt, int64_t topk, int64_t inter, int64_t dim, const at::Tensor& w1,
+                 const at::Tensor& s1, const at::Tensor& w3, const at::Tensor& s3, const at::Tensor& w2,
+                 const at::Tensor& s2) {
+  a.fmt = (int)fmt;
+  a.n_tok = 1;
+  a.topk = (int)topk;
+  a.W1 = w1.data_ptr();
+  a.W3 = w3.data_ptr();
+  a.S1 = s1.data_ptr();
+  a.S3 = s3.data_ptr();
+  a.W2 = w2.data_ptr();
+  a.S2 = s2.data_ptr();
+  a.dim = (int)dim;
+  a.inter = (int)inter;
+}
+
 void ffn_routed_args(ds4::MoEArgs& r, const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& w3,
                      const at::Tensor& s3, const at::Tensor& w2, const at::Tensor& s2, int64_t dim, int64_t k) {
   for (const at::Tensor* t : {&w1, &s1, &w3, &s3, &w2, &s2}) check_cuda(*t, "routed expert tensor");
@@ -597,24 +614,14 @@ void ffn_routed_args(ds4::MoEArgs& r, const at::Tensor& w1, const at::Tensor& s1
                   s2.dim() == 3 && s2.size(1) == dim && s2.size(2) == inter / 32 && s1.element_size() == 1 &&
                   s2.element_size() == 1,
               "ds4.moe_ffn: routed scales (E8M0 [E, rows, cols / 32])");
-  r.fmt = (int)FMT_FP4T;
-  r.n_tok = 1;
-  r.topk = (int)k;
+  ffn_weights(r, FMT_FP4T, k, inter, dim, w1, s1, w3, s3, w2, s2);
   r.n_local = (int)w1.size(0);
-  r.W1 = w1.data_ptr();
-  r.W3 = w3.data_ptr();
-  r.S1 = s1.data_ptr();
-  r.S3 = s3.data_ptr();
-  r.W2 = w2.data_ptr();
-  r.S2 = s2.data_ptr();
   r.w13_estride = w1.stride(0);
   r.s13_estride = s1.stride(0);
   r.w2_estride = w2.stride(0);
   r.s2_estride = s2.stride(0);
   r.s13_ld = (int)s1.size(2);
   r.s2_ld = (int)s2.size(2);
-  r.dim = (int)dim;
-  r.inter = (int)inter;
 }
 
 void ffn_shared_args(ds4::MoEArgs& s, const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& w3,
@@ -628,19 +635,9 @@ void ffn_shared_args(ds4::MoEArgs& s, const at::Tensor& w1, const at::Tensor& s1
   dense_scale_ld(s1, FMT_FP8, inter, dim, "ds4.moe_ffn (shared w1)");
   dense_scale_ld(s3, FMT_FP8, inter, dim, "ds4.moe_ffn (shared w3)");
   dense_scale_ld(s2, FMT_FP8, dim, inter, "ds4.moe_ffn (shared w2)");
-  s.fmt = (int)FMT_FP8;
-  s.n_tok = 1;
-  s.topk = 1;
-  s.W1 = w1.data_ptr();
-  s.W3 = w3.data_ptr();
-  s.S1 = s1.data_ptr();
-  s.S3 = s3.data_ptr();
-  s.W2 = w2.data_ptr();
-  s.S2 = s2.data_ptr();
+  ffn_weights(s, FMT_FP8, 1, inter, dim, w1, s1, w3, s3, w2, s2);
   s.s13_ld = (int)s1.size(1);
   s.s2_ld = (int)s2.size(1);
-  s.dim = (int)dim;
-  s.inter = (int)inter;
 }
 
 bool moe_ffn_ok_host(int64_t topk, int64_t dim, int64_t inter, int64_t shared_inter, int64_t fold_n) {

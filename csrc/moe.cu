@@ -331,18 +331,8 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),
                                   a.s13_ld, reinterpret_cast<uint8_t*>(xs + a.dim));
   st.prefetch();
-  stage_mma_rows<FMT>(xs, [=](int) { return x; }, 1, a.dim);
-  mma_part_zero(part, 2 * np);
-  __syncthreads();
-  st.run(part);
-  __syncthreads();
-  for (int i = threadIdx.x; i < np * 16; i += blockDim.x) {
-    const int pl = i >> 4, r = s_row0[2 * pl] + (i & 15);
-    if (r >= a.inter) continue;
-    const int slot = s_slot[pl];
-    h[(long)slot * a.inter + r] = swiglu_h(mma_part_sum(part, 2 * pl, i & 15), mma_part_sum(part, 2 * pl + 1, i & 15),
-                                           a.limit, s_rw[slot]);
-  }
+  gate_up_pairs<FMT>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
+                     [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; });
 }
 
 // Row tiles of `dim`, each the sum over the local slots (segments) of their w2 rows times h; block b

@@ -3,6 +3,7 @@
 #pragma once
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
+#include "mma_dot.cuh"
 #include "route_dev.cuh"
 
 namespace ds4 {
@@ -65,6 +66,26 @@ __device__ __forceinline__ unsigned moe_local_slots(const MoEArgs& a, const int*
     loc = e >= 0 && e < a.n_local;
   }
   return __ballot_sync(0xffffffffu, loc);
+}
+
+// A block's one-token gate+up over np (w1, w3) tile pairs (local tiles 2 pl and 2 pl + 1, first rows row0[2 pl]) on
+// stream st, its first rounds already requested: x staged for FMT, the stream run, then
+// out(pl, row) = swiglu(gate, up) * weight(pl) for the rows < inter. Every thread of the block calls it.
+template <int FMT, typename Stream, typename WeightFn, typename OutFn>
+__device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x, int dim, __nv_bfloat16* xs, float* part,
+                                              int np, const int* row0, int inter, float limit, WeightFn weight,
+                                              OutFn out) {
+  stage_mma_rows<FMT>(xs, [=](int) { return x; }, 1, dim);
+  mma_part_zero(part, 2 * np);
+  __syncthreads();
+  st.run(part);
+  __syncthreads();
+  for (int i = threadIdx.x; i < np * 16; i += blockDim.x) {
+    const int pl = i >> 4, row = row0[2 * pl] + (i & 15);
+    if (row < inter)
+      out(pl, row) = swiglu_h(mma_part_sum(part, 2 * pl, i & 15), mma_part_sum(part, 2 * pl + 1, i & 15), limit,
+                              weight(pl));
+  }
 }
 
 __device__ __forceinline__ int nth_bit(unsigned m, int n) {

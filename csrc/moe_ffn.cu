@@ -125,19 +125,9 @@ moe_ffn_kernel(const MoEArgs r, const MoEArgs s, const __nv_bfloat16* __restrict
     ds4_pdl::begin();  // x and the expert ids come from the previous kernels
     ffn_mark(p.probe, 0);
     moe_slots(r, part1, s_ids, s_rw, false);
-    if (np > 0) {
-      stage_mma_rows<FMT_FP8>(xs, [=](int) { return x; }, 1, s.dim);
-      mma_part_zero(part1, 2 * np);
-      __syncthreads();
-      st.run(part1);
-      __syncthreads();
-      for (int i = threadIdx.x; i < np * 16; i += blockDim.x) {
-        const int pl = i >> 4, row = s_row0[2 * pl] + (i & 15);
-        if (row < s.inter)
-          h_sh[row] = swiglu_h(mma_part_sum(part1, 2 * pl, i & 15), mma_part_sum(part1, 2 * pl + 1, i & 15),
-                               s.limit, 1.f);
-      }
-    }
+    if (np > 0)
+      gate_up_pairs<FMT_FP8>(st, x, s.dim, xs, part1, np, s_row0, s.inter, s.limit, [](int) { return 1.f; },
+                             [&](int, int row) -> __nv_bfloat16& { return h_sh[row]; });
   } else {  // the routed experts: pairs p = u * RT + rt (local slot u, row tile rt), as moe_gate_up_mma_kernel
     ds4_pdl::begin();
     ffn_mark(p.probe, 0);
@@ -159,18 +149,9 @@ moe_ffn_kernel(const MoEArgs r, const MoEArgs s, const __nv_bfloat16* __restrict
       auto st = mma_stream<FMT_FP4T, FFN_RU, FP4T_W>(tile, xs, 2 * np, 1, r.dim / mma_round_vals<FMT_FP4T, FP4T_W>(),
                                                      row_bytes<FMT_FP4T>(r.dim), r.s13_ld, nullptr);
       st.prefetch();
-      stage_mma_rows<FMT_FP4T>(xs, [=](int) { return x; }, 1, r.dim);
-      mma_part_zero(part1, 2 * np);
-      __syncthreads();
-      st.run(part1);
-      __syncthreads();
-      for (int i = threadIdx.x; i < np * 16; i += blockDim.x) {
-        const int pl = i >> 4, row = s_row0[2 * pl] + (i & 15);
-        if (row >= r.inter) continue;
-        const int slot = s_slot[pl];
-        hbuf[(long)slot * r.inter + row] = swiglu_h(mma_part_sum(part1, 2 * pl, i & 15),
-                                                    mma_part_sum(part1, 2 * pl + 1, i & 15), r.limit, s_rw[slot]);
-      }
+      gate_up_pairs<FMT_FP4T>(st, x, r.dim, xs, part1, np, s_row0, r.inter, r.limit,
+                              [&](int pl) { return s_rw[s_slot[pl]]; },
+                              [&](int pl, int row) -> __nv_bfloat16& { return hbuf[(long)s_slot[pl] * r.inter + row]; });
     }
   }
 
