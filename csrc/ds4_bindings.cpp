@@ -684,7 +684,8 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
   TORCH_CHECK(nfold == 0 || nfold == 6, "ds4.moe_ffn: the fold takes all of fold_res, fold_post, fold_comb, fold_fn, "
               "fold_out, fold_part");
   ds4::HcFold fold;
-  if (nfold == 6) fold = make_fold(*fold_res, *fold_post, *fold_comb, *fold_fn, *fold_out, *fold_part, dim, "ds4.moe_ffn");
+  if (nfold == 6)
+    fold = make_fold(*fold_res, *fold_post, *fold_comb, *fold_fn, *fold_out, *fold_part, dim, "ds4.moe_ffn");
   TORCH_CHECK(ds4::moe_ffn_ok(r, s, nfold == 6 ? &fold : nullptr),
               "ds4.moe_ffn: no one-launch FFN at this shape (moe_ffn_ok: fp4t routed and fp8 shared experts, "
               "topk <= 32, the kernels' run widths)");
@@ -707,7 +708,8 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
 // The phase probe of the last moe_ffn launch under DS4_FFN_PROBE=1 (ds4_launch.h): int64 [blocks, 4] on the CPU.
 at::Tensor moe_ffn_probe(int64_t blocks) {
   auto t = at::zeros({blocks, 4}, at::TensorOptions().dtype(at::kLong));
-  check_launch(ds4::moe_ffn_probe_read(reinterpret_cast<unsigned long long*>(t.data_ptr()), (int)blocks), "moe_ffn_probe");
+  check_launch(ds4::moe_ffn_probe_read(reinterpret_cast<unsigned long long*>(t.data_ptr()), (int)blocks),
+               "moe_ffn_probe");
   return t;
 }
 

@@ -114,9 +114,10 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, vo
 // one token), s the shared expert (FP8, one expert, its w1 / w3 / w2 set like launch_moe_gate_up's and
 // launch_moe_down's), x bf16 [1, dim]. out bf16 [1, dim] = bf16(bf16(shared(x)) + routed sum) — the separate
 // launches' block output — and, with fold, the hc fold's streams and partials. hbuf: a bf16 workspace of
-// topk * r.inter + s.inter values (the h rows). sh_h (bf16 [s.inter], or nullptr): the shared expert's h row formed
-// by an earlier launch (its gate+up), so the launch runs only the shared expert's down. moe_ffn_ok: whether it takes these shapes (FMT_FP4T / FP8 run
-// widths, topk <= 32, shared memory); one launch at a time per device (its grid barrier's state is global).
+// topk * r.inter + s.inter values (the h rows). sh_h (bf16 [s.inter], or nullptr): the shared expert's h row
+// formed by an earlier launch (its gate+up), so the launch runs only the shared expert's down. moe_ffn_ok: whether
+// it takes these shapes (FMT_FP4T / FP8 run widths, topk <= 32, shared memory); one launch at a time per device
+// (its grid barrier's state is global).
 bool moe_ffn_ok(const MoEArgs& r, const MoEArgs& s, const HcFold* fold);
 cudaError_t launch_moe_ffn(const MoEArgs& r, const MoEArgs& s, const void* x, void* hbuf, const void* sh_h, void* out,
                            const HcFold* fold, cudaStream_t st);

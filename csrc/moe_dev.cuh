@@ -72,9 +72,9 @@ __device__ __forceinline__ unsigned moe_local_slots(const MoEArgs& a, const int*
 // stream st, its first rounds already requested: x staged for FMT, the stream run, then
 // out(pl, row) = swiglu(gate, up) * weight(pl) for the rows < inter. Every thread of the block calls it.
 template <int FMT, typename Stream, typename WeightFn, typename OutFn>
-__device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x, int dim, __nv_bfloat16* xs, float* part,
-                                              int np, const int* row0, int inter, float limit, WeightFn weight,
-                                              OutFn out) {
+__device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x, int dim, __nv_bfloat16* xs,
+                                              float* part, int np, const int* row0, int inter, float limit,
+                                              WeightFn weight, OutFn out) {
   stage_mma_rows<FMT>(xs, [=](int) { return x; }, 1, dim);
   mma_part_zero(part, 2 * np);
   __syncthreads();

@@ -8,6 +8,9 @@
 // registers, so its first loads wait for gate+up's last block. Here one resident wave does both phases and
 // meets at a grid barrier; a block that finishes its phase-1 tiles issues its phase-2 weight loads (they do
 // not depend on h) before it arrives, so the down weights stream while the slowest gate+up blocks finish.
+// Measured (H200, experiments/decode_session20_h200.md): alone 48-49 us against 59 us for the four launches in
+// line, but slower in the decode step (132-139 against 127 us per layer: there the separate path hides the
+// shared expert behind the router), so it is an opt-in (ds4.ops.moe_cuda, DS4_MOE_FFN).
 //
 // Phase 1 (gate+up): blocks [0, sh_blocks) take the shared expert's (w1, w3) 16-row tile pairs, sh_ppb each
 //   (FP8, register stream); the other blocks split the routed (w1, w3) tile pairs of the local slots evenly
@@ -87,7 +90,8 @@ __host__ __device__ inline long ffn_region_bytes(const MoEArgs& r, const MoEArgs
 }
 
 struct FfnPlan {
-  int sh_blocks, sh_ppb;  // phase 1: blocks [0, sh_blocks) take sh_ppb shared tile pairs each
+  int sh_blocks, sh_ppb;  // phase 1: blocks [0, sh_blocks) take sh_ppb shared tile pairs each (shared h given:
+                          // 0 blocks, sh_ppb 0, or -1 where the routed pairs do not fit the blocks' tile buffers)
   int tpb;                // phase 2: output tiles per block
   int probe;              // write the phase probe (g_ffn_probe)
 };
@@ -151,7 +155,9 @@ moe_ffn_kernel(const MoEArgs r, const MoEArgs s, const __nv_bfloat16* __restrict
       st.prefetch();
       gate_up_pairs<FMT_FP4T>(st, x, r.dim, xs, part1, np, s_row0, r.inter, r.limit,
                               [&](int pl) { return s_rw[s_slot[pl]]; },
-                              [&](int pl, int row) -> __nv_bfloat16& { return hbuf[(long)s_slot[pl] * r.inter + row]; });
+                              [&](int pl, int row) -> __nv_bfloat16& {
+                                return hbuf[(long)s_slot[pl] * r.inter + row];
+                              });
     }
   }
 
@@ -285,9 +291,11 @@ static long ffn_smem(const MoEArgs& r, const MoEArgs& s, int tpb, const HcFold* 
 // The shapes the kernel takes (see ds4_launch.h: moe_ffn_ok).
 static bool ffn_shape_ok(const MoEArgs& r, const MoEArgs& s) {
   constexpr int RROUND = 4 * FP4T_W * 32, SROUND = 4 * FFN_SW * 16, DROUND = 4 * FFN_SDW * 16;  // (>= FFN_DW's)
-  return r.fmt == FMT_FP4T && s.fmt == FMT_FP8 && r.n_tok == 1 && r.topk >= 1 && r.topk <= 32 && !r.ptrs && !s.ptrs && !r.route_logits && r.dim == s.dim && r.dim % 16 == 0 && r.inter % 16 == 0 &&
+  return r.fmt == FMT_FP4T && s.fmt == FMT_FP8 && r.n_tok == 1 && r.topk >= 1 && r.topk <= 32 && !r.ptrs &&
+         !s.ptrs && !r.route_logits && r.dim == s.dim && r.dim % 16 == 0 && r.inter % 16 == 0 &&
          s.inter % 16 == 0 && r.dim % RROUND == 0 && r.inter % RROUND == 0 && s.dim % SROUND == 0 &&
-         s.inter % DROUND == 0 && (long)r.topk * r.inter + s.inter <= (1L << 16);
+         s.inter % DROUND == 0 &&
+         (long)r.topk * r.inter + s.inter <= (1L << 16);  // staged h offsets within MmaStream's 17-bit field
 }
 
 static bool ffn_plan_ok(const FfnPlan& p, bool sh_given) {
