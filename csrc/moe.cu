@@ -319,13 +319,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   const int ppb = (total + gridDim.x - 1) / gridDim.x;
   const int p0 = blockIdx.x * ppb, np = min(ppb, total - p0);
   if (np <= 0) return;  // block-uniform
-  if (threadIdx.x < 2 * np) {
-    const int pl = threadIdx.x >> 1, which = threadIdx.x & 1, u = (p0 + pl) / RT;
-    const int slot = nth_bit(m, u);
-    expert_base<FMT>(a, s_ids[slot] - a.expert_offset, which, s_tw[threadIdx.x], s_ts[threadIdx.x]);
-    s_row0[threadIdx.x] = (p0 + pl - u * RT) * 16;
-    if (which == 0) s_slot[pl] = slot;
-  }
+  routed_pair_tiles<FMT>(a, m, s_ids, p0, np, RT, s_tw, s_ts, s_row0, s_slot);
   __syncthreads();
   auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], a.inter}; };
   auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),

@@ -68,6 +68,27 @@ __device__ __forceinline__ unsigned moe_local_slots(const MoEArgs& a, const int*
   return __ballot_sync(0xffffffffu, loc);
 }
 
+__device__ __forceinline__ int nth_bit(unsigned m, int n) {
+  for (int i = 0; i < n; ++i) m &= m - 1;
+  return __ffs(m) - 1;  // -1 when m has <= n bits
+}
+
+// The tiles of routed (w1, w3) pairs [p0, p0 + np) (pair p = u * RT + rt: local slot u, the u-th set bit of m,
+// row tile rt of `inter`): local tiles 2 pl (w1) and 2 pl + 1 (w3) into s_tw / s_ts / s_row0, the pair's slot
+// into s_slot. Threads < 2 np write; the caller synchronises.
+template <int FMT>
+__device__ __forceinline__ void routed_pair_tiles(const MoEArgs& a, unsigned m, const int* s_ids, int p0, int np,
+                                                  int RT, const uint8_t** s_tw, const uint8_t** s_ts, int* s_row0,
+                                                  int* s_slot) {
+  if (threadIdx.x < 2 * np) {
+    const int pl = threadIdx.x >> 1, which = threadIdx.x & 1, u = (p0 + pl) / RT;
+    const int slot = nth_bit(m, u);
+    expert_base<FMT>(a, s_ids[slot] - a.expert_offset, which, s_tw[threadIdx.x], s_ts[threadIdx.x]);
+    s_row0[threadIdx.x] = (p0 + pl - u * RT) * 16;
+    if (which == 0) s_slot[pl] = slot;
+  }
+}
+
 // A block's one-token gate+up over np (w1, w3) tile pairs (local tiles 2 pl and 2 pl + 1, first rows row0[2 pl]) on
 // stream st, its first rounds already requested: x staged for FMT, the stream run, then
 // out(pl, row) = swiglu(gate, up) * weight(pl) for the rows < inter. Every thread of the block calls it.
@@ -86,11 +107,6 @@ __device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x
       out(pl, row) = swiglu_h(mma_part_sum(part, 2 * pl, i & 15), mma_part_sum(part, 2 * pl + 1, i & 15), limit,
                               weight(pl));
   }
-}
-
-__device__ __forceinline__ int nth_bit(unsigned m, int n) {
-  for (int i = 0; i < n; ++i) m &= m - 1;
-  return __ffs(m) - 1;  // -1 when m has <= n bits
 }
 
 }  // namespace ds4

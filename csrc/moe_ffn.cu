@@ -140,13 +140,7 @@ moe_ffn_kernel(const MoEArgs r, const MoEArgs s, const __nv_bfloat16* __restrict
     const int RT = (r.inter + 15) / 16, total = __popc(m) * RT, nb = gridDim.x - p.sh_blocks;
     const int ppb = (total + nb - 1) / nb, p0 = (blockIdx.x - p.sh_blocks) * ppb;
     const int np = max(0, min(ppb, total - p0));
-    if (threadIdx.x < 2 * np) {
-      const int pl = threadIdx.x >> 1, which = threadIdx.x & 1, u = (p0 + pl) / RT;
-      const int slot = nth_bit(m, u);
-      expert_base<FMT_FP4T>(r, s_ids[slot] - r.expert_offset, which, s_tw[threadIdx.x], s_ts[threadIdx.x]);
-      s_row0[threadIdx.x] = (p0 + pl - u * RT) * 16;
-      if (which == 0) s_slot[pl] = slot;
-    }
+    routed_pair_tiles<FMT_FP4T>(r, m, s_ids, p0, np, RT, s_tw, s_ts, s_row0, s_slot);
     __syncthreads();
     if (np > 0) {
       auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], r.inter}; };
