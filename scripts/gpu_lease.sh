@@ -39,6 +39,9 @@
 #                  layouts, default replicate, e.g. replicate,tp); alone in a group
 #   fid            ds4_best's fidelity against the reference on 8 layers of V4-Flash, with the hc fold (the default)
 #                  and without it (DS4_HC_FOLD=0): one job each, tables fid_hcf1.md / fid_hcf0.md under $OUT
+#   NAME_alt       bench, kbench or profile on a second build of both extensions with the extra nvcc flags
+#                  $ALT_NVCC_FLAGS (e.g. -DDS4_L2_HINT=0; built in .ext_build_alt beside the default build), outputs
+#                  tagged _alt: a build-time ablation in a second process on the same machine
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group; $SEED_TP2_TIMEOUT s, default 540)
 set -u
 # Each finished stage appends its logs to $OUT/logs.txt (one file: a call brings back at most 8), so a
@@ -59,16 +62,21 @@ PT="python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short"
 NGPU=$(nvidia-smi -L | wc -l); nvidia-smi -L; date -u
 t0=$(date +%s); stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s"; }
 stamp build
+ALT_ENV=(DS4_NVCC_FLAGS="${ALT_NVCC_FLAGS:-}" DS4_EXT_BUILD_DIR="$PWD/.ext_build_alt" DS4_ATTN_EXT_BUILD_DIR="$PWD/.ext_build_alt/attn")
+[ -n "${ALT_NVCC_FLAGS:-}" ] && { env "${ALT_ENV[@]}" python3 scripts/build_ext.py -q > "$L/build_alt.log" 2>&1
+  echo "alt build ($ALT_NVCC_FLAGS) rc=$?" >> "$L/build_alt.log"; } &
 python3 scripts/build_ext.py -q > "$L/build.log" 2>&1; echo "build rc=$?"; tail -n 2 "$L/build.log"
+wait; [ -f "$L/build_alt.log" ] && tail -n 2 "$L/build_alt.log"
 
-stage() {  # stage name, GPU index
-  local g=$2
+stage() {  # stage name, GPU index[, output tag]
+  local g=$2 X=${3:-}
   case $1 in
+    *_alt) ( export "${ALT_ENV[@]}"; stage "${1%_alt}" "$g" _alt ) ;;
     kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
                     tests/test_decode_glue_gpu.py tests/test_hc_fold_gpu.py tests/test_moe_ffn_gpu.py \
                     > "$L/kernel_tests.log" 2>&1 ;;
-    kbench) CUDA_VISIBLE_DEVICES=$g timeout 300 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels.json" --mma "${MMA_SHAPES:-w2d8}" \
-        ${KBENCH_ARGS:-} > "$L/kbench.log" 2>&1 ;;
+    kbench) CUDA_VISIBLE_DEVICES=$g timeout 300 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels$X.json" --mma "${MMA_SHAPES:-w2d8}" \
+        ${KBENCH_ARGS:-} > "$L/kbench$X.log" 2>&1 ;;
     ncu)
       local so; so=$(ls .ext_build/*/ds4_ext*.so .ext_build/*.so 2>/dev/null | head -n 1)
       [ -n "$so" ] && cuobjdump --dump-sass "$so" 2>&1 | gzip > "$OUT/sass_moe_gemv.txt.gz"
@@ -103,13 +111,14 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
     tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_allreduce_gpu.py tests/test_gpu_e2e.py \
         -k "${TP2_K:-tp2 or all_reduce}" > "$L/tp2_tests.log" 2>&1 ;;
     bench) CUDA_VISIBLE_DEVICES=$g timeout 320 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
-        --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu.json" > "$L/bench_1gpu.log" 2>&1 ;;
+        --variants "$BENCH_VARIANTS" --out "$OUT/bench_1gpu$X.json" > "$L/bench_1gpu$X.log" 2>&1 ;;
     profile|profile0)  # profile0: the same without PDL (each kernel's own time; the strict critical path)
       local ovl=1 pdl=${PROFILE_PDL:-1} tag=""; [ "${PROFILE_INLINE:-0}" = 1 ] && ovl=0
       [ "$1" = profile0 ] && { pdl=0; tag=_nopdl; }
+      tag=$tag$X
       DS4_PDL=$pdl DS4_COMPRESS_OVERLAP=$ovl DS4_ATTN_OVERLAP=$ovl DS4_SHARED_OVERLAP=$ovl \
         CUDA_VISIBLE_DEVICES=$g timeout 90 python3 scripts/profile_step.py --layers 8 --variant "${PROFILE_VARIANT:-kernels+fused}" --timeline \
-        --long-context 65536 --out "$OUT/profile_step$tag.json" > "$L/$1.log" 2>&1 ;;
+        --long-context 65536 --out "$OUT/profile_step$tag.json" > "$L/$1$X.log" 2>&1 ;;
     profile_tp2)
       CUDA_VISIBLE_DEVICES=0,1 timeout 150 torchrun --nproc-per-node 2 scripts/profile_step.py --layers 8 \
         --variant "${PROFILE_TP2_VARIANT:-kernels+fused+ll+shtp+cap8192}" --timeline --out "$OUT/profile_step_tp2.json" \
@@ -144,6 +153,7 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
 logs_of() {  # the log names a stage writes
   case $1 in
     bench) echo bench_1gpu ;;
+    bench_alt) echo bench_1gpu_alt ;;
     tp2|tp4) echo "bench_$1" ;;
     seed) echo "seed_1gpu compare_1gpu" ;;
     seed_tp2) echo "seed_tp2 compare_tp2" ;;
@@ -174,11 +184,11 @@ done
 [ -f "$L/ncu.log" ] && { echo "--- ncu"; head -n 120 "$L/ncu.log"; }
 [ -f "$L/ncu_step.log" ] && { echo "--- ncu_step"; head -n 60 "$L/ncu_step.log"; }
 [ -f "$L/probe.log" ] && { echo "--- probe"; grep -v -i warn "$L/probe.log"; }
-[ -f "$L/kbench.log" ] && { echo "--- kbench"; sed -n '/^kernel /,$p' "$L/kbench.log"; }
-for f in bench_1gpu bench_tp2 bench_tp4; do
+for f in kbench kbench_alt; do [ -f "$L/$f.log" ] && { echo "--- $f"; sed -n '/^kernel /,$p' "$L/$f.log"; }; done
+for f in bench_1gpu bench_1gpu_alt bench_tp2 bench_tp4; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -v '^{' "$L/$f.log" | grep -v "^\s*$" | tail -n 12; }
 done
-for f in profile profile0 profile_tp2; do  # the critical path's table, then the per-kernel table (the path itself: logs.txt)
+for f in profile profile0 profile_alt profile0_alt profile_tp2; do  # the critical path's table, then the per-kernel table (the path itself: logs.txt)
   [ -f "$L/$f.log" ] && { echo "--- $f"; sed -n '/^timeline of one replay/,/^the critical path in order/p' "$L/$f.log" | head -n 30
     sed -n '/^NVIDIA .*n_layers=/,$p' "$L/$f.log" | grep -v "^\s*$" | head -n 26; }
 done

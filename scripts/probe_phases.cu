@@ -191,7 +191,7 @@ static void probe_sparse(int pos) {
   const size_t smem = ds4_attn::sparse_smem(D);
   CK(cudaFuncSetAttribute(ds4_attn::sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   auto chunk = [&](int) {
-    ds4_attn::sparse_chunk_kernel<<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml);
+    ds4_attn::sparse_chunk_kernel<<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml, nullptr);
   };
   char name[64];
   std::snprintf(name, sizeof name, "sparse_chunk pos %d (%d splits)", pos, nsplit);

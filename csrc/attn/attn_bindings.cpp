@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -451,6 +452,9 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& win, const at::T
     a.q_prep = true;
     a.qnorm_eps = (float)*q_norm_eps;
   }
+  // opt-in, read per call: the combine in the chunk kernel's last blocks (one launch, bit-identical)
+  const char* fuse = std::getenv("DS4_SPARSE_FUSE");
+  a.fuse_combine = fuse != nullptr && fuse[0] == '1';
   c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({B, H, D}, q.options());
   if (B == 0) return out;

@@ -73,8 +73,13 @@ struct SparseArgs {
   // as it loads them (no separate head_rope launch).
   bool q_prep = false;
   float qnorm_eps = 0.f;
+  // Decode mode: the combine done by the last chunk block of each (head tile, row) to finish (an arrival
+  // counter in device memory, reset by that block) instead of a second launch; applies when
+  // sparse_fused_combine_ok(a, nsplit) (else the two launches run).
+  bool fuse_combine = false;
 };
 int sparse_keys_per_block();
+bool sparse_fused_combine_ok(const SparseArgs& a, int nsplit);
 // workspace: opart fp32 [B*S, nsplit, H, D], ml fp32 [B*S, nsplit, H, 2]; out bf16 [B, S, H, D].
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st);
 

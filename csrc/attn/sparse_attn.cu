@@ -12,6 +12,9 @@
 //     block life: 3.4 loads, 3.9 S, 6.3 P.V).
 //   sparse_combine_kernel: per (row, head): M = max(sink, max_c), L = exp(sink - M) + sum_c l_c
 //     exp(m_c - M), o = sum_c exp(m_c - M) O_c / L  -> bf16. The sink enters only the denominator.
+//     Decode mode, SparseArgs.fuse_combine (DS4_SPARSE_FUSE=1, opt-in): no second launch; the last chunk
+//     block of each (head tile, row) to finish does its 16 heads' combine (the same helpers, the same
+//     order: bit-identical output), found by an arrival counter in device memory that it resets.
 //   Decode mode (SparseArgs.pos): key validity from the row's position (window ring, visible compressed
 //   entries), selected entries gathered by index straight from the compressed cache, and the output's
 //   RoPE dims de-rotated in the combine - no mask, gather or de-rotation ops around the kernel.
@@ -28,12 +31,109 @@ constexpr int SP_MAX_ROPE = 512;  // RoPE dims the q_prep table holds
 
 int sparse_keys_per_block() { return SP_KC; }
 
+// ---- the combine of one (row r, head h), shared by sparse_combine_kernel and the fused tail. opart / ml
+// are read through L2 (__ldcg): in the fused tail other blocks of the same launch wrote them.
+// M = max(sink, max_c m_c) and 1 / L, L = exp(sink - M) + sum_c l_c exp(m_c - M) in split order.
+__device__ __forceinline__ void combine_head(const float* ml, float sk, int nsplit, int H, int r, int h, float& M,
+                                             float& inv) {
+  M = sk;
+  for (int c = 0; c < nsplit; ++c) M = fmaxf(M, __ldcg(ml + (((long)r * nsplit + c) * H + h) * 2));
+  float L = expf(sk - M);
+  for (int c = 0; c < nsplit; ++c) {
+    const float m = __ldcg(ml + (((long)r * nsplit + c) * H + h) * 2);
+    if (m != -INFINITY) L += __ldcg(ml + (((long)r * nsplit + c) * H + h) * 2 + 1) * expf(m - M);
+  }
+  inv = 1.f / L;
+}
+
+// Output dims d .. d + 3 of (r, h): sum_c exp(m_c - M) O_c in split order, times inv, rounded to bf16,
+// the last R dims de-rotated at pos[r] (spec §5.8: the bf16 output rotated by -angle).
+__device__ __forceinline__ void combine_store4(const float* opart, const float* ml, int nsplit, int H, int D, int r,
+                                               int h, int d, float M, float inv, const int64_t* pos,
+                                               const float* freqs, int R, __nv_bfloat16* out) {
+  constexpr int CU = 4;  // splits whose partial outputs are loaded together (one L2 round trip, not CU)
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int c0 = 0; c0 < nsplit; c0 += CU) {
+    float4 v[CU];
+    float w[CU];
+    bool ok[CU];
+#pragma unroll
+    for (int u = 0; u < CU; ++u) {  // splits with no valid key (max -inf) wrote no output: never read
+      const long base = ((long)r * nsplit + c0 + u) * H + h;
+      const float m = c0 + u < nsplit ? __ldcg(ml + base * 2) : -INFINITY;
+      ok[u] = m != -INFINITY;
+      w[u] = 0.f;
+      v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (ok[u]) {
+        w[u] = expf(m - M);
+        v[u] = __ldcg(reinterpret_cast<const float4*>(opart + base * D + d));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < CU; ++u) {  // in split order, as one split at a time
+      if (!ok[u]) continue;
+      acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
+    }
+  }
+  float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
+  if (R > 0 && d >= D - R) {
+    const float fpos = (float)pos[r];
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {
+      float sn, cs;
+      sincosf(fpos * freqs[(d + k - (D - R)) / 2], &sn, &cs);
+      const float x0 = o4[k], x1 = o4[k + 1];
+      o4[k] = x0 * cs + x1 * sn;
+      o4[k + 1] = x1 * cs - x0 * sn;
+    }
+  }
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((long)r * H + h) * D + d);
+  o[0] = __floats2bfloat162_rn(o4[0], o4[1]);
+  o[1] = __floats2bfloat162_rn(o4[2], o4[3]);
+}
+
+// The fused combine's arrival counters, one per (head tile, row) of a launch: zero between launches (the
+// last block resets its own). One decode attention runs at a time per device.
+constexpr int SP_MAX_ARRIVE = 1024;
+__device__ unsigned g_sp_arrive[SP_MAX_ARRIVE];
+
+bool sparse_fused_combine_ok(const SparseArgs& a, int nsplit) {
+  return a.pos != nullptr && a.S == 1 && nsplit >= 1 && (long)((a.H + 15) / 16) * a.B <= SP_MAX_ARRIVE;
+}
+
+// End of a chunk block in the fused form: arrive; the last of its (head tile, row) combines the tile's heads.
+__device__ __forceinline__ void sparse_arrive_combine(const SparseArgs& a, int nsplit, const float* opart,
+                                                      const float* ml, __nv_bfloat16* out) {
+  __shared__ int s_last;
+  __shared__ float s_mi[32];
+  const int mt = blockIdx.y, r = blockIdx.z;
+  unsigned* cnt = g_sp_arrive + (long)r * gridDim.y + mt;
+  __threadfence();  // this block's opart / ml before its arrival
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(cnt, 1u) == (unsigned)(nsplit - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (threadIdx.x < 16 && mt * 16 + (int)threadIdx.x < a.H)
+    combine_head(ml, a.sink[mt * 16 + threadIdx.x], nsplit, a.H, r, mt * 16 + threadIdx.x, s_mi[2 * threadIdx.x],
+                 s_mi[2 * threadIdx.x + 1]);
+  __syncthreads();
+  const int per = a.D / 4;
+  for (int i = threadIdx.x; i < 16 * per; i += blockDim.x) {
+    const int hh = i / per, h = mt * 16 + hh;
+    if (h < a.H)
+      combine_store4(opart, ml, nsplit, a.H, a.D, r, h, (i - hh * per) * 4, s_mi[2 * hh], s_mi[2 * hh + 1], a.pos,
+                     a.freqs, a.R, out);
+  }
+  if (threadIdx.x == 0) *cnt = 0u;
+}
+
 static size_t sparse_smem(int D) {  // keys [KC][D + 8] + q [16][D + 8] bf16, S partials [warps][32 lanes][16] fp32
   return (size_t)(SP_KC + 16) * (D + 8) * sizeof(uint16_t) + (size_t)SP_WARPS * 32 * 16 * sizeof(float);
 }
 
 __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
-                                                                  float* __restrict__ ml) {
+                                                                  float* __restrict__ ml, __nv_bfloat16* out) {
   DS4_MARK(0);
   ds4_pdl::begin();
   extern __shared__ __align__(16) uint16_t ks[];   // [SP_KC][D + 8] keys (= values), [16][D + 8] q, S partials
@@ -148,6 +248,7 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
       ml[(mlbase + mt * 16 + threadIdx.x) * 2 + 0] = -INFINITY;
       ml[(mlbase + mt * 16 + threadIdx.x) * 2 + 1] = 0.f;
     }
+    if (a.fuse_combine) sparse_arrive_combine(a, nsplit, opart, ml, out);
     return;
   }
 
@@ -258,6 +359,7 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
     }
   }
   DS4_MARK(3);
+  if (a.fuse_combine) sparse_arrive_combine(a, nsplit, opart, ml, out);
 }
 
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
@@ -266,56 +368,10 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
                                       __nv_bfloat16* __restrict__ out) {
   ds4_pdl::begin();
   const int h = blockIdx.x, r = blockIdx.y;
-  const float sk = sink[h];
-  float M = sk;
-  for (int c = 0; c < nsplit; ++c) M = fmaxf(M, ml[(((long)r * nsplit + c) * H + h) * 2]);
-  float L = expf(sk - M);
-  for (int c = 0; c < nsplit; ++c) {
-    const float m = ml[(((long)r * nsplit + c) * H + h) * 2];
-    if (m != -INFINITY) L += ml[(((long)r * nsplit + c) * H + h) * 2 + 1] * expf(m - M);
-  }
-  const float inv = 1.f / L;
-  constexpr int CU = 4;  // splits whose partial outputs are loaded together (one L2 round trip, not CU)
-  for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int c0 = 0; c0 < nsplit; c0 += CU) {
-      float4 v[CU];
-      float w[CU];
-      bool ok[CU];
-#pragma unroll
-      for (int u = 0; u < CU; ++u) {  // splits with no valid key (max -inf) wrote no output: never read
-        const long base = ((long)r * nsplit + c0 + u) * H + h;
-        const float m = c0 + u < nsplit ? ml[base * 2] : -INFINITY;
-        ok[u] = m != -INFINITY;
-        w[u] = 0.f;
-        v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (ok[u]) {
-          w[u] = expf(m - M);
-          v[u] = *reinterpret_cast<const float4*>(opart + base * D + d);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < CU; ++u) {  // in split order, as one split at a time
-        if (!ok[u]) continue;
-        acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
-      }
-    }
-    float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
-    if (R > 0 && d >= D - R) {  // output de-rotation (spec §5.8): the bf16 output rotated by -angle
-      const float fpos = (float)pos[r];
-#pragma unroll
-      for (int k = 0; k < 4; k += 2) {
-        float sn, cs;
-        sincosf(fpos * freqs[(d + k - (D - R)) / 2], &sn, &cs);
-        const float x0 = o4[k], x1 = o4[k + 1];
-        o4[k] = x0 * cs + x1 * sn;
-        o4[k + 1] = x1 * cs - x0 * sn;
-      }
-    }
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((long)r * H + h) * D + d);
-    o[0] = __floats2bfloat162_rn(o4[0], o4[1]);
-    o[1] = __floats2bfloat162_rn(o4[2], o4[3]);
-  }
+  float M, inv;
+  combine_head(ml, sink[h], nsplit, H, r, h, M, inv);
+  for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4)
+    combine_store4(opart, ml, nsplit, H, D, r, h, d, M, inv, pos, freqs, R, out);
 }
 
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st) {
@@ -332,9 +388,11 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
     cudaError_t e = cudaFuncSetAttribute(sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
+  SparseArgs b = a;
+  b.fuse_combine = a.fuse_combine && sparse_fused_combine_ok(a, nsplit);
   cudaError_t e = ds4_pdl::launch(sparse_chunk_kernel, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS),
-                                  smem, st, a, nsplit, opart, ml);
-  if (e != cudaSuccess) return e;
+                                  smem, st, b, nsplit, opart, ml, static_cast<__nv_bfloat16*>(out));
+  if (e != cudaSuccess || b.fuse_combine) return e;
   const int threads = a.D / 4 < 128 ? a.D / 4 : 128;
   return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), 0, st,
                          static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
