@@ -59,33 +59,11 @@ __device__ __forceinline__ float e8m0_to_f32(uint32_t b) {
   return __uint_as_float(b ? (b << 23) : 0x00400000u);
 }
 
-// L2 eviction priority of the weight streams (build flag DS4_L2_HINT, default 1; the ablation builds with
-// DS4_NVCC_FLAGS=-DDS4_L2_HINT=0). A decode step streams ~240 MB of weights per layer through the 50 MB
-// L2, each byte read once; at normal priority that stream evicts, between one layer and the next, what
-// the small latency-bound kernels re-read every layer: the KV and compressed caches, positions, the
-// residual streams, the kernels' own code. Marked evict_first (createpolicy, sm_80+), the weight lines
-// are the ones replaced first and the rest stays.
-#ifndef DS4_L2_HINT
-#define DS4_L2_HINT 1
-#endif
-#if DS4_L2_HINT
-__device__ __forceinline__ uint64_t l2_stream_policy() {  // not volatile: one per kernel after CSE
-  uint64_t pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-#endif
-
-// 16-byte streaming load of weights (read once: do not allocate in L1; evict first from L2).
+// 16-byte streaming load of weights (read once: do not allocate in L1).
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   uint4 r;
-#if DS4_L2_HINT
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(l2_stream_policy()));
-#else
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-#endif
   return r;
 }
 

@@ -60,7 +60,7 @@ __device__ __forceinline__ void hc_fold_load_fn(const HcFold& f, const HcFoldSme
   for (int i = threadIdx.x; i < total; i += blockDim.x) {
     const int mj = i / per, c = i - mj * per;
     const int m = mj / f.n, j = mj - m * f.n;
-    cp_async16_stream(s.fn + (long)mj * nt * 16 + c * 4, f.fn + (long)m * f.n * D + (long)j * D + t0 * 16 + c * 4);
+    cp_async16(s.fn + (long)mj * nt * 16 + c * 4, f.fn + (long)m * f.n * D + (long)j * D + t0 * 16 + c * 4);
   }
   cp_async_commit();
 }

@@ -417,18 +417,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
                "l"(src) : "memory");
 #endif
 }
-// cp_async16 for weights (read once): evict first from L2, as ld_stream16 (DS4_L2_HINT).
-__device__ __forceinline__ void cp_async16_stream(void* dst, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#if DS4_L2_HINT
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(
-                   (uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src), "l"(l2_stream_policy()) : "memory");
-#else
-  cp_async16(dst, src);
-#endif
-#endif
-}
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
@@ -480,7 +468,7 @@ struct MmaSmemStream {
     for (int q = threadIdx.x; q < 16 * per_row; q += blockDim.x) {
       const int r = q / per_row, c = q - r * per_row;
       const long row = min(p.row0 + r, p.nrows - 1);
-      cp_async16_stream(b + r * RB + c * 16, p.W + row * rowb + (long)r0 * 64 * W + c * 16);
+      cp_async16(b + r * RB + c * 16, p.W + row * rowb + (long)r0 * 64 * W + c * 16);
     }
     uint8_t* sb = b + 16 * RB;
     if (fmt_fp4(FMT)) {  // per row: the scale bytes of chunks 4 W r0 .. 4 W (r0 + nrs), 4-byte aligned

@@ -12,6 +12,7 @@
 #include "../csrc/attn/indexer.cu"
 #include "../csrc/attn/sparse_attn.cu"
 #include "../csrc/gemv.cu"
+#include "../csrc/moe.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
 
 #include <algorithm>
 #include <cstdio>
@@ -189,9 +190,9 @@ static void probe_sparse(int pos) {
   CK(cudaMalloc(&opart, sizeof(float) * nsplit * H * D));
   CK(cudaMalloc(&ml, sizeof(float) * nsplit * H * 2));
   const size_t smem = ds4_attn::sparse_smem(D);
-  CK(cudaFuncSetAttribute(ds4_attn::sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  CK(cudaFuncSetAttribute(ds4_attn::sparse_chunk_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   auto chunk = [&](int) {
-    ds4_attn::sparse_chunk_kernel<<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml, nullptr);
+    ds4_attn::sparse_chunk_kernel<false><<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml, nullptr);
   };
   char name[64];
   std::snprintf(name, sizeof name, "sparse_chunk pos %d (%d splits)", pos, nsplit);
@@ -616,6 +617,69 @@ static void gemv_shapes() {
   probe_gemv_fp8<R, U>("wo_b 4096x8192", 4096, 8192, 0);
 }
 
+// ---- TLB reach: a decode step reads ~11 GB of weights per token, each layer's from new 2 MB pages (the
+// routed experts from random places in 3.4 GB per layer), where a micro-benchmark re-reads a few hundred
+// MB. Same bytes, same kernel, three placements: does reading from pages far apart cost more?
+// read_chunks_kernel: the grid reads nch chunks of 2^lg bytes at base + offs[c] (16-B loads, U in flight).
+template <int U>
+__global__ void read_chunks_kernel(const char* __restrict__ base, const long* __restrict__ offs, int lg, long n16,
+                                   unsigned* out) {
+  unsigned acc = 0;
+  const long stride = (long)gridDim.x * blockDim.x;
+  const int sh = lg - 4;
+  const long mask = (1L << sh) - 1;
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const long k = i + u * stride;
+      v[u] = k < n16 ? ds4::ld_stream16(base + offs[k >> sh] + ((k & mask) << 4)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (acc == 0x12345678u) out[0] = acc;
+}
+
+static void probe_tlb() {
+  const long region = 48L << 30, per = 80L << 20;  // 48 GB allocation, 80 MB read per launch (~ a layer's routed experts)
+  char* base;
+  CK(cudaMalloc(&base, region));
+  CK(cudaMemset(base, 1, region));
+  unsigned* out;
+  CK(cudaMalloc(&out, 4));
+  std::mt19937_64 r(7);
+  for (int lg : {22, 21, 20}) {  // chunks of 4, 2, 1 MB
+    const long chunk = 1L << lg;
+    const int nch = (int)(per / chunk), sets = 64;
+    // placement 0: 8 disjoint sets inside the first 640 MB (a micro-benchmark's rotating copies);
+    // 1: each launch the next 80 MB of the 48 GB (a dense weight walk); 2: random chunks of the 48 GB (experts)
+    for (int place = 0; place < 3; ++place) {
+      std::vector<long> h((size_t)sets * nch);
+      for (int s = 0; s < sets; ++s)
+        for (int c = 0; c < nch; ++c) {
+          long off;
+          if (place == 0) off = (long)(s % 8) * per + (long)c * chunk;
+          else if (place == 1) off = ((long)s * per + (long)c * chunk) % region;
+          else off = (long)(r() % (unsigned long)(region / chunk)) * chunk;
+          h[(size_t)s * nch + c] = off;
+        }
+      long* d;
+      CK(cudaMalloc(&d, h.size() * sizeof(long)));
+      CK(cudaMemcpy(d, h.data(), h.size() * sizeof(long), cudaMemcpyHostToDevice));
+      const long n16 = per / 16;
+      const float us = time_us([&](int i) {
+        read_chunks_kernel<4><<<132 * 8, 256>>>(base, d + (size_t)(i % sets) * nch, lg, n16, out);
+      }, 60);
+      static const char* names[3] = {"640 MB, rotating sets", "48 GB, sequential walk", "48 GB, random chunks"};
+      std::printf("tlb %4ld KB chunks, %-24s %7.2f us %6.0f GB/s\n", chunk >> 10, names[place], us, per / us / 1e3);
+      cudaFree(d);
+    }
+  }
+  cudaFree(base);
+  cudaFree(out);
+}
+
 int main(int argc, char** argv) {
   cudaDeviceProp p;
   CK(cudaGetDeviceProperties(&p, 0));
@@ -642,6 +706,10 @@ int main(int argc, char** argv) {
         for (bool rope : {false, true}) probe_indexer(pos, T, rope);
     probe_sparse(63);
     probe_sparse(8191);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "tlb") {  // the same bytes read from near or far pages
+    probe_tlb();
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "hc") {  // the mHC kernels only

@@ -46,8 +46,28 @@ __device__ __forceinline__ void combine_head(const float* ml, float sk, int nspl
   inv = 1.f / L;
 }
 
-// Output dims d .. d + 3 of (r, h): sum_c exp(m_c - M) O_c in split order, times inv, rounded to bf16,
-// the last R dims de-rotated at pos[r] (spec §5.8: the bf16 output rotated by -angle).
+// Output dims d .. d + 3 of (r, h) from their fp32 sum acc: times inv, rounded to bf16, the last R dims
+// de-rotated at pos[r] (spec §5.8: the bf16 output rotated by -angle), stored.
+__device__ __forceinline__ void combine_finish4(float4 acc, float inv, int H, int D, int r, int h, int d,
+                                                const int64_t* pos, const float* freqs, int R, __nv_bfloat16* out) {
+  float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
+  if (R > 0 && d >= D - R) {
+    const float fpos = (float)pos[r];
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {
+      float sn, cs;
+      sincosf(fpos * freqs[(d + k - (D - R)) / 2], &sn, &cs);
+      const float x0 = o4[k], x1 = o4[k + 1];
+      o4[k] = x0 * cs + x1 * sn;
+      o4[k + 1] = x1 * cs - x0 * sn;
+    }
+  }
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((long)r * H + h) * D + d);
+  o[0] = __floats2bfloat162_rn(o4[0], o4[1]);
+  o[1] = __floats2bfloat162_rn(o4[2], o4[3]);
+}
+
+// Output dims d .. d + 3 of (r, h): sum_c exp(m_c - M) O_c in split order, then combine_finish4.
 __device__ __forceinline__ void combine_store4(const float* opart, const float* ml, int nsplit, int H, int D, int r,
                                                int h, int d, float M, float inv, const int64_t* pos,
                                                const float* freqs, int R, __nv_bfloat16* out) {
@@ -75,38 +95,34 @@ __device__ __forceinline__ void combine_store4(const float* opart, const float* 
       acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
     }
   }
-  float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
-  if (R > 0 && d >= D - R) {
-    const float fpos = (float)pos[r];
-#pragma unroll
-    for (int k = 0; k < 4; k += 2) {
-      float sn, cs;
-      sincosf(fpos * freqs[(d + k - (D - R)) / 2], &sn, &cs);
-      const float x0 = o4[k], x1 = o4[k + 1];
-      o4[k] = x0 * cs + x1 * sn;
-      o4[k + 1] = x1 * cs - x0 * sn;
-    }
-  }
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((long)r * H + h) * D + d);
-  o[0] = __floats2bfloat162_rn(o4[0], o4[1]);
-  o[1] = __floats2bfloat162_rn(o4[2], o4[3]);
+  combine_finish4(acc, inv, H, D, r, h, d, pos, freqs, R, out);
 }
 
 // The fused combine's arrival counters, one per (head tile, row) of a launch: zero between launches (the
 // last block resets its own). One decode attention runs at a time per device.
 constexpr int SP_MAX_ARRIVE = 1024;
+constexpr int SP_TAIL_ITEMS = 8;  // float4 outputs per thread held at once in the fused tail (16 x 512 / 256)
 __device__ unsigned g_sp_arrive[SP_MAX_ARRIVE];
 
-bool sparse_fused_combine_ok(const SparseArgs& a, int nsplit) {
-  return a.pos != nullptr && a.S == 1 && nsplit >= 1 && (long)((a.H + 15) / 16) * a.B <= SP_MAX_ARRIVE;
+static size_t sparse_smem(int D) {  // keys [KC][D + 8] + q [16][D + 8] bf16, S partials [warps][32 lanes][16] fp32
+  return (size_t)(SP_KC + 16) * (D + 8) * sizeof(uint16_t) + (size_t)SP_WARPS * 32 * 16 * sizeof(float);
 }
 
-// End of a chunk block in the fused form: arrive; the last of its (head tile, row) combines the tile's heads.
+bool sparse_fused_combine_ok(const SparseArgs& a, int nsplit) {
+  // the tail keeps (m, l) of every (split, head) of its tile in the chunk's shared memory
+  return a.pos != nullptr && a.S == 1 && nsplit >= 1 && (long)((a.H + 15) / 16) * a.B <= SP_MAX_ARRIVE &&
+         (size_t)nsplit * 16 * 2 * sizeof(float) <= sparse_smem(a.D);
+}
+
+// End of a chunk block in the fused form: arrive; the last of its (head tile, row) combines the tile's heads
+// with the combine kernel's arithmetic (combine_head's M and 1 / L, the weighted sum in split order), its loads
+// spread for latency: every (split, head)'s (m, l) at once into shared memory (sm, free by now), then per
+// valid split the partial outputs of a thread's SP_TAIL_ITEMS float4s together.
 __device__ __forceinline__ void sparse_arrive_combine(const SparseArgs& a, int nsplit, const float* opart,
-                                                      const float* ml, __nv_bfloat16* out) {
+                                                      const float* ml, __nv_bfloat16* out, float* sm) {
   __shared__ int s_last;
   __shared__ float s_mi[32];
-  const int mt = blockIdx.y, r = blockIdx.z;
+  const int mt = blockIdx.y, r = blockIdx.z, H = a.H, D = a.D;
   unsigned* cnt = g_sp_arrive + (long)r * gridDim.y + mt;
   __threadfence();  // this block's opart / ml before its arrival
   __syncthreads();
@@ -114,24 +130,66 @@ __device__ __forceinline__ void sparse_arrive_combine(const SparseArgs& a, int n
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  if (threadIdx.x < 16 && mt * 16 + (int)threadIdx.x < a.H)
-    combine_head(ml, a.sink[mt * 16 + threadIdx.x], nsplit, a.H, r, mt * 16 + threadIdx.x, s_mi[2 * threadIdx.x],
-                 s_mi[2 * threadIdx.x + 1]);
+  float* sl = sm + nsplit * 16;  // m [nsplit][16], l [nsplit][16]
+  for (int i = threadIdx.x; i < nsplit * 16; i += blockDim.x) {
+    const int c = i >> 4, h = mt * 16 + (i & 15);
+    const long base = ((long)r * nsplit + c) * H + h;
+    sm[i] = h < H ? __ldcg(ml + base * 2) : -INFINITY;
+    sl[i] = h < H ? __ldcg(ml + base * 2 + 1) : 0.f;
+  }
   __syncthreads();
-  const int per = a.D / 4;
-  for (int i = threadIdx.x; i < 16 * per; i += blockDim.x) {
-    const int hh = i / per, h = mt * 16 + hh;
-    if (h < a.H)
-      combine_store4(opart, ml, nsplit, a.H, a.D, r, h, (i - hh * per) * 4, s_mi[2 * hh], s_mi[2 * hh + 1], a.pos,
-                     a.freqs, a.R, out);
+  if (threadIdx.x < 16 && mt * 16 + (int)threadIdx.x < H) {  // combine_head's order, from shared memory
+    const int hh = threadIdx.x;
+    const float sk = a.sink[mt * 16 + hh];
+    float M = sk;
+    for (int c = 0; c < nsplit; ++c) M = fmaxf(M, sm[c * 16 + hh]);
+    float L = expf(sk - M);
+    for (int c = 0; c < nsplit; ++c)
+      if (sm[c * 16 + hh] != -INFINITY) L += sl[c * 16 + hh] * expf(sm[c * 16 + hh] - M);
+    s_mi[2 * hh] = M;
+    s_mi[2 * hh + 1] = 1.f / L;
+  }
+  __syncthreads();
+  const int per = D / 4, items = 16 * per;
+  for (int i0 = 0; i0 < items; i0 += SP_TAIL_ITEMS * blockDim.x) {
+    float4 acc[SP_TAIL_ITEMS];
+#pragma unroll
+    for (int k = 0; k < SP_TAIL_ITEMS; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c = 0; c < nsplit; ++c) {
+      float4 v[SP_TAIL_ITEMS];
+      float w[SP_TAIL_ITEMS];
+      bool ok[SP_TAIL_ITEMS];
+#pragma unroll
+      for (int k = 0; k < SP_TAIL_ITEMS; ++k) {  // a split with no valid key wrote no output: never read
+        const int i = i0 + threadIdx.x + k * blockDim.x, hh = i / per;
+        ok[k] = i < items && mt * 16 + hh < H && sm[c * 16 + hh] != -INFINITY;
+        w[k] = 0.f;
+        v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (ok[k]) {
+          w[k] = expf(sm[c * 16 + hh] - s_mi[2 * hh]);
+          v[k] = __ldcg(reinterpret_cast<const float4*>(opart + (((long)r * nsplit + c) * H + mt * 16 + hh) * D +
+                                                         (i - hh * per) * 4));
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < SP_TAIL_ITEMS; ++k)
+        if (ok[k]) {
+          acc[k].x += w[k] * v[k].x; acc[k].y += w[k] * v[k].y; acc[k].z += w[k] * v[k].z; acc[k].w += w[k] * v[k].w;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < SP_TAIL_ITEMS; ++k) {
+      const int i = i0 + threadIdx.x + k * blockDim.x, hh = i / per;
+      if (i < items && mt * 16 + hh < H)
+        combine_finish4(acc[k], s_mi[2 * hh + 1], H, D, r, mt * 16 + hh, (i - hh * per) * 4, a.pos, a.freqs, a.R,
+                        out);
+    }
   }
   if (threadIdx.x == 0) *cnt = 0u;
 }
 
-static size_t sparse_smem(int D) {  // keys [KC][D + 8] + q [16][D + 8] bf16, S partials [warps][32 lanes][16] fp32
-  return (size_t)(SP_KC + 16) * (D + 8) * sizeof(uint16_t) + (size_t)SP_WARPS * 32 * 16 * sizeof(float);
-}
-
+// FUSE: SparseArgs.fuse_combine (its own instantiation: the tail's registers stay out of the plain kernel).
+template <bool FUSE>
 __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
                                                                   float* __restrict__ ml, __nv_bfloat16* out) {
   DS4_MARK(0);
@@ -248,7 +306,7 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
       ml[(mlbase + mt * 16 + threadIdx.x) * 2 + 0] = -INFINITY;
       ml[(mlbase + mt * 16 + threadIdx.x) * 2 + 1] = 0.f;
     }
-    if (a.fuse_combine) sparse_arrive_combine(a, nsplit, opart, ml, out);
+    if constexpr (FUSE) sparse_arrive_combine(a, nsplit, opart, ml, out, reinterpret_cast<float*>(ks));
     return;
   }
 
@@ -359,7 +417,7 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
     }
   }
   DS4_MARK(3);
-  if (a.fuse_combine) sparse_arrive_combine(a, nsplit, opart, ml, out);
+  if constexpr (FUSE) sparse_arrive_combine(a, nsplit, opart, ml, out, reinterpret_cast<float*>(ks));
 }
 
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
@@ -384,15 +442,15 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   if (a.q_prep && (a.pos == nullptr || a.R > SP_MAX_ROPE)) return cudaErrorInvalidValue;
   const size_t smem = sparse_smem(a.D);
   if (smem > 200 * 1024) return cudaErrorInvalidValue;
+  const bool fuse = a.fuse_combine && sparse_fused_combine_ok(a, nsplit);
+  auto* kernel = fuse ? sparse_chunk_kernel<true> : sparse_chunk_kernel<false>;
   if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  SparseArgs b = a;
-  b.fuse_combine = a.fuse_combine && sparse_fused_combine_ok(a, nsplit);
-  cudaError_t e = ds4_pdl::launch(sparse_chunk_kernel, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS),
-                                  smem, st, b, nsplit, opart, ml, static_cast<__nv_bfloat16*>(out));
-  if (e != cudaSuccess || b.fuse_combine) return e;
+  cudaError_t e = ds4_pdl::launch(kernel, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS), smem, st, a,
+                                  nsplit, opart, ml, static_cast<__nv_bfloat16*>(out));
+  if (e != cudaSuccess || fuse) return e;
   const int threads = a.D / 4 < 128 ? a.D / 4 : 128;
   return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), 0, st,
                          static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
