@@ -152,12 +152,14 @@ def test_decode_attention(kind, pos, prep, fuse, monkeypatch):
     assert torch.isfinite(got).all() and rel(got, ref) <= TOL
 
 
+@pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("H", [64, 40])
 @pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
-def test_decode_attention_fused_combine_is_bit_identical(kind, H, monkeypatch):
+def test_decode_attention_fused_combine_is_bit_identical(kind, H, late, monkeypatch):
     """The fused combine gives the two launches' bits: again and again (each (head tile, row)'s arrival
     counter is reset by its last block), with a partial head tile (H = 40), and replayed in a CUDA graph
-    with new q and positions."""
+    with new q and positions; late: the last launch triggers the next one only as it exits (DS4_PDL_LATE)."""
+    monkeypatch.setenv("DS4_PDL_LATE", "attn" if late else "")
     g = gen(31 + H + len(kind))
     args = list(decode_attention_inputs(kind, (3, 700, 9000), True, g, H))
     monkeypatch.setenv("DS4_SPARSE_FUSE", "0")

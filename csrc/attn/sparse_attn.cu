@@ -193,7 +193,8 @@ template <bool FUSE>
 __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
                                                                   float* __restrict__ ml, __nv_bfloat16* out) {
   DS4_MARK(0);
-  ds4_pdl::begin();
+  ds4_pdl::wait();
+  if (!(FUSE && a.late_trigger)) ds4_pdl::launch_dependents();
   extern __shared__ __align__(16) uint16_t ks[];   // [SP_KC][D + 8] keys (= values), [16][D + 8] q, S partials
   __shared__ uint8_t kval[SP_KC];
   const int split = blockIdx.x, mt = blockIdx.y, r = blockIdx.z;
@@ -423,8 +424,9 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                       const float* __restrict__ sink, int nsplit, int H, int D,
                                       const int64_t* __restrict__ pos, const float* __restrict__ freqs, int R,
-                                      __nv_bfloat16* __restrict__ out) {
-  ds4_pdl::begin();
+                                      __nv_bfloat16* __restrict__ out, bool late_trigger) {
+  ds4_pdl::wait();
+  if (!late_trigger) ds4_pdl::launch_dependents();
   const int h = blockIdx.x, r = blockIdx.y;
   float M, inv;
   combine_head(ml, sink[h], nsplit, H, r, h, M, inv);
@@ -454,7 +456,7 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   const int threads = a.D / 4 < 128 ? a.D / 4 : 128;
   return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), 0, st,
                          static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
-                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out));
+                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out), a.late_trigger);
 }
 
 }  // namespace ds4_attn
