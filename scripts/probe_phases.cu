@@ -190,9 +190,9 @@ static void probe_sparse(int pos) {
   CK(cudaMalloc(&opart, sizeof(float) * nsplit * H * D));
   CK(cudaMalloc(&ml, sizeof(float) * nsplit * H * 2));
   const size_t smem = ds4_attn::sparse_smem(D);
-  CK(cudaFuncSetAttribute(ds4_attn::sparse_chunk_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  CK(cudaFuncSetAttribute(ds4_attn::sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   auto chunk = [&](int) {
-    ds4_attn::sparse_chunk_kernel<false><<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml, nullptr);
+    ds4_attn::sparse_chunk_kernel<<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml);
   };
   char name[64];
   std::snprintf(name, sizeof name, "sparse_chunk pos %d (%d splits)", pos, nsplit);
@@ -200,11 +200,13 @@ static void probe_sparse(int pos) {
   __nv_bfloat16* out;
   CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * H * D));
   auto freqs = dev_random<float>(32, 0.f, 1.f);
-  auto combine = [&](int) {  // after the chunk kernel above: its ml / opart are the inputs
-    ds4_attn::sparse_combine_kernel<<<dim3(H, 1), D / 4 < 128 ? D / 4 : 128>>>(opart, ml, sink, nsplit, H, D, dpos,
-                                                                               freqs, 64, out, false);
-  };
-  std::printf("sparse_combine pos %d: %.2f us\n", pos, time_us(combine));
+  for (bool fast : {true, false}) {  // all splits' values in registers at once, or the loop (DS4_SPARSE_COMBINE=loop)
+    auto combine = [&](int) {  // after the chunk kernel above: its ml / opart are the inputs
+      ds4_attn::sparse_combine_kernel<<<dim3(H, 1), D / 4 < 128 ? D / 4 : 128>>>(opart, ml, sink, nsplit, H, D, dpos,
+                                                                                 freqs, 64, out, fast);
+    };
+    std::printf("sparse_combine pos %d (%s): %.2f us\n", pos, fast ? "registers" : "loop", time_us(combine));
+  }
 }
 
 // ---- indexer scores at decode: 64 heads x 128, T compressed entries allocated (the cache capacity / 4),

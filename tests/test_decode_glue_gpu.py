@@ -116,13 +116,16 @@ def test_compress_step_over_many_boundaries(m, w, overlap, quant):
 
 # ---------------------------------------------------------------------------------------- attention
 # prep: q is the raw wq_b output and the chunk kernel applies head_rope (per-head RMS + RoPE) to it
-def decode_attention_inputs(kind: str, pos, prep: bool, g, H: int = 64):
-    """Arguments of attn.decode for one layer kind: q [B, H, 512], the window ring, positions, the
-    compressed entries (and the CSA's selected ids), ratio, sink, scale, RoPE freqs, q-norm eps."""
-    B, D, W = len(pos), 512, 128
+@pytest.mark.parametrize("prep", [False, True])
+@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
+@pytest.mark.parametrize("pos", [(5,), (130, 4000), (3, 700, 9000, 70000)])
+def test_decode_attention(kind, pos, prep):
+    g = gen(len(pos) + len(kind))
+    B, H, D, W = len(pos), 64, 512, 128
     q = randn(B, H, D, g=g, dtype=BF16)
     win = randn(B, W, D, g=g, dtype=BF16, scale=0.3)
     sink = randn(H, g=g)
+    p = positions(*pos)
     ext = idx = None
     ratio = {"swa": 1, "hca": 128, "csa": 4}[kind]
     if kind == "hca":
@@ -133,54 +136,13 @@ def decode_attention_inputs(kind: str, pos, prep: bool, g, H: int = 64):
         idx = torch.stack([torch.randperm(T, device=DEV, generator=g)[:512] for _ in range(B)])
         idx[:, :8] = torch.arange(8, device=DEV)  # always some visible entries, boundary id 0 included
     f = freqs(4 if kind == "csa" else 128 if kind == "hca" else 0)
+    eps = 1e-6 if prep else None
     if prep:
         q = q * 7  # not unit RMS, so the norm matters
-    return q, win, positions(*pos), ext, idx, ratio, sink, D ** -0.5, f, 1e-6 if prep else None
-
-
-# fuse: the combine in the chunk kernel's last blocks (DS4_SPARSE_FUSE=1) instead of a second launch
-@pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("prep", [False, True])
-@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
-@pytest.mark.parametrize("pos", [(5,), (130, 4000), (3, 700, 9000, 70000)])
-def test_decode_attention(kind, pos, prep, fuse, monkeypatch):
-    monkeypatch.setenv("DS4_SPARSE_FUSE", "1" if fuse else "0")
-    args = decode_attention_inputs(kind, pos, prep, gen(len(pos) + len(kind)))
     poison()
-    got = FUSED.decode(*args)
-    ref = REF.decode(*args)
+    got = FUSED.decode(q, win, p, ext, idx, ratio, sink, D ** -0.5, f, eps)
+    ref = REF.decode(q, win, p, ext, idx, ratio, sink, D ** -0.5, f, eps)
     assert torch.isfinite(got).all() and rel(got, ref) <= TOL
-
-
-@pytest.mark.parametrize("late", [False, True])
-@pytest.mark.parametrize("H", [64, 40])
-@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
-def test_decode_attention_fused_combine_is_bit_identical(kind, H, late, monkeypatch):
-    """The fused combine gives the two launches' bits: again and again (each (head tile, row)'s arrival
-    counter is reset by its last block), with a partial head tile (H = 40), and replayed in a CUDA graph
-    with new q and positions; late: the last launch triggers the next one only as it exits (DS4_PDL_LATE)."""
-    monkeypatch.setenv("DS4_PDL_LATE", "attn" if late else "")
-    g = gen(31 + H + len(kind))
-    args = list(decode_attention_inputs(kind, (3, 700, 9000), True, g, H))
-    monkeypatch.setenv("DS4_SPARSE_FUSE", "0")
-    two = FUSED.decode(*args)
-    monkeypatch.setenv("DS4_SPARSE_FUSE", "1")
-    for _ in range(3):
-        poison()
-        assert torch.equal(FUSED.decode(*args), two)
-    q, p = args[0], args[2]
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = FUSED.decode(*args)
-    for step in range(4):
-        q.copy_(randn(*q.shape, g=g, dtype=BF16) * 5)
-        p.add_(1 + 37 * step)
-        graph.replay()
-        monkeypatch.setenv("DS4_SPARSE_FUSE", "0")
-        want = FUSED.decode(*args)
-        monkeypatch.setenv("DS4_SPARSE_FUSE", "1")
-        assert torch.equal(out, want), step
 
 
 @pytest.mark.parametrize("bf16", [False, True])

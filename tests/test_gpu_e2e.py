@@ -53,9 +53,7 @@ def _options():
                      # the routed and shared experts in one launch (opt-in), with and without the hc fold
                      pytest.param(combos[-1], {"DS4_MOE_FFN": "1"}, id="all-fused,DS4_MOE_FFN=1"),
                      pytest.param(combos[-1], {"DS4_MOE_FFN": "1", "DS4_HC_FOLD": "1", "DS4_MMA": "all"},
-                                  id="all-fused,DS4_MOE_FFN=1,HC_FOLD=1,MMA=all"),
-                     # the sparse attention's combine in the chunk kernel's last blocks (opt-in)
-                     pytest.param(combos[-1], {"DS4_SPARSE_FUSE": "1"}, id="all-fused,DS4_SPARSE_FUSE=1")]
+                                  id="all-fused,DS4_MOE_FFN=1,HC_FOLD=1,MMA=all")]
 
 
 # A step is "confident" when the reference's top-2 logit gap exceeds this. At 1.0, one step in ~100

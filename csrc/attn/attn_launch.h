@@ -73,17 +73,8 @@ struct SparseArgs {
   // as it loads them (no separate head_rope launch).
   bool q_prep = false;
   float qnorm_eps = 0.f;
-  // Decode mode: the combine done by the last chunk block of each (head tile, row) to finish (an arrival
-  // counter in device memory, reset by that block) instead of a second launch; applies when
-  // sparse_fused_combine_ok(a, nsplit) (else the two launches run).
-  bool fuse_combine = false;
-  // The attention's last launch (the combine, or the fused chunk kernel) lets the next kernel launch only as it
-  // exits (no PDL trigger at its start): the next one, wo_a's GEMV, otherwise puts its first weight loads
-  // (~17 MB) in front of this launch's latency-bound reads. Opt-in (DS4_PDL_LATE=attn), for the A/B.
-  bool late_trigger = false;
 };
 int sparse_keys_per_block();
-bool sparse_fused_combine_ok(const SparseArgs& a, int nsplit);
 // workspace: opart fp32 [B*S, nsplit, H, D], ml fp32 [B*S, nsplit, H, 2]; out bf16 [B, S, H, D].
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st);
 

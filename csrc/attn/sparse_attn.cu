@@ -12,14 +12,14 @@
 //     block life: 3.4 loads, 3.9 S, 6.3 P.V).
 //   sparse_combine_kernel: per (row, head): M = max(sink, max_c), L = exp(sink - M) + sum_c l_c
 //     exp(m_c - M), o = sum_c exp(m_c - M) O_c / L  -> bf16. The sink enters only the denominator.
-//     Decode mode, SparseArgs.fuse_combine (DS4_SPARSE_FUSE=1, opt-in): no second launch; the last chunk
-//     block of each (head tile, row) to finish does its 16 heads' combine (the same helpers, the same
-//     order: bit-identical output), found by an arrival counter in device memory that it resets.
 //   Decode mode (SparseArgs.pos): key validity from the row's position (window ring, visible compressed
 //   entries), selected entries gathered by index straight from the compressed cache, and the output's
 //   RoPE dims de-rotated in the combine - no mask, gather or de-rotation ops around the kernel.
 #include "attn_common.cuh"
 #include "attn_launch.h"
+
+#include <cstdlib>
+#include <cstring>
 
 namespace ds4_attn {
 
@@ -31,170 +31,14 @@ constexpr int SP_MAX_ROPE = 512;  // RoPE dims the q_prep table holds
 
 int sparse_keys_per_block() { return SP_KC; }
 
-// ---- the combine of one (row r, head h), shared by sparse_combine_kernel and the fused tail. opart / ml
-// are read through L2 (__ldcg): in the fused tail other blocks of the same launch wrote them.
-// M = max(sink, max_c m_c) and 1 / L, L = exp(sink - M) + sum_c l_c exp(m_c - M) in split order.
-__device__ __forceinline__ void combine_head(const float* ml, float sk, int nsplit, int H, int r, int h, float& M,
-                                             float& inv) {
-  M = sk;
-  for (int c = 0; c < nsplit; ++c) M = fmaxf(M, __ldcg(ml + (((long)r * nsplit + c) * H + h) * 2));
-  float L = expf(sk - M);
-  for (int c = 0; c < nsplit; ++c) {
-    const float m = __ldcg(ml + (((long)r * nsplit + c) * H + h) * 2);
-    if (m != -INFINITY) L += __ldcg(ml + (((long)r * nsplit + c) * H + h) * 2 + 1) * expf(m - M);
-  }
-  inv = 1.f / L;
-}
-
-// Output dims d .. d + 3 of (r, h) from their fp32 sum acc: times inv, rounded to bf16, the last R dims
-// de-rotated at pos[r] (spec §5.8: the bf16 output rotated by -angle), stored.
-__device__ __forceinline__ void combine_finish4(float4 acc, float inv, int H, int D, int r, int h, int d,
-                                                const int64_t* pos, const float* freqs, int R, __nv_bfloat16* out) {
-  float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
-  if (R > 0 && d >= D - R) {
-    const float fpos = (float)pos[r];
-#pragma unroll
-    for (int k = 0; k < 4; k += 2) {
-      float sn, cs;
-      sincosf(fpos * freqs[(d + k - (D - R)) / 2], &sn, &cs);
-      const float x0 = o4[k], x1 = o4[k + 1];
-      o4[k] = x0 * cs + x1 * sn;
-      o4[k + 1] = x1 * cs - x0 * sn;
-    }
-  }
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((long)r * H + h) * D + d);
-  o[0] = __floats2bfloat162_rn(o4[0], o4[1]);
-  o[1] = __floats2bfloat162_rn(o4[2], o4[3]);
-}
-
-// Output dims d .. d + 3 of (r, h): sum_c exp(m_c - M) O_c in split order, then combine_finish4.
-__device__ __forceinline__ void combine_store4(const float* opart, const float* ml, int nsplit, int H, int D, int r,
-                                               int h, int d, float M, float inv, const int64_t* pos,
-                                               const float* freqs, int R, __nv_bfloat16* out) {
-  constexpr int CU = 4;  // splits whose partial outputs are loaded together (one L2 round trip, not CU)
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int c0 = 0; c0 < nsplit; c0 += CU) {
-    float4 v[CU];
-    float w[CU];
-    bool ok[CU];
-#pragma unroll
-    for (int u = 0; u < CU; ++u) {  // splits with no valid key (max -inf) wrote no output: never read
-      const long base = ((long)r * nsplit + c0 + u) * H + h;
-      const float m = c0 + u < nsplit ? __ldcg(ml + base * 2) : -INFINITY;
-      ok[u] = m != -INFINITY;
-      w[u] = 0.f;
-      v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (ok[u]) {
-        w[u] = expf(m - M);
-        v[u] = __ldcg(reinterpret_cast<const float4*>(opart + base * D + d));
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < CU; ++u) {  // in split order, as one split at a time
-      if (!ok[u]) continue;
-      acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
-    }
-  }
-  combine_finish4(acc, inv, H, D, r, h, d, pos, freqs, R, out);
-}
-
-// The fused combine's arrival counters, one per (head tile, row) of a launch: zero between launches (the
-// last block resets its own). One decode attention runs at a time per device.
-constexpr int SP_MAX_ARRIVE = 1024;
-constexpr int SP_TAIL_ITEMS = 8;  // float4 outputs per thread held at once in the fused tail (16 x 512 / 256)
-__device__ unsigned g_sp_arrive[SP_MAX_ARRIVE];
-
 static size_t sparse_smem(int D) {  // keys [KC][D + 8] + q [16][D + 8] bf16, S partials [warps][32 lanes][16] fp32
   return (size_t)(SP_KC + 16) * (D + 8) * sizeof(uint16_t) + (size_t)SP_WARPS * 32 * 16 * sizeof(float);
 }
 
-bool sparse_fused_combine_ok(const SparseArgs& a, int nsplit) {
-  // the tail keeps (m, l) of every (split, head) of its tile in the chunk's shared memory
-  return a.pos != nullptr && a.S == 1 && nsplit >= 1 && (long)((a.H + 15) / 16) * a.B <= SP_MAX_ARRIVE &&
-         (size_t)nsplit * 16 * 2 * sizeof(float) <= sparse_smem(a.D);
-}
-
-// End of a chunk block in the fused form: arrive; the last of its (head tile, row) combines the tile's heads
-// with the combine kernel's arithmetic (combine_head's M and 1 / L, the weighted sum in split order), its loads
-// spread for latency: every (split, head)'s (m, l) at once into shared memory (sm, free by now), then per
-// valid split the partial outputs of a thread's SP_TAIL_ITEMS float4s together.
-__device__ __forceinline__ void sparse_arrive_combine(const SparseArgs& a, int nsplit, const float* opart,
-                                                      const float* ml, __nv_bfloat16* out, float* sm) {
-  __shared__ int s_last;
-  __shared__ float s_mi[32];
-  const int mt = blockIdx.y, r = blockIdx.z, H = a.H, D = a.D;
-  unsigned* cnt = g_sp_arrive + (long)r * gridDim.y + mt;
-  __threadfence();  // this block's opart / ml before its arrival
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(cnt, 1u) == (unsigned)(nsplit - 1);
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  float* sl = sm + nsplit * 16;  // m [nsplit][16], l [nsplit][16]
-  for (int i = threadIdx.x; i < nsplit * 16; i += blockDim.x) {
-    const int c = i >> 4, h = mt * 16 + (i & 15);
-    const long base = ((long)r * nsplit + c) * H + h;
-    sm[i] = h < H ? __ldcg(ml + base * 2) : -INFINITY;
-    sl[i] = h < H ? __ldcg(ml + base * 2 + 1) : 0.f;
-  }
-  __syncthreads();
-  if (threadIdx.x < 16 && mt * 16 + (int)threadIdx.x < H) {  // combine_head's order, from shared memory
-    const int hh = threadIdx.x;
-    const float sk = a.sink[mt * 16 + hh];
-    float M = sk;
-    for (int c = 0; c < nsplit; ++c) M = fmaxf(M, sm[c * 16 + hh]);
-    float L = expf(sk - M);
-    for (int c = 0; c < nsplit; ++c)
-      if (sm[c * 16 + hh] != -INFINITY) L += sl[c * 16 + hh] * expf(sm[c * 16 + hh] - M);
-    s_mi[2 * hh] = M;
-    s_mi[2 * hh + 1] = 1.f / L;
-  }
-  __syncthreads();
-  const int per = D / 4, items = 16 * per;
-  for (int i0 = 0; i0 < items; i0 += SP_TAIL_ITEMS * blockDim.x) {
-    float4 acc[SP_TAIL_ITEMS];
-#pragma unroll
-    for (int k = 0; k < SP_TAIL_ITEMS; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int c = 0; c < nsplit; ++c) {
-      float4 v[SP_TAIL_ITEMS];
-      float w[SP_TAIL_ITEMS];
-      bool ok[SP_TAIL_ITEMS];
-#pragma unroll
-      for (int k = 0; k < SP_TAIL_ITEMS; ++k) {  // a split with no valid key wrote no output: never read
-        const int i = i0 + threadIdx.x + k * blockDim.x, hh = i / per;
-        ok[k] = i < items && mt * 16 + hh < H && sm[c * 16 + hh] != -INFINITY;
-        w[k] = 0.f;
-        v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (ok[k]) {
-          w[k] = expf(sm[c * 16 + hh] - s_mi[2 * hh]);
-          v[k] = __ldcg(reinterpret_cast<const float4*>(opart + (((long)r * nsplit + c) * H + mt * 16 + hh) * D +
-                                                         (i - hh * per) * 4));
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < SP_TAIL_ITEMS; ++k)
-        if (ok[k]) {
-          acc[k].x += w[k] * v[k].x; acc[k].y += w[k] * v[k].y; acc[k].z += w[k] * v[k].z; acc[k].w += w[k] * v[k].w;
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < SP_TAIL_ITEMS; ++k) {
-      const int i = i0 + threadIdx.x + k * blockDim.x, hh = i / per;
-      if (i < items && mt * 16 + hh < H)
-        combine_finish4(acc[k], s_mi[2 * hh + 1], H, D, r, mt * 16 + hh, (i - hh * per) * 4, a.pos, a.freqs, a.R,
-                        out);
-    }
-  }
-  if (threadIdx.x == 0) *cnt = 0u;
-}
-
-// FUSE: SparseArgs.fuse_combine (its own instantiation: the tail's registers stay out of the plain kernel).
-template <bool FUSE>
 __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
-                                                                  float* __restrict__ ml, __nv_bfloat16* out) {
+                                                                  float* __restrict__ ml) {
   DS4_MARK(0);
-  ds4_pdl::wait();
-  if (!(FUSE && a.late_trigger)) ds4_pdl::launch_dependents();
+  ds4_pdl::begin();
   extern __shared__ __align__(16) uint16_t ks[];   // [SP_KC][D + 8] keys (= values), [16][D + 8] q, S partials
   __shared__ uint8_t kval[SP_KC];
   const int split = blockIdx.x, mt = blockIdx.y, r = blockIdx.z;
@@ -307,7 +151,6 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
       ml[(mlbase + mt * 16 + threadIdx.x) * 2 + 0] = -INFINITY;
       ml[(mlbase + mt * 16 + threadIdx.x) * 2 + 1] = 0.f;
     }
-    if constexpr (FUSE) sparse_arrive_combine(a, nsplit, opart, ml, out, reinterpret_cast<float*>(ks));
     return;
   }
 
@@ -418,20 +261,116 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
     }
   }
   DS4_MARK(3);
-  if constexpr (FUSE) sparse_arrive_combine(a, nsplit, opart, ml, out, reinterpret_cast<float*>(ks));
 }
+
+// Output dims d .. d + 3 of (row r, head h) from their weighted sum acc: times inv = 1 / L, rounded to bf16,
+// the last R dims de-rotated at pos[r] (spec §5.8: the bf16 output rotated by -angle), stored.
+__device__ __forceinline__ void combine_finish4(float4 acc, float inv, int H, int D, int r, int h, int d,
+                                                const int64_t* pos, const float* freqs, int R, __nv_bfloat16* out) {
+  float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
+  if (R > 0 && d >= D - R) {
+    const float fpos = (float)pos[r];
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {
+      float sn, cs;
+      sincosf(fpos * freqs[(d + k - (D - R)) / 2], &sn, &cs);
+      const float x0 = o4[k], x1 = o4[k + 1];
+      o4[k] = x0 * cs + x1 * sn;
+      o4[k + 1] = x1 * cs - x0 * sn;
+    }
+  }
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((long)r * H + h) * D + d);
+  o[0] = __floats2bfloat162_rn(o4[0], o4[1]);
+  o[1] = __floats2bfloat162_rn(o4[2], o4[3]);
+}
+
+// Up to SP_FAST_SPLITS splits (every decode layer up to a 64K context: SWA 4, CSA 20, HCA 4 + T / 4096),
+// a thread holds all the (m, l) it needs and then all its partial outputs in registers: two L2 round trips
+// in all, where the loop below takes two per CU splits (H200, session 12 probe: 4.9 us per call at 20
+// splits; in the decode step's profile 3.7-6 us). The same operations in the same order either way.
+// DS4_SPARSE_COMBINE=loop (read per launch) takes the loop at every split count, for the A/B.
+constexpr int SP_FAST_SPLITS = 32;
 
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                       const float* __restrict__ sink, int nsplit, int H, int D,
                                       const int64_t* __restrict__ pos, const float* __restrict__ freqs, int R,
-                                      __nv_bfloat16* __restrict__ out, bool late_trigger) {
-  ds4_pdl::wait();
-  if (!late_trigger) ds4_pdl::launch_dependents();
+                                      __nv_bfloat16* __restrict__ out, bool fast) {
+  ds4_pdl::begin();
   const int h = blockIdx.x, r = blockIdx.y;
-  float M, inv;
-  combine_head(ml, sink[h], nsplit, H, r, h, M, inv);
-  for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4)
-    combine_store4(opart, ml, nsplit, H, D, r, h, d, M, inv, pos, freqs, R, out);
+  const float sk = sink[h];
+  const float* mlh = ml + ((long)r * nsplit * H + h) * 2;  // split c's (m, l) at mlh[2 c H], mlh[2 c H + 1]
+  const float* oph = opart + ((long)r * nsplit * H + h) * D;  // split c's partial output at oph[c H D]
+  if (fast && nsplit <= SP_FAST_SPLITS) {
+    float m[SP_FAST_SPLITS], l[SP_FAST_SPLITS];
+#pragma unroll
+    for (int c = 0; c < SP_FAST_SPLITS; ++c) {
+      m[c] = c < nsplit ? mlh[2L * c * H] : -INFINITY;
+      l[c] = c < nsplit ? mlh[2L * c * H + 1] : 0.f;
+    }
+    float M = sk;
+#pragma unroll
+    for (int c = 0; c < SP_FAST_SPLITS; ++c) M = fmaxf(M, m[c]);
+    float L = expf(sk - M);
+#pragma unroll
+    for (int c = 0; c < SP_FAST_SPLITS; ++c)
+      if (m[c] != -INFINITY) L += l[c] * expf(m[c] - M);
+    const float inv = 1.f / L;
+    for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
+      float4 v[SP_FAST_SPLITS];
+#pragma unroll
+      for (int c = 0; c < SP_FAST_SPLITS; ++c)  // a split with no valid key (max -inf) wrote no output: never read
+        v[c] = m[c] != -INFINITY ? *reinterpret_cast<const float4*>(oph + (long)c * H * D + d)
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int c = 0; c < SP_FAST_SPLITS; ++c) {  // in split order
+        if (m[c] == -INFINITY) continue;
+        const float w = expf(m[c] - M);
+        acc.x += w * v[c].x; acc.y += w * v[c].y; acc.z += w * v[c].z; acc.w += w * v[c].w;
+      }
+      combine_finish4(acc, inv, H, D, r, h, d, pos, freqs, R, out);
+    }
+    return;
+  }
+  float M = sk;
+  for (int c = 0; c < nsplit; ++c) M = fmaxf(M, mlh[2L * c * H]);
+  float L = expf(sk - M);
+  for (int c = 0; c < nsplit; ++c) {
+    const float m = mlh[2L * c * H];
+    if (m != -INFINITY) L += mlh[2L * c * H + 1] * expf(m - M);
+  }
+  const float inv = 1.f / L;
+  constexpr int CU = 4;  // splits whose partial outputs are loaded together (one L2 round trip, not CU)
+  for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c0 = 0; c0 < nsplit; c0 += CU) {
+      float4 v[CU];
+      float w[CU];
+      bool ok[CU];
+#pragma unroll
+      for (int u = 0; u < CU; ++u) {  // splits with no valid key (max -inf) wrote no output: never read
+        const float m = c0 + u < nsplit ? mlh[2L * (c0 + u) * H] : -INFINITY;
+        ok[u] = m != -INFINITY;
+        w[u] = 0.f;
+        v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (ok[u]) {
+          w[u] = expf(m - M);
+          v[u] = *reinterpret_cast<const float4*>(oph + (long)(c0 + u) * H * D + d);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < CU; ++u) {  // in split order, as one split at a time
+        if (!ok[u]) continue;
+        acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
+      }
+    }
+    combine_finish4(acc, inv, H, D, r, h, d, pos, freqs, R, out);
+  }
+}
+
+static bool combine_fast() {
+  const char* env = std::getenv("DS4_SPARSE_COMBINE");
+  return env == nullptr || std::strcmp(env, "loop") != 0;
 }
 
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st) {
@@ -444,19 +383,17 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   if (a.q_prep && (a.pos == nullptr || a.R > SP_MAX_ROPE)) return cudaErrorInvalidValue;
   const size_t smem = sparse_smem(a.D);
   if (smem > 200 * 1024) return cudaErrorInvalidValue;
-  const bool fuse = a.fuse_combine && sparse_fused_combine_ok(a, nsplit);
-  auto* kernel = fuse ? sparse_chunk_kernel<true> : sparse_chunk_kernel<false>;
   if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    cudaError_t e = cudaFuncSetAttribute(sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  cudaError_t e = ds4_pdl::launch(kernel, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS), smem, st, a,
-                                  nsplit, opart, ml, static_cast<__nv_bfloat16*>(out));
-  if (e != cudaSuccess || fuse) return e;
+  cudaError_t e = ds4_pdl::launch(sparse_chunk_kernel, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS),
+                                  smem, st, a, nsplit, opart, ml);
+  if (e != cudaSuccess) return e;
   const int threads = a.D / 4 < 128 ? a.D / 4 : 128;
   return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), 0, st,
                          static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
-                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out), a.late_trigger);
+                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out), combine_fast());
 }
 
 }  // namespace ds4_attn
