@@ -51,8 +51,7 @@ leaves the step; opt-in), arfnp (DS4_AR_FOLD_PDL=0: that fold kernel launched wi
 (DS4_AR_FOLD_SPREAD=0: its blocks sized by their buffers alone, so several share an SM), ffn (DS4_MOE_FFN=1:
 one GPU, the routed and shared experts, gate+up and down, in one launch; opt-in), ffn2 (DS4_MOE_FFN=2: the same
 with the shared expert's gate+up a side-stream launch beside the router), ffnreg (DS4_FFN_SH_DOWN=reg: that
-launch's shared-expert down on the register stream), cloop (DS4_SPARSE_COMBINE=loop: the sparse attention's combine
-loads its splits' values a few at a time, as before session 21, not all at once), xshared / xrouter /
+launch's shared-expert down on the register stream), xshared / xrouter /
 xrouted / xattn (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core kernels, to
 time what each costs the step). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
@@ -237,7 +236,6 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_AR_FOLD_SPREAD"] = "0" if "arfpack" in toks else "1"
     os.environ["DS4_MOE_FFN"] = "2" if "ffn2" in toks else ("1" if "ffn" in toks else "0")
     os.environ["DS4_FFN_SH_DOWN"] = "reg" if "ffnreg" in toks else "smem"
-    os.environ["DS4_SPARSE_COMBINE"] = "loop" if "cloop" in toks else "registers"
     os.environ["DS4_SIDE_PRIORITY"] = "high" if "sprio" in toks else "default"
     # shwNN: the side-stream shared expert's launches take NN % of a resident wave (DS4_SHARED_WAVE)
     os.environ["DS4_SHARED_WAVE"] = str(_number_token(toks, "shw", 100))

@@ -18,7 +18,8 @@
 #                  "(int)4" for a template argument 4; default the folding routed down in fp4t; $NCU_COUNT launches;
 #                  ncu_step.txt under $OUT). Session 16's first run matched nothing (its regex lacked the "(int)")
 #   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH; $PROBE_ARGS: modes,
-#                  space-separated, e.g. "hc packed"; "indexer": the indexer scores kernel with and without its RoPE, and sparse_chunk)
+#                  space-separated, e.g. "hc packed"; "indexer": the indexer scores kernel with and without its RoPE, and sparse_chunk; "tlb": the same bytes read from
+#                  near or far pages)
 #   pytest         a diagnostic pytest run ($PYTEST_ARGS: files and options; CUDA_LAUNCH_BLOCKING=1, long tracebacks)
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
 #   tp2_tests      the 2-GPU tests (comm=ll's kernel; tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group

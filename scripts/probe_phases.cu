@@ -200,13 +200,11 @@ static void probe_sparse(int pos) {
   __nv_bfloat16* out;
   CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * H * D));
   auto freqs = dev_random<float>(32, 0.f, 1.f);
-  for (bool fast : {true, false}) {  // all splits' values in registers at once, or the loop (DS4_SPARSE_COMBINE=loop)
-    auto combine = [&](int) {  // after the chunk kernel above: its ml / opart are the inputs
-      ds4_attn::sparse_combine_kernel<<<dim3(H, 1), D / 4 < 128 ? D / 4 : 128>>>(opart, ml, sink, nsplit, H, D, dpos,
-                                                                                 freqs, 64, out, fast);
-    };
-    std::printf("sparse_combine pos %d (%s): %.2f us\n", pos, fast ? "registers" : "loop", time_us(combine));
-  }
+  auto combine = [&](int) {  // after the chunk kernel above: its ml / opart are the inputs
+    ds4_attn::sparse_combine_kernel<<<dim3(H, 1), D / 4 < 128 ? D / 4 : 128>>>(opart, ml, sink, nsplit, H, D, dpos,
+                                                                               freqs, 64, out);
+  };
+  std::printf("sparse_combine pos %d: %.2f us\n", pos, time_us(combine));
 }
 
 // ---- indexer scores at decode: 64 heads x 128, T compressed entries allocated (the cache capacity / 4),

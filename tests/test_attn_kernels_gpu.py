@@ -190,20 +190,6 @@ def test_sparse_v4_hca_many_entries(B):
     check_attn(q, kv, valid, None, None, sink, 512 ** -0.5)
 
 
-# 20, 32 and 33 splits of 32 keys (the combine holds up to 32 splits in registers, else loops), and 5; p_valid
-# 0.02 leaves some splits with no valid key
-@pytest.mark.parametrize("K,P,p_valid", [(128, 512, 0.8), (128, 896, 0.02), (128, 928, 0.5), (160, 0, 0.02)])
-def test_sparse_combine_register_and_loop_forms_agree_bitwise(K, P, p_valid, monkeypatch):
-    g = gen(K + P)
-    q, kv, valid, sel, sv, sink = attn_case(3, 64, 512, K, P, g, p_valid=p_valid)
-    monkeypatch.setenv("DS4_SPARSE_COMBINE", "loop")
-    loop = kernels_attn.sparse_attn(q, kv, valid, sel, sv, sink, 512 ** -0.5)
-    monkeypatch.delenv("DS4_SPARSE_COMBINE")
-    poison()
-    regs = kernels_attn.sparse_attn(q, kv, valid, sel, sv, sink, 512 ** -0.5)
-    assert torch.isfinite(regs).all() and torch.equal(regs, loop)
-
-
 def test_sparse_v4_swa_and_large_scores():
     g = gen(30)
     q, kv, valid, _, _, sink = attn_case(2, 64, 512, 128, 0, g, pos=torch.tensor([0, 90], device=DEV), window=128)

@@ -18,9 +18,6 @@
 #include "attn_common.cuh"
 #include "attn_launch.h"
 
-#include <cstdlib>
-#include <cstring>
-
 namespace ds4_attn {
 
 constexpr int SP_KC = 32;        // keys per block
@@ -263,81 +260,19 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
   DS4_MARK(3);
 }
 
-// Output dims d .. d + 3 of (row r, head h) from their weighted sum acc: times inv = 1 / L, rounded to bf16,
-// the last R dims de-rotated at pos[r] (spec §5.8: the bf16 output rotated by -angle), stored.
-__device__ __forceinline__ void combine_finish4(float4 acc, float inv, int H, int D, int r, int h, int d,
-                                                const int64_t* pos, const float* freqs, int R, __nv_bfloat16* out) {
-  float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
-  if (R > 0 && d >= D - R) {
-    const float fpos = (float)pos[r];
-#pragma unroll
-    for (int k = 0; k < 4; k += 2) {
-      float sn, cs;
-      sincosf(fpos * freqs[(d + k - (D - R)) / 2], &sn, &cs);
-      const float x0 = o4[k], x1 = o4[k + 1];
-      o4[k] = x0 * cs + x1 * sn;
-      o4[k + 1] = x1 * cs - x0 * sn;
-    }
-  }
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((long)r * H + h) * D + d);
-  o[0] = __floats2bfloat162_rn(o4[0], o4[1]);
-  o[1] = __floats2bfloat162_rn(o4[2], o4[3]);
-}
-
-// Up to SP_FAST_SPLITS splits (every decode layer up to a 64K context: SWA 4, CSA 20, HCA 4 + T / 4096),
-// a thread holds all the (m, l) it needs and then all its partial outputs in registers: two L2 round trips
-// in all, where the loop below takes two per CU splits (H200, session 12 probe: 4.9 us per call at 20
-// splits; in the decode step's profile 3.7-6 us). The same operations in the same order either way.
-// DS4_SPARSE_COMBINE=loop (read per launch) takes the loop at every split count, for the A/B.
-constexpr int SP_FAST_SPLITS = 32;
-
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                       const float* __restrict__ sink, int nsplit, int H, int D,
                                       const int64_t* __restrict__ pos, const float* __restrict__ freqs, int R,
-                                      __nv_bfloat16* __restrict__ out, bool fast) {
+                                      __nv_bfloat16* __restrict__ out) {
   ds4_pdl::begin();
   const int h = blockIdx.x, r = blockIdx.y;
   const float sk = sink[h];
-  const float* mlh = ml + ((long)r * nsplit * H + h) * 2;  // split c's (m, l) at mlh[2 c H], mlh[2 c H + 1]
-  const float* oph = opart + ((long)r * nsplit * H + h) * D;  // split c's partial output at oph[c H D]
-  if (fast && nsplit <= SP_FAST_SPLITS) {
-    float m[SP_FAST_SPLITS], l[SP_FAST_SPLITS];
-#pragma unroll
-    for (int c = 0; c < SP_FAST_SPLITS; ++c) {
-      m[c] = c < nsplit ? mlh[2L * c * H] : -INFINITY;
-      l[c] = c < nsplit ? mlh[2L * c * H + 1] : 0.f;
-    }
-    float M = sk;
-#pragma unroll
-    for (int c = 0; c < SP_FAST_SPLITS; ++c) M = fmaxf(M, m[c]);
-    float L = expf(sk - M);
-#pragma unroll
-    for (int c = 0; c < SP_FAST_SPLITS; ++c)
-      if (m[c] != -INFINITY) L += l[c] * expf(m[c] - M);
-    const float inv = 1.f / L;
-    for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
-      float4 v[SP_FAST_SPLITS];
-#pragma unroll
-      for (int c = 0; c < SP_FAST_SPLITS; ++c)  // a split with no valid key (max -inf) wrote no output: never read
-        v[c] = m[c] != -INFINITY ? *reinterpret_cast<const float4*>(oph + (long)c * H * D + d)
-                                 : make_float4(0.f, 0.f, 0.f, 0.f);
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int c = 0; c < SP_FAST_SPLITS; ++c) {  // in split order
-        if (m[c] == -INFINITY) continue;
-        const float w = expf(m[c] - M);
-        acc.x += w * v[c].x; acc.y += w * v[c].y; acc.z += w * v[c].z; acc.w += w * v[c].w;
-      }
-      combine_finish4(acc, inv, H, D, r, h, d, pos, freqs, R, out);
-    }
-    return;
-  }
   float M = sk;
-  for (int c = 0; c < nsplit; ++c) M = fmaxf(M, mlh[2L * c * H]);
+  for (int c = 0; c < nsplit; ++c) M = fmaxf(M, ml[(((long)r * nsplit + c) * H + h) * 2]);
   float L = expf(sk - M);
   for (int c = 0; c < nsplit; ++c) {
-    const float m = mlh[2L * c * H];
-    if (m != -INFINITY) L += mlh[2L * c * H + 1] * expf(m - M);
+    const float m = ml[(((long)r * nsplit + c) * H + h) * 2];
+    if (m != -INFINITY) L += ml[(((long)r * nsplit + c) * H + h) * 2 + 1] * expf(m - M);
   }
   const float inv = 1.f / L;
   constexpr int CU = 4;  // splits whose partial outputs are loaded together (one L2 round trip, not CU)
@@ -349,13 +284,14 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
       bool ok[CU];
 #pragma unroll
       for (int u = 0; u < CU; ++u) {  // splits with no valid key (max -inf) wrote no output: never read
-        const float m = c0 + u < nsplit ? mlh[2L * (c0 + u) * H] : -INFINITY;
+        const long base = ((long)r * nsplit + c0 + u) * H + h;
+        const float m = c0 + u < nsplit ? ml[base * 2] : -INFINITY;
         ok[u] = m != -INFINITY;
         w[u] = 0.f;
         v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (ok[u]) {
           w[u] = expf(m - M);
-          v[u] = *reinterpret_cast<const float4*>(oph + (long)(c0 + u) * H * D + d);
+          v[u] = *reinterpret_cast<const float4*>(opart + base * D + d);
         }
       }
 #pragma unroll
@@ -364,13 +300,22 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
         acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
       }
     }
-    combine_finish4(acc, inv, H, D, r, h, d, pos, freqs, R, out);
+    float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
+    if (R > 0 && d >= D - R) {  // output de-rotation (spec §5.8): the bf16 output rotated by -angle
+      const float fpos = (float)pos[r];
+#pragma unroll
+      for (int k = 0; k < 4; k += 2) {
+        float sn, cs;
+        sincosf(fpos * freqs[(d + k - (D - R)) / 2], &sn, &cs);
+        const float x0 = o4[k], x1 = o4[k + 1];
+        o4[k] = x0 * cs + x1 * sn;
+        o4[k + 1] = x1 * cs - x0 * sn;
+      }
+    }
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((long)r * H + h) * D + d);
+    o[0] = __floats2bfloat162_rn(o4[0], o4[1]);
+    o[1] = __floats2bfloat162_rn(o4[2], o4[3]);
   }
-}
-
-static bool combine_fast() {
-  const char* env = std::getenv("DS4_SPARSE_COMBINE");
-  return env == nullptr || std::strcmp(env, "loop") != 0;
 }
 
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st) {
@@ -393,7 +338,7 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   const int threads = a.D / 4 < 128 ? a.D / 4 : 128;
   return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), 0, st,
                          static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
-                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out), combine_fast());
+                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out));
 }
 
 }  // namespace ds4_attn
