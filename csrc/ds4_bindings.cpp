@@ -458,22 +458,9 @@ std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor&
   // side-stream kernels, which start at the same time, before its last block can run the tail).
   const char* env = std::getenv("DS4_ROUTER_FUSED");
   const bool fused = !given_logits.has_value() && env && env[0] == '1' && ds4::router_fused_ok((int)N, (int)E, (int)dim);
-  // DS4_ROUTER_SPLIT=S (opt-in, read per call): one token's GEMV split over the gate's columns, the tail adding
-  // the S partial sums (ds4_launch.h)
-  const char* split_env = std::getenv("DS4_ROUTER_SPLIT");
-  const int split = split_env ? std::atoi(split_env) : 0;
-  const bool use_split = !given_logits.has_value() && !fused && N == 1 && ds4::router_split_ok((int)E, (int)dim, split);
   at::Tensor logits;
   if (given_logits.has_value()) {
     logits = *given_logits;
-  } else if (use_split) {
-    check_cuda(x, "x");
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == dim && x.is_contiguous() &&
-                    reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
-                "ds4.router: x must be contiguous, 16-byte aligned bf16 [1, dim]");
-    TORCH_CHECK(gate.is_contiguous() && reinterpret_cast<uintptr_t>(gate.data_ptr()) % 16 == 0,
-                "ds4.router: gate must be contiguous and 16-byte aligned");
-    logits = at::empty({split, N, E}, x.options().dtype(at::kFloat));
   } else if (fused) {
     check_cuda(x, "x");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == dim && x.is_contiguous(),
@@ -500,14 +487,9 @@ std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor&
                  "router_fused");
     return {w, ids};
   }
-  if (use_split)
-    check_launch(ds4::launch_router_split(x.data_ptr(), gate.data_ptr(), (int)E, (int)dim, split,
-                                          static_cast<float*>(logits.data_ptr()), at::cuda::getCurrentCUDAStream()),
-                 "router_split");
   check_launch(ds4::launch_router_topk(static_cast<const float*>(logits.data_ptr()), (int)N, (int)E, b, tid, tid64,
                                        tok, (int)topk, (float)route_scale, static_cast<float*>(w.data_ptr()),
-                                       static_cast<int64_t*>(ids.data_ptr()), at::cuda::getCurrentCUDAStream(),
-                                       use_split ? split : 1),
+                                       static_cast<int64_t*>(ids.data_ptr()), at::cuda::getCurrentCUDAStream()),
                "router_topk");
   return {w, ids};
 }

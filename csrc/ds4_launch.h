@@ -131,20 +131,10 @@ constexpr int ARGMAX_MAX_ROWS = 64;
 cudaError_t launch_argmax(const float* x, int B, long V, int64_t* out, cudaStream_t st);
 
 // Router tail: logits f32 [n_tok, E] -> scores sqrt(softplus); ids (top-k of score + bias, or
-// tid2eid[token_ids]); weights = renormalised scores * route_scale. nsplit > 1: logits holds nsplit partial
-// sums [nsplit, n_tok, E] (launch_router_split), added in split order.
+// tid2eid[token_ids]); weights = renormalised scores * route_scale.
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias,
                                const void* tid2eid, bool tid64, const int64_t* token_ids, int topk,
-                               float route_scale, float* w_out, int64_t* ids_out, cudaStream_t st, int nsplit = 1);
-
-// The router GEMV of one token split over the gate's columns (opt-in, DS4_ROUTER_SPLIT=S, read per call): warp
-// (row, s) reads columns [s dim / S, (s + 1) dim / S) of gate row `row` (a few 16-byte loads per lane, all
-// issued before the PDL wait) and writes part[s, row]; the tail adds the S partials. The plain GEMV gives
-// each of the E rows to one warp (32 blocks for V4's 256 x 4096 gate), whose 8 KB take two memory round
-// trips after each other. router_split_ok: S in 2..16, dim % (8 S) == 0, dim / S <= 8 * 32 * ROUTER_SPLIT_CH.
-constexpr int ROUTER_SPLIT_CH = 8;  // 16-byte chunks per lane in flight
-bool router_split_ok(int E, int dim, int S);
-cudaError_t launch_router_split(const void* x, const void* gate, int E, int dim, int S, float* part, cudaStream_t st);
+                               float route_scale, float* w_out, int64_t* ids_out, cudaStream_t st);
 
 // The whole router in one launch for decode-sized inputs (opt-in, DS4_ROUTER_FUSED=1; router_fused_ok:
 // n_tok <= ROUTER_FUSED_TOKENS, n_tok * E <= ROUTER_FUSED_SLOTS, dim % 8 == 0): x bf16 [n_tok, dim], gate

@@ -52,8 +52,7 @@ __global__ void __launch_bounds__(1024) router_topk_kernel(const float* __restri
                                                            const void* __restrict__ tid2eid, int tid64,
                                                            const int64_t* __restrict__ token_ids, int topk,
                                                            float route_scale, float* __restrict__ w_out,
-                                                           int64_t* __restrict__ ids_out, int nsplit,
-                                                           long split_stride) {
+                                                           int64_t* __restrict__ ids_out) {
   ds4_pdl::begin();
   extern __shared__ float sh[];  // scores [E]
   __shared__ float cand_v[RT_MAX_WARPS * ROUTER_MAX_K];
@@ -62,9 +61,7 @@ __global__ void __launch_bounds__(1024) router_topk_kernel(const float* __restri
   const int t = blockIdx.x, e = threadIdx.x, lane = e & 31, warp = e >> 5, nw = blockDim.x >> 5;
   float biased = -INFINITY;
   if (e < E) {
-    float lg = logits[(long)t * E + e];
-    for (int p = 1; p < nsplit; ++p) lg += logits[p * split_stride + (long)t * E + e];  // in split order
-    const float s = router_score(lg);
+    const float s = router_score(logits[(long)t * E + e]);
     sh[e] = s;
     biased = s + (bias ? bias[e] : 0.f);
   }
@@ -210,59 +207,12 @@ cudaError_t launch_router_fused(const void* x, int n_tok, const void* gate, int 
 
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias, const void* tid2eid,
                                bool tid64, const int64_t* token_ids, int topk, float route_scale, float* w_out,
-                               int64_t* ids_out, cudaStream_t st, int nsplit) {
-  if (n_tok < 1 || E < 1 || E > 32 * RT_MAX_WARPS || topk < 1 || topk > ROUTER_MAX_K || topk > E || nsplit < 1)
+                               int64_t* ids_out, cudaStream_t st) {
+  if (n_tok < 1 || E < 1 || E > 32 * RT_MAX_WARPS || topk < 1 || topk > ROUTER_MAX_K || topk > E)
     return cudaErrorInvalidValue;
   const int threads = ((E + 31) / 32) * 32;
   return ds4_pdl::launch(router_topk_kernel, dim3(n_tok), dim3(threads), E * sizeof(float), st, logits, E, bias,
-                         tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out, nsplit,
-                         (long)n_tok * E);
-}
-
-constexpr int RS_WARPS = 4;  // (row, split) pairs per block of the split router GEMV
-
-__global__ void __launch_bounds__(RS_WARPS * 32) router_split_kernel(const __nv_bfloat16* __restrict__ x,
-                                                                      const __nv_bfloat16* __restrict__ gate, int E,
-                                                                      int dim, int S, float* __restrict__ part) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int pair = blockIdx.x * RS_WARPS + warp, row = min(pair / S, E - 1), s = pair - (pair / S) * S;
-  const int nch = dim / S / 8;  // 16-byte chunks of this split
-  const uint4* wr = reinterpret_cast<const uint4*>(gate + (long)row * dim) + (long)s * nch;
-  uint4 wv[ROUTER_SPLIT_CH];
-#pragma unroll
-  for (int j = 0; j < ROUTER_SPLIT_CH; ++j)  // the gate is a weight: its loads go out before the PDL wait
-    if (lane + 32 * j < nch) wv[j] = __ldg(wr + lane + 32 * j);
-  ds4_pdl::begin();
-  const uint4* xr = reinterpret_cast<const uint4*>(x) + (long)s * nch;
-  uint4 xv[ROUTER_SPLIT_CH];
-#pragma unroll
-  for (int j = 0; j < ROUTER_SPLIT_CH; ++j)  // all of them together: one L2 round trip
-    if (lane + 32 * j < nch) xv[j] = xr[lane + 32 * j];
-  float acc = 0.f;
-#pragma unroll
-  for (int j = 0; j < ROUTER_SPLIT_CH; ++j) {
-    if (lane + 32 * j < nch) {
-      float wf[8], xf[8];
-      bf16x8_f32(wv[j], wf);
-      bf16x8_f32(xv[j], xf);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) acc = fmaf(wf[k], xf[k], acc);
-    }
-  }
-  acc = warp_sum(acc);
-  if (lane == 0 && pair < E * S) part[(long)s * E + row] = acc;
-}
-
-bool router_split_ok(int E, int dim, int S) {
-  return E >= 1 && S >= 2 && S <= 16 && dim % (8 * S) == 0 && dim / S <= 8 * 32 * ROUTER_SPLIT_CH;
-}
-
-cudaError_t launch_router_split(const void* x, const void* gate, int E, int dim, int S, float* part, cudaStream_t st) {
-  if (!router_split_ok(E, dim, S)) return cudaErrorInvalidValue;
-  const int blocks = (E * S + RS_WARPS - 1) / RS_WARPS;
-  return ds4_pdl::launch(router_split_kernel, dim3(blocks), dim3(RS_WARPS * 32), 0, st,
-                         static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(gate), E, dim, S,
-                         part);
+                         tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out);
 }
 
 }  // namespace ds4

@@ -51,8 +51,7 @@ leaves the step; opt-in), arfnp (DS4_AR_FOLD_PDL=0: that fold kernel launched wi
 (DS4_AR_FOLD_SPREAD=0: its blocks sized by their buffers alone, so several share an SM), ffn (DS4_MOE_FFN=1:
 one GPU, the routed and shared experts, gate+up and down, in one launch; opt-in), ffn2 (DS4_MOE_FFN=2: the same
 with the shared expert's gate+up a side-stream launch beside the router), ffnreg (DS4_FFN_SH_DOWN=reg: that
-launch's shared-expert down on the register stream), rsN (DS4_ROUTER_SPLIT=N: the router GEMV of one token split
-over N column slices, more warps with fewer bytes each, the tail adding the partials; opt-in), xshared / xrouter /
+launch's shared-expert down on the register stream), xshared / xrouter /
 xrouted / xattn (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core kernels, to
 time what each costs the step). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
@@ -227,8 +226,6 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_COMPRESS_OVERLAP"] = "0" if "nocovl" in toks else "1"
     os.environ["DS4_ATTN_OVERLAP"] = "0" if "noaovl" in toks else "1"
     os.environ["DS4_ROUTER_FUSED"] = "1" if "rtr1" in toks else "0"
-    # rsN: the router GEMV of one token split over N column slices (DS4_ROUTER_SPLIT)
-    os.environ["DS4_ROUTER_SPLIT"] = str(_number_token(toks, "rs", 0))
     os.environ["DS4_SHARED_FORK"] = "late" if "shlate" in toks else "early"
     os.environ["DS4_QNORM_FUSED"] = "0" if "noqf" in toks else "1"
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"

@@ -53,9 +53,7 @@ def _options():
                      # the routed and shared experts in one launch (opt-in), with and without the hc fold
                      pytest.param(combos[-1], {"DS4_MOE_FFN": "1"}, id="all-fused,DS4_MOE_FFN=1"),
                      pytest.param(combos[-1], {"DS4_MOE_FFN": "1", "DS4_HC_FOLD": "1", "DS4_MMA": "all"},
-                                  id="all-fused,DS4_MOE_FFN=1,HC_FOLD=1,MMA=all"),
-                     # the router GEMV split over column slices (opt-in)
-                     pytest.param(combos[-1], {"DS4_ROUTER_SPLIT": "4"}, id="all-fused,DS4_ROUTER_SPLIT=4")]
+                                  id="all-fused,DS4_MOE_FFN=1,HC_FOLD=1,MMA=all")]
 
 
 # A step is "confident" when the reference's top-2 logit gap exceeds this. At 1.0, one step in ~100
@@ -145,9 +143,7 @@ _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fu
     # the router fold in both runtimes (its logits are its own rounding of x . gate^T)
     pytest.param(Impls(**_FUSED), {}, {"DS4_HC_ROUTER": "1"}, id="fused-router_fold"),
     # the hc fold in both runtimes, at both sites (DS4_MMA=all: tiny's wo_b on the tensor cores); one row
-    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="fused-hc_fold"),
-    # the router GEMV split over column slices (opt-in) in both runtimes
-    pytest.param(Impls(**_FUSED), {}, {"DS4_ROUTER_SPLIT": "4"}, id="fused-router_split")])
+    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="fused-hc_fold")])
 def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch):
     """tiny crosses 60+ window wraps, 250 CSA and 60 HCA emissions in 1000 steps. graph_env: set for the
     captured run only; env: for both runs."""
