@@ -18,8 +18,8 @@
 #                  "(int)4" for a template argument 4; default the folding routed down in fp4t; $NCU_COUNT launches;
 #                  ncu_step.txt under $OUT). Session 16's first run matched nothing (its regex lacked the "(int)")
 #   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH; $PROBE_ARGS: modes,
-#                  space-separated, e.g. "hc packed"; "indexer": the indexer scores kernel with and without its RoPE, and sparse_chunk; "tlb": the same bytes read from
-#                  near or far pages)
+#                  space-separated, e.g. "hc packed"; "indexer": the indexer scores kernel with and without its RoPE,
+#                  and sparse_chunk; "tlb": the same bytes read from near or far pages)
 #   pytest         a diagnostic pytest run ($PYTEST_ARGS: files and options; CUDA_LAUNCH_BLOCKING=1, long tracebacks)
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
 #   tp2_tests      the 2-GPU tests (comm=ll's kernel; tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
@@ -41,8 +41,9 @@
 #   fid            ds4_best's fidelity against the reference on 8 layers of V4-Flash, with the hc fold (the default)
 #                  and without it (DS4_HC_FOLD=0): one job each, tables fid_hcf1.md / fid_hcf0.md under $OUT
 #   NAME_alt       bench, kbench or profile on a second build of both extensions with the extra nvcc flags
-#                  $ALT_NVCC_FLAGS (e.g. -DDS4_L2_HINT=0; built in .ext_build_alt beside the default build), outputs
-#                  tagged _alt: a build-time ablation in a second process on the same machine
+#                  $ALT_NVCC_FLAGS (a -D switch of the CUDA sources; built in .ext_build_alt beside the default
+#                  build), outputs tagged _alt: a build-time ablation in a second process on the same machine
+#                  (session 21's L2-hint A/B, experiments/decode_session21_h200.md)
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group; $SEED_TP2_TIMEOUT s, default 540)
 set -u
 # Each finished stage appends its logs to $OUT/logs.txt (one file: a call brings back at most 8), so a

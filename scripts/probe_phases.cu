@@ -620,7 +620,8 @@ static void gemv_shapes() {
 // ---- TLB reach: a decode step reads ~11 GB of weights per token, each layer's from new 2 MB pages (the
 // routed experts from random places in 3.4 GB per layer), where a micro-benchmark re-reads a few hundred
 // MB. Same bytes, same kernel, three placements: does reading from pages far apart cost more?
-// read_chunks_kernel: the grid reads nch chunks of 2^lg bytes at base + offs[c] (16-B loads, U in flight).
+// read_chunks_kernel: the grid reads n16 16-byte words, chunk c (2^lg bytes) of them at base + offs[c]
+// (U loads in flight per thread).
 template <int U>
 __global__ void read_chunks_kernel(const char* __restrict__ base, const long* __restrict__ offs, int lg, long n16,
                                    unsigned* out) {

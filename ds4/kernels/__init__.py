@@ -65,8 +65,8 @@ def load(verbose: bool = False) -> None:
 
 
 def _cuda_flags_for(archs: str | None) -> list[str]:
-    # DS4_NVCC_FLAGS: extra nvcc flags for an ablation build (e.g. -DDS4_L2_HINT=0); give such a build its
-    # own DS4_EXT_BUILD_DIR / DS4_ATTN_EXT_BUILD_DIR so it never overwrites the default one
+    # DS4_NVCC_FLAGS: extra nvcc flags for an ablation build (e.g. a -D switch of the CUDA sources); give such
+    # a build its own DS4_EXT_BUILD_DIR / DS4_ATTN_EXT_BUILD_DIR so it never overwrites the default one
     flags = ["-O3", "-lineinfo", *os.environ.get("DS4_NVCC_FLAGS", "").split()]
     for a in (archs or DEFAULT_ARCHS).replace(",", ";").replace(" ", ";").split(";"):
         a = a.strip().replace("+PTX", "")
