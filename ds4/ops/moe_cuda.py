@@ -189,7 +189,11 @@ class Fp4TopkMoE:
             return w, ids
         return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale, logits=logits)
 
-    ffn_capable = True  # off in subclasses that read the ids on the host
+    @property
+    def ffn_capable(self) -> bool:
+        """Whether the one-launch FFN may run: it takes the ids on the device, as the in-kernel routing does (off in
+        subclasses that read the ids on the host)."""
+        return self.route_in_kernels
 
     def ffn_ok(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> bool:
         """Whether this call may take the one-launch FFN (ffn): DS4_MOE_FFN=1 or 2, one token on the GPU, plain
@@ -336,8 +340,7 @@ class _LayerCache:
 class Bf16CacheMoE(Fp4TopkMoE):
     """Hot-expert BF16 cache (per layer, keyed by the layer's w1 storage)."""
     name = "bf16_cache"
-    route_in_kernels = False  # its routed() reads the ids on the host
-    ffn_capable = False
+    route_in_kernels = False  # its routed() reads the ids on the host (so no one-launch FFN either)
     tiles = False  # the seed-phase ablation keeps fp4p (its cache and cold path not tested with fp4t)
 
     def __init__(self, cap_bytes: int | None = None, min_free_bytes: int | None = None,
