@@ -58,6 +58,17 @@ template <> __device__ __forceinline__ float post_factor<FMT_FP4T>() { return 7.
 __device__ __forceinline__ float e8m0_to_f32(uint32_t b) {
   return __uint_as_float(b ? (b << 23) : 0x00400000u);
 }
+// Byte k (0..3) of w as e8m0_to_f32 gives it, in fewer ALU instructions: PRMT takes the byte out
+// zero-extended, the shift (FMA pipe) makes it the exponent field, and the max turns b = 0's +0 into
+// 2^-127 (every b >= 1 gives at least 2^-126; b = 255 gives +inf as before).
+__device__ __forceinline__ float e8m0_byte_to_f32(uint32_t w, int k) {
+#if DS4_FP4_OLD_DECODE
+  return e8m0_to_f32((w >> (8 * k)) & 0xffu);
+#else
+  const uint32_t b = __byte_perm(w, 0u, 0x4440u | (uint32_t)k);
+  return fmaxf(__uint_as_float(b << 23), 5.877471754111438e-39f);  // 2^-127
+#endif
+}
 
 // 16-byte streaming load of weights (read once: do not allocate in L1).
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
@@ -109,13 +120,23 @@ template <> struct Dec<FMT_FP4> {
 //   r3 = (rotl(q, 6) & 0x80C080C0) | (rotl(q, 14) & 0x01000100),     M = 0x81C081C0
 // 9 integer instructions per word instead of ~17 for the stored nibble order (SASS of the FMT_FP4 kernel,
 // experiments/ncu_h200_s8.txt: 2 shifts + 2 LOP3 per register).
+// Two of the rotations never wrap a bit that their mask keeps (rotl 4 under M, rotl 6 under 0x80C080C0), so
+// they are written as left shifts: ptxas may then issue them on the FMA pipe (IMAD.SHL) instead of the ALU
+// pipe's funnel shifter. The FP4 tensor-core arithmetic is ALU-bound (scripts/probe_bulk.cu, session 22:
+// the ALU pipe at ~70 % of its peak with the weights already in shared memory). Same bits for every word.
 __device__ __forceinline__ uint32_t rotl32(uint32_t q, int s) { return __funnelshift_l(q, q, s); }
 __device__ __forceinline__ void fp4p_regs(uint32_t q, uint32_t (&r)[4]) {
   constexpr uint32_t M = 0x81C081C0u;
   r[0] = q & M;
+#if DS4_FP4_OLD_DECODE  // session 22's A/B (ALT_NVCC_FLAGS=-DDS4_FP4_OLD_DECODE=1): the rotations before
   r[1] = rotl32(q, 4) & M;
   r[2] = rotl32(q, 10) & M;
   r[3] = (rotl32(q, 6) & 0x80C080C0u) | (rotl32(q, 14) & 0x01000100u);
+#else
+  r[1] = (q << 4) & M;
+  r[2] = rotl32(q, 10) & M;
+  r[3] = ((q << 6) & 0x80C080C0u) | (rotl32(q, 14) & 0x01000100u);
+#endif
 }
 template <> struct Dec<FMT_FP4P> {
   static constexpr int PER_WORD = 8;
