@@ -62,12 +62,8 @@ __device__ __forceinline__ float e8m0_to_f32(uint32_t b) {
 // zero-extended, the shift (FMA pipe) makes it the exponent field, and the max turns b = 0's +0 into
 // 2^-127 (every b >= 1 gives at least 2^-126; b = 255 gives +inf as before).
 __device__ __forceinline__ float e8m0_byte_to_f32(uint32_t w, int k) {
-#if DS4_FP4_OLD_DECODE
-  return e8m0_to_f32((w >> (8 * k)) & 0xffu);
-#else
   const uint32_t b = __byte_perm(w, 0u, 0x4440u | (uint32_t)k);
   return fmaxf(__uint_as_float(b << 23), 5.877471754111438e-39f);  // 2^-127
-#endif
 }
 
 // 16-byte streaming load of weights (read once: do not allocate in L1).
@@ -128,15 +124,9 @@ __device__ __forceinline__ uint32_t rotl32(uint32_t q, int s) { return __funnels
 __device__ __forceinline__ void fp4p_regs(uint32_t q, uint32_t (&r)[4]) {
   constexpr uint32_t M = 0x81C081C0u;
   r[0] = q & M;
-#if DS4_FP4_OLD_DECODE  // session 22's A/B (ALT_NVCC_FLAGS=-DDS4_FP4_OLD_DECODE=1): the rotations before
-  r[1] = rotl32(q, 4) & M;
-  r[2] = rotl32(q, 10) & M;
-  r[3] = (rotl32(q, 6) & 0x80C080C0u) | (rotl32(q, 14) & 0x01000100u);
-#else
   r[1] = (q << 4) & M;
   r[2] = rotl32(q, 10) & M;
   r[3] = ((q << 6) & 0x80C080C0u) | (rotl32(q, 14) & 0x01000100u);
-#endif
 }
 template <> struct Dec<FMT_FP4P> {
   static constexpr int PER_WORD = 8;

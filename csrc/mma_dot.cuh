@@ -70,50 +70,17 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 template <int FMT> __device__ __forceinline__ void mma_chunk(const uint4& wg, const uint4& wg8, const uint4* xb,
                                                              float (&d)[4]);
 
-// DS4_MMA_ACC (compile time, 1 / 2 / 4): independent accumulators per chunk, added at its end. With 1 every
-// MMA of a chunk waits for the previous one's result (a chain of 4 for FP8, 8 for FP4); more shorten the
-// chain at the cost of a few adds and another summation order (scripts/probe_bulk.cu measures it).
-#ifndef DS4_MMA_ACC
-#define DS4_MMA_ACC 1
-#endif
-constexpr int MMA_ACC = DS4_MMA_ACC;
-static_assert(MMA_ACC == 1 || MMA_ACC == 2 || MMA_ACC == 4, "DS4_MMA_ACC: 1, 2 or 4");
-
-// d += e[0] + e[1] + ... (the chain's partial accumulators, in a fixed order)
-template <int N>
-__device__ __forceinline__ void mma_acc_add(float (&d)[4], const float (&e)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float s = e[0][i];
-#pragma unroll
-    for (int a = 1; a < N; ++a) s += e[a][i];
-    d[i] += s;
-  }
-}
-
 template <>
 __device__ __forceinline__ void mma_chunk<FMT_FP8>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
   // word w = bytes b0..b3 (k = 4w..4w+3): A k-slots (2t, 2t+1) <- (b0, b2), (2t+8, 2t+9) <- (b1, b3);
   // staged B per 4 values: [x0 x2 x1 x3]
   const uint32_t qa[4] = {wg.x, wg.y, wg.z, wg.w}, qb[4] = {wg8.x, wg8.y, wg8.z, wg8.w};
-  if constexpr (MMA_ACC == 1) {
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint4 b = xb[w >> 1];
-      const uint32_t b0 = (w & 1) ? b.z : b.x, b1 = (w & 1) ? b.w : b.y;
-      mma_16816(d, fp8x2_to_bf16x2(qa[w] << 8), fp8x2_to_bf16x2(qb[w] << 8), fp8x2_to_bf16x2(qa[w]),
-                fp8x2_to_bf16x2(qb[w]), b0, b1);
-    }
-  } else {
-    float e[MMA_ACC][4] = {};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint4 b = xb[w >> 1];
-      const uint32_t b0 = (w & 1) ? b.z : b.x, b1 = (w & 1) ? b.w : b.y;
-      mma_16816(e[w % MMA_ACC], fp8x2_to_bf16x2(qa[w] << 8), fp8x2_to_bf16x2(qb[w] << 8), fp8x2_to_bf16x2(qa[w]),
-                fp8x2_to_bf16x2(qb[w]), b0, b1);
-    }
-    mma_acc_add(d, e);
+  for (int w = 0; w < 4; ++w) {
+    const uint4 b = xb[w >> 1];
+    const uint32_t b0 = (w & 1) ? b.z : b.x, b1 = (w & 1) ? b.w : b.y;
+    mma_16816(d, fp8x2_to_bf16x2(qa[w] << 8), fp8x2_to_bf16x2(qb[w] << 8), fp8x2_to_bf16x2(qa[w]),
+              fp8x2_to_bf16x2(qb[w]), b0, b1);
   }
 }
 
@@ -132,7 +99,6 @@ __device__ __forceinline__ void fp4_regs(uint32_t q, uint32_t (&r)[4]) {
 template <int FMT>
 __device__ __forceinline__ void mma_chunk_fp4(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
   const uint32_t qa[4] = {wg.x, wg.y, wg.z, wg.w}, qb[4] = {wg8.x, wg8.y, wg8.z, wg8.w};
-  float e[MMA_ACC][4] = {};
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     const uint4 b = xb[w];
@@ -144,15 +110,9 @@ __device__ __forceinline__ void mma_chunk_fp4(const uint4& wg, const uint4& wg8,
       fp4_regs(qa[w], ra);
       fp4_regs(qb[w], rb);
     }
-    if constexpr (MMA_ACC == 1) {
-      mma_16816(d, ra[0], rb[0], ra[1], rb[1], b.x, b.y);
-      mma_16816(d, ra[2], rb[2], ra[3], rb[3], b.z, b.w);
-    } else {
-      mma_16816(e[(2 * w) % MMA_ACC], ra[0], rb[0], ra[1], rb[1], b.x, b.y);
-      mma_16816(e[(2 * w + 1) % MMA_ACC], ra[2], rb[2], ra[3], rb[3], b.z, b.w);
-    }
+    mma_16816(d, ra[0], rb[0], ra[1], rb[1], b.x, b.y);
+    mma_16816(d, ra[2], rb[2], ra[3], rb[3], b.z, b.w);
   }
-  if constexpr (MMA_ACC > 1) mma_acc_add(d, e);
 }
 template <>
 __device__ __forceinline__ void mma_chunk<FMT_FP4>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
@@ -237,6 +197,16 @@ constexpr int MMA_STREAM_MAX_TILES = 32;  // 16-row tiles per block (shared memo
 // Floats of the partial sums of nt tiles (MmaStream::run's `part`).
 __host__ __device__ constexpr int mma_part_floats(int nt) { return nt * MMA_STREAM_WARPS * 16; }
 
+// 16 zero uint4 in shared memory (one array per kernel): the B values of the lanes that carry none in
+// MmaStream. Those lanes then issue the same LDS as the others; a predicated load instead needs its 4-16
+// registers zeroed (CS2R) before it on every round (the routed top-6 pair 0.8 us faster on an H200,
+// experiments/decode_session22_h200.md). MmaStream's constructor writes the zeros; every kernel has a barrier
+// between constructing its stream and running it.
+__device__ __forceinline__ uint4* mma_zero_b() {
+  __shared__ uint4 z[16];
+  return z;
+}
+
 // A block's share of a batch-1 product, streamed: local tiles 0 .. nt-1, each the sum of nseg
 // segments of nr rounds. A round covers 4 W chunks of each of the tile's 16 rows: lane (g, t) reads W
 // consecutive 16-B chunks (4 W r + W t + w, w < W) of rows g and g + 8, so every row is read in runs of
@@ -258,19 +228,6 @@ __host__ __device__ constexpr int mma_part_floats(int nt) { return nt * MMA_STRE
 // FMT_FP4T (tiled): a tile's rows lie where they lie in the row-major layout (16 rows x rowb bytes from
 // row0 * rowb), but inside it the 16-B chunk of (round r, chunk w, row half h, lane) sits at
 // ((r W + w) 2 + h) 512 + lane 16: each load of a warp reads 512 contiguous bytes (W must be FP4T_W).
-// 16 zero uint4 in shared memory (one array per kernel): the B values of the lanes that carry none in
-// MmaStream. Those lanes then issue the same LDS as the others; a predicated load instead needs its 4-16
-// registers zeroed (CS2R) before it on every round. MmaStream's constructor writes the zeros; every kernel has a
-// barrier between constructing its stream and running it. DS4_MMA_B_PRED=1 (session 22's A/B): the predicated
-// loads.
-#ifndef DS4_MMA_B_PRED
-#define DS4_MMA_B_PRED 0
-#endif
-__device__ __forceinline__ uint4* mma_zero_b() {
-  __shared__ uint4 z[16];
-  return z;
-}
-
 template <int FMT, int U, int W, typename TileFn>
 struct MmaStream {
   static constexpr int SC = fmt_fp4(FMT) ? W : 1;  // scale registers per slot
@@ -299,7 +256,7 @@ struct MmaStream {
     ls = (int)(ts % nseg);
     lt = (int)(ts / nseg);
     if (n > 0) seek();
-    if (!DS4_MMA_B_PRED && threadIdx.x < 16) mma_zero_b()[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
+    if (threadIdx.x < 16) mma_zero_b()[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
   }
 
   __device__ __forceinline__ void seek() {  // pointers of segment (lt, ls)
@@ -387,8 +344,7 @@ struct MmaStream {
 
   __device__ __forceinline__ void run(float* part) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const bool lane_b = fmt_fp4(FMT) ? g == t : (W == 4 ? g == (t >> 1) : g == 0);
-    const bool has_b = DS4_MMA_B_PRED ? lane_b : true;  // without the predicate: the zeros' address instead
+    const bool lane_b = fmt_fp4(FMT) ? g == t : (W == 4 ? g == (t >> 1) : g == 0);  // lanes that carry B
     const uint4* zb = mma_zero_b();
     float acc0 = 0.f, acc1 = 0.f;
     for (int i0 = 0; i0 < n; i0 += U) {
@@ -396,11 +352,11 @@ struct MmaStream {
       for (int k = 0; k < U; ++k) {
         if (i0 + k < n) {
           const uint32_t m = meta[k];
-          const uint4* src = DS4_MMA_B_PRED || lane_b ? reinterpret_cast<const uint4*>(xbase + (m & 0x1ffffu)) : zb;
+          const uint4* src = lane_b ? reinterpret_cast<const uint4*>(xbase + (m & 0x1ffffu)) : zb;
           if (FMT == FMT_FP8) {  // one accumulator over the W MMAs, then the block scale(s)
             float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int w = 0; w < W; ++w) mma_round_chunk<FMT>(wa[k][w], wb[k][w], src, w, has_b, d);
+            for (int w = 0; w < W; ++w) mma_round_chunk<FMT>(wa[k][w], wb[k][w], src, w, true, d);
             const float f0 = e8m0_byte_to_f32(sc[k][0], 0);
             acc0 = fmaf(d[0], f0, acc0);
             acc1 = fmaf(d[2], f0, acc1);
@@ -413,7 +369,7 @@ struct MmaStream {
 #pragma unroll
             for (int w = 0; w < W; ++w) {
               float d[4] = {0.f, 0.f, 0.f, 0.f};
-              mma_round_chunk<FMT>(wa[k][w], wb[k][w], src, w, has_b, d);
+              mma_round_chunk<FMT>(wa[k][w], wb[k][w], src, w, true, d);
               acc0 = fmaf(d[0], fp4_scale(k, 0, 0, w), acc0);
               acc0 = fmaf(d[1], fp4_scale(k, 0, 1, w), acc0);
               acc1 = fmaf(d[2], fp4_scale(k, 1, 0, w), acc1);

@@ -33,12 +33,6 @@
     }                                                                                      \
   } while (0)
 
-#ifdef DS4_FP4_OLD_DECODE
-#define PROBE_OLD_DECODE DS4_FP4_OLD_DECODE
-#else
-#define PROBE_OLD_DECODE 0
-#endif
-
 namespace bulk {
 
 __device__ __forceinline__ uint32_t su32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -373,7 +367,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp p;
   CK(cudaGetDeviceProperties(&p, 0));
   const int sms = p.multiProcessorCount;
-  std::printf("%s, %d SMs, DS4_MMA_ACC %d, DS4_FP4_OLD_DECODE %d\n", p.name, sms, ds4::MMA_ACC, PROBE_OLD_DECODE);
+  std::printf("%s, %d SMs\n", p.name, sms);
   {  // copy bandwidth, same process
     const size_t n = 1ull << 30;
     void *a, *b;
