@@ -20,6 +20,8 @@
 #   probe          phase probe of single kernels (scripts/probe_phases.cu, no torch; $PROBE_ARCH; $PROBE_ARGS: modes,
 #                  space-separated, e.g. "hc packed"; "indexer": the indexer scores kernel with and without its RoPE,
 #                  and sparse_chunk; "tlb": the same bytes read from near or far pages)
+#   probe_bulk     the FP4 tensor-core arithmetic apart from its memory stream (scripts/probe_bulk.cu, sm_90, no torch:
+#                  the register stream, a bulk-copy stream, and the arithmetic alone / with parts left out)
 #   pytest         a diagnostic pytest run ($PYTEST_ARGS: files and options; CUDA_LAUNCH_BLOCKING=1, long tracebacks)
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
 #   tp2_tests      the 2-GPU tests (comm=ll's kernel; tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
@@ -107,6 +109,9 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
       local m; for m in ${PROBE_ARGS:-all}; do   # modes, space-separated (all: the default probe set)
         CUDA_VISIBLE_DEVICES=$g timeout 150 /tmp/ds4_probe ${m/#all/} >> "$L/probe.log" 2>&1
       done ;;
+    probe_bulk) nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_bulk.cu -o /tmp/ds4_probe_bulk \
+        > "$L/probe_bulk.log" 2>&1 || return
+      CUDA_VISIBLE_DEVICES=$g timeout 150 /tmp/ds4_probe_bulk >> "$L/probe_bulk.log" 2>&1 ;;
     pytest) CUDA_VISIBLE_DEVICES=$g CUDA_LAUNCH_BLOCKING=1 timeout 200 python3 -X faulthandler -m pytest -m gpu -q \
         -p no:cacheprovider --tb=long $PYTEST_ARGS > "$L/pytest.log" 2>&1 ;;
     e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 420 $PT tests/test_gpu_e2e.py -k "${E2E_K:-not tp2}" > "$L/e2e_tests.log" 2>&1 ;;
@@ -186,6 +191,7 @@ done
 [ -f "$L/ncu.log" ] && { echo "--- ncu"; head -n 120 "$L/ncu.log"; }
 [ -f "$L/ncu_step.log" ] && { echo "--- ncu_step"; head -n 60 "$L/ncu_step.log"; }
 [ -f "$L/probe.log" ] && { echo "--- probe"; grep -v -i warn "$L/probe.log"; }
+[ -f "$L/probe_bulk.log" ] && { echo "--- probe_bulk"; grep -v -i warn "$L/probe_bulk.log"; }
 for f in kbench kbench_alt; do [ -f "$L/$f.log" ] && { echo "--- $f"; sed -n '/^kernel /,$p' "$L/$f.log"; }; done
 for f in bench_1gpu bench_1gpu_alt bench_tp2 bench_tp4; do
   [ -f "$L/$f.log" ] && { echo "--- $f"; grep -v '^{' "$L/$f.log" | grep -v "^\s*$" | tail -n 12; }

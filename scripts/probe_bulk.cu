@@ -6,9 +6,12 @@
 // (decode_session21_h200.md, tlb probe). Counters (sessions 8, 16) show the register-stream kernels starved of
 // eligible warps: every warp both issues its loads and does the decode and MMAs, so the loads of a warp wait
 // behind its own arithmetic. Here one producer warp per block issues cp.async.bulk copies of whole stages
-// (the fp4t layout keeps a 16-row tile's rounds contiguous: one 16 KB copy per 8 rounds, plus 16 scale-row
-// copies) into a ring of shared-memory stages guarded by mbarriers; the consumer warps only decode and
-// multiply (the same fragments, MMAs and scale order as MmaStream), and release each stage to the producer.
+// (the fp4t layout keeps a 16-row tile's rounds contiguous: one 16 KB copy per 8 rounds, plus the scales as 16
+// row copies or one tile copy) into a ring of shared-memory stages guarded by mbarriers; the consumer warps
+// only decode and multiply (the same fragments, MMAs and scale order as MmaStream), and release each stage to
+// the producer. Modes without copies / without parts of the arithmetic time the arithmetic alone.
+// Result (experiments/decode_session22_h200.md): the arithmetic alone takes 17.5 us of the 21-22 (ALU pipe at
+// 70 %), so the bulk stream is no faster; what it showed led to the ALU cuts in fp4p_regs / MmaStream.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_bulk.cu -o /tmp/probe_bulk && /tmp/probe_bulk
 //
@@ -17,21 +20,13 @@
 // on the same bytes; times are means over back-to-back launches, weights rotated through more than the L2.
 #include "../csrc/gemv.cu"
 #include "../csrc/moe.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
+#include "probe_util.cuh"
 
 #include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
-
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 namespace bulk {
 
@@ -130,9 +125,8 @@ fp4t_bulk_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict_
     mbar_fence_init();
   }
   __syncthreads();
-  if (warp == CW) {  // producer
-    if (MODE == 2) return;
-    for (int i = 0; i < ns; ++i) {
+  if (warp == CW) {  // producer (MODE 2: none)
+    for (int i = 0; i < (MODE == 2 ? 0 : ns); ++i) {
       const int s = i % NS;
       if (i >= NS) mbar_wait(&empty[s], ((i / NS) - 1) & 1);
       const int tile = t0 + i / cps, c = i % cps;
@@ -213,37 +207,6 @@ constexpr long smem_bytes(int K, int tpb) {
 }
 
 }  // namespace bulk
-
-static std::mt19937 rng(0);
-
-static uint8_t* dev_bytes(size_t n, int lo, int hi) {
-  std::vector<uint8_t> h(n);
-  std::uniform_int_distribution<int> u(lo, hi);
-  for (auto& v : h) v = (uint8_t)u(rng);
-  uint8_t* d;
-  CK(cudaMalloc(&d, n));
-  CK(cudaMemcpy(d, h.data(), n, cudaMemcpyHostToDevice));
-  return d;
-}
-
-static int g_reps = 60, g_warm = 3;  // "once": one launch per variant (under ncu)
-
-template <typename F>
-static float time_us(F f, int reps = 0) {
-  if (reps <= 0) reps = g_reps;
-  for (int i = 0; i < g_warm; ++i) f(i);
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  CK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) f(i);
-  CK(cudaEventRecord(b));
-  CK(cudaEventSynchronize(b));
-  float ms = 0.f;
-  CK(cudaEventElapsedTime(&ms, a, b));
-  CK(cudaGetLastError());
-  return ms * 1e3f / reps;
-}
 
 // One shape: the register stream at depth 8 and 2, then the bulk stream's forms, each checked against depth 8.
 static void probe_shape(int sms, int O, int K) {
@@ -363,7 +326,8 @@ static void probe_shape(int sms, int O, int K) {
 }
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "once") g_reps = 1, g_warm = 0;
+  probe_reps = 60;  // the session 22 records' setting
+  if (argc > 1 && std::string(argv[1]) == "once") probe_reps = 1, probe_warm = 0;
   cudaDeviceProp p;
   CK(cudaGetDeviceProperties(&p, 0));
   const int sms = p.multiProcessorCount;
@@ -373,7 +337,7 @@ int main(int argc, char** argv) {
     void *a, *b;
     CK(cudaMalloc(&a, n));
     CK(cudaMalloc(&b, n));
-    const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); }, g_reps > 1 ? 10 : 1);
+    const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); }, probe_reps > 1 ? 10 : 1);
     std::printf("copy 1 GiB: %.0f GB/s (read + write)\n", 2.0 * n / us / 1e3);
     cudaFree(a);
     cudaFree(b);

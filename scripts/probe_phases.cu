@@ -13,67 +13,13 @@
 #include "../csrc/attn/sparse_attn.cu"
 #include "../csrc/gemv.cu"
 #include "../csrc/moe.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
+#include "probe_util.cuh"
 
 #include <algorithm>
 #include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
-
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
-
-static std::mt19937 rng(0);
-
-template <typename T>
-static T* dev_random(size_t n, float lo, float hi) {
-  std::vector<T> h(n);
-  std::uniform_real_distribution<float> u(lo, hi);
-  for (auto& v : h) v = T(u(rng));
-  T* d;
-  CK(cudaMalloc(&d, n * sizeof(T)));
-  CK(cudaMemcpy(d, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-
-static uint8_t* dev_bytes(size_t n, int lo, int hi) {
-  std::vector<uint8_t> h(n);
-  std::uniform_int_distribution<int> u(lo, hi);
-  for (auto& v : h) v = (uint8_t)u(rng);
-  uint8_t* d;
-  CK(cudaMalloc(&d, n));
-  CK(cudaMemcpy(d, h.data(), n, cudaMemcpyHostToDevice));
-  return d;
-}
-
-static float clock_ghz() {
-  int khz = 0;
-  cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
-  return khz / 1e6f;
-}
-
-// Mean microseconds per launch of f(i) over reps launches (f picks its buffers from i).
-template <typename F>
-static float time_us(F f, int reps = 50) {
-  for (int i = 0; i < 3; ++i) f(i);
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  CK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) f(i);
-  CK(cudaEventRecord(b));
-  CK(cudaEventSynchronize(b));
-  float ms = 0.f;
-  CK(cudaEventElapsedTime(&ms, a, b));
-  CK(cudaGetLastError());
-  return ms * 1e3f / reps;
-}
 
 // One more launch with the probe buffers cleared, then the phase table of the marks in use.
 template <typename F>

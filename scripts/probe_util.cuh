@@ -1,0 +1,68 @@
+// Host helpers shared by the probes (scripts/probe_phases.cu, scripts/probe_bulk.cu): error check, random
+// device buffers, CUDA-event timing.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#define CK(x)                                                                              \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+static std::mt19937 rng(0);
+
+template <typename T>
+static T* dev_random(size_t n, float lo, float hi) {
+  std::vector<T> h(n);
+  std::uniform_real_distribution<float> u(lo, hi);
+  for (auto& v : h) v = T(u(rng));
+  T* d;
+  CK(cudaMalloc(&d, n * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+static uint8_t* dev_bytes(size_t n, int lo, int hi) {
+  std::vector<uint8_t> h(n);
+  std::uniform_int_distribution<int> u(lo, hi);
+  for (auto& v : h) v = (uint8_t)u(rng);
+  uint8_t* d;
+  CK(cudaMalloc(&d, n));
+  CK(cudaMemcpy(d, h.data(), n, cudaMemcpyHostToDevice));
+  return d;
+}
+
+static float clock_ghz() {
+  int khz = 0;
+  cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
+  return khz / 1e6f;
+}
+
+// Mean microseconds per launch of f(i) over reps launches (f picks its buffers from i).
+// Launches per timing and warm-up launches before it (probe_bulk's "once" mode, for ncu, sets 1 and 0).
+static int probe_reps = 50, probe_warm = 3;
+
+template <typename F>
+static float time_us(F f, int reps = 0) {
+  if (reps <= 0) reps = probe_reps;
+  for (int i = 0; i < probe_warm; ++i) f(i);
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  CK(cudaEventRecord(a));
+  for (int i = 0; i < reps; ++i) f(i);
+  CK(cudaEventRecord(b));
+  CK(cudaEventSynchronize(b));
+  float ms = 0.f;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  CK(cudaGetLastError());
+  return ms * 1e3f / reps;
+}
