@@ -24,7 +24,7 @@ __host__ __device__ constexpr long hc_fold_smem_floats(int nt, int n, int mix) {
          + 16                                     // post, comb (n + n * n <= 20; padded to 16 B blocks below)
          + 16                                     // (pad)
          + (long)nt * 16                          // y of the block's rows, as stored
-         + (long)(MMA_STREAM_THREADS / 4) * (mix + 1)   // one reduction slot per lane quad and mix
+         + (long)(MMA_STREAM_THREADS / 4 + 1) * (mix + 1)  // one reduction slot per lane quad and mix (+1: pad)
          + 8;                                     // alignment slack
 }
 
@@ -33,7 +33,7 @@ struct HcFoldSmem {
   __nv_bfloat16* res;   // [n][nt * 16]
   float* pc;            // post [n] then comb [n * n]
   float* ys;            // [nt * 16]
-  float* red;           // [mix + 1][MMA_STREAM_THREADS / 4]
+  float* red;           // [mix + 1][quads + 1]: quads = blockDim.x / 4 <= MMA_STREAM_THREADS / 4, one pad column
 };
 
 __device__ __forceinline__ HcFoldSmem hc_fold_smem(float* base, int nt, int n, int mix) {
@@ -84,7 +84,9 @@ __device__ __forceinline__ void hc_fold_load_act(const HcFold& f, const HcFoldSm
 // chains), sums them over its lane quad (2 shuffles each), and the quads' sums of a tile are added by one
 // thread per (tile, m) from shared memory in a fixed order (deterministic). A first version reduced each
 // mix over 16-64 lanes with 5 dependent shuffles in a loop: ~125 dependent shuffles on every block's tail
-// (session 14, run 3).
+// (session 14, run 3). The slots of one mix are a row of quads + 1 floats: the threads of one tile read
+// the rows of consecutive mixes at the same column, which a stride of quads (a multiple of 32) put in one
+// shared-memory bank (25-way conflicts, 16 loads each, on every folding block's tail).
 template <int N>
 __device__ __forceinline__ void hc_fold_pass(const HcFold& f, const HcFoldSmem& s, int t0, int nt, int D, int e0) {
   constexpr int MIX = (2 + N) * N, ET = 16 * N;  // mixes, elements per tile
@@ -100,7 +102,7 @@ __device__ __forceinline__ void hc_fold_pass(const HcFold& f, const HcFoldSmem& 
     static_cast<__nv_bfloat16*>(f.out)[(long)j * D + t0 * 16 + i] = b;
     v = __bfloat162float(b);
   }
-  const int quads = blockDim.x / 4;
+  const int quads = blockDim.x / 4, rs = quads + 1;  // slots per mix row (padded: see above)
 #pragma unroll
   for (int m0 = 0; m0 <= MIX; m0 += 8) {  // 8 mixes at a time: few live registers in the 64-register kernels
     float p[8];
@@ -117,7 +119,7 @@ __device__ __forceinline__ void hc_fold_pass(const HcFold& f, const HcFoldSmem& 
     if ((threadIdx.x & 3) == 0) {
 #pragma unroll
       for (int k = 0; k < 8; ++k)
-        if (m0 + k <= MIX) s.red[(m0 + k) * quads + (threadIdx.x >> 2)] = p[k];
+        if (m0 + k <= MIX) s.red[(m0 + k) * rs + (threadIdx.x >> 2)] = p[k];
     }
   }
   __syncthreads();
@@ -125,7 +127,7 @@ __device__ __forceinline__ void hc_fold_pass(const HcFold& f, const HcFoldSmem& 
   const int tiles = min(nt - e0 / ET, (int)blockDim.x / ET);
   for (int k = threadIdx.x; k < tiles * (MIX + 1); k += blockDim.x) {
     const int tt = k / (MIX + 1), m = k - tt * (MIX + 1);
-    const float* r = s.red + m * quads + tt * (ET / 4);
+    const float* r = s.red + m * rs + tt * (ET / 4);
     float acc = 0.f;
 #pragma unroll
     for (int q = 0; q < ET / 4; ++q) acc += r[q];

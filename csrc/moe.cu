@@ -511,17 +511,30 @@ static cudaError_t with_fp4t_shape(int depth, F f) {
   return f(integral_constant<int, 2 / FP4T_W>{});
 }
 
+// The routed experts' gate+up depth: DS4_ROUTED_DEPTH (8 / 4 / 2; read at every launch, for the ablation: bench
+// tokens rdN) overrides the per-shape default (mma_depth) there only — the shared expert, the down kernels and
+// the dense GEMVs keep theirs. Why a knob of its own: the FP4 arithmetic measured faster at depth 2 than at 8
+// in the probe (scripts/probe_bulk.cu, experiments/decode_session22_h200.md), and depth 2 needs half the
+// registers, which a down block waiting under PDL could use; DS4_MMA_DEPTH moves every kernel at once.
+static int gate_up_depth(const MoEArgs& a) {
+  const bool routed = a.ids != nullptr || a.route_logits != nullptr;
+  const char* env = routed ? std::getenv("DS4_ROUTED_DEPTH") : nullptr;
+  if (env == nullptr || *env == '\0') return mma_depth(a.dim, false);
+  const int d = std::atoi(env);
+  return d >= 8 ? 8 : d >= 4 ? 4 : 2;
+}
+
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && (!moe_route_ok(a) || !a.ids_out || !a.rw_out))) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4T && mma) {
     if (!fp4t_shape_ok(a)) return cudaErrorInvalidValue;
-    return with_fp4t_shape(mma_depth(a.dim, false), [&](auto u) {
+    return with_fp4t_shape(gate_up_depth(a), [&](auto u) {
       return gate_up_mma_go<FMT_FP4T, decltype(u)::value, FP4T_W>(a, x, h, st);
     });
   }
   if (mma)
-    return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), mma_depth(a.dim, false), [&](auto cw, auto u) {
+    return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), gate_up_depth(a), [&](auto cw, auto u) {
       constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
       if (a.fmt == FMT_FP8) return gate_up_mma_go<FMT_FP8, U, CW>(a, x, h, st);
       return a.fmt == FMT_FP4P ? gate_up_mma_go<FMT_FP4P, U, CW>(a, x, h, st)

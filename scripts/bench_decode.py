@@ -38,7 +38,9 @@ a branch of their own), sprio
 (DS4_SIDE_PRIORITY=high: the side-stream branches above the main stream's priority), shwNN
 (DS4_SHARED_WAVE=NN: the shared expert's tensor-core launches take NN % of a resident wave, leaving SM
 slots to the router's kernels beside them), rwNN (DS4_ROUTED_WAVE=NN: the routed experts' tensor-core gate+up
-takes NN % of a resident wave, so the down kernel's blocks can be resident beside it under PDL), capN (the state's caches sized for
+takes NN % of a resident wave, so the down kernel's blocks can be resident beside it under PDL), rdN
+(DS4_ROUTED_DEPTH=N, N of 8 / 4 / 2: the routed experts' tensor-core gate+up keeps N chunks per lane and row in
+flight, the other kernels their defaults), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
@@ -241,6 +243,12 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SHARED_WAVE"] = str(_number_token(toks, "shw", 100))
     # rwNN: the routed experts' tensor-core gate+up takes NN % of a resident wave (DS4_ROUTED_WAVE)
     os.environ["DS4_ROUTED_WAVE"] = str(_number_token(toks, "rw", 100))
+    # rdN: the routed experts' gate+up depth (DS4_ROUTED_DEPTH); without it the library's per-shape default
+    rdepth = _number_token(toks, "rd", 0)
+    if rdepth:
+        os.environ["DS4_ROUTED_DEPTH"] = str(rdepth)
+    else:
+        os.environ.pop("DS4_ROUTED_DEPTH", None)
     # pf: the L2 prefetch's default sites; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those
     # sites; neither: no prefetch (DS4_L2_PREFETCH)
     os.environ["DS4_L2_PREFETCH"] = _prefetch_sites(toks)

@@ -45,7 +45,8 @@
 #   NAME_alt       bench, kbench or profile on a second build of both extensions with the extra nvcc flags
 #                  $ALT_NVCC_FLAGS (a -D switch of the CUDA sources; built in .ext_build_alt beside the default
 #                  build), outputs tagged _alt: a build-time ablation in a second process on the same machine
-#                  (session 21's L2-hint A/B, experiments/decode_session21_h200.md)
+#                  (session 21's L2-hint A/B, experiments/decode_session21_h200.md); bench_alt takes
+#                  $BENCH_ALT_VARIANTS where set, else $BENCH_VARIANTS
 #   seed_tp2       seed-phase sweep on the full model at tp=2 (long; alone in its group; $SEED_TP2_TIMEOUT s, default 540)
 set -u
 # Each finished stage appends its logs to $OUT/logs.txt (one file: a call brings back at most 8), so a
@@ -75,7 +76,7 @@ wait; [ -f "$L/build_alt.log" ] && tail -n 2 "$L/build_alt.log"
 stage() {  # stage name, GPU index[, output tag]
   local g=$2 X=${3:-}
   case $1 in
-    *_alt) ( export "${ALT_ENV[@]}"; stage "${1%_alt}" "$g" _alt ) ;;
+    *_alt) ( export "${ALT_ENV[@]}"; BENCH_VARIANTS=${BENCH_ALT_VARIANTS:-$BENCH_VARIANTS}; stage "${1%_alt}" "$g" _alt ) ;;
     kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
                     tests/test_decode_glue_gpu.py tests/test_hc_fold_gpu.py tests/test_moe_ffn_gpu.py \
                     > "$L/kernel_tests.log" 2>&1 ;;

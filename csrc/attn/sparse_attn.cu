@@ -7,7 +7,7 @@
 //     denominator, p rounded to bf16 for P.V like the reference) itself, and O_c = P V for its own
 //     slice of the output dims (fp32) -> workspace, with (max, sum) per head. Chunks with no valid
 //     key write max = -inf and nothing else.
-//     H200, one call at context 64 (3 busy chunks): 9.8 us like this (scripts/probe_phases.cu); 16.8 us
+//     H200, one call at context 64 (3 busy chunks): 6.9 us like this (scripts/probe_phases.cu); 16.8 us
 //     when one block served all 64 heads with 16 warps recomputing S per output slice (14.5 us of
 //     block life: 3.4 loads, 3.9 S, 6.3 P.V).
 //   sparse_combine_kernel: per (row, head): M = max(sink, max_c), L = exp(sink - M) + sum_c l_c
@@ -28,8 +28,13 @@ constexpr int SP_MAX_ROPE = 512;  // RoPE dims the q_prep table holds
 
 int sparse_keys_per_block() { return SP_KC; }
 
-static size_t sparse_smem(int D) {  // keys [KC][D + 8] + q [16][D + 8] bf16, S partials [warps][32 lanes][16] fp32
-  return (size_t)(SP_KC + 16) * (D + 8) * sizeof(uint16_t) + (size_t)SP_WARPS * 32 * 16 * sizeof(float);
+// S as float4 fragment pieces: (n-tile, lane) -> the lane's 4 accumulators of that n-tile
+constexpr int SP_SFRAG = SP_KC / 8 * 32;
+
+// keys [KC][D + 8] + q [16][D + 8] bf16, then fp32 S: the warps' partials [warps][SP_SFRAG] and their sum
+// [SP_SFRAG], as float4
+static size_t sparse_smem(int D) {
+  return (size_t)(SP_KC + 16) * (D + 8) * sizeof(uint16_t) + (size_t)(SP_WARPS + 1) * SP_SFRAG * sizeof(float4);
 }
 
 __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
@@ -170,20 +175,32 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
       }
     }
   }
-  float4* mine = reinterpret_cast<float4*>(spart + (warp * 32 + lane) * 16);
+  // The sum over the warps, once per fragment piece (thread i < SP_SFRAG owns piece i), in warp order
+  // (deterministic), then every warp reads the whole S back. Each access of a warp is 32 consecutive
+  // float4: 4 shared-memory wavefronts, the least for 512 bytes. Before, every warp summed all eight warps'
+  // partials itself from a lane-strided layout (64-byte stride, 4-way bank conflicts): 4608 wavefronts per
+  // block where this takes 256. H200 (scripts/probe_phases.cu indexer, experiments/decode_session23_h200.md):
+  // this phase 2.70 -> 0.60 us, the kernel 8.95 -> 6.89 us for one launch.
+  float4* s_part = reinterpret_cast<float4*>(spart);  // [warp][SP_SFRAG]
+  float4* s_sum = s_part + SP_WARPS * SP_SFRAG;        // [SP_SFRAG]
 #pragma unroll
-  for (int nt = 0; nt < SP_KC / 8; ++nt) mine[nt] = make_float4(sc[nt][0], sc[nt][1], sc[nt][2], sc[nt][3]);
+  for (int nt = 0; nt < SP_KC / 8; ++nt)
+    s_part[warp * SP_SFRAG + nt * 32 + lane] = make_float4(sc[nt][0], sc[nt][1], sc[nt][2], sc[nt][3]);
   __syncthreads();
-  // every warp sums the partials of its lane's fragment in warp order
+  for (int i = threadIdx.x; i < SP_SFRAG; i += SP_THREADS) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-  for (int nt = 0; nt < SP_KC / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-  for (int w = 0; w < SP_WARPS; ++w) {
-    const float4* p = reinterpret_cast<const float4*>(spart + (w * 32 + lane) * 16);
-#pragma unroll
-    for (int nt = 0; nt < SP_KC / 8; ++nt) {
-      const float4 v = p[nt];
-      sc[nt][0] += v.x; sc[nt][1] += v.y; sc[nt][2] += v.z; sc[nt][3] += v.w;
+    for (int w = 0; w < SP_WARPS; ++w) {
+      const float4 v = s_part[w * SP_SFRAG + i];
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
     }
+    s_sum[i] = acc;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int nt = 0; nt < SP_KC / 8; ++nt) {
+    const float4 v = s_sum[nt * 32 + lane];
+    sc[nt][0] = v.x; sc[nt][1] = v.y; sc[nt][2] = v.z; sc[nt][3] = v.w;
   }
   DS4_MARK(2);
   // ---- scale, mask, chunk max / sum per head row (g and g + 8)
