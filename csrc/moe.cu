@@ -511,17 +511,21 @@ static cudaError_t with_fp4t_shape(int depth, F f) {
   return f(integral_constant<int, 2 / FP4T_W>{});
 }
 
-// The routed experts' gate+up depth: DS4_ROUTED_DEPTH (8 / 4 / 2; read at every launch, for the ablation: bench
-// tokens rdN) overrides the per-shape default (mma_depth) there only — the shared expert, the down kernels and
-// the dense GEMVs keep theirs. Why a knob of its own: the FP4 arithmetic measured faster at depth 2 than at 8
-// in the probe (scripts/probe_bulk.cu, experiments/decode_session22_h200.md), and depth 2 needs half the
-// registers, which a down block waiting under PDL could use; DS4_MMA_DEPTH moves every kernel at once.
+// The routed experts' gate+up depth. Default: 4 where the per-shape rule (mma_depth) says 8 — measured in
+// the decode step on an H200, 4 against 8 three times in two runs, 0.4-1.3 us per layer less each time (and 2
+// slower; experiments/decode_session23_h200.md) — else that rule, DS4_MMA_DEPTH / DS4_MMA_LOAD included.
+// DS4_ROUTED_DEPTH (8 / 4 / 2, read at every launch, for the ablation: bench tokens rdN) sets it outright.
+// The shared expert, the down kernels and the dense GEMVs keep mma_depth.
 static int gate_up_depth(const MoEArgs& a) {
+  const int d = mma_depth(a.dim, false);
   const bool routed = a.ids != nullptr || a.route_logits != nullptr;
-  const char* env = routed ? std::getenv("DS4_ROUTED_DEPTH") : nullptr;
-  if (env == nullptr || *env == '\0') return mma_depth(a.dim, false);
-  const int d = std::atoi(env);
-  return d >= 8 ? 8 : d >= 4 ? 4 : 2;
+  if (!routed) return d;
+  const char* env = std::getenv("DS4_ROUTED_DEPTH");
+  if (env != nullptr && *env != '\0') {
+    const int e = std::atoi(env);
+    return e >= 8 ? 8 : e >= 4 ? 4 : 2;
+  }
+  return d == 8 && std::getenv("DS4_MMA_DEPTH") == nullptr ? 4 : d;
 }
 
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {

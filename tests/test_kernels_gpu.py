@@ -366,6 +366,37 @@ def test_moe_fp4t_layout_bit_exact(depth, case, dims, monkeypatch):
         assert torch.isfinite(yt.float()).all() and torch.equal(yt, y)
 
 
+@pytest.mark.parametrize("routed_depth,rounds", [(None, 2), ("2", 1), ("4", 2), ("8", 4)])
+def test_routed_gate_up_depth_default_and_knob(routed_depth, rounds, monkeypatch):
+    """The routed experts' fp4t gate+up at V4's dim runs at depth 4 (2 rounds of run width 2 in flight) where the
+    per-shape rule says 8, and DS4_ROUTED_DEPTH sets the depth: the kernel that ran (its template arguments:
+    format 4 = fp4t, rounds, width) says which; its h agrees with depth 8's to fp32 rounding (the grid, and so
+    the warps' split of the rounds, follows the registers)."""
+    monkeypatch.delenv("DS4_MMA_DEPTH", raising=False)
+    monkeypatch.delenv("DS4_MMA_LOAD", raising=False)
+    dim, inter = 4096, 2048
+    g = gen(seed_of("routed_depth", routed_depth))
+    (p1, s1, p3, s3, _, _), _ = make_experts(16, dim, inter, g, "fp4p")
+    t1, t3 = tile_fp4_mma(p1), tile_fp4_mma(p3)
+    ids = torch.tensor([ONE_TOKEN_IDS["distinct"]], device=DEV)
+    weights = torch.rand(1, 6, device=DEV, generator=g) + 0.1
+    x = rand_x(1, dim, g)
+    monkeypatch.setenv("DS4_ROUTED_DEPTH", "8")
+    h8 = kernels.moe_gate_up(x, ids, weights, t1, s1, t3, s3, "fp4t", 32, 16, 10.0)
+    if routed_depth is None:
+        monkeypatch.delenv("DS4_ROUTED_DEPTH")
+    else:
+        monkeypatch.setenv("DS4_ROUTED_DEPTH", routed_depth)
+    poison()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        h = kernels.moe_gate_up(x, ids, weights, t1, s1, t3, s3, "fp4t", 32, 16, 10.0)
+        torch.cuda.synchronize()
+    names = [e.name.replace("(int)", "") for e in prof.events() if "moe_gate_up_mma_kernel" in e.name]
+    assert names and all(f"moe_gate_up_mma_kernel<4, {rounds}, 2>" in n for n in names), names
+    loc = ((ids >= 32) & (ids < 48)).flatten()
+    assert torch.isfinite(h[loc].float()).all() and rel(h[loc], h8[loc]) <= 1e-5
+
+
 ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": [31, 32, 47, 48, 0, 63],
                  "dup": [40, 40, 41, 42, 43, 44], "none_local": [0, 1, 2, 3, 60, 61]}
 
