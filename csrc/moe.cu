@@ -511,21 +511,19 @@ static cudaError_t with_fp4t_shape(int depth, F f) {
   return f(integral_constant<int, 2 / FP4T_W>{});
 }
 
-// The routed experts' gate+up depth. Default: 4 where the per-shape rule (mma_depth) says 8 — measured in
-// the decode step on an H200, 4 against 8 three times in two runs, 0.4-1.3 us per layer less each time (and 2
-// slower; experiments/decode_session23_h200.md) — else that rule, DS4_MMA_DEPTH / DS4_MMA_LOAD included.
-// DS4_ROUTED_DEPTH (8 / 4 / 2, read at every launch, for the ablation: bench tokens rdN) sets it outright.
-// The shared expert, the down kernels and the dense GEMVs keep mma_depth.
+// The routed experts' gate+up depth: DS4_ROUTED_DEPTH (8 / 4 / 2; read at every launch, for the ablation: bench
+// tokens rdN) sets it there alone, else the per-shape rule (mma_depth). The shared expert, the down kernels and
+// the dense GEMVs keep mma_depth. Why a knob of its own: the FP4 arithmetic alone ran faster at depth 2 than at 8
+// (scripts/probe_bulk.cu, experiments/decode_session22_h200.md) and DS4_MMA_DEPTH moves every kernel at once. In the
+// decode step (H200, experiments/decode_session23_h200.md) depth 4 came out 1.3 / 0.8 / 0.4 / 0.0 us per layer
+// below 8 in four same-process pairs (runs 1-3), depth 2 1.1 above (run 1): within the step's noise, so the rule
+// stays.
 static int gate_up_depth(const MoEArgs& a) {
-  const int d = mma_depth(a.dim, false);
   const bool routed = a.ids != nullptr || a.route_logits != nullptr;
-  if (!routed) return d;
-  const char* env = std::getenv("DS4_ROUTED_DEPTH");
-  if (env != nullptr && *env != '\0') {
-    const int e = std::atoi(env);
-    return e >= 8 ? 8 : e >= 4 ? 4 : 2;
-  }
-  return d == 8 && std::getenv("DS4_MMA_DEPTH") == nullptr ? 4 : d;
+  const char* env = routed ? std::getenv("DS4_ROUTED_DEPTH") : nullptr;
+  if (env == nullptr || *env == '\0') return mma_depth(a.dim, false);
+  const int d = std::atoi(env);
+  return d >= 8 ? 8 : d >= 4 ? 4 : 2;
 }
 
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {

@@ -366,12 +366,12 @@ def test_moe_fp4t_layout_bit_exact(depth, case, dims, monkeypatch):
         assert torch.isfinite(yt.float()).all() and torch.equal(yt, y)
 
 
-@pytest.mark.parametrize("routed_depth,rounds", [(None, 2), ("2", 1), ("4", 2), ("8", 4)])
+@pytest.mark.parametrize("routed_depth,rounds", [(None, 4), ("2", 1), ("4", 2), ("8", 4)])
 def test_routed_gate_up_depth_default_and_knob(routed_depth, rounds, monkeypatch):
-    """The routed experts' fp4t gate+up at V4's dim runs at depth 4 (2 rounds of run width 2 in flight) where the
-    per-shape rule says 8, and DS4_ROUTED_DEPTH sets the depth: the kernel that ran (its template arguments:
-    format 4 = fp4t, rounds, width) says which; its h agrees with depth 8's to fp32 rounding (the grid, and so
-    the warps' split of the rounds, follows the registers)."""
+    """The routed experts' fp4t gate+up at V4's dim runs at the per-shape rule's depth 8 (4 rounds of run width 2
+    in flight), and DS4_ROUTED_DEPTH sets the depth: the kernel that ran (its template arguments: format 4 = fp4t,
+    rounds, width) says which. Its h agrees with depth 8's up to the fp32 summation order (the grid, and so the
+    warps' split of the rounds, follows the registers), seen through h's bf16 rounding (one-ulp flips)."""
     monkeypatch.delenv("DS4_MMA_DEPTH", raising=False)
     monkeypatch.delenv("DS4_MMA_LOAD", raising=False)
     dim, inter = 4096, 2048
@@ -394,7 +394,7 @@ def test_routed_gate_up_depth_default_and_knob(routed_depth, rounds, monkeypatch
     names = [e.name.replace("(int)", "") for e in prof.events() if "moe_gate_up_mma_kernel" in e.name]
     assert names and all(f"moe_gate_up_mma_kernel<4, {rounds}, 2>" in n for n in names), names
     loc = ((ids >= 32) & (ids < 48)).flatten()
-    assert torch.isfinite(h[loc].float()).all() and rel(h[loc], h8[loc]) <= 1e-5
+    assert torch.isfinite(h[loc].float()).all() and rel(h[loc], h8[loc]) <= 1e-3
 
 
 ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": [31, 32, 47, 48, 0, 63],

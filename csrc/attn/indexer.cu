@@ -61,20 +61,6 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     cp_async16_zfill(ks + j * LD + v * 8, keys + (long)b * k_b + (long)(ok ? t0 + j : t0) * k_r + v * 8, ok);
   }
   for (int i = threadIdx.x; i < IX_WARPS * IX_KC; i += IX_THREADS) (&red[0][0])[i] = 0.f;
-  auto head_w = [&](int h) {  // the reference's order: fp32 of the (bf16) weight, times the scale
-    if (h >= H) return 0.f;
-    const long i = (long)r * H + h;
-    return (w_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(w)[i]) : static_cast<const float*>(w)[i]) *
-           w_scale;
-  };
-  // The head weights of this warp's first tile, loaded while the copies fly (after they are all issued, and
-  // before the first wait for them: the loads' use right behind them stalls the thread). Loaded after the
-  // MMAs they put a dependent round trip at the end of every block (H200: the scores phase 1.49 -> 1.27 us).
-  float hw0 = 0.f, hw1 = 0.f;
-  auto load_hw = [&]() {
-    hw0 = head_w(warp * 16 + (lane >> 2));
-    hw1 = head_w(warp * 16 + (lane >> 2) + 8);
-  };
   DS4_MARK(1);
   const uint16_t* qr = q + (long)r * H * d;
   int qld = d;
@@ -93,7 +79,6 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
       sincosf(fpos * rope_freqs[i], &sn, &cs);
       s_rot[i] = make_float2(cs, sn);
     }
-    load_hw();
     DS4_MARK(2);
     cp_async_wait_all();
     __syncthreads();
@@ -111,7 +96,6 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     qld = LD;
     DS4_MARK(3);
   } else {
-    load_hw();
     DS4_MARK(2);
     DS4_MARK(3);
   }
@@ -119,6 +103,12 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
   __syncthreads();
   DS4_MARK(4);
 
+  auto head_w = [&](int h) {  // the reference's order: fp32 of the (bf16) weight, times the scale
+    if (h >= H) return 0.f;
+    const long i = (long)r * H + h;
+    return (w_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(w)[i]) : static_cast<const float*>(w)[i]) *
+           w_scale;
+  };
   const int mtiles = (H + 15) / 16;
   float part[IX_KC / 8][2];
 #pragma unroll
@@ -138,7 +128,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
       }
     }
     const int h0 = mt * 16 + g, h1 = h0 + 8;
-    float w0 = mt == warp ? hw0 : head_w(h0), w1 = mt == warp ? hw1 : head_w(h1);
+    float w0 = head_w(h0), w1 = head_w(h1);
     if (bf16) { w0 = bf16r(w0); w1 = bf16r(w1); }
 #pragma unroll
     for (int nt = 0; nt < IX_KC / 8; ++nt) {
