@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
   // (deterministic), then every warp reads the whole S back. Each access of a warp is 32 consecutive
   // float4: 4 shared-memory wavefronts, the least for 512 bytes. Before, every warp summed all eight warps'
   // partials itself from a lane-strided layout (64-byte stride, 4-way bank conflicts): 4608 wavefronts per
-  // block where this takes 256. H200 (scripts/probe_phases.cu indexer, experiments/decode_session23_h200.md):
+  // block where this takes about 400. H200 (scripts/probe_phases.cu indexer, experiments/decode_session23_h200.md):
   // this phase 2.70 -> 0.60 us, the kernel 8.95 -> 6.89 us for one launch.
   float4* s_part = reinterpret_cast<float4*>(spart);  // [warp][SP_SFRAG]
   float4* s_sum = s_part + SP_WARPS * SP_SFRAG;        // [SP_SFRAG]
