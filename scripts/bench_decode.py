@@ -116,6 +116,18 @@ def tp_comm(toks: set[str], device: torch.device) -> ddist.TensorParallel:
     return ddist.TensorParallel("bf16" if "bf16" in toks else "fp32", comm, device=device)
 
 
+def repeat_names(variants: list[str]) -> list[str]:
+    """Row names of a variant list: a variant listed again is named VARIANT#2, #3, ... so that repeats in one
+    process (the same configuration measured before and after another, for the noise) keep rows and per-layer
+    lines of their own."""
+    seen: dict[str, int] = {}
+    out = []
+    for v in variants:
+        seen[v] = seen.get(v, 0) + 1
+        out.append(v if seen[v] == 1 else f"{v}#{seen[v]}")
+    return out
+
+
 def _number_token(toks: set[str], prefix: str, default: int) -> int:
     """N of a variant token prefix + digits (e.g. cap8192, shw50), the largest if several; else default."""
     return max([int(t[len(prefix):]) for t in toks if t.startswith(prefix) and t[len(prefix):].isdigit()] or [default])
@@ -289,7 +301,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="v4_flash")
     ap.add_argument("--layers", default="4,12", help="comma list of n_layers (per-layer slope from two)")
-    ap.add_argument("--variants", default="ref,kernels,kernels+graph")
+    ap.add_argument("--variants", default="ref,kernels,kernels+graph",
+                    help="comma list of variants (tokens joined by +); one listed again runs again, named VARIANT#2, ...")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
@@ -316,8 +329,9 @@ def main():
                                               include_mtp=False, experts=lay, shared=sh))
             load_s = time.perf_counter() - t0
             prompt = [(13 * i + 7) % args.vocab_size for i in range(a.prompt_len)]
-            for v in a.variants.split(","):
-                name = v + ("" if lay == "tp" else f"@{lay}") + ("" if sh == "replicate" else f"@sh{sh}")
+            variants = a.variants.split(",")
+            for v, vname in zip(variants, repeat_names(variants)):
+                name = vname + ("" if lay == "tp" else f"@{lay}") + ("" if sh == "replicate" else f"@sh{sh}")
                 try:
                     r = run_variant(model, v, prompt, a.new_tokens, bw, e.world)
                 except (ImplUnavailable, RuntimeError, ValueError) as err:

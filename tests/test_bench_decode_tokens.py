@@ -24,6 +24,11 @@ def test_bench_tokens_choose_the_sites(tokens, expected):
     assert _bench_decode()._prefetch_sites(tokens) == expected
 
 
+def test_repeated_variants_get_rows_of_their_own():
+    names = _bench_decode().repeat_names(["k+graph", "k+graph+spg", "k+graph", "k+graph+rd4", "k+graph"])
+    assert names == ["k+graph", "k+graph+spg", "k+graph#2", "k+graph+rd4", "k+graph#3"]
+
+
 def test_xshared_diagnostic_launches_no_shared_expert():
     """bench_decode's xshared (timing only): the MoE implementation's shared_up returns zeros in line."""
     from ds4.ops.moe_cuda import Fp4TopkMoE
