@@ -128,6 +128,14 @@ def repeat_names(variants: list[str]) -> list[str]:
     return out
 
 
+def _set_or_unset(name: str, value: str | None) -> None:
+    """Set an environment variable the kernels read, or remove it (None) so the library's default applies."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def _number_token(toks: set[str], prefix: str, default: int) -> int:
     """N of a variant token prefix + digits (e.g. cap8192, shw50), the largest if several; else default."""
     return max([int(t[len(prefix):]) for t in toks if t.startswith(prefix) and t[len(prefix):].isdigit()] or [default])
@@ -225,17 +233,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_MMA"] = "0" if "fma" in toks else ("all" if "mma8" in toks else ("k2048" if "k2048" in toks else "1"))
     # w1 / w2 / w4: the tensor-core kernels' widest run of 16-B chunks per lane and row; without one of
     # them the library's default applies (the variable is removed)
-    width = next((t[1:] for t in ("w1", "w2", "w4") if t in toks), None)
-    if width is None:
-        os.environ.pop("DS4_MMA_W", None)
-    else:
-        os.environ["DS4_MMA_W"] = width
+    _set_or_unset("DS4_MMA_W", next((t[1:] for t in ("w1", "w2", "w4") if t in toks), None))
     os.environ["DS4_MMA_LOAD"] = "smem" if "smem" in toks else "reg"
-    depth = next((t[1:] for t in ("d8", "d4", "d2") if t in toks), None)
-    if depth is None:
-        os.environ.pop("DS4_MMA_DEPTH", None)
-    else:
-        os.environ["DS4_MMA_DEPTH"] = depth
+    _set_or_unset("DS4_MMA_DEPTH", next((t[1:] for t in ("d8", "d4", "d2") if t in toks), None))
     os.environ["DS4_SHARED_OVERLAP"] = "0" if "noovl" in toks else "1"
     os.environ["DS4_COMPRESS_OVERLAP"] = "0" if "nocovl" in toks else "1"
     os.environ["DS4_ATTN_OVERLAP"] = "0" if "noaovl" in toks else "1"
@@ -257,10 +257,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_ROUTED_WAVE"] = str(_number_token(toks, "rw", 100))
     # rdN: the routed experts' gate+up depth (DS4_ROUTED_DEPTH); without it the library's per-shape default
     rdepth = _number_token(toks, "rd", 0)
-    if rdepth:
-        os.environ["DS4_ROUTED_DEPTH"] = str(rdepth)
-    else:
-        os.environ.pop("DS4_ROUTED_DEPTH", None)
+    _set_or_unset("DS4_ROUTED_DEPTH", str(rdepth) if rdepth else None)
     # pf: the L2 prefetch's default sites; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those
     # sites; neither: no prefetch (DS4_L2_PREFETCH)
     os.environ["DS4_L2_PREFETCH"] = _prefetch_sites(toks)
