@@ -268,11 +268,11 @@ int gemv_max_tokens(int fmt, int K) {
   return (int)(n > 8 ? 8 : n);
 }
 
-template <int FMT, int NT, int R>
+// U: 16-byte chunks in flight per row and lane (R * U = 8 by default)
+template <int FMT, int NT, int R, int U = 8 / R>
 static cudaError_t gemv_go(const void* x, long x_ld, int n_tok, const void* W, const void* S, int s_ld,
                            void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
                            cudaStream_t st) {
-  constexpr int U = 8 / R;  // 16-byte chunks in flight per row and lane: R * U = 8
   const long smem = gemv_smem<FMT>(n_tok, K);
   auto kern = gemv_kernel<FMT, NT, R, U>;
   cudaError_t e = set_smem(kern, smem);
@@ -321,10 +321,15 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
     return gemv_go<FMT_FP8, 1, 4>(x, x_ld, n_tok, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   if (fmt == FMT_FP8) return gemv_nt<FMT_FP8, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   if (fmt == FMT_FP4) return gemv_nt<FMT_FP4, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
-  // BF16, one token, few rows (the router's 256 x 4096 gate): one row per warp, 8 chunks in flight, so the
-  // rows spread over twice the blocks (32 instead of 16 for the gate); a row's sum is the same either way
+  // BF16, one token, few rows (the router's 256 x 4096 gate): one row per warp, so the rows spread over twice
+  // the blocks (32 instead of 16 for the gate), and 16 chunks in flight, so a 4096-wide row is all requested
+  // before the PDL wait (during the hc finish before it); with 8, a second round of weight loads came after
+  // the wait, on the decode step's critical path. A row's sum is the same in every form (each lane adds its
+  // chunks in order, then the warp's shuffle tree). The CSA compressor's 2048-row projection in this form too
+  // measured no faster (H200: 119.3 / 118.4 against 118.1 us per layer, experiments/decode_session24_h200.md),
+  // so more rows keep 2 rows x 4 chunks per warp.
   if (fmt == FMT_BF16 && n_tok == 1 && O <= 1024 && group_rows <= 0)
-    return gemv_go<FMT_BF16, 1, 1>(x, x_ld, n_tok, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
+    return gemv_go<FMT_BF16, 1, 1, 16>(x, x_ld, n_tok, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   if (fmt == FMT_BF16) return gemv_nt<FMT_BF16, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   return cudaErrorInvalidValue;
 }

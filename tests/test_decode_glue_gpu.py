@@ -145,6 +145,24 @@ def test_decode_attention(kind, pos, prep):
     assert torch.isfinite(got).all() and rel(got, ref) <= TOL
 
 
+@pytest.mark.parametrize("pos", [(700, 200_000), (0, 127), (3000 * 128 - 1,)])
+def test_decode_attention_combine_over_many_splits(pos):
+    """The combine gathers the splits' (max, sum) pairs at once and reads the partial outputs of the valid
+    splits only: HCA with 3000 entries (98 splits), from nearly all of them invalid to all valid, against the
+    torch twin."""
+    g = gen(77 + len(pos))
+    B, H, D, W = len(pos), 64, 512, 128
+    q = randn(B, H, D, g=g, dtype=BF16)
+    win = randn(B, W, D, g=g, dtype=BF16, scale=0.3)
+    ext = randn(B, 3000, D, g=g, dtype=BF16, scale=0.3)
+    sink = randn(H, g=g)
+    p, f = positions(*pos), freqs(128)
+    poison()
+    got = FUSED.decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None)
+    ref = REF.decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None)
+    assert torch.isfinite(got).all() and rel(got, ref) <= TOL
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_indexer_scores_mask_invisible_entries(bf16):
     g = gen(11 + bf16)

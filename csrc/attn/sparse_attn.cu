@@ -277,53 +277,82 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
   DS4_MARK(3);
 }
 
+// One block per (head, row). Two dependent rounds of global loads, not one per split: every split's (max, sum)
+// pair at once into shared memory (with the sink, the position and the RoPE frequency, which need nothing from
+// it), then the partial outputs of the valid splits (max > -inf) together, CU per batch. Before, the splits'
+// pairs were read in a loop (for M, then again beside each batch of partial outputs): at ~20 splits about 7
+// dependent L2 round trips, the combine's whole cost on the decode step's critical path. The arithmetic is the
+// same, in the same order (splits in increasing order; an invalid split adds nothing), so the same bits.
+// Shared memory: nsplit float2 pairs, then the valid splits' indices (sparse_combine_smem).
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                       const float* __restrict__ sink, int nsplit, int H, int D,
                                       const int64_t* __restrict__ pos, const float* __restrict__ freqs, int R,
                                       __nv_bfloat16* __restrict__ out) {
+  extern __shared__ float2 s_ml[];  // [nsplit] (max, sum) of each split, then int [nsplit]: the valid splits
+  int* s_valid = reinterpret_cast<int*>(s_ml + nsplit);
+  __shared__ int s_nvalid;
   ds4_pdl::begin();
-  const int h = blockIdx.x, r = blockIdx.y;
+  const int h = blockIdx.x, r = blockIdx.y, lane = threadIdx.x & 31;
+  const float2* mlh = reinterpret_cast<const float2*>(ml) + (long)r * nsplit * H + h;  // split c at mlh[c * H]
+  for (int c = threadIdx.x; c < nsplit; c += blockDim.x) s_ml[c] = mlh[(long)c * H];
   const float sk = sink[h];
+  const int d0 = threadIdx.x * 4;  // this thread's first 4 output dims
+  const bool rot = R > 0 && d0 < D && d0 >= D - R;
+  const float fpos = rot ? (float)pos[r] : 0.f;
+  float fr[2] = {0.f, 0.f};
+  if (rot) { fr[0] = freqs[(d0 - (D - R)) / 2]; fr[1] = freqs[(d0 + 2 - (D - R)) / 2]; }
+  __syncthreads();
+  if (threadIdx.x < 32) {  // the valid splits in increasing order (warp 0: a ballot per 32 splits)
+    int n = 0;
+    for (int c0 = 0; c0 < nsplit; c0 += 32) {
+      const int c = c0 + lane;
+      const bool v = c < nsplit && s_ml[c].x != -INFINITY;
+      const unsigned b = __ballot_sync(0xffffffffu, v);
+      if (v) s_valid[n + __popc(b & ((1u << lane) - 1u))] = c;
+      n += __popc(b);
+    }
+    if (lane == 0) s_nvalid = n;
+  }
+  __syncthreads();
+  const int nv = s_nvalid;
   float M = sk;
-  for (int c = 0; c < nsplit; ++c) M = fmaxf(M, ml[(((long)r * nsplit + c) * H + h) * 2]);
+  for (int i = 0; i < nv; ++i) M = fmaxf(M, s_ml[s_valid[i]].x);
   float L = expf(sk - M);
-  for (int c = 0; c < nsplit; ++c) {
-    const float m = ml[(((long)r * nsplit + c) * H + h) * 2];
-    if (m != -INFINITY) L += ml[(((long)r * nsplit + c) * H + h) * 2 + 1] * expf(m - M);
+  for (int i = 0; i < nv; ++i) {
+    const float2 p = s_ml[s_valid[i]];
+    L += p.y * expf(p.x - M);
   }
   const float inv = 1.f / L;
-  constexpr int CU = 4;  // splits whose partial outputs are loaded together (one L2 round trip, not CU)
-  for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
+  constexpr int CU = 8;  // valid splits whose partial outputs are loaded together (one L2 round trip)
+  for (int d = d0; d < D; d += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int c0 = 0; c0 < nsplit; c0 += CU) {
+    for (int i0 = 0; i0 < nv; i0 += CU) {
       float4 v[CU];
       float w[CU];
-      bool ok[CU];
 #pragma unroll
-      for (int u = 0; u < CU; ++u) {  // splits with no valid key (max -inf) wrote no output: never read
-        const long base = ((long)r * nsplit + c0 + u) * H + h;
-        const float m = c0 + u < nsplit ? ml[base * 2] : -INFINITY;
-        ok[u] = m != -INFINITY;
+      for (int u = 0; u < CU; ++u) {
         w[u] = 0.f;
         v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (ok[u]) {
-          w[u] = expf(m - M);
-          v[u] = *reinterpret_cast<const float4*>(opart + base * D + d);
+        if (i0 + u < nv) {
+          const int c = s_valid[i0 + u];
+          w[u] = expf(s_ml[c].x - M);
+          v[u] = *reinterpret_cast<const float4*>(opart + (((long)r * nsplit + c) * H + h) * D + d);
         }
       }
 #pragma unroll
       for (int u = 0; u < CU; ++u) {  // in split order, as one split at a time
-        if (!ok[u]) continue;
+        if (i0 + u >= nv) continue;
         acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
       }
     }
     float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
     if (R > 0 && d >= D - R) {  // output de-rotation (spec §5.8): the bf16 output rotated by -angle
-      const float fpos = (float)pos[r];
+      const bool first = d == d0;  // the position and frequencies were loaded up front for the first dims
+      const float fp = first ? fpos : (float)pos[r];
 #pragma unroll
       for (int k = 0; k < 4; k += 2) {
         float sn, cs;
-        sincosf(fpos * freqs[(d + k - (D - R)) / 2], &sn, &cs);
+        sincosf(fp * (first ? fr[k / 2] : freqs[(d + k - (D - R)) / 2]), &sn, &cs);
         const float x0 = o4[k], x1 = o4[k + 1];
         o4[k] = x0 * cs + x1 * sn;
         o4[k + 1] = x1 * cs - x0 * sn;
@@ -334,6 +363,8 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
     o[1] = __floats2bfloat162_rn(o4[2], o4[3]);
   }
 }
+
+static size_t sparse_combine_smem(int nsplit) { return (size_t)nsplit * (sizeof(float2) + sizeof(int)); }
 
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st) {
   if (a.D < 64 || a.D % 64 || a.H < 1 || a.B < 1 || a.S < 1 || nsplit < 1) return cudaErrorInvalidValue;
@@ -352,8 +383,14 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   cudaError_t e = ds4_pdl::launch(sparse_chunk_kernel, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS),
                                   smem, st, a, nsplit, opart, ml);
   if (e != cudaSuccess) return e;
-  const int threads = a.D / 4 < 128 ? a.D / 4 : 128;
-  return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), 0, st,
+  const int threads = a.D / 4 < 32 ? 32 : (a.D / 4 < 128 ? a.D / 4 : 128);  // warp 0 whole (its ballots)
+  const size_t csmem = sparse_combine_smem(nsplit);
+  if (csmem > 200 * 1024) return cudaErrorInvalidValue;
+  if (csmem > 48 * 1024) {
+    e = cudaFuncSetAttribute(sparse_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)csmem);
+    if (e != cudaSuccess) return e;
+  }
+  return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), csmem, st,
                          static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
                          a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out));
 }
