@@ -44,8 +44,9 @@ flight, the other kernels their defaults), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
-(those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), hcr (DS4_HC_ROUTER=1: the FFN's
-hc launch also forms the router's logits, the router GEMV launch leaves the step), nohcf (DS4_HC_FOLD=0:
+(those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), nohcr (DS4_HC_ROUTER=0: without
+the router fold, the library default since session 25 — the FFN's hc launch also forms the router's logits, so
+the router GEMV launch leaves the step), nohcf (DS4_HC_FOLD=0:
 without the hc fold, the library default since session 14 — the next mHC site's first launch done by wo_b's
 and the MoE down's epilogues — so each site is its own 2 launches again; with arf the all-reduce's fold too),
 arf (DS4_AR_FOLD=1, tp > 1 with ll: the all-reduce also forms the hc fold, so the next site's first launch
@@ -243,7 +244,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SHARED_FORK"] = "late" if "shlate" in toks else "early"
     os.environ["DS4_QNORM_FUSED"] = "0" if "noqf" in toks else "1"
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
-    os.environ["DS4_HC_ROUTER"] = "1" if "hcr" in toks else "0"
+    os.environ["DS4_HC_ROUTER"] = "0" if "nohcr" in toks else "1"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"

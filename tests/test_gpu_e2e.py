@@ -41,8 +41,8 @@ def _options():
     # small's FP8 projections are short enough for the FMA kernels; DS4_MMA=all puts every one-token
     # product on the tensor cores, which is also what folds q_norm into wq_b (attn.q_up) at these shapes
     return params + [pytest.param(combos[-1], {"DS4_MMA": "all"}, id="all-fused,DS4_MMA=all"),
-                     # the router fold (opt-in): the FFN's hc launch also forms the router's logits
-                     pytest.param(combos[-1], {"DS4_HC_ROUTER": "1"}, id="all-fused,DS4_HC_ROUTER=1"),
+                     # without the router fold (the default: the FFN's hc launch also forms the router's logits)
+                     pytest.param(combos[-1], {"DS4_HC_ROUTER": "0"}, id="all-fused,DS4_HC_ROUTER=0"),
                      # the hc fold (the default): small's eager steps request folds that no kernel forms (wo_b's and
                      # the shared expert's FP8 rows take the FMA kernels: every site falls back, as in the plain row);
                      # with DS4_MMA=all every one folds; DS4_HC_FOLD=0 requests none
@@ -140,8 +140,9 @@ _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fu
     # the opt-in launch orders, in the graph only: eager (plain PDL order) is the reference
     pytest.param(Impls(**_FUSED), {"DS4_SHARED_FORK": "late", "DS4_ROUTE_IN_MOE": "1", "DS4_SIDE_PRIORITY": "high",
                                     "DS4_L2_PREFETCH": "all"}, {}, id="fused-optins"),
-    # the router fold in both runtimes (its logits are its own rounding of x . gate^T)
-    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_ROUTER": "1"}, id="fused-router_fold"),
+    # without the router fold in both runtimes (the default fused rows fold: its logits are its own rounding of
+    # x . gate^T)
+    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_ROUTER": "0"}, id="fused-no_router_fold"),
     # the hc fold in both runtimes, at both sites (DS4_MMA=all: tiny's wo_b on the tensor cores); one row
     pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="fused-hc_fold")])
 def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch):

@@ -93,7 +93,7 @@ class Block(WeightsModule):
         fold = hc.fold(h, post, comb, self.hc_ffn_fn) if folds else None
         x = attend(self.attn, x, fold)
         with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN (which may also give
-            # the router's logits: hc's router fold, opt-in)
+            # the router's logits: hc's router fold, the CUDA implementation's default)
             if fold is not None and fold.fused:
                 h, x, post, comb, logits = hc.fold_pre(fold, self.hc_ffn_scale, self.hc_ffn_base, a.hc_sinkhorn_iters,
                                                        a.hc_eps, a.norm_eps, self.ffn_norm, self.ffn.gate)

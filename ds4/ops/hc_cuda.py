@@ -7,9 +7,11 @@ pre:  2 launches (RMS + the (2+hc)*hc x hc*D fp32 matvec split over ~128 blocks 
 head: the same 2 launches without post/comb/Sinkhorn.  post: 1 elementwise launch.
 post_pre (a block's post followed by the next site's pre): 2 launches; the first forms the post's
       elements inside the pre's matvec and writes them (no separate post launch).
-post_pre_route (post_pre before the MoE): with DS4_HC_ROUTER=1 (opt-in; measured slower in session 14:
-      133.9 against 131.2 us per layer) the finishing launch also returns the router's logits, so
-      the router's BF16 GEMV launch leaves the step (moe route() then runs only its top-k tail).
+post_pre_route (post_pre before the MoE): the router fold (default; DS4_HC_ROUTER=0 turns it off): the finishing
+      launch also returns the router's logits, so the router's BF16 GEMV launch leaves the step (moe route() then
+      runs only its top-k tail). H200, session 25: 115.1 / 115.1 against 117.7 / 117.4 us per layer without it
+      (experiments/decode_session25_h200.md); session 14 had measured it slower (133.9 against 131.2), before
+      the router's own GEMV and the hc finish were reworked.
 fold / fold_pre (the hc fold; default, DS4_HC_FOLD=0 turns it off): a decode row's post + the next site's
       first launch done by the epilogue of the kernel that produces the block output (wo_b's tensor-core
       GEMV, the MoE down kernel: ds4.kernels.gemv_fold / moe_down(fold=)), so the site is its finishing
@@ -37,6 +39,11 @@ FOLD_MIX = {1: 3, 2: 8, 4: 24}  # (2 + n) * n mixes of n streams
 
 def _ok(h: Tensor) -> bool:
     return h.is_cuda and h.dtype in _ACT and h.dim() == 3 and 1 <= h.shape[-2] <= 8
+
+
+def _router_fold_on() -> bool:
+    """The router fold is on unless DS4_HC_ROUTER=0 (read per call, for the ablation: bench token nohcr)."""
+    return os.environ.get("DS4_HC_ROUTER", "1") != "0"
 
 
 def _router_fold_ok(x: Tensor, res: Tensor, norm: Tensor | None, gate: Tensor) -> bool:
@@ -84,10 +91,10 @@ class FusedCudaHC:
     def post_pre_route(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor,
                        base: Tensor, iters: int, hc_eps: float, norm_eps: float, norm: Tensor,
                        gate: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-        # DS4_HC_ROUTER=1 (opt-in, read per call): decode rows with the V4 layout take the router fold — the
-        # finishing launch also computes the router's logits (every block forms the normalised x and the
+        # the router fold (default; DS4_HC_ROUTER=0 turns it off, read per call): decode rows with the V4 layout —
+        # the finishing launch also computes the router's logits (every block forms the normalised x and the
         # logits of two gate rows), so the router's BF16 GEMV leaves the step; otherwise post_pre and None
-        if not (os.environ.get("DS4_HC_ROUTER") == "1" and _router_fold_ok(x, res, norm, gate)):
+        if not (_router_fold_on() and _router_fold_ok(x, res, norm, gate)):
             return (*self.post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm), None)
         return kernels_attn.hc_post_pre_router(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm,
                                                gate)
@@ -108,11 +115,11 @@ class FusedCudaHC:
 
     def fold_pre(self, fold: HcFold, scale: Tensor, base: Tensor, iters: int, hc_eps: float, norm_eps: float,
                  norm: Tensor, gate: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-        # the finishing launch on the fold's streams and partials; with a gate and DS4_HC_ROUTER=1 the router
+        # the finishing launch on the fold's streams and partials; with a gate (and the router fold on) the router
         # fold's finish (the logits too), as post_pre_route
         if not fold.fused:
             raise RuntimeError("hc.fold_pre: the fold was not formed by a kernel (fold.fused is False)")
-        route = gate is not None and os.environ.get("DS4_HC_ROUTER") == "1" and _router_fold_ok(
+        route = gate is not None and _router_fold_on() and _router_fold_ok(
             fold.out[0], fold.out, norm, gate)
         x, post, comb, logits = kernels_attn.hc_fold_finish(fold.out, fold.part, scale, base, iters, hc_eps,
                                                             norm_eps, norm, gate if route else None)

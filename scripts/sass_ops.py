@@ -1,0 +1,56 @@
+#!/usr/bin/env python
+"""Count the SASS instructions of chosen kernels by opcode (what a decode change did to the ALU / FMA pipes).
+
+    cuobjdump --dump-sass .ext_build/<dir>/ds4_ext.so | python scripts/sass_ops.py 'moe_gate_up_mma_kernelILi4E'
+
+Prints, per function whose mangled name matches the regex (per architecture section), the count of each opcode
+(the mnemonic before the first '.', so IMAD.WIDE and IMAD.SHL count apart from IMAD: the full mnemonic is kept
+for IMAD, SHF and LOP3) and the total.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+
+KEEP_FULL = ("IMAD", "SHF", "LOP3", "I2F", "F2F")
+
+
+def opcode(line: str) -> str | None:
+    m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+    if not m:
+        return None
+    full = m.group(2)
+    base = full.split(".")[0]
+    if base in KEEP_FULL:
+        parts = full.split(".")
+        # IMAD.WIDE.U32 -> IMAD.WIDE, SHF.L.U32 -> SHF.L, LOP3.LUT -> LOP3
+        return ".".join(parts[:2]) if base != "LOP3" else "LOP3"
+    return base
+
+
+def main() -> int:
+    pat = re.compile(sys.argv[1] if len(sys.argv) > 1 else ".")
+    name, counts = None, Counter()
+    out: list[tuple[str, Counter]] = []
+    for line in sys.stdin:
+        f = re.match(r"\s*Function : (\S+)", line)
+        if f:
+            if name is not None:
+                out.append((name, counts))
+            name, counts = (f.group(1) if pat.search(f.group(1)) else None), Counter()
+            continue
+        if name is not None:
+            op = opcode(line)
+            if op:
+                counts[op] += 1
+    if name is not None:
+        out.append((name, counts))
+    for n, c in out:
+        print(f"{n}: {sum(c.values())} instructions")
+        print("  " + "  ".join(f"{k} {v}" for k, v in sorted(c.items(), key=lambda kv: -kv[1])))
+    return 0 if out else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
