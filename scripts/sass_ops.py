@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Count the SASS instructions of chosen kernels by opcode (what a decode change did to the ALU / FMA pipes).
 
-    cuobjdump --dump-sass .ext_build/<dir>/ds4_ext.so | python scripts/sass_ops.py 'moe_gate_up_mma_kernelILi4E'
+    cuobjdump --dump-sass .ext_build/ds4_ext.so | python scripts/sass_ops.py 'moe_gate_up_mma_kernelILi4E'
 
-Prints, per function whose mangled name matches the regex (per architecture section), the count of each opcode
-(the mnemonic before the first '.', so IMAD.WIDE and IMAD.SHL count apart from IMAD: the full mnemonic is kept
-for IMAD, SHF and LOP3) and the total.
+Prints, per function whose mangled name matches the regex (per architecture section), its instruction count and
+the count of each opcode: the mnemonic before the first '.', except that IMAD, SHF, I2F and F2F keep their second
+part (IMAD.WIDE, IMAD.SHL and IMAD.MOV run differently from IMAD; SHF.L from SHF.R). Exits 1 when nothing matched.
 """
 from __future__ import annotations
 
@@ -13,20 +13,15 @@ import re
 import sys
 from collections import Counter
 
-KEEP_FULL = ("IMAD", "SHF", "LOP3", "I2F", "F2F")
+KEEP_TWO = ("IMAD", "SHF", "I2F", "F2F")
 
 
 def opcode(line: str) -> str | None:
     m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
     if not m:
         return None
-    full = m.group(2)
-    base = full.split(".")[0]
-    if base in KEEP_FULL:
-        parts = full.split(".")
-        # IMAD.WIDE.U32 -> IMAD.WIDE, SHF.L.U32 -> SHF.L, LOP3.LUT -> LOP3
-        return ".".join(parts[:2]) if base != "LOP3" else "LOP3"
-    return base
+    parts = m.group(2).split(".")
+    return ".".join(parts[:2]) if parts[0] in KEEP_TWO else parts[0]
 
 
 def main() -> int:
