@@ -21,22 +21,19 @@ SASS = """
 """
 
 
-def _run(pattern: str, text: str) -> tuple[int, str]:
+def _run(pattern: str, text: str, monkeypatch, capsys) -> tuple[int, str]:
     path = Path(__file__).resolve().parents[1] / "scripts" / "sass_ops.py"
     spec = importlib.util.spec_from_file_location("sass_ops_for_test", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    old_argv, old_in, old_out = sys.argv, sys.stdin, sys.stdout
-    sys.argv, sys.stdin, sys.stdout = ["sass_ops.py", pattern], io.StringIO(text), io.StringIO()
-    try:
-        rc = mod.main()
-        return rc, sys.stdout.getvalue()
-    finally:
-        sys.argv, sys.stdin, sys.stdout = old_argv, old_in, old_out
+    monkeypatch.setattr(sys, "argv", ["sass_ops.py", pattern])
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    rc = mod.main()
+    return rc, capsys.readouterr().out
 
 
-def test_counts_the_matching_kernel_only():
-    rc, out = _run("fooILi4E", SASS)
+def test_counts_the_matching_kernel_only(monkeypatch, capsys):
+    rc, out = _run("fooILi4E", SASS, monkeypatch, capsys)
     lines = out.splitlines()
     assert rc == 0 and len(lines) == 2
     assert lines[0] == "_ZN3ds43fooILi4EEEvv: 6 instructions"
@@ -45,5 +42,5 @@ def test_counts_the_matching_kernel_only():
     assert counts == {"LOP3": 2, "LDC": 1, "IMAD.WIDE": 1, "SHF.L": 1, "HMMA": 1}
 
 
-def test_no_match_is_an_error_code():
-    assert _run("nothing_here", SASS) == (1, "")
+def test_no_match_is_an_error_code(monkeypatch, capsys):
+    assert _run("nothing_here", SASS, monkeypatch, capsys) == (1, "")
