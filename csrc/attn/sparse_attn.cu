@@ -299,7 +299,7 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
   const float sk = sink[h];
   const int d0 = threadIdx.x * 4;  // this thread's first 4 output dims
   const bool rot = R > 0 && d0 < D && d0 >= D - R;
-  const float fpos = rot ? (float)pos[r] : 0.f;
+  const float fpos = R > 0 ? (float)pos[r] : 0.f;  // for every thread: a later pass of d may reach the RoPE dims
   float fr[2] = {0.f, 0.f};
   if (rot) { fr[0] = freqs[(d0 - (D - R)) / 2]; fr[1] = freqs[(d0 + 2 - (D - R)) / 2]; }
   __syncthreads();
@@ -348,12 +348,11 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
     }
     float o4[4] = {bf16r(acc.x * inv), bf16r(acc.y * inv), bf16r(acc.z * inv), bf16r(acc.w * inv)};
     if (R > 0 && d >= D - R) {  // output de-rotation (spec §5.8): the bf16 output rotated by -angle
-      const bool first = d == d0;  // the position and frequencies were loaded up front for the first dims
-      const float fp = first ? fpos : (float)pos[r];
+      const bool first = d == d0;  // the frequencies were loaded up front for the first dims
 #pragma unroll
       for (int k = 0; k < 4; k += 2) {
         float sn, cs;
-        sincosf(fp * (first ? fr[k / 2] : freqs[(d + k - (D - R)) / 2]), &sn, &cs);
+        sincosf(fpos * (first ? fr[k / 2] : freqs[(d + k - (D - R)) / 2]), &sn, &cs);
         const float x0 = o4[k], x1 = o4[k + 1];
         o4[k] = x0 * cs + x1 * sn;
         o4[k + 1] = x1 * cs - x0 * sn;
