@@ -26,21 +26,18 @@ def opcode(line: str) -> str | None:
 
 def main() -> int:
     pat = re.compile(sys.argv[1] if len(sys.argv) > 1 else ".")
-    name, counts = None, Counter()
+    counts: Counter | None = None  # the current function's, None while it does not match
     out: list[tuple[str, Counter]] = []
     for line in sys.stdin:
         f = re.match(r"\s*Function : (\S+)", line)
         if f:
-            if name is not None:
-                out.append((name, counts))
-            name, counts = (f.group(1) if pat.search(f.group(1)) else None), Counter()
+            counts = Counter() if pat.search(f.group(1)) else None
+            if counts is not None:
+                out.append((f.group(1), counts))
             continue
-        if name is not None:
-            op = opcode(line)
-            if op:
-                counts[op] += 1
-    if name is not None:
-        out.append((name, counts))
+        op = opcode(line) if counts is not None else None
+        if op:
+            counts[op] += 1
     for n, c in out:
         print(f"{n}: {sum(c.values())} instructions")
         print("  " + "  ".join(f"{k} {v}" for k, v in sorted(c.items(), key=lambda kv: -kv[1])))

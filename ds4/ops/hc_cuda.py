@@ -119,8 +119,7 @@ class FusedCudaHC:
         # fold's finish (the logits too), as post_pre_route
         if not fold.fused:
             raise RuntimeError("hc.fold_pre: the fold was not formed by a kernel (fold.fused is False)")
-        route = gate is not None and _router_fold_on() and _router_fold_ok(
-            fold.out[0], fold.out, norm, gate)
+        route = gate is not None and _router_fold_on() and _router_fold_ok(fold.out[0], fold.out, norm, gate)
         x, post, comb, logits = kernels_attn.hc_fold_finish(fold.out, fold.part, scale, base, iters, hc_eps,
                                                             norm_eps, norm, gate if route else None)
         return fold.out, x, post, comb, logits
