@@ -162,6 +162,10 @@ struct L2PrefetchArgs {
 };
 cudaError_t launch_l2_prefetch(const L2PrefetchArgs& a, cudaStream_t st);
 
+// While both streams are captured into one graph: add the side stream's last captured nodes (kernels only) to the
+// main stream's dependency set with programmatic edges (capture.cu); false (nothing changed) where it cannot.
+bool capture_join_programmatic(cudaStream_t side, cudaStream_t main);
+
 // One-shot all-reduce over peer memory (allreduce.cu, parallel.comm=ll): out[i] = (sum over ranks r in rank
 // order of the partials x_r[i], each rounded to bf16 first and the sum too when round_bf16). peers[r]:
 // rank r's buffer as mapped in this process ([2][world][cap] uint2, zeroed before the first call); counters:

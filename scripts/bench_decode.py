@@ -46,7 +46,11 @@ prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
 (those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), nohcr (DS4_HC_ROUTER=0: without
 the router fold, the library default since session 25 — the FFN's hc launch also forms the router's logits, so
-the router GEMV launch leaves the step), nohcf (DS4_HC_FOLD=0:
+the router GEMV launch leaves the step), hcq (DS4_HC_QKV=1: the projection fold, opt-in — the attention site's
+hc finish also forms wq_a + wkv's rows, so their GEMV launch leaves the step; measured no faster in session 27),
+pj (DS4_PJOIN=moe: the shared expert's branch joins the routed down kernel by programmatic edges, so that kernel
+may launch and start its weight loads before the shared down drains; ds4.ops.side_stream.Branch.join),
+nohcf (DS4_HC_FOLD=0:
 without the hc fold, the library default since session 14 — the next mHC site's first launch done by wo_b's
 and the MoE down's epilogues — so each site is its own 2 launches again; with arf the all-reduce's fold too),
 arf (DS4_AR_FOLD=1, tp > 1 with ll: the all-reduce also forms the hc fold, so the next site's first launch
@@ -75,7 +79,7 @@ from ds4 import dist as ddist
 from ds4.model.args import preset
 from ds4.model.attention import Attention
 from ds4.model.transformer import Transformer
-from ds4.ops import prefetch
+from ds4.ops import prefetch, side_stream
 from ds4.ops.base import MoEWeights, QWeight
 from ds4.quant import unpack_fp4_mma, untile_fp4_mma
 from ds4.registry import Impls, ImplUnavailable, build_ops
@@ -245,6 +249,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_QNORM_FUSED"] = "0" if "noqf" in toks else "1"
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
     os.environ["DS4_HC_ROUTER"] = "0" if "nohcr" in toks else "1"
+    os.environ["DS4_HC_QKV"] = "1" if "hcq" in toks else "0"
+    os.environ["DS4_PJOIN"] = "moe" if "pj" in toks else ""
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
@@ -274,6 +280,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # just this run's; launch shapes that follow the capacity then show in the step
     cap = _number_token(toks, "cap", 0)
     g = Generator(model, 1, max(len(prompt) + new_tokens + 8, cap), runtime=runtime)
+    pjoins = side_stream.programmatic_joins()
     t0 = time.perf_counter()
     g.generate([prompt], 4, stop_at_eos=False)  # warm-up (and graph capture)
     warm = time.perf_counter() - t0
@@ -291,6 +298,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
         "ttft_ms": f["ttft_ms"], "bytes_per_token": bpt, "achieved_gb_s": gbs, "bw_ratio": gbs / bw,
         "peak_mem_gib": torch.cuda.max_memory_allocated(model.device) / 2**30 if cuda else 0.0,
         "warmup_s": warm, "graph_capture_s": f.get("graph_capture_s"), "graph_pool_mib": f.get("graph_pool_mib"),
+        "programmatic_joins": side_stream.programmatic_joins() - pjoins,  # pj: made while capturing (DS4_PJOIN)
         "tokens": out.tokens[0][:16],
     }
 

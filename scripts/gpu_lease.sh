@@ -79,6 +79,7 @@ stage() {  # stage name, GPU index[, output tag]
     *_alt) ( export "${ALT_ENV[@]}"; BENCH_VARIANTS=${BENCH_ALT_VARIANTS:-$BENCH_VARIANTS}; stage "${1%_alt}" "$g" _alt ) ;;
     kernel_tests) CUDA_VISIBLE_DEVICES=$g timeout 200 $PT tests/test_kernels_gpu.py tests/test_attn_kernels_gpu.py \
                     tests/test_decode_glue_gpu.py tests/test_hc_fold_gpu.py tests/test_moe_ffn_gpu.py \
+                    tests/test_capture_join_gpu.py \
                     > "$L/kernel_tests.log" 2>&1 ;;
     kbench) CUDA_VISIBLE_DEVICES=$g timeout 300 python3 scripts/bench_kernels.py --out "$OUT/bench_kernels$X.json" --mma "${MMA_SHAPES:-w2d8}" \
         ${KBENCH_ARGS:-} > "$L/kbench$X.log" 2>&1 ;;

@@ -131,6 +131,33 @@ def test_hc_post_pre_router_fold(N, n, D, E):
             assert torch.equal(ids, rids) and torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("N,n,D,O", [(1, 4, 4096, 1536), (3, 4, 4096, 1536), (2, 2, 1024, 100), (1, 1, 256, 130),
+                                     (8, 4, 512, 12)])
+def test_hc_fold_finish_proj(N, n, D, O):
+    """The projection fold (hc_fold_finish_proj): the same x, post and comb as hc_fold_finish on the same streams and
+    partials (bit for bit: the same arithmetic), and y = the stored bf16 x . W^T for an FP8 weight (every E4M3 code
+    but NaN, subnormals included; E8M0 scales) against fp64, for row counts that fill neither the last block of 12
+    rows nor the last 128-row scale block."""
+    from ds4.ops.base import QWeight
+    g = gen(N * 11000 + n * 10 + D + O)
+    h = randn(N, n, D, g=g, dtype=BF16, scale=2.0)
+    fn, scale, base = hc_weights(n, D, g)
+    hv = h.float().flatten(1)  # the partials as the fold forms them (here one split): the matvec, the sum of squares
+    part = torch.cat([hv @ fn.t(), (hv * hv).sum(-1, keepdim=True)], -1).unsqueeze(-1).contiguous()
+    norm = (1 + 0.1 * randn(D, g=g)).to(BF16)
+    b = torch.randint(0, 256, (O, D), device=DEV, dtype=torch.uint8, generator=g)
+    w = torch.where((b & 0x7F) == 0x7F, b - 1, b).view(torch.float8_e4m3fn)
+    ws = torch.randint(116, 124, (-(-O // 128), D // 128), device=DEV, dtype=torch.uint8,
+                       generator=g).view(torch.float8_e8m0fnu)
+    poison()
+    x, post, comb, y = kernels_attn.hc_fold_finish_proj(h, part, scale, base, 20, 1e-6, 1e-6, norm, w, ws)
+    rx, rpost, rcomb, _ = kernels_attn.hc_fold_finish(h, part, scale, base, 20, 1e-6, 1e-6, norm)
+    assert torch.equal(x, rx) and torch.equal(post, rpost) and torch.equal(comb, rcomb)
+    assert y.shape == (N, O) and y.dtype == BF16 and torch.isfinite(y).all(), "unwritten rows"
+    want = x.double() @ QWeight("fp8", w, ws).dequant(torch.float32).double().t()
+    assert rel(y, want) <= 4e-3, rel(y, want)  # the bf16 rounding of an fp32 sum
+
+
 def test_hc_post_mixed_dtypes():
     g = gen(77)
     res = randn(3, 4, 4096, g=g, dtype=BF16)

@@ -48,6 +48,10 @@ def _options():
                      # with DS4_MMA=all every one folds; DS4_HC_FOLD=0 requests none
                      pytest.param(combos[-1], {"DS4_HC_FOLD": "0"}, id="all-fused,DS4_HC_FOLD=0"),
                      pytest.param(combos[-1], {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="all-fused,DS4_HC_FOLD=1,MMA=all"),
+                     # with the projection fold (opt-in: the attention site's finish also forms wq_a + wkv's rows
+                     # wherever a fold was formed)
+                     pytest.param(combos[-1], {"DS4_HC_FOLD": "1", "DS4_MMA": "all", "DS4_HC_QKV": "1"},
+                                  id="all-fused,DS4_HC_FOLD=1,MMA=all,DS4_HC_QKV=1"),
                      # the routed experts in fp4p (small's take the default fp4t layout in the other rows)
                      pytest.param(combos[-1], {"DS4_FP4_TILE": "0"}, id="all-fused,DS4_FP4_TILE=0"),
                      # the routed and shared experts in one launch (opt-in), with and without the hc fold
@@ -144,7 +148,12 @@ _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fu
     # x . gate^T)
     pytest.param(Impls(**_FUSED), {}, {"DS4_HC_ROUTER": "0"}, id="fused-no_router_fold"),
     # the hc fold in both runtimes, at both sites (DS4_MMA=all: tiny's wo_b on the tensor cores); one row
-    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="fused-hc_fold")])
+    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="fused-hc_fold"),
+    # the same with the projection fold (opt-in: the attention site's finish forms wq_a + wkv's rows)
+    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all", "DS4_HC_QKV": "1"},
+                 id="fused-hc_fold-proj_fold"),
+    # the shared expert's branch joined to the routed down by programmatic edges (opt-in; graph only)
+    pytest.param(Impls(**_FUSED), {"DS4_PJOIN": "all"}, {}, id="fused-programmatic_join")])
 def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch):
     """tiny crosses 60+ window wraps, 250 CSA and 60 HCA emissions in 1000 steps. graph_env: set for the
     captured run only; env: for both runs."""

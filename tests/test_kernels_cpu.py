@@ -96,7 +96,7 @@ def test_cuda_impls_construct_without_extension():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("folder,archs,expected", [
     ("", ("80",), {"gemv.cu", "moe.cu", "moe_ffn.cu", "router.cu", "argmax.cu", "prefetch.cu",
-                   "allreduce.cu"}),  # GEMV / MoE ext.
+                   "allreduce.cu", "capture.cu"}),  # GEMV / MoE ext.
     ("attn", ("80", "90"), {"hc.cu", "sparse_attn.cu", "indexer.cu", "decode_glue.cu", "topk.cu"}),  # ds4_attn
 ])
 def test_csrc_compiles(folder, archs, expected, tmp_path):

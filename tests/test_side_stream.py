@@ -39,6 +39,20 @@ def test_every_named_branch_is_in_line_on_cpu_and_unknown_names_fail():
             raise AssertionError("an unknown branch name was accepted")
 
 
+def test_programmatic_join_sites_are_opt_in(monkeypatch):
+    """DS4_PJOIN names the sites whose captured branches join by programmatic edges ("all": every one); unknown
+    names are ignored; an in-line branch's join is a no-op whatever the site."""
+    monkeypatch.delenv("DS4_PJOIN", raising=False)
+    assert side_stream.programmatic_sites() == set()
+    monkeypatch.setenv("DS4_PJOIN", "moe")
+    assert side_stream.programmatic_sites() == {"moe"}
+    monkeypatch.setenv("DS4_PJOIN", "all")
+    assert side_stream.programmatic_sites() == set(side_stream.PJOIN_SITES)
+    monkeypatch.setenv("DS4_PJOIN", "nope,moe")
+    assert side_stream.programmatic_sites() == {"moe"}
+    side_stream.Branch(None, torch.device("cpu")).join("moe")
+
+
 def test_live_branches_have_distinct_slots():
     slots = [slot for _, slot in BRANCHES.values()]
     assert len(set(slots)) == len(slots)
@@ -70,7 +84,7 @@ class _RecordingBranch(side_stream.Branch):
         self.log.append(("exit", self.name))
         return super().__exit__(*exc)
 
-    def join(self):
+    def join(self, site=None):
         self.joined = True
         self.log.append(("join", self.name))
 

@@ -247,6 +247,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_fold_finish(
   return hc_router_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, *norm, nf, *gate);
 }
 
+// hc_fold_finish with the projection fold (launch_hc_finish_proj): the finishing launch also forms y [N, O] bf16 =
+// x . W^T for the FP8 weight w (E4M3 [O, D], float8_e4m3fn or uint8) with E8M0 scales ws ([ceil(O/128), D/128],
+// float8_e8m0fnu or uint8): -> (x, post, comb, y).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_fold_finish_proj(
+    const at::Tensor& h, const at::Tensor& part, const at::Tensor& scale, const at::Tensor& base, int64_t iters,
+    double hc_eps, double norm_eps, const at::Tensor& norm, const at::Tensor& w, const at::Tensor& ws) {
+  check_cuda(h, "h");
+  check_f32(part, "part");
+  check_f32(scale, "scale");
+  check_f32(base, "base");
+  TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kBFloat16,
+              "ds4_attn.hc_fold_finish_proj: h must be bf16 [N, hc, D]");
+  const int64_t N = h.size(0), n = h.size(1), D = h.size(2), mix = (2 + n) * n;
+  TORCH_CHECK(part.dim() == 3 && part.size(0) == N && part.size(1) == mix + 1 && part.size(2) >= 1,
+              "ds4_attn.hc_fold_finish_proj: part must be [N, (2+hc)*hc + 1, nsplit]");
+  TORCH_CHECK(base.numel() == mix && scale.numel() >= 3 && iters >= 1,
+              "ds4_attn.hc_fold_finish_proj: base/scale/iters");
+  TORCH_CHECK(ds4_attn::hc_proj_fold_ok((int)n, (int)D),
+              "ds4_attn.hc_fold_finish_proj: 1, 2 or 4 streams and D a multiple of 128 (at most 4096)");
+  check_cuda(w, "w");
+  check_cuda(ws, "ws");
+  TORCH_CHECK(w.element_size() == 1 && w.dim() == 2 && w.size(1) == D && w.size(0) >= 1,
+              "ds4_attn.hc_fold_finish_proj: w must be FP8 E4M3 bytes [O, D]");
+  const int64_t O = w.size(0);
+  TORCH_CHECK(ws.element_size() == 1 && ws.dim() == 2 && ws.size(0) == (O + 127) / 128 && ws.size(1) == D / 128,
+              "ds4_attn.hc_fold_finish_proj: ws must be E8M0 bytes [ceil(O/128), D/128]");
+  const bool nf = norm_weight_f32(norm, D, "hc_fold_finish_proj");
+  c10::cuda::CUDAGuard guard(h.device());
+  auto x = at::empty({N, D}, h.options());
+  auto post = at::empty({N, n}, h.options().dtype(at::kFloat));
+  auto comb = at::empty({N, n, n}, h.options().dtype(at::kFloat));
+  auto y = at::empty({N, O}, h.options());
+  if (N == 0) return {x, post, comb, y};
+  check_launch(ds4_attn::launch_hc_finish_proj(h.data_ptr(), part.data_ptr<float>(), (int)N, (int)n, (int)D, (int)mix,
+                                               (int)part.size(2), scale.data_ptr<float>(), base.data_ptr<float>(),
+                                               (int)iters, (float)hc_eps, (float)norm_eps, x.data_ptr(),
+                                               post.data_ptr<float>(), comb.data_ptr<float>(), norm.data_ptr(), nf,
+                                               w.data_ptr(), ws.data_ptr(), (int)ws.size(1), (int)O, y.data_ptr(),
+                                               c10::cuda::getCurrentCUDAStream().stream()),
+               "hc_finish_proj");
+  return {x, post, comb, y};
+}
+
 // hc_head, and with norm (the final RMSNorm's weight) the normalised collapse in the same finishing launch.
 at::Tensor hc_head(const at::Tensor& h, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,
                    double hc_eps, double norm_eps, const std::optional<at::Tensor>& norm) {
@@ -599,6 +642,8 @@ TORCH_LIBRARY(ds4_attn, m) {
         "int iters, float hc_eps, float norm_eps, Tensor norm, Tensor gate) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("hc_fold_finish(Tensor h, Tensor part, Tensor scale, Tensor base, int iters, float hc_eps, float norm_eps, "
         "Tensor? norm=None, Tensor? gate=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("hc_fold_finish_proj(Tensor h, Tensor part, Tensor scale, Tensor base, int iters, float hc_eps, "
+        "float norm_eps, Tensor norm, Tensor w, Tensor ws) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sparse_attn(Tensor q, Tensor kv, Tensor valid, Tensor? sel_kv, Tensor? sel_valid, Tensor sink, "
         "float scale) -> Tensor");
   m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1, "
@@ -620,6 +665,7 @@ TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
   m.impl("hc_post_pre", &hc_post_pre);
   m.impl("hc_post_pre_router", &hc_post_pre_router);
   m.impl("hc_fold_finish", &hc_fold_finish);
+  m.impl("hc_fold_finish_proj", &hc_fold_finish_proj);
   m.impl("sparse_attn", &sparse_attn);
   m.impl("indexer_scores", &indexer_scores);
   m.impl("sparse_decode", &sparse_decode);

@@ -37,6 +37,14 @@ cudaError_t launch_hc_finish_router(const void* h, const float* part, int N, int
                                     const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
                                     void* x, float* post, float* comb, const void* norm, bool norm_f32,
                                     const void* gate, int E, float* logits, cudaStream_t st);
+// hc_pre's finish with the block norm (bf16 h, n = 1, 2, 4; hc_proj_fold_ok: D % 128 == 0, D <= 4096) that also
+// computes y [N, O] bf16 = the bf16 normalised x . W^T for an FP8 weight w (E4M3 [O, D], 16-byte aligned) with E8M0
+// scales s [ceil(O / 128), s_ld] per 128 x 128 block: the projection fold (the attention's wq_a + wkv; hc.cu).
+bool hc_proj_fold_ok(int n, int D);
+cudaError_t launch_hc_finish_proj(const void* h, const float* part, int N, int n, int D, int mix, int nsplit,
+                                  const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
+                                  void* x, float* post, float* comb, const void* norm, bool norm_f32, const void* w,
+                                  const void* s, int s_ld, int O, void* y, cudaStream_t st);
 // out[t, k, :] = post[t, k] * x[t, :] + sum_j comb[t, j, k] * res[t, j, :]  (fp32, written in res's dtype)
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,
                            const float* comb, int N, int n, int D, void* out, cudaStream_t st);

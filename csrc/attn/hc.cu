@@ -396,10 +396,62 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
 // x, post and comb (and runs the Sinkhorn), and block b also computes the router logits of gate rows
 // [b R, b R + R): logits[t, e] = sum_d bf16 x[d] * gate[e, d] in fp32, the gate rows loaded before the PDL
 // wait. The router's BF16 GEMV launch then leaves the step's chain (its top-k reads these logits).
+// With Q > 0 (the projection fold, launch_hc_finish_proj; opt-in) the same, with Q rows of an FP8 weight (E4M3,
+// E8M0 scales per 128 x 128 block: the attention's merged wq_a + wkv) per block instead of gate rows:
+// y[t, o] = bf16(sum_d bf16 x[d] * w[o, d] * s[o / 128, d / 128]), the rows and their scales loaded
+// before the PDL wait; the wq_a + wkv GEMV launch then leaves the step's chain. One 8-value chunk per
+// thread (D <= 8 * 32 * HCN_WARPS), so a thread holds Q 8-byte pieces of weight rows.
 constexpr int HCN_WARPS = 16;
 constexpr int HCN_THREADS = 32 * (HCN_WARPS + 1);
 constexpr int HCN_VEC = 2;
-constexpr int HCR_ROWS = 2;  // gate rows per block of the router fold
+constexpr int HCR_ROWS = 2;   // gate rows per block of the router fold
+constexpr int HCQ_ROWS = 12;  // FP8 rows per block of the projection fold (V4's 1536 rows: 128 blocks)
+
+// The projection fold's weight: w FP8 E4M3 [O, D] row-major, s E8M0 [ceil(O / 128), s_ld], y bf16 [N, O].
+struct HcProj {
+  const uint8_t* w = nullptr;
+  const uint8_t* s = nullptr;
+  int s_ld = 0, O = 0;
+  __nv_bfloat16* y = nullptr;
+};
+
+// 2^(b - 127), exact for every E8M0 byte but 255 (NaN there; b = 0 is the fp32 subnormal 2^-127)
+__device__ __forceinline__ float e8m0_f32(uint32_t b) { return __uint_as_float(b ? b << 23 : 0x00400000u); }
+
+// 4 E4M3 bytes of q (byte i = element i) -> their values x 2^-120 as fp32 (exact, subnormals too): byte i
+// moved to the top and shifted right arithmetically by 4 leaves s at bit 31 and eeee mmm at bits 26..20.
+__device__ __forceinline__ void e4m3x4_scaled(uint32_t q, float* v) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = __uint_as_float((uint32_t)((int32_t)(q << (24 - 8 * i)) >> 4) & 0x87f00000u);
+}
+// Reduce-scatter of P (16 or 32) values per lane over a warp: afterwards v[0] of lane l is the warp's sum of value
+// l / (32 / P) (returned as the index), in a fixed order; P - 1 + log2(32 / P) shuffles instead of 5 P. Step OFF
+// halves the N values still held: lanes with bit OFF set keep the upper half, the others the lower half.
+template <int N, int OFF, int P>
+__device__ __forceinline__ void reduce_scatter_step(float (&v)[P], int lane) {
+  if constexpr (OFF >= 1) {
+    if constexpr (N > 1) {
+      const bool hi = lane & OFF;
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        const float send = hi ? v[i] : v[i + N / 2], keep = hi ? v[i + N / 2] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+      }
+      reduce_scatter_step<N / 2, OFF / 2>(v, lane);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], OFF);
+      reduce_scatter_step<1, OFF / 2>(v, lane);
+    }
+  }
+}
+template <int P>
+__device__ __forceinline__ int warp_reduce_scatter(float (&v)[P], int lane) {
+  static_assert(P == 16 || P == 32, "16 or 32 values");
+  reduce_scatter_step<P, 16>(v, lane);
+  return lane / (32 / P);
+}
+constexpr float HCQ_XS = 4294967296.0f;                // 2^32: x's pre-scale (products stay far above subnormals)
+constexpr float HCQ_POST = 309485009821345068724781056.0f;  // 2^88 = 2^120 / 2^32
 
 __device__ __forceinline__ void bf16x8_to_float(const uint4& u, float* f) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -410,24 +462,28 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& u, float* f) {
   }
 }
 
-template <int N, int R = 0>
+template <int N, int R = 0, int Q = 0>
 __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
     const __nv_bfloat16* __restrict__ h, const float* __restrict__ part, int D, int mix, int nsplit,
     const float* __restrict__ scale, const float* __restrict__ base, int iters, float hc_eps, float norm_eps,
     __nv_bfloat16* __restrict__ x, float* __restrict__ post, float* __restrict__ comb, const void* __restrict__ norm,
-    bool norm_f32, const __nv_bfloat16* __restrict__ gate = nullptr, int E = 0, float* __restrict__ logits = nullptr) {
+    bool norm_f32, const __nv_bfloat16* __restrict__ gate = nullptr, int E = 0, float* __restrict__ logits = nullptr,
+    const HcProj proj = HcProj{}) {
+  static_assert(R == 0 || Q == 0, "one fold per launch");
+  constexpr int VEC = Q > 0 ? 1 : HCN_VEC;  // 8-value chunks per x thread (the projection fold: D <= 4096)
+  constexpr int RQ = R > Q ? R : Q;         // the block's dot products
   DS4_MARK(0);
   __shared__ float s_scale[3], s_base[HC_MAX_MIX], tot[HC_MAX_MIX + 1], pre[HC_MAX_N], red[HCN_WARPS];
-  __shared__ float s_lg[HCN_WARPS][R > 0 ? R : 1];
+  __shared__ float s_lg[HCN_WARPS][RQ > 0 ? RQ : 1];
   const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool sk_warp = warp == HCN_WARPS;  // the last warp: thread 0 (the probe's timeline) is an x / norm thread
-  const bool lead = blockIdx.x == 0;       // writes x, post and comb (the router fold's other blocks only logits)
+  const bool lead = blockIdx.x == 0;       // writes x, post and comb (a fold's other blocks: their products only)
   const int nch = D / 8;
   for (int i = threadIdx.x; i < mix; i += HCN_THREADS) s_base[i] = base[i];
   if (threadIdx.x < 3) s_scale[threadIdx.x] = scale[threadIdx.x];
-  float wn[HCN_VEC][8];
+  float wn[VEC][8];
 #pragma unroll
-  for (int v = 0; v < HCN_VEC; ++v) {
+  for (int v = 0; v < VEC; ++v) {
     const int c = threadIdx.x + v * 32 * HCN_WARPS;
     if (sk_warp || c >= nch) continue;
     if (norm_f32) {
@@ -439,23 +495,38 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
       bf16x8_to_float(reinterpret_cast<const uint4*>(norm)[c], wn[v]);
     }
   }
-  uint4 gv[R > 0 ? R : 1][HCN_VEC];  // the router fold's gate rows (a weight: before the wait as well)
+  uint4 gv[R > 0 ? R : 1][VEC];  // the router fold's gate rows (a weight: before the wait as well)
 #pragma unroll
   for (int j = 0; j < R; ++j) {
     const int e = blockIdx.x * R + j;
 #pragma unroll
-    for (int v = 0; v < HCN_VEC; ++v) {
+    for (int v = 0; v < VEC; ++v) {
       const int c = threadIdx.x + v * 32 * HCN_WARPS;
       gv[j][v] = (!sk_warp && c < nch && e < E) ? __ldg(reinterpret_cast<const uint4*>(gate + (long)e * D) + c)
                                                 : make_uint4(0, 0, 0, 0);
     }
   }
+  uint2 wq[VEC][Q > 0 ? Q : 1];   // the projection fold's rows (weights: before the wait as well), 8 bytes each
+  float wsc[VEC][Q > 0 ? Q : 1];  // and their E8M0 scales at the thread's chunks
+  if constexpr (Q > 0) {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const int c = threadIdx.x + v * 32 * HCN_WARPS;
+#pragma unroll
+      for (int j = 0; j < Q; ++j) {
+        const int o = blockIdx.x * Q + j;
+        const bool ok = !sk_warp && c < nch && o < proj.O;
+        wq[v][j] = ok ? __ldg(reinterpret_cast<const uint2*>(proj.w + (long)o * D) + c) : make_uint2(0u, 0u);
+        wsc[v][j] = ok ? e8m0_f32(__ldg(proj.s + (long)(o >> 7) * proj.s_ld + (c >> 4))) : 0.f;
+      }
+    }
+  }
   ds4_pdl::begin();
   DS4_MARK(1);
-  uint4 hv[HCN_VEC][N];
+  uint4 hv[VEC][N];
   const __nv_bfloat16* ht = h + (long)t * N * D;
 #pragma unroll
-  for (int v = 0; v < HCN_VEC; ++v) {
+  for (int v = 0; v < VEC; ++v) {
     const int c = threadIdx.x + v * 32 * HCN_WARPS;
 #pragma unroll
     for (int j = 0; j < N; ++j)
@@ -480,9 +551,9 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
   float pj[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) pj[j] = pre[j];
-  float xv[HCN_VEC][8], ss = 0.f;
+  float xv[VEC][8], ss = 0.f;
 #pragma unroll
-  for (int v = 0; v < HCN_VEC; ++v) {
+  for (int v = 0; v < VEC; ++v) {
     const int c = threadIdx.x + v * NT;
     if (c >= nch) continue;
     float hf[N][8];
@@ -504,9 +575,9 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
 #pragma unroll
   for (int w = 0; w < HCN_WARPS; ++w) tot_ss += red[w];
   const float r = rsqrtf(tot_ss / (float)D + norm_eps);
-  float lg[R > 0 ? R : 1] = {};
+  float lg[RQ > 0 ? RQ : 1] = {};  // zero: the projection fold accumulates over the thread's chunks
 #pragma unroll
-  for (int v = 0; v < HCN_VEC; ++v) {
+  for (int v = 0; v < VEC; ++v) {
     const int c = threadIdx.x + v * NT;
     if (c >= nch) continue;
     uint32_t o[4];
@@ -524,6 +595,21 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
         for (int e = 0; e < 8; ++e) lg[j] = fmaf(xf[e], gf[e], lg[j]);
       }
     }
+    if constexpr (Q > 0) {  // the stored (bf16) x against this block's FP8 rows; the chunk lies in one scale block
+      float xf[8], wf[8];
+      bf16x8_to_float(make_uint4(o[0], o[1], o[2], o[3]), xf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xf[e] *= HCQ_XS;
+#pragma unroll
+      for (int j = 0; j < Q; ++j) {
+        e4m3x4_scaled(wq[v][j].x, wf);
+        e4m3x4_scaled(wq[v][j].y, wf + 4);
+        float a = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a = fmaf(xf[e], wf[e], a);
+        lg[j] = fmaf(a, wsc[v][j], lg[j]);
+      }
+    }
   }
   if constexpr (R > 0) {  // fixed order: lanes by a shuffle tree, then the warps in turn
 #pragma unroll
@@ -539,6 +625,22 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
 #pragma unroll
       for (int w = 0; w < HCN_WARPS; ++w) sum += s_lg[w][threadIdx.x];
       logits[(long)t * E + e] = sum;
+    }
+  }
+  if constexpr (Q > 0) {  // a fixed order: a reduce-scatter over the lanes, the warps in turn; then 2^88 (exact)
+    constexpr int P = Q <= 16 ? 16 : 32;
+    float pv[P];
+#pragma unroll
+    for (int j = 0; j < P; ++j) pv[j] = j < Q ? lg[j] : 0.f;
+    const int j = warp_reduce_scatter<P>(pv, lane);
+    if (j < Q && (lane & (32 / P - 1)) == 0) s_lg[warp][j] = pv[0];
+    asm volatile("bar.sync 1, %0;" ::"r"(NT) : "memory");
+    const int row = blockIdx.x * Q + threadIdx.x;
+    if (threadIdx.x < Q && row < proj.O) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < HCN_WARPS; ++w) sum += s_lg[w][threadIdx.x];
+      proj.y[(long)t * proj.O + row] = __float2bfloat16(sum * HCQ_POST);
     }
   }
   DS4_MARK(3);
@@ -611,7 +713,7 @@ cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N
     return ds4_pdl::launch(kern, dim3(1, N), dim3(HCN_THREADS), 0, st, static_cast<const __nv_bfloat16*>(h), part, D,
                            mix, nsplit, scale, base, iters, hc_eps, norm_eps, static_cast<__nv_bfloat16*>(x), post,
                            comb, norm, norm_f32, static_cast<const __nv_bfloat16*>(nullptr), 0,
-                           static_cast<float*>(nullptr));
+                           static_cast<float*>(nullptr), HcProj{});
   }
   if (norm != nullptr)
     return ds4_pdl::launch(hc_finish_kernel<HC_NORM_THREADS>, dim3(1, N), dim3(HC_NORM_THREADS), (size_t)D * sizeof(float),
@@ -639,7 +741,28 @@ cudaError_t launch_hc_finish_router(const void* h, const float* part, int N, int
   return ds4_pdl::launch(kern, dim3((E + HCR_ROWS - 1) / HCR_ROWS, N), dim3(HCN_THREADS), 0, st,
                          static_cast<const __nv_bfloat16*>(h), part, D, mix, nsplit, scale, base, iters, hc_eps,
                          norm_eps, static_cast<__nv_bfloat16*>(x), post, comb, norm, norm_f32,
-                         static_cast<const __nv_bfloat16*>(gate), E, logits);
+                         static_cast<const __nv_bfloat16*>(gate), E, logits, HcProj{});
+}
+
+bool hc_proj_fold_ok(int n, int D) {
+  return (n == 1 || n == 2 || n == 4) && D % 128 == 0 && D / 8 <= 32 * HCN_WARPS;
+}
+
+cudaError_t launch_hc_finish_proj(const void* h, const float* part, int N, int n, int D, int mix, int nsplit,
+                                  const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
+                                  void* x, float* post, float* comb, const void* norm, bool norm_f32, const void* w,
+                                  const void* s, int s_ld, int O, void* y, cudaStream_t st) {
+  if (!hc_proj_fold_ok(n, D) || mix != (2 + n) * n || N < 1 || N > 65535 || O < 1 || s_ld < D / 128 ||
+      norm == nullptr || !hc_finish_norm_ok(h, false, n, D, x, norm) || (reinterpret_cast<uintptr_t>(w) & 15))
+    return cudaErrorInvalidValue;
+  auto kern = n == 4 ? hc_finish_norm_kernel<4, 0, HCQ_ROWS>
+            : n == 2 ? hc_finish_norm_kernel<2, 0, HCQ_ROWS> : hc_finish_norm_kernel<1, 0, HCQ_ROWS>;
+  const HcProj proj{static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(s), s_ld, O,
+                    static_cast<__nv_bfloat16*>(y)};
+  return ds4_pdl::launch(kern, dim3((O + HCQ_ROWS - 1) / HCQ_ROWS, N), dim3(HCN_THREADS), 0, st,
+                         static_cast<const __nv_bfloat16*>(h), part, D, mix, nsplit, scale, base, iters, hc_eps,
+                         norm_eps, static_cast<__nv_bfloat16*>(x), post, comb, norm, norm_f32,
+                         static_cast<const __nv_bfloat16*>(nullptr), 0, static_cast<float*>(nullptr), proj);
 }
 
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,

@@ -20,13 +20,14 @@ import torch
 
 from ds4.kernels.ops import (AR_CHUNK, AR_FOLD_ROWS, AR_MAX_WORLD, ARGMAX_MAX_ROWS, InKernelRoute,  # noqa: F401
                              all_reduce_ll, all_reduce_ll_fold,
-                             argmax, gemv, gemv_fold, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok, l2_prefetch,
+                             argmax, gemv, gemv_fold, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok, join_programmatic,
+                             l2_prefetch,
                              moe_down, moe_ffn, moe_ffn_ok, moe_gate_up, moe_route_ok, router)  # (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
 SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "moe_ffn.cu", "router.cu", "argmax.cu", "prefetch.cu",
-           "allreduce.cu")
+           "allreduce.cu", "capture.cu")
 EXT_NAME = "ds4_ext"
 DEFAULT_ARCHS = "8.0;9.0"
 

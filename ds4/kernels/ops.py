@@ -77,6 +77,14 @@ def gemv_fold(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, fold) -
     return _ops().gemv_fold(x, weight, scale, _fmt(fmt, dense=True), *fold.args())
 
 
+def join_programmatic(side: torch.cuda.Stream, main: torch.cuda.Stream) -> bool:
+    """While a graph is captured: join the side stream's branch into `main` by programmatic edges (csrc/capture.cu),
+    so main's next kernel may launch before the branch's last kernels drain (it must be a ds4 kernel: it waits for
+    them before reading their outputs). False where it cannot (no PDL, not capturing, a non-kernel last node):
+    then nothing changed and the caller joins by an event."""
+    return bool(_ops().join_programmatic(side.cuda_stream, main.cuda_stream))
+
+
 def hc_fold_ok(kind: str, fmt: str, rows: int, cols: int, topk: int = 1, n: int = 4) -> bool:
     """Whether a launch can fold the next mHC site's partials (host-only; reads DS4_MMA like gemv's auto):
     kind "gemv" (an [rows, cols] weight) or "moe_down" (dim = rows, inter = cols, topk)."""

@@ -102,6 +102,16 @@ def hc_fold_finish(h: Tensor, part: Tensor, scale: Tensor, base: Tensor, iters: 
     return x, post, comb, (logits if gate is not None else None)
 
 
+def hc_fold_finish_proj(h: Tensor, part: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float,
+                        norm_eps: float, norm: Tensor, w: Tensor, ws: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """hc_fold_finish with the block norm whose launch also forms y = x . W^T for an FP8 weight (the projection
+    fold): w E4M3 [O, D] with E8M0 scales ws [ceil(O/128), D/128] -> (x, post, comb, y bf16 [N, O]). bf16 h with 1, 2
+    or 4 streams, D a multiple of 128 up to 4096."""
+    return _ops().hc_fold_finish_proj(h, part, scale.float().contiguous(), base.float().contiguous(), int(iters),
+                                      float(hc_eps), float(norm_eps), norm.contiguous(), w.contiguous(),
+                                      ws.contiguous())
+
+
 def _rows_ok(t: Tensor) -> Tensor:
     ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
         t.stride(i) % 8 == 0 or t.shape[i] == 1 for i in range(t.dim() - 1))

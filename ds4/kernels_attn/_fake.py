@@ -45,6 +45,13 @@ def _hc_fold_finish(h, part, scale, base, iters, hc_eps, norm_eps, norm=None, ga
             h.new_empty((n_tok, n, n), dtype=torch.float32), h.new_empty((n_tok, e), dtype=torch.float32))
 
 
+@register_fake("ds4_attn::hc_fold_finish_proj")
+def _hc_fold_finish_proj(h, part, scale, base, iters, hc_eps, norm_eps, norm, w, ws):
+    n_tok, n, d = h.shape
+    return (h.new_empty((n_tok, d)), h.new_empty((n_tok, n), dtype=torch.float32),
+            h.new_empty((n_tok, n, n), dtype=torch.float32), h.new_empty((n_tok, w.shape[0])))
+
+
 @register_fake("ds4_attn::sparse_attn")
 def _sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale):
     return torch.empty_like(q)

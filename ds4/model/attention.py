@@ -17,6 +17,7 @@ from ds4.model.compressor import Compressor, finish_entry
 from ds4.model.indexer import Indexer
 from ds4.model.rope import inv_freq, rope_heads
 from ds4.model.weights_module import WeightsModule, weight_format
+from ds4.ops.base import QWeight
 from ds4.profile import NULL_PROFILER
 
 PREFILL_CHUNK = 256  # queries per prefill chunk (bounds the score matrices' memory)
@@ -92,9 +93,20 @@ class Attention(WeightsModule):
         return self.ops.linear.prefetch("q", [self.wq_bi if self.wq_bi is not None else self.wq_b], h)
 
     # ---- pieces shared by prefill and decode ----------------------------------------------
-    def _qkv_a(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [N, dim] -> (q-LoRA latent before q_norm [N, q_lora], raw window kv [N, D])."""
+    def fold_proj(self) -> QWeight | None:
+        """The weight the hc finish before this attention may multiply x by (hc.fold_pre's projection fold): the
+        merged FP8 wq_a + wkv when linear=gemv_cuda does the projections and no activation quantization is
+        simulated; else None (the projection stays this attention's GEMV)."""
+        ok = self.wqkv_a is not None and self.wqkv_a.fmt == "fp8" and not self.qat
+        return self.wqkv_a if ok and self.ops.linear.name == "gemv_cuda" else None
+
+    def _qkv_a(self, x: Tensor, qkv_a: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [N, dim] -> (q-LoRA latent before q_norm [N, q_lora], raw window kv [N, D]); qkv_a: x . wqkv_a^T
+        formed already (by the hc finish: fold_proj), split here."""
         lin = self.ops.linear
+        if qkv_a is not None:
+            qa, kv = qkv_a.split((self.wq_a.out_features, self.wkv.out_features), -1)
+            return qa, kv
         if self.wqkv_a is None:
             return lin(x, self.wq_a, act_quant=self.qat), lin(x, self.wkv, act_quant=self.qat)
         qa, kv = lin(x, self.wqkv_a, act_quant=self.qat).split((self.wq_a.out_features, self.wkv.out_features), -1)
@@ -125,12 +137,13 @@ class Attention(WeightsModule):
             return self.comm.all_reduce(y, "attn", fold=None if one_rank else fold)
 
     # ---- prefill: one sequence ----------------------------------------------------------
-    def prefill(self, x: Tensor, st: dict[str, Tensor], row: int, fold=None) -> Tensor:
-        """x [S, dim] at positions 0..S-1 of batch row `row`; fills that row's state. -> [S, dim]. fold: see _out."""
+    def prefill(self, x: Tensor, st: dict[str, Tensor], row: int, fold=None, qkv_a: Tensor | None = None) -> Tensor:
+        """x [S, dim] at positions 0..S-1 of batch row `row`; fills that row's state. -> [S, dim]. fold: see _out;
+        qkv_a: see _qkv_a."""
         a, W, S = self.args, self.args.window_size, x.shape[0]
         pos = torch.arange(S, device=x.device)
         with self.prof("attn.q"):
-            qa, kv = self._qkv_a(x)
+            qa, kv = self._qkv_a(x, qkv_a)
             q, qr = self._q(qa, pos)
         with self.prof("attn.kv"):  # window key/value: norm, RoPE, (qat) FP8 simulation of the nope dims
             kv = finish_entry(kv, self.kv_norm, a.norm_eps, pos, self.freqs, "fp8" if self.qat else None)
@@ -173,8 +186,8 @@ class Attention(WeightsModule):
             return self._out(o, fold)
 
     # ---- decode: one token per row ------------------------------------------------------
-    def decode(self, x: Tensor, pos: Tensor, st: dict[str, Tensor], fold=None) -> Tensor:
-        """x [B, dim], pos [B] (device) -> [B, dim]. No host synchronisation. fold: see _out.
+    def decode(self, x: Tensor, pos: Tensor, st: dict[str, Tensor], fold=None, qkv_a: Tensor | None = None) -> Tensor:
+        """x [B, dim], pos [B] (device) -> [B, dim]. No host synchronisation. fold: see _out; qkv_a: see _qkv_a.
 
         Every step between the projections is an attention / indexer implementation op (window
         write, compressor step, masked indexer scores, position-masked attention with the output
@@ -212,7 +225,7 @@ class Attention(WeightsModule):
                     wi = self.indexer.head_weights(x)
                 branches.append(iw)
         with self.prof("attn.q"):
-            qa, kv = self._qkv_a(x)
+            qa, kv = self._qkv_a(x, qkv_a)
         kvb = attn.branch(x, "kv")
         with kvb, self.prof("attn.kv"):
             attn.kv_store(st["win"], kv, self.kv_norm, pos, self.freqs, eps, self.qat)

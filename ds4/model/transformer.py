@@ -61,9 +61,11 @@ class Block(WeightsModule):
         self.attn.load(t, f"{p}.attn")
         self.ffn.load(t, f"{p}.ffn")
 
-    def forward(self, h: Tensor, token_ids: Tensor, attend: Callable[[Attention, Tensor, HcFold | None], Tensor],
+    def forward(self, h: Tensor, token_ids: Tensor,
+                attend: Callable[[Attention, Tensor, HcFold | None, Tensor | None], Tensor],
                 carry: Carry | None = None, next_fn: Tensor | None = None) -> tuple[Tensor, Carry]:
-        """h [N, hc, dim] residual streams; `attend(attn, x, fold)` runs prefill or decode attention.
+        """h [N, hc, dim] residual streams; `attend(attn, x, fold, qkv_a)` runs prefill or decode attention (qkv_a:
+        the attention's wq_a + wkv rows of x when the hc finish formed them, hc.fold_pre's projection fold; else None).
         carry: the previous block's FFN output with its post / comb, whose hc.post onto h is still to be
         done: it is done here together with this block's first hc.pre (hc.post_pre: one step, which the
         CUDA implementation runs in 2 launches instead of 3). Returns (h, carry) with this block's own
@@ -73,6 +75,7 @@ class Block(WeightsModule):
         hc_attn_fn) lets the FFN's fold reach into the next block, whose forward then takes the fold as its
         carry."""
         a, hc = self.args, self.ops.hc
+        qkv_a = None
         # opt-in (DS4_L2_PREFETCH, measured slower): a captured decode step starts bringing the query
         # up-projection into L2 beside this block's first mHC and wq_a + wkv (ds4.ops.prefetch)
         self.attn.prefetch_q(h)
@@ -80,9 +83,10 @@ class Block(WeightsModule):
             if carry is None:
                 x, post, comb = hc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                        a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
-            elif isinstance(carry, HcFold):
-                h, x, post, comb, _ = hc.fold_pre(carry, self.hc_attn_scale, self.hc_attn_base, a.hc_sinkhorn_iters,
-                                                  a.hc_eps, a.norm_eps, self.attn_norm)
+            elif isinstance(carry, HcFold):  # the finish may also form the attention's wq_a + wkv rows (qkv_a)
+                h, x, post, comb, qkv_a = hc.fold_pre(carry, self.hc_attn_scale, self.hc_attn_base,
+                                                      a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm,
+                                                      proj=self.attn.fold_proj())
             else:
                 h, x, post, comb = hc.post_pre(*carry, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                                a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
@@ -91,7 +95,7 @@ class Block(WeightsModule):
         comm = self.attn.comm
         folds = comm.world == 1 or comm.folds_hc
         fold = hc.fold(h, post, comb, self.hc_ffn_fn) if folds else None
-        x = attend(self.attn, x, fold)
+        x = attend(self.attn, x, fold, qkv_a)
         with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN (which may also give
             # the router's logits: hc's router fold, the CUDA implementation's default)
             if fold is not None and fold.fused:
@@ -241,12 +245,12 @@ class Transformer(WeightsModule):
             return self.comm.gather_vocab(out)
 
     def _run_blocks(self, h: Tensor, ids: Tensor, attend, state: DecodeState) -> Tensor:
-        """The blocks over h [N, hc, dim]; `attend(attn, x, layer_state, fold)`. Each block's last hc.post is
+        """The blocks over h [N, hc, dim]; `attend(attn, x, layer_state, fold, qkv_a)`. Each block's last hc.post is
         fused into the next block's first hc.pre (Block.forward's carry; next_fn for the hc fold)."""
         carry = None
         for i, (blk, st) in enumerate(zip(self.layers, state.layers)):
             nxt = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else None
-            h, carry = blk(h, ids, lambda attn, x, fold, st=st: attend(attn, x, st, fold), carry, nxt)
+            h, carry = blk(h, ids, lambda attn, x, fold, qkv_a, st=st: attend(attn, x, st, fold, qkv_a), carry, nxt)
         return h if carry is None else self.layers[-1].finish_streams(carry)
 
     # ---- prefill / decode ---------------------------------------------------------------------
@@ -258,7 +262,8 @@ class Transformer(WeightsModule):
         S = ids.shape[0]
         if S > state.max_seq_len:
             raise ValueError(f"prompt of {S} tokens is longer than max_seq_len={state.max_seq_len}")
-        h = self._run_blocks(self._embed(ids), ids, lambda attn, x, st, fold: attn.prefill(x, st, row, fold), state)
+        h = self._run_blocks(self._embed(ids), ids,
+                             lambda attn, x, st, fold, qkv_a: attn.prefill(x, st, row, fold, qkv_a), state)
         state.pos[row] = S
         out = self.logits(h[-1:], full_vocab=full_vocab)[0]
         return (out, h) if return_hidden else out
@@ -267,7 +272,8 @@ class Transformer(WeightsModule):
     def decode(self, ids: Tensor, state: DecodeState, full_vocab: bool = True) -> Tensor:
         """ids [B] (next token of every row) at positions state.pos -> logits [B, vocab] fp32; advances pos."""
         pos = state.pos[: ids.shape[0]]
-        h = self._run_blocks(self._embed(ids), ids, lambda attn, x, st, fold: attn.decode(x, pos, st, fold), state)
+        h = self._run_blocks(self._embed(ids), ids,
+                             lambda attn, x, st, fold, qkv_a: attn.decode(x, pos, st, fold, qkv_a), state)
         prefetch.join_pending()  # the step's L2 prefetch branches (ds4.ops.prefetch), in one place
         pos.add_(1)
         return self.logits(h, full_vocab=full_vocab)
@@ -284,7 +290,7 @@ class Transformer(WeightsModule):
         hh = rms_norm(h, blk.hnorm, a.norm_eps)
         x = self.ops.linear(e, blk.e_proj).unsqueeze(1) + self.ops.linear(hh, blk.h_proj)
         st = blk.attn.alloc_state(1, S, self.dtype, self.device)
-        _, carry = blk(x, next_ids, lambda attn, xx, fold: attn.prefill(xx, st, 0, fold))
+        _, carry = blk(x, next_ids, lambda attn, xx, fold, qkv_a: attn.prefill(xx, st, 0, fold, qkv_a))
         x = blk.finish_streams(carry)
         return self.logits(x, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, blk.norm)
 

@@ -12,6 +12,13 @@ post_pre_route (post_pre before the MoE): the router fold (default; DS4_HC_ROUTE
       runs only its top-k tail). H200, session 25: 115.1 / 115.1 against 117.7 / 117.4 us per layer without it
       (experiments/decode_session25_h200.md); session 14 had measured it slower (133.9 against 131.2), before
       the router's own GEMV and the hc finish were reworked.
+fold_pre(proj=) (the projection fold; opt-in, DS4_HC_QKV=1): at the attention site the finishing launch of a fold
+      also forms x . W^T for the attention's merged FP8 wq_a + wkv (every block forms the normalised x and 12 of the
+      1536 rows), so the wq_a + wkv GEMV launch leaves the step (the attention takes the rows as qkv_a). H200, session
+      27, three runs (experiments/decode_session27_h200.md): 115.8 / 115.6, 114.9 / 114.4, 115.6 / 115.5 against
+      115.6 / 115.4, 114.9 / 114.9, 115.1 / 115.4 us per layer without it: no gain. The run's profile charges the
+      finish about 3 us more and wq_b about 3 us more: the finish's 128 blocks hold every SM, so wq_b's blocks no
+      longer start their weight loads during it as they did during the wq_a + wkv GEMV.
 fold / fold_pre (the hc fold; default, DS4_HC_FOLD=0 turns it off): a decode row's post + the next site's
       first launch done by the epilogue of the kernel that produces the block output (wo_b's tensor-core
       GEMV, the MoE down kernel: ds4.kernels.gemv_fold / moe_down(fold=)), so the site is its finishing
@@ -29,7 +36,7 @@ from torch import Tensor
 
 from ds4 import kernels_attn
 from ds4.model.norm import rms_norm
-from ds4.ops.base import HcFold
+from ds4.ops.base import HcFold, QWeight
 from ds4.ops.hc_torch import TorchHC
 
 _ACT = (torch.bfloat16, torch.float32)
@@ -53,6 +60,21 @@ def _router_fold_ok(x: Tensor, res: Tensor, norm: Tensor | None, gate: Tensor) -
     return (_ok(res) and res.dtype == torch.bfloat16 and x.dtype in _ACT and res.shape[0] <= ROUTER_FOLD_ROWS
             and n in (1, 2, 4) and d % 8 == 0 and d <= 8192 and norm is not None and norm.is_cuda
             and gate.is_cuda and gate.dtype == torch.bfloat16 and gate.dim() == 2 and gate.shape[1] == d)
+
+
+def _proj_fold_on() -> bool:
+    """The projection fold is on with DS4_HC_QKV=1 only (read per call, for the ablation: bench token hcq)."""
+    return os.environ.get("DS4_HC_QKV", "0") == "1"
+
+
+def _proj_fold_ok(h: Tensor, norm: Tensor | None, proj: QWeight) -> bool:
+    """The projection fold's kernel takes this finish: bf16 streams of 1, 2 or 4 with D a multiple of 128 (at most
+    4096), the block norm, an FP8 weight [O, D] with its [ceil(O/128), D/128] scales (shapes and dtypes only)."""
+    n, d = h.shape[-2], h.shape[-1]
+    return (_ok(h) and h.dtype == torch.bfloat16 and h.shape[0] <= ROUTER_FOLD_ROWS and n in (1, 2, 4)
+            and d % 128 == 0 and d <= 4096 and norm is not None and norm.is_cuda and proj.fmt == "fp8"
+            and proj.weight.is_cuda and proj.weight.dim() == 2 and proj.weight.shape[1] == d
+            and proj.scale is not None and tuple(proj.scale.shape) == (-(-proj.weight.shape[0] // 128), d // 128))
 
 
 def _norm_fuses(norm: Tensor | None, d: int) -> bool:
@@ -114,11 +136,17 @@ class FusedCudaHC:
                       torch.empty_like(res), res.new_empty((1, mix + 1, d // 16), dtype=torch.float32))
 
     def fold_pre(self, fold: HcFold, scale: Tensor, base: Tensor, iters: int, hc_eps: float, norm_eps: float,
-                 norm: Tensor, gate: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+                 norm: Tensor, gate: Tensor | None = None,
+                 proj: QWeight | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         # the finishing launch on the fold's streams and partials; with a gate (and the router fold on) the router
-        # fold's finish (the logits too), as post_pre_route
+        # fold's finish (the logits too), as post_pre_route; with proj (and the projection fold opted in) the
+        # projection fold's finish, whose last output is x . proj^T (bf16); else that output is None
         if not fold.fused:
             raise RuntimeError("hc.fold_pre: the fold was not formed by a kernel (fold.fused is False)")
+        if proj is not None and gate is None and _proj_fold_on() and _proj_fold_ok(fold.out, norm, proj):
+            x, post, comb, y = kernels_attn.hc_fold_finish_proj(fold.out, fold.part, scale, base, iters, hc_eps,
+                                                                norm_eps, norm, proj.weight, proj.scale)
+            return fold.out, x, post, comb, y
         route = gate is not None and _router_fold_on() and _router_fold_ok(fold.out[0], fold.out, norm, gate)
         x, post, comb, logits = kernels_attn.hc_fold_finish(fold.out, fold.part, scale, base, iters, hc_eps,
                                                             norm_eps, norm, gate if route else None)

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from ds4.model.norm import rms_norm
-from ds4.ops.base import HcFold
+from ds4.ops.base import HcFold, QWeight
 
 
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
@@ -70,9 +70,11 @@ class TorchHC:
         return None
 
     def fold_pre(self, fold: HcFold, scale: Tensor, base: Tensor, iters: int, hc_eps: float, norm_eps: float,
-                 norm: Tensor, gate: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+                 norm: Tensor, gate: Tensor | None = None,
+                 proj: QWeight | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         """The next site's pre once a kernel folded the post (fold.fused): (h, x, post, comb, None) from the
-        streams fold.out (the partials are the CUDA finish's shortcut to the same matvec)."""
+        streams fold.out (the partials are the CUDA finish's shortcut to the same matvec). The reference never
+        forms the router's logits (gate) or the projection (proj) here: the caller computes them itself."""
         return (fold.out, *self.pre(fold.out, fold.fn, scale, base, iters, hc_eps, norm_eps, norm), None)
 
     def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,

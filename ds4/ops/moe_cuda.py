@@ -248,7 +248,7 @@ class Fp4TopkMoE:
             h = _act_quant_sim(h)
         add = None
         if shared is not None:  # the finished shared expert (bf16) added in the epilogue: a bf16 block output
-            shared.branch.join()
+            shared.branch.join("moe")  # the down kernel below is the next launch (DS4_PJOIN: programmatic join)
             add = shared.out
         # the hc fold (one row, the block output in bf16): the down kernel's epilogue forms the next mHC site's
         # streams and partials

@@ -50,6 +50,23 @@ def fork(device: torch.device, env: str, slot: int = 0) -> torch.cuda.Stream | N
     return side
 
 
+def programmatic_sites() -> set[str]:
+    """The join sites DS4_PJOIN names (comma list; "all": every one; read per call): there a captured branch joins
+    by programmatic edges (Branch.join). Opt-in: on an H200 the routed down joined so (one join per layer) measured
+    115.4 / 115.5 against 115.1 / 115.4 us per layer (session 27, experiments/decode_session27_h200.md): no gain."""
+    v = os.environ.get("DS4_PJOIN", "")
+    return set(PJOIN_SITES) if v == "all" else {t for t in v.split(",") if t in PJOIN_SITES}
+
+
+PJOIN_SITES = ("moe",)  # the routed MoE down kernel after the shared expert's branch (moe=fp4_topk)
+_pjoins = 0  # programmatic joins made so far in this process (scripts/bench_decode.py reports them per variant)
+
+
+def programmatic_joins() -> int:
+    """How many branch joins were made by programmatic edges in this process so far."""
+    return _pjoins
+
+
 class Branch:
     """A branch of a step: `with branch:` issues on its side stream (in line when it has none); `join()`
     makes the current stream wait for it. Branch(None, device) is the in-line branch."""
@@ -67,6 +84,18 @@ class Branch:
         self._ctx.__exit__(*exc)
         self._ctx = None
 
-    def join(self) -> None:
-        if self.side is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.side)
+    def join(self, site: str | None = None) -> None:
+        """site: the caller's next launch on the current stream is a ds4 kernel that waits (PDL) for its
+        predecessors before it reads the branch's outputs. Where DS4_PJOIN names the site, the branch then joins by
+        programmatic edges (ds4.kernels.join_programmatic: that kernel may launch before the branch drains); else,
+        or where that cannot be done, by an event."""
+        if self.side is None:
+            return
+        main = torch.cuda.current_stream(self.device)
+        if site is not None and site in programmatic_sites():
+            from ds4 import kernels
+            if kernels.unavailable_reason() is None and kernels.join_programmatic(self.side, main):
+                global _pjoins
+                _pjoins += 1
+                return
+        main.wait_stream(self.side)

@@ -1,0 +1,54 @@
+"""GPU test of the programmatic join (ds4.kernels.join_programmatic, csrc/capture.cu; opt-in DS4_PJOIN): inside a
+CUDA-graph capture a side-stream branch ending in a ds4 kernel joins the main stream by programmatic edges, and the
+next ds4 kernel on the main stream, which may then launch before the branch drains, still reads the branch's output
+as written (it waits before reading): the replay equals the eager products bit for bit, with the branch's output
+poisoned before the replay. Outside a capture the op declines (False) and changes nothing (marker gpu; skipped
+without CUDA)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_common import gen, require_extension
+
+pytestmark = pytest.mark.gpu
+kernels = require_extension("ds4.kernels")  # skips this module without CUDA
+
+from test_kernels_gpu import rand_fp8_weight, rand_x  # noqa: E402
+
+
+def test_programmatic_join_in_a_captured_graph(monkeypatch):
+    monkeypatch.setenv("DS4_PDL", "1")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    g = gen(27)
+    w, s = rand_fp8_weight(4096, 4096, g)  # 16 MB: the branch's kernel runs for microseconds
+    w2, s2 = rand_fp8_weight(4096, 4096, g)
+    x = rand_x(1, 4096, g)
+    side = torch.cuda.Stream()
+    assert not kernels.join_programmatic(side, torch.cuda.current_stream())  # not capturing: declines
+    y1r = kernels.gemv(x, w, s, "fp8")
+    y2r = kernels.gemv(y1r, w2, s2, "fp8")
+    main = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    main.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(main):
+        for _ in range(2):  # warm-up (the kernels' attributes) on the capture's streams
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                kernels.gemv(x, w, s, "fp8")
+            main.wait_stream(side)
+            kernels.gemv(y1r, w2, s2, "fp8")
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, stream=main):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):  # the branch: one ds4 kernel
+            y1 = kernels.gemv(x, w, s, "fp8")
+        joined = kernels.join_programmatic(side, main)
+        y2 = kernels.gemv(y1, w2, s2, "fp8")  # the next ds4 kernel on the main stream reads the branch's output
+    assert joined
+    y1.fill_(float("nan"))
+    y2.fill_(float("nan"))
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y1, y1r) and torch.equal(y2, y2r)
