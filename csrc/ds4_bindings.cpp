@@ -754,7 +754,7 @@ void l2_prefetch(const at::Tensor& t0, const std::optional<at::Tensor>& t1, cons
 
 // Host-only: join the side stream's captured branch into the main stream by programmatic edges (capture.cu);
 // false where it cannot (not capturing, no PDL, a non-kernel last node), and the caller joins by an event.
-bool join_programmatic(int64_t side, int64_t main) {
+static bool join_programmatic(int64_t side, int64_t main) {
   return ds4::capture_join_programmatic(reinterpret_cast<cudaStream_t>(side), reinterpret_cast<cudaStream_t>(main));
 }
 
@@ -787,8 +787,8 @@ TORCH_LIBRARY(ds4, m) {
         "Tensor ss2, Tensor? fold_res=None, Tensor? fold_post=None, Tensor? fold_comb=None, Tensor? fold_fn=None, "
         "Tensor(a!)? fold_out=None, Tensor(b!)? fold_part=None, Tensor? shared_h=None) -> Tensor");
   m.def("moe_ffn_ok(int topk, int dim, int inter, int shared_inter, int fold_n) -> bool", &moe_ffn_ok_host);
-  m.def("moe_ffn_probe(int blocks) -> Tensor", &moe_ffn_probe);
-  m.def("join_programmatic(int side, int main) -> bool", &join_programmatic);  // host-only, during a capture  // host-only diagnostic (DS4_FFN_PROBE=1)
+  m.def("moe_ffn_probe(int blocks) -> Tensor", &moe_ffn_probe);  // host-only diagnostic (DS4_FFN_PROBE=1)
+  m.def("join_programmatic(int side, int main) -> bool", &join_programmatic);  // host-only, during a capture
 }
 
 TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
