@@ -14,6 +14,7 @@
 //                the Sinkhorn now runs in one thread's registers (sinkhorn_regs). The V4 case (bf16,
 //                n = 4) takes hc_finish_norm_kernel instead: x and its norm in registers, 5.0 us;
 //   hc_post:     out[k] = post[k] x + sum_j comb[j, k] res[j], elementwise.
+#include "../ds4_common.cuh"  // the FP8 weight decode the projection fold shares with the ds4 GEMVs
 #include "attn_common.cuh"
 #include "attn_launch.h"
 
@@ -400,7 +401,8 @@ __global__ void __launch_bounds__(THREADS, 1) hc_finish_kernel(const void* __res
 // E8M0 scales per 128 x 128 block: the attention's merged wq_a + wkv) per block instead of gate rows:
 // y[t, o] = bf16(sum_d bf16 x[d] * w[o, d] * s[o / 128, d / 128]), the rows and their scales loaded
 // before the PDL wait; the wq_a + wkv GEMV launch then leaves the step's chain. One 8-value chunk per
-// thread (D <= 8 * 32 * HCN_WARPS), so a thread holds Q 8-byte pieces of weight rows.
+// thread (D <= 8 * 32 * HCN_WARPS), so a thread holds Q 8-byte pieces of weight rows. The weights are
+// decoded and scaled as the ds4 GEMV kernels do (ds4_common.cuh: Dec<FMT_FP8>, DS4_XS, post_factor).
 constexpr int HCN_WARPS = 16;
 constexpr int HCN_THREADS = 32 * (HCN_WARPS + 1);
 constexpr int HCN_VEC = 2;
@@ -415,15 +417,6 @@ struct HcProj {
   __nv_bfloat16* y = nullptr;
 };
 
-// 2^(b - 127), exact for every E8M0 byte but 255 (NaN there; b = 0 is the fp32 subnormal 2^-127)
-__device__ __forceinline__ float e8m0_f32(uint32_t b) { return __uint_as_float(b ? b << 23 : 0x00400000u); }
-
-// 4 E4M3 bytes of q (byte i = element i) -> their values x 2^-120 as fp32 (exact, subnormals too): byte i
-// moved to the top and shifted right arithmetically by 4 leaves s at bit 31 and eeee mmm at bits 26..20.
-__device__ __forceinline__ void e4m3x4_scaled(uint32_t q, float* v) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = __uint_as_float((uint32_t)((int32_t)(q << (24 - 8 * i)) >> 4) & 0x87f00000u);
-}
 // Reduce-scatter of P (16 or 32) values per lane over a warp: afterwards v[0] of lane l is the warp's sum of value
 // l / (32 / P) (returned as the index), in a fixed order; P - 1 + log2(32 / P) shuffles instead of 5 P. Step OFF
 // halves the N values still held: lanes with bit OFF set keep the upper half, the others the lower half.
@@ -450,8 +443,6 @@ __device__ __forceinline__ int warp_reduce_scatter(float (&v)[P], int lane) {
   reduce_scatter_step<P, 16>(v, lane);
   return lane / (32 / P);
 }
-constexpr float HCQ_XS = 4294967296.0f;                // 2^32: x's pre-scale (products stay far above subnormals)
-constexpr float HCQ_POST = 309485009821345068724781056.0f;  // 2^88 = 2^120 / 2^32
 
 __device__ __forceinline__ void bf16x8_to_float(const uint4& u, float* f) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -517,7 +508,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
         const int o = blockIdx.x * Q + j;
         const bool ok = !sk_warp && c < nch && o < proj.O;
         wq[v][j] = ok ? __ldg(reinterpret_cast<const uint2*>(proj.w + (long)o * D) + c) : make_uint2(0u, 0u);
-        wsc[v][j] = ok ? e8m0_f32(__ldg(proj.s + (long)(o >> 7) * proj.s_ld + (c >> 4))) : 0.f;
+        wsc[v][j] = ok ? ds4::e8m0_to_f32(__ldg(proj.s + (long)(o >> 7) * proj.s_ld + (c >> 4))) : 0.f;
       }
     }
   }
@@ -599,11 +590,11 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
       float xf[8], wf[8];
       bf16x8_to_float(make_uint4(o[0], o[1], o[2], o[3]), xf);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) xf[e] *= HCQ_XS;
+      for (int e = 0; e < 8; ++e) xf[e] *= ds4::DS4_XS;
 #pragma unroll
       for (int j = 0; j < Q; ++j) {
-        e4m3x4_scaled(wq[v][j].x, wf);
-        e4m3x4_scaled(wq[v][j].y, wf + 4);
+        ds4::Dec<ds4::FMT_FP8>::word(wq[v][j].x, wf);
+        ds4::Dec<ds4::FMT_FP8>::word(wq[v][j].y, wf + 4);
         float a = 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) a = fmaf(xf[e], wf[e], a);
@@ -627,7 +618,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
       logits[(long)t * E + e] = sum;
     }
   }
-  if constexpr (Q > 0) {  // a fixed order: a reduce-scatter over the lanes, the warps in turn; then 2^88 (exact)
+  if constexpr (Q > 0) {  // a fixed order: a reduce-scatter over the lanes, the warps in turn; then the exact 2^80
     constexpr int P = Q <= 16 ? 16 : 32;
     float pv[P];
 #pragma unroll
@@ -640,7 +631,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < HCN_WARPS; ++w) sum += s_lg[w][threadIdx.x];
-      proj.y[(long)t * proj.O + row] = __float2bfloat16(sum * HCQ_POST);
+      proj.y[(long)t * proj.O + row] = __float2bfloat16(sum * ds4::post_factor<ds4::FMT_FP8>());
     }
   }
   DS4_MARK(3);

@@ -104,12 +104,11 @@ class Attention(WeightsModule):
         """x [N, dim] -> (q-LoRA latent before q_norm [N, q_lora], raw window kv [N, D]); qkv_a: x . wqkv_a^T
         formed already (by the hc finish: fold_proj), split here."""
         lin = self.ops.linear
-        if qkv_a is not None:
-            qa, kv = qkv_a.split((self.wq_a.out_features, self.wkv.out_features), -1)
-            return qa, kv
-        if self.wqkv_a is None:
-            return lin(x, self.wq_a, act_quant=self.qat), lin(x, self.wkv, act_quant=self.qat)
-        qa, kv = lin(x, self.wqkv_a, act_quant=self.qat).split((self.wq_a.out_features, self.wkv.out_features), -1)
+        if qkv_a is None:
+            if self.wqkv_a is None:
+                return lin(x, self.wq_a, act_quant=self.qat), lin(x, self.wkv, act_quant=self.qat)
+            qkv_a = lin(x, self.wqkv_a, act_quant=self.qat)
+        qa, kv = qkv_a.split((self.wq_a.out_features, self.wkv.out_features), -1)
         return qa, kv
 
     def _q(self, qa: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
