@@ -42,7 +42,7 @@ __device__ __forceinline__ void moe_slots(const MoEArgs& a, float* scratch, int*
   if (a.route_logits) {
     if (threadIdx.x < 32)
       route_token_warp(a.route_logits, a.n_experts, a.route_bias, a.tid2eid, a.tid64, a.token_ids, 0, a.topk,
-                       a.route_scale, scratch, scratch + a.n_experts, s_ids, s_rw);
+                       a.route_scale, scratch, reinterpret_cast<unsigned*>(scratch + a.n_experts), s_ids, s_rw);
     __syncthreads();
     if (write_out && blockIdx.x == 0 && threadIdx.x < a.topk) {
       a.ids_out[threadIdx.x] = s_ids[threadIdx.x];

@@ -30,50 +30,73 @@ __device__ __forceinline__ void route_weights(const float* scores, const int* se
   for (int k = 0; k < topk; ++k) w[k] = scores[sel[k]] * inv;
 }
 
-// Top-k of the biased scores b[0..E) (shared memory, consumed: winners are set to -inf) by one warp:
-// each lane scans its strided share in ascending order, a shuffle arg-max picks the expert. -> sel[k].
-__device__ __forceinline__ void topk_warp(float* b, int E, int topk, int* sel) {
+// Order-preserving key of a biased score: key(a) > key(b) exactly when a > b, one key for -0 and +0. NaN
+// maps to 0, below every number (the float comparisons it replaces never selected NaN); 0 also marks a
+// taken expert.
+__device__ __forceinline__ unsigned score_key(float v) {
+  if (v != v) return 0u;
+  unsigned u = __float_as_uint(v);
+  if (u == 0x80000000u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Scores of token t (sc, E floats) and the keys of score + bias (key, E unsigned), threads `tid` of
+// `nthreads`: sqrt(softplus(logit)) as the reference.
+__device__ __forceinline__ void route_scores(const float* logits, int E, const float* bias, int t, float* sc,
+                                             unsigned* key, int tid, int nthreads) {
+  for (int e = tid; e < E; e += nthreads) {
+    const float s = router_score(logits[(long)t * E + e]);
+    sc[e] = s;
+    key[e] = score_key(s + (bias ? bias[e] : 0.f));
+  }
+}
+
+// Top-k of the keys key[0..E) (shared memory, consumed: winners set to 0) by one warp, best first, ties to the
+// lower id -> sel[k]. Each round every lane scans its strided share in ascending order (its first best is its
+// lowest id), then two warp reductions (redux.sync, sm_80+) give the best key and the lowest id holding it.
+// Before, a 5-step shuffle tree of (value, id) pairs per round, and in router_topk_kernel a per-warp top-k
+// with a second top-k over the warps' candidates: the same experts in the same order, in fewer dependent steps.
+__device__ __forceinline__ void topk_warp(unsigned* key, int E, int topk, int* sel) {
   const int lane = threadIdx.x & 31;
   for (int k = 0; k < topk; ++k) {
-    float v = -INFINITY;
-    int i = 0x7fffffff;
-    for (int e = lane; e < E; e += 32) {  // ascending: the first of equal values is the lowest id
-      const float be = b[e];
-      if (be > v || (be == v && e < i)) { v = be; i = e; }
+    unsigned best = 0u, bi = 0xffffffffu;
+    for (int e = lane; e < E; e += 32) {
+      const unsigned ke = key[e];
+      if (ke > best) { best = ke; bi = (unsigned)e; }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-      if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-    }
-    i = i < E ? i : 0;  // only NaN scores leave no candidate: keep the index in range
+    const unsigned m = __reduce_max_sync(0xffffffffu, best);
+    const unsigned id = __reduce_min_sync(0xffffffffu, best == m ? bi : 0xffffffffu);
+    const int i = id < (unsigned)E ? (int)id : 0;  // only NaN scores leave no candidate: keep the index in range
     if (lane == 0) sel[k] = i;
-    if ((i & 31) == lane) b[i] = -INFINITY;  // the owning lane removes the winner
+    if (id < (unsigned)E && (i & 31) == lane) key[i] = 0u;  // the owning lane removes the winner
     __syncwarp();
   }
 }
 
-// One warp routes token t from its logits [E]: sc / bs are shared scratch of E floats each; sel / w
-// (shared, topk entries) receive the expert ids and weights. Ends with __syncwarp (the warp sees them).
-__device__ __forceinline__ void route_token_warp(const float* logits, int E, const float* bias, const void* tid2eid,
-                                                 int tid64, const int64_t* token_ids, int t, int topk,
-                                                 float route_scale, float* sc, float* bs, int* sel, float* w) {
+// The selection of token t from its scores (route_scores) by one warp: ids -> sel, weights -> w (shared,
+// topk entries). Ends with __syncwarp (the warp sees them).
+__device__ __forceinline__ void route_select_warp(const float* sc, unsigned* key, int E, const void* tid2eid,
+                                                  int tid64, const int64_t* token_ids, int t, int topk,
+                                                  float route_scale, int* sel, float* w) {
   const int lane = threadIdx.x & 31;
-  for (int e = lane; e < E; e += 32) {
-    const float s = router_score(logits[(long)t * E + e]);
-    sc[e] = s;
-    bs[e] = s + (bias ? bias[e] : 0.f);
-  }
-  __syncwarp();
   if (tid2eid) {
     if (lane < topk) sel[lane] = hash_expert(tid2eid, tid64, token_ids, t, topk, lane);
   } else {
-    topk_warp(bs, E, topk, sel);
+    topk_warp(key, E, topk, sel);
   }
   __syncwarp();
   if (lane == 0) route_weights(sc, sel, topk, route_scale, w);
   __syncwarp();
+}
+
+// One warp routes token t from its logits [E]: sc / key are shared scratch of E floats / unsigned each; sel / w
+// (shared, topk entries) receive the expert ids and weights. Ends with __syncwarp (the warp sees them).
+__device__ __forceinline__ void route_token_warp(const float* logits, int E, const float* bias, const void* tid2eid,
+                                                 int tid64, const int64_t* token_ids, int t, int topk,
+                                                 float route_scale, float* sc, unsigned* key, int* sel, float* w) {
+  route_scores(logits, E, bias, t, sc, key, threadIdx.x & 31, 32);
+  __syncwarp();
+  route_select_warp(sc, key, E, tid2eid, tid64, token_ids, t, topk, route_scale, sel, w);
 }
 
 }  // namespace ds4

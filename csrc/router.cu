@@ -5,14 +5,14 @@
 //   router_fused_kernel (decode, <= ROUTER_FUSED_TOKENS tokens; opt-in, DS4_ROUTER_FUSED=1, see
 //     ds4_bindings.cpp): one launch. Each warp owns one gate
 //     row, loads it before the PDL wait (a weight) and writes its logits; the last block to arrive
-//     (an arrival counter in device memory, reset by that block) runs the tail, one warp per token:
-//     each lane scans its strided share of the biased scores and a shuffle arg-max picks the expert.
+//     (an arrival counter in device memory, reset by that block) runs the tail, one warp per token
+//     (topk_warp, route_dev.cuh).
 //     Before, the GEMV and a one-block tail with two barriers per round were two launches (H200
 //     micro-benchmark: 10.6 us for both). A lane's activation loads are issued together: one at a
 //     time (a loop that could exit early) the kernel took 16.6 us per call in the decode step.
-//   router_topk_kernel (the default): the tail alone, one block per token (per-warp top-k, then a
-//     top-k of the warps' candidates); the logits come from the BF16 GEMV (gemv.cu: one row per warp
-//     for these few rows).
+//   router_topk_kernel (the default): the tail alone, one block per token (the scores by every thread,
+//     the top-k by one warp); the logits come from the BF16 GEMV (gemv.cu: one row per warp for these
+//     few rows) or the FFN site's hc finish (the router fold).
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "route_dev.cuh"
@@ -31,6 +31,34 @@ __device__ __forceinline__ void store_route(const float* scores, const int* sel,
   }
 }
 
+// One block per token, a thread per expert for the scores and keys, then warp 0 selects (topk_warp). Session
+// 9's form (5.5-6.0 us per call in the 8-layer profile) had each warp select the top-k of its 32 experts by
+// shuffle trees, then warp 0 the top-k of those candidates: the same experts in the same order.
+constexpr int RT_MAX_THREADS = 1024;  // E <= 1024
+__global__ void __launch_bounds__(RT_MAX_THREADS) router_topk_kernel(const float* __restrict__ logits, int E,
+                                                                     const float* __restrict__ bias,
+                                                                     const void* __restrict__ tid2eid, int tid64,
+                                                                     const int64_t* __restrict__ token_ids, int topk,
+                                                                     float route_scale, float* __restrict__ w_out,
+                                                                     int64_t* __restrict__ ids_out) {
+  ds4_pdl::begin();
+  extern __shared__ float sh[];  // scores [E], then keys [E]
+  unsigned* key = reinterpret_cast<unsigned*>(sh + E);
+  __shared__ int sel[ROUTER_MAX_K];
+  __shared__ float w[ROUTER_MAX_K];
+  const int t = blockIdx.x;
+  route_scores(logits, E, tid2eid ? nullptr : bias, t, sh, key, threadIdx.x, blockDim.x);
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  route_select_warp(sh, key, E, tid2eid, tid64, token_ids, t, topk, route_scale, sel, w);
+  if (threadIdx.x < topk) {
+    w_out[(long)t * topk + threadIdx.x] = w[threadIdx.x];
+    ids_out[(long)t * topk + threadIdx.x] = sel[threadIdx.x];
+  }
+}
+
+// TEMPORARY (session 28 A/B): the previous tail, built with -DDS4_TOPK_SHUFFLE
+#ifdef DS4_TOPK_SHUFFLE
 // (value, id) arg-max across a warp, ties to the lower id (the order every routing path selects in).
 __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 #pragma unroll
@@ -47,7 +75,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 // two per selected expert (session 9's kernel: 5.5-6.0 us per call in the 8-layer profile; a one-warp
 // tail measured 8.0 there, its serial loop slowed most by the shared expert's co-resident blocks).
 constexpr int RT_MAX_WARPS = 32;  // E <= 1024
-__global__ void __launch_bounds__(1024) router_topk_kernel(const float* __restrict__ logits, int E,
+__global__ void __launch_bounds__(1024) router_topk_kernel_shuffle(const float* __restrict__ logits, int E,
                                                            const float* __restrict__ bias,
                                                            const void* __restrict__ tid2eid, int tid64,
                                                            const int64_t* __restrict__ token_ids, int topk,
@@ -98,6 +126,7 @@ __global__ void __launch_bounds__(1024) router_topk_kernel(const float* __restri
   __syncthreads();
   if (e == 0) store_route(sh, sel, t, topk, route_scale, w_out, ids_out);
 }
+#endif
 
 constexpr int RF_WARPS = 4;  // gate rows per block of the fused kernel (one per warp)
 constexpr int RF_BATCH = 16; // 16-byte weight chunks per lane in registers (a 4096-wide row: all of it)
@@ -115,7 +144,7 @@ __device__ __forceinline__ void bf16x8_f32(const uint4& u, float* f) {
   Dec<FMT_BF16>::word(u.w, f + 6);
 }
 
-// smem: scores [n_tok][E] then biased scores [n_tok][E] (fp32)
+// smem: scores [n_tok][E] (fp32) then the keys of the biased scores [n_tok][E] (score_key)
 __global__ void __launch_bounds__(RF_WARPS * 32) router_fused_kernel(
     const __nv_bfloat16* __restrict__ x, int n_tok, const __nv_bfloat16* __restrict__ gate, int E, int dim,
     const float* __restrict__ bias, const void* __restrict__ tid2eid, int tid64, const int64_t* __restrict__ token_ids,
@@ -170,12 +199,12 @@ __global__ void __launch_bounds__(RF_WARPS * 32) router_fused_kernel(
   __threadfence();
   if (threadIdx.x == 0) router_arrivals = 0;
   float* sc = rs;                 // [n_tok][E]
-  float* bs = rs + n_tok * E;     // [n_tok][E]
+  unsigned* key = reinterpret_cast<unsigned*>(rs + n_tok * E);  // [n_tok][E] keys of score + bias
   for (int i = threadIdx.x; i < n_tok * E; i += blockDim.x) {
     const int e = i % E;
     const float s = router_score(__ldcg(logits + i));  // other blocks' writes: read from L2
     sc[i] = s;
-    bs[i] = s + (bias ? bias[e] : 0.f);
+    key[i] = score_key(s + (bias ? bias[e] : 0.f));
   }
   __syncthreads();
   for (int t = warp; t < n_tok; t += RF_WARPS) {
@@ -183,7 +212,7 @@ __global__ void __launch_bounds__(RF_WARPS * 32) router_fused_kernel(
     if (tid2eid) {
       if (lane < topk) st[lane] = hash_expert(tid2eid, tid64, token_ids, t, topk, lane);
     } else {
-      topk_warp(bs + t * E, E, topk, st);
+      topk_warp(key + t * E, E, topk, st);
     }
     __syncwarp();
     if (lane == 0) store_route(sc + t * E, st, t, topk, route_scale, w_out, ids_out);
@@ -208,10 +237,14 @@ cudaError_t launch_router_fused(const void* x, int n_tok, const void* gate, int 
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias, const void* tid2eid,
                                bool tid64, const int64_t* token_ids, int topk, float route_scale, float* w_out,
                                int64_t* ids_out, cudaStream_t st) {
-  if (n_tok < 1 || E < 1 || E > 32 * RT_MAX_WARPS || topk < 1 || topk > ROUTER_MAX_K || topk > E)
+  if (n_tok < 1 || E < 1 || E > RT_MAX_THREADS || topk < 1 || topk > ROUTER_MAX_K || topk > E)
     return cudaErrorInvalidValue;
   const int threads = ((E + 31) / 32) * 32;
-  return ds4_pdl::launch(router_topk_kernel, dim3(n_tok), dim3(threads), E * sizeof(float), st, logits, E, bias,
+#ifdef DS4_TOPK_SHUFFLE
+  return ds4_pdl::launch(router_topk_kernel_shuffle, dim3(n_tok), dim3(threads), E * sizeof(float), st, logits, E, bias,
+                         tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out);
+#endif
+  return ds4_pdl::launch(router_topk_kernel, dim3(n_tok), dim3(threads), 2L * E * sizeof(float), st, logits, E, bias,
                          tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out);
 }
 

@@ -50,6 +50,9 @@ the router GEMV launch leaves the step), hcq (DS4_HC_QKV=1: the projection fold,
 hc finish also forms wq_a + wkv's rows, so their GEMV launch leaves the step; measured no faster in session 27),
 pj (DS4_PJOIN=moe: the shared expert's branch joins the routed down kernel by programmatic edges, so that kernel
 may launch and start its weight loads before the shared down drains; ds4.ops.side_stream.Branch.join),
+nolate (DS4_LATE_COMPRESS=0: one captured graph, every compressor branch joined before its attention core; by
+default a graph per compressor phase, where layers whose window does not end at the step join them after the
+output projection; ds4.runtime.cuda_graph),
 nohcf (DS4_HC_FOLD=0:
 without the hc fold, the library default since session 14 — the next mHC site's first launch done by wo_b's
 and the MoE down's epilogues — so each site is its own 2 launches again; with arf the all-reduce's fold too),
@@ -251,6 +254,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_ROUTER"] = "0" if "nohcr" in toks else "1"
     os.environ["DS4_HC_QKV"] = "1" if "hcq" in toks else "0"
     os.environ["DS4_PJOIN"] = "moe" if "pj" in toks else ""
+    os.environ["DS4_LATE_COMPRESS"] = "0" if "nolate" in toks else "1"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
@@ -298,6 +302,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
         "ttft_ms": f["ttft_ms"], "bytes_per_token": bpt, "achieved_gb_s": gbs, "bw_ratio": gbs / bw,
         "peak_mem_gib": torch.cuda.max_memory_allocated(model.device) / 2**30 if cuda else 0.0,
         "warmup_s": warm, "graph_capture_s": f.get("graph_capture_s"), "graph_pool_mib": f.get("graph_pool_mib"),
+        "graphs": f.get("graphs"),  # captured steps: one per compressor phase (DS4_LATE_COMPRESS)
         "programmatic_joins": side_stream.programmatic_joins() - pjoins,  # pj: made while capturing (DS4_PJOIN)
         "tokens": out.tokens[0][:16],
     }

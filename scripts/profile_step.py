@@ -88,8 +88,11 @@ def main() -> None:
     gen = Generator(model, 1, max(cap, _number_token(toks, "cap", 0)), runtime="cuda_graph")
     prompt = [(13 * i + 7) % args.vocab_size for i in range(a.context)]
     gen.generate([prompt], 4, stop_at_eos=False)            # prefill, capture, a few steps
-    step = gen.graph_step(1, "argmax")
+    graph = gen.graph_step(1, "argmax")
     tok = torch.tensor([1], device=dev)
+
+    def step(t):  # one replay at the row's position (the Generator counts it: the graph of the step's phase)
+        return gen.replay(graph, t)
 
     def wall_per_step() -> float:
         """Mean wall time of `replays` graph replays (after 3 warm-up replays), in us."""
@@ -120,6 +123,7 @@ def main() -> None:
     long_us = None
     if a.long_context:
         gen.state.pos[0] = a.long_context
+        gen.host_pos[0] = a.long_context
         long_us = wall_per_step()
     rows = sorted(((k, v[0] / a.replays, v[1] / a.replays) for k, v in per.items()), key=lambda r: -r[1])
     busy = sum(r[1] for r in rows)

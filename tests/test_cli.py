@@ -195,7 +195,7 @@ def test_graph_figures_reported_apart():
     from types import SimpleNamespace
     from ds4.tasks.common import format_figures, graph_figures
     assert graph_figures(SimpleNamespace(graphs={})) == {}
-    g = SimpleNamespace(warmup_s=1.5, capture_s=0.25, pool_bytes=3 << 20)
+    g = SimpleNamespace(warmup_s=1.5, capture_s=0.25, pool_bytes=3 << 20, graphs={frozenset(): 0, frozenset({4}): 1})
     fig = graph_figures(SimpleNamespace(graphs={(1, "argmax"): g}))
-    assert fig == {"graph_warmup_s": 1.5, "graph_capture_s": 0.25, "graph_pool_mib": 3.0}
+    assert fig == {"graph_warmup_s": 1.5, "graph_capture_s": 0.25, "graph_pool_mib": 3.0, "graphs": 2}
     assert "CUDA graph capture" in format_figures(fig)

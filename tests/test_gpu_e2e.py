@@ -153,10 +153,14 @@ _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fu
     pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all", "DS4_HC_QKV": "1"},
                  id="fused-hc_fold-proj_fold"),
     # the shared expert's branch joined to the routed down by programmatic edges (opt-in; graph only)
-    pytest.param(Impls(**_FUSED), {"DS4_PJOIN": "all"}, {}, id="fused-programmatic_join")])
+    pytest.param(Impls(**_FUSED), {"DS4_PJOIN": "all"}, {}, id="fused-programmatic_join"),
+    # one captured graph, every compressor branch joined before its attention core (the default: a graph per
+    # compressor phase, ds4.runtime.cuda_graph; every other row runs with it)
+    pytest.param(Impls(**_FUSED), {"DS4_LATE_COMPRESS": "0"}, {}, id="fused-one_graph")])
 def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch):
     """tiny crosses 60+ window wraps, 250 CSA and 60 HCA emissions in 1000 steps. graph_env: set for the
-    captured run only; env: for both runs."""
+    captured run only; env: for both runs. The two prompts put the rows in different compressor phases, so the
+    step replays each of its graphs (one per phase: {}, {4}, {4, 16}) and meets the phases of both rows."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     try:

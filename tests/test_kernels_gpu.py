@@ -536,6 +536,33 @@ def test_router(hash_layer, n, dim, n_experts, fused, monkeypatch):
         assert torch.equal(ids3, ids) and torch.equal(w3, w)
 
 
+# Exact ties: x and the gate on small grids, so every logit is exact in any summation order (the kernels'
+# and torch's agree bit for bit) and many are equal; the bias on a grid too, so several experts share a biased
+# score. Row 0 of x is zero: all its logits equal. Best first, ties to the lower expert id = a stable descending
+# sort of score + bias. Through the GEMV + tail, the fused router (n * E <= 4096) and the tail from given logits.
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("n_experts,topk", [(256, 6), (64, 8), (1024, 6), (40, 16), (7, 7)])
+@pytest.mark.parametrize("n", [1, 4, 20])
+def test_router_topk_order_and_ties(n_experts, topk, n, fused, monkeypatch):
+    monkeypatch.setenv("DS4_ROUTER_FUSED", "1" if fused else "0")
+    g = gen(950 + n_experts + topk + n)
+    dim = 64
+    x = torch.randint(-1, 2, (n, dim), device=DEV, generator=g).to(torch.bfloat16)
+    x[0] = 0
+    gate = (torch.randint(-2, 3, (n_experts, dim), device=DEV, generator=g).float() * 0.25).to(torch.bfloat16)
+    bias = torch.randint(-2, 3, (n_experts,), device=DEV, generator=g).float() * 0.25
+    logits = x.float() @ gate.float().t()
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    ref_ids = (scores + bias).sort(-1, descending=True, stable=True).indices[:, :topk]
+    ref_w = scores.gather(-1, ref_ids)
+    ref_w = ref_w / ref_w.sum(-1, keepdim=True) * 1.5
+    for given in (None, logits):
+        poison()
+        w, ids = kernels.router(x, gate, bias, None, None, topk, 1.5, logits=given)
+        assert torch.equal(ids, ref_ids)  # the same experts in the same order
+        assert rel(w, ref_w) <= 1e-6
+
+
 @pytest.mark.parametrize("hash_layer", [False, True])
 @pytest.mark.parametrize("dim,inter,n_experts,e_local,offset", [(4096, 2048, 256, 256, 0), (512, 256, 64, 16, 32)])
 def test_moe_kernels_route_from_logits(hash_layer, dim, inter, n_experts, e_local, offset):

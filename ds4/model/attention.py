@@ -185,8 +185,14 @@ class Attention(WeightsModule):
             return self._out(o, fold)
 
     # ---- decode: one token per row ------------------------------------------------------
-    def decode(self, x: Tensor, pos: Tensor, st: dict[str, Tensor], fold=None, qkv_a: Tensor | None = None) -> Tensor:
+    def decode(self, x: Tensor, pos: Tensor, st: dict[str, Tensor], fold=None, qkv_a: Tensor | None = None,
+               late_compress: bool = False) -> Tensor:
         """x [B, dim], pos [B] (device) -> [B, dim]. No host synchronisation. fold: see _out; qkv_a: see _qkv_a.
+        late_compress: the caller knows that no row's compressed window completes at this step ((pos + 1) % m != 0
+        for every row; ds4.runtime.cuda_graph captures a step per phase). This step's attention then reads nothing
+        its compressor steps write (the in-progress entry becomes visible at its window's last position only, and
+        the attention and indexer kernels never load an invisible entry), so their branches join after the output
+        projection instead of before the attention core: off the critical path, overlapping the attention core.
 
         Every step between the projections is an attention / indexer implementation op (window
         write, compressor step, masked indexer scores, position-masked attention with the output
@@ -203,21 +209,23 @@ class Attention(WeightsModule):
         #   kv         the window write: reads the wkv output;
         #   indexer    the indexer query, scores and top-k: reads qr and the indexer cache; or, when the
         #              query comes from the merged GEMV in line, the indexer head weights (reads x).
-        branches = []
+        branches, late = [], []  # joined before the attention core / after the output projection
         if self.compressor is not None:
             comp = attn.branch(x, "compress")
             with comp, self.prof("attn.compress"):
                 self.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "comp"), st["ckv"], attn)
-            branches.append(comp)
+            (late if late_compress else branches).append(comp)
         merged = select and self.merged_indexer_q and self.wq_bi is not None and not self.qat
         hw_own = merged and self.head_weights_branch  # the head weights in the "indexer" slot (free then)
         iw = None
+        # the indexer compressor's branch joins late too unless it also forms the head weights the scores read
+        late_icomp = late_compress and not (select and not hw_own)
         if self.kind == CSA:
             icomp = attn.branch(x, "icompress")
             with icomp, self.prof("attn.indexer"):
                 self.indexer.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "icomp"), st["ikv"], attn)
                 wi = self.indexer.head_weights(x) if select and not hw_own else None
-            branches.append(icomp)
+            (late if late_icomp else branches).append(icomp)
             if hw_own:
                 iw = attn.branch(x, "indexer")
                 with iw, self.prof("attn.indexer"):
@@ -232,7 +240,8 @@ class Attention(WeightsModule):
         def indexer_select(qi: Tensor, rope: Tensor | None) -> Tensor:
             """qi [B, H, d] (all index heads: the indexer is replicated over ranks; before its RoPE when rope
             is given) -> top-k indices [B, k]."""
-            icomp.join()  # the indexer cache entry of this step
+            if not late_icomp:
+                icomp.join()  # the indexer cache entry of this step
             if iw is not None:
                 iw.join()  # the head weights
             # invisible entries score -inf inside the scores op
@@ -264,7 +273,10 @@ class Attention(WeightsModule):
         with self.prof("attn.sparse"):
             o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs, eps)
         with self.prof("attn.out"):
-            return self._out(o, fold)
+            out = self._out(o, fold)
+        for br in late:
+            br.join()
+        return out
 
 
 def _state(st: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Collection, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -268,12 +268,27 @@ class Transformer(WeightsModule):
         out = self.logits(h[-1:], full_vocab=full_vocab)[0]
         return (out, h) if return_hidden else out
 
+    def window_ends(self, positions: Iterable[int]) -> frozenset[int]:
+        """The compress ratios of this model's layers whose window ends at one of `positions` (a decode step's rows,
+        as host ints): decode's window_ends for that step."""
+        ps = list(positions)
+        ratios = {blk.attn.m for blk in self.layers if blk.attn.compressor is not None}
+        return frozenset(m for m in ratios if any((p + 1) % m == 0 for p in ps))
+
     @torch.inference_mode()
-    def decode(self, ids: Tensor, state: DecodeState, full_vocab: bool = True) -> Tensor:
-        """ids [B] (next token of every row) at positions state.pos -> logits [B, vocab] fp32; advances pos."""
+    def decode(self, ids: Tensor, state: DecodeState, full_vocab: bool = True,
+               window_ends: Collection[int] | None = None) -> Tensor:
+        """ids [B] (next token of every row) at positions state.pos -> logits [B, vocab] fp32; advances pos.
+        window_ends: the compress ratios m whose window ends at this step for some row ((pos + 1) % m == 0), as the
+        caller knows them from its own count of positions (`window_ends`); layers of any other ratio join their
+        compressor branches late (Attention.decode's late_compress). None: not known, every layer joins them early."""
         pos = state.pos[: ids.shape[0]]
-        h = self._run_blocks(self._embed(ids), ids,
-                             lambda attn, x, st, fold, qkv_a: attn.decode(x, pos, st, fold, qkv_a), state)
+
+        def attend(attn, x, st, fold, qkv_a):
+            late = window_ends is not None and attn.compressor is not None and attn.m not in window_ends
+            return attn.decode(x, pos, st, fold, qkv_a, late_compress=late)
+
+        h = self._run_blocks(self._embed(ids), ids, attend, state)
         prefetch.join_pending()  # the step's L2 prefetch branches (ds4.ops.prefetch), in one place
         pos.add_(1)
         return self.logits(h, full_vocab=full_vocab)

@@ -2,9 +2,15 @@
 sparse attention, compressor updates (emission decided on the device), head and greedy
 selection. Replayed per token; the token, positions and caches live in static buffers.
 
-One graph (not one per compressor phase) is enough because the decode step has no host
-branch: the in-progress compressed entry is rewritten every step and only becomes visible
-when its window completes.
+One graph per compressor phase: the decode step has no host branch (the in-progress compressed
+entry is rewritten every step and only becomes visible when its window completes), so one graph
+would be correct at every position; but at a step where no row's window of ratio m ends, the
+layers of ratio m may join their compressor branches after the attention instead of before it
+(Transformer.decode's window_ends). The phases are the sets of ratios whose window ends at a step:
+for V4's 4 and 128, {}, {4} and {4, 128}. The caller names the rows' positions (host ints it
+counts itself: ds4.runtime.generate.Generator) and the matching graph is replayed; without
+positions, the graph of every ratio (all branches joined early). DS4_LATE_COMPRESS=0 captures
+that graph alone.
 
 Tensor parallel: collectives are captured too. NCCL needs its communicator warmed up on the
 capturing stream's side stream before capture (done by the warm-up steps below); the
@@ -12,13 +18,40 @@ symmetric-memory all-reduce is capture-safe as is.
 """
 from __future__ import annotations
 
+import math
+import os
 import time
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from ds4.model.transformer import DecodeState, Transformer
 from ds4.runtime.sampling import argmax
+
+
+def step_phases(ratios: Sequence[int]) -> list[frozenset[int]]:
+    """Every window_ends a decode step can have (any batch): the ratios whose window ends at one position, over one
+    period of the ratios, then unions of those (rows at different positions)."""
+    ratios = sorted(set(ratios))
+    if not ratios:
+        return [frozenset()]
+    period = math.lcm(*ratios)
+    if period > 1 << 16:  # not V4's shapes: every subset
+        one = {frozenset(r for i, r in enumerate(ratios) if k >> i & 1) for k in range(1 << len(ratios))}
+    else:
+        one = {frozenset(r for r in ratios if (p + 1) % r == 0) for p in range(period)}
+    out = set(one)
+    while True:
+        more = {a | b for a in out for b in one} - out
+        if not more:
+            return sorted(out, key=lambda f: (len(f), sorted(f)))
+        out |= more
+
+
+def late_compress_enabled() -> bool:
+    """DS4_LATE_COMPRESS (read at capture; default on): capture a graph per compressor phase (see the module)."""
+    return os.environ.get("DS4_LATE_COMPRESS", "1") != "0"
 
 
 class CudaGraphStep:
@@ -29,6 +62,9 @@ class CudaGraphStep:
             raise RuntimeError("runtime=cuda_graph needs a CUDA device")
         self.model, self.state, self.batch, self.mode = model, state, batch, mode
         self.tok = torch.zeros(batch, dtype=torch.long, device=model.device)
+        ratios = {blk.attn.m for blk in model.layers if blk.attn.compressor is not None}
+        self.full = frozenset(ratios)  # every ratio's window ends: every branch joined early (no positions given)
+        self.phases = step_phases(sorted(ratios)) if late_compress_enabled() else [self.full]
         # Profiler events cannot be recorded inside a capture: the captured step is one opaque
         # region (profile the eager runtime for the per-stage table).
         profiling, model.prof.enabled = model.prof.enabled, False
@@ -41,19 +77,24 @@ class CudaGraphStep:
         model, state = self.model, self.state
         t0 = time.perf_counter()
         snapshot = ([{k: v.clone() for k, v in st.items()} for st in state.layers], state.pos.clone())
-        mem0 = torch.cuda.memory_allocated(model.device)  # after the snapshot: pool_bytes is the graph's
+        mem0 = torch.cuda.memory_allocated(model.device)  # after the snapshot: pool_bytes is the graphs'
         side = torch.cuda.Stream(model.device)
         side.wait_stream(torch.cuda.current_stream(model.device))
         with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, NCCL communicators
             for _ in range(warmup):
-                self._step()
+                self._step(None)
         torch.cuda.current_stream(model.device).wait_stream(side)
         torch.cuda.synchronize(model.device)
         self.warmup_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self._step()
+        # one private memory pool per graph: they replay in any order, so none may reuse another's blocks
+        self.graphs: dict[frozenset[int], torch.cuda.CUDAGraph] = {}
+        self.outs: dict[frozenset[int], Tensor] = {}
+        for phase in self.phases:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.outs[phase] = self._step(phase)
+            self.graphs[phase] = graph
         torch.cuda.synchronize(model.device)
         self.capture_s = time.perf_counter() - t1
         self.pool_bytes = torch.cuda.memory_allocated(model.device) - mem0
@@ -62,16 +103,27 @@ class CudaGraphStep:
                 v.copy_(saved[k])
         state.pos.copy_(snapshot[1])
 
-    def _step(self) -> Tensor:
-        logits = self.model.decode(self.tok, self.state, full_vocab=self.mode != "dist_argmax")
+    def _step(self, window_ends: frozenset[int] | None) -> Tensor:
+        logits = self.model.decode(self.tok, self.state, full_vocab=self.mode != "dist_argmax",
+                                   window_ends=window_ends)
         if self.mode == "argmax":
             return argmax(logits)
         if self.mode == "dist_argmax":
             return self.model.comm.argmax(logits)
         return logits
 
-    def __call__(self, tok: Tensor) -> Tensor:
-        """Feed tokens [batch] and replay: next tokens (greedy modes) or logits."""
+    def phase(self, positions: Sequence[int] | None) -> frozenset[int]:
+        """The graph for a step at these positions (one per row; None: unknown, the graph of every ratio)."""
+        if positions is None or len(self.phases) == 1:
+            return self.full
+        if len(positions) != self.batch:
+            raise ValueError(f"{len(positions)} positions for a step of batch {self.batch}")
+        return self.model.window_ends(positions)
+
+    def __call__(self, tok: Tensor, positions: Sequence[int] | None = None) -> Tensor:
+        """Feed tokens [batch] at the rows' positions (host ints: where state.pos stands, see phase) and replay:
+        next tokens (greedy modes) or logits."""
+        phase = self.phase(positions)
         self.tok.copy_(tok)
-        self.graph.replay()
-        return self.out
+        self.graphs[phase].replay()
+        return self.outs[phase]

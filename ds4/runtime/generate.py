@@ -44,6 +44,8 @@ class Generator:
         self.model, self.max_batch, self.max_seq_len, self.runtime = model, max_batch, max_seq_len, runtime
         self.state: DecodeState = model.alloc_state(max_batch, max_seq_len)
         self.batch = 0
+        # where state.pos stands, counted on the host (no device read): the captured step picks its graph by it
+        self.host_pos: list[int] = [0] * max_batch
         self.graphs: dict[tuple[int, str], "CudaGraphStep"] = {}  # (batch, mode) -> captured step
 
     def graph_step(self, batch: int, mode: str):
@@ -75,12 +77,33 @@ class Generator:
             self.state.reset_row(row)
             out.append(self.model.prefill(torch.tensor(p, dtype=torch.long, device=dev), self.state, row,
                                           full_vocab=full_vocab))
+            self.host_pos[row] = len(p)
         self.batch = len(prompts)
         return torch.stack(out)
 
     def decode(self, tokens: Tensor, full_vocab: bool = True) -> Tensor:
         """tokens [B] (device) -> logits [B, V]; every row advances one position."""
-        return self.model.decode(tokens, self.state, full_vocab)
+        out = self.model.decode(tokens, self.state, full_vocab)
+        self._advance(tokens.shape[0])
+        return out
+
+    def replay(self, step: "CudaGraphStep", tokens: Tensor) -> Tensor:
+        """One captured step (graph_step) on tokens [B] at the rows' positions; every row advances one position."""
+        out = step(tokens, self.host_pos[: tokens.shape[0]])
+        self._advance(tokens.shape[0])
+        return out
+
+    def _advance(self, batch: int) -> None:
+        for row in range(batch):
+            self.host_pos[row] += 1
+
+    def check_positions(self) -> None:
+        """Raises if the host's count of positions left the device's (a device read: call it where the host waits
+        anyway). A captured step at a wrong count could read a compressed entry its branch is still writing."""
+        dev = self.state.pos[: self.batch].tolist()
+        if dev != self.host_pos[: self.batch]:
+            raise RuntimeError(f"decode positions: device {dev}, host count {self.host_pos[: self.batch]} "
+                               "(state.pos was changed outside Generator.prefill / decode / replay)")
 
     def next_token(self, logits: Tensor, sampling: Sampling, gen) -> Tensor:
         """Greedy under tensor parallelism takes the distributed argmax of vocab slices;
@@ -134,9 +157,9 @@ class Generator:
             if step is None:
                 tok = self.next_token(self.decode(tok, full_vocab=not local), sampling, gen)
             elif sampling.greedy:
-                tok = step(tok).clone()
+                tok = self.replay(step, tok).clone()
             else:
-                tok = sample(step(tok), sampling, gen)
+                tok = sample(self.replay(step, tok), sampling, gen)
             if cuda:
                 ev[1].record()
                 events.append(ev)
@@ -147,6 +170,8 @@ class Generator:
         if cuda:
             torch.cuda.synchronize(dev)
         total = time.perf_counter() - t0
+        if step is not None:
+            self.check_positions()
         step_s = [a.elapsed_time(b) / 1e3 for a, b in events] if cuda else host_steps
         ids = torch.stack(out, 1).tolist()
         tokens = []

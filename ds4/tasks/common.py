@@ -115,7 +115,7 @@ def graph_figures(gen) -> dict[str, float]:
         return {}
     g = list(gen.graphs.values())
     return {"graph_warmup_s": sum(x.warmup_s for x in g), "graph_capture_s": sum(x.capture_s for x in g),
-            "graph_pool_mib": sum(x.pool_bytes for x in g) / 2**20}
+            "graph_pool_mib": sum(x.pool_bytes for x in g) / 2**20, "graphs": sum(len(x.graphs) for x in g)}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
@@ -236,7 +236,7 @@ FIGURES = [  # key, label, format
     ("copy_gb_s", "copy bandwidth (this run)", "{:.2f} GB/s"), ("bw_ratio", "bw_ratio", "{:.4g}"),
     ("peak_mem_gib", "peak memory", "{:.3f} GiB"),
     ("graph_warmup_s", "CUDA graph warm-up", "{:.2f} s"), ("graph_capture_s", "CUDA graph capture", "{:.2f} s"),
-    ("graph_pool_mib", "CUDA graph pool", "{:.1f} MiB"),
+    ("graph_pool_mib", "CUDA graph pool", "{:.1f} MiB"), ("graphs", "CUDA graphs (one per compressor phase)", "{:.0f}"),
     ("peak_reserved_gib", "peak reserved", "{:.3f} GiB"), ("peak_rss_gib", "peak RSS (process)", "{:.3f} GiB"),
     ("ppl", "perplexity", "{:.3f}"), ("ref_ppl", "reference perplexity", "{:.3f}"),
     ("eval_tokens", "tokens scored", "{:.0f}"),
