@@ -154,13 +154,12 @@ _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fu
                  id="fused-hc_fold-proj_fold"),
     # the shared expert's branch joined to the routed down by programmatic edges (opt-in; graph only)
     pytest.param(Impls(**_FUSED), {"DS4_PJOIN": "all"}, {}, id="fused-programmatic_join"),
-    # one captured graph, every compressor branch joined before its attention core (the default: a graph per
-    # compressor phase, ds4.runtime.cuda_graph; every other row runs with it)
-    pytest.param(Impls(**_FUSED), {"DS4_LATE_COMPRESS": "0"}, {}, id="fused-one_graph")])
+    # a captured graph per compressor phase, the compressor branches joined late where no window ends (opt-in)
+    pytest.param(Impls(**_FUSED), {"DS4_LATE_COMPRESS": "1"}, {}, id="fused-late_compress")])
 def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch):
     """tiny crosses 60+ window wraps, 250 CSA and 60 HCA emissions in 1000 steps. graph_env: set for the
-    captured run only; env: for both runs. The two prompts put the rows in different compressor phases, so the
-    step replays each of its graphs (one per phase: {}, {4}, {4, 16}) and meets the phases of both rows."""
+    captured run only; env: for both runs. With DS4_LATE_COMPRESS=1 the two prompts put the rows in different
+    compressor phases, so the step replays each of its graphs (one per phase: {}, {4}, {4, 16})."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     try:

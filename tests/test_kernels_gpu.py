@@ -553,7 +553,7 @@ def test_router_topk_order_and_ties(n_experts, topk, n, fused, monkeypatch):
     bias = torch.randint(-2, 3, (n_experts,), device=DEV, generator=g).float() * 0.25
     logits = x.float() @ gate.float().t()
     scores = torch.nn.functional.softplus(logits).sqrt()
-    ref_ids = (scores + bias).sort(-1, descending=True, stable=True).indices[:, :topk]
+    ref_ids = (scores + bias).sort(dim=-1, descending=True, stable=True).indices[:, :topk]
     ref_w = scores.gather(-1, ref_ids)
     ref_w = ref_w / ref_w.sum(-1, keepdim=True) * 1.5
     for given in (None, logits):

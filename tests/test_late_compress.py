@@ -40,11 +40,11 @@ def test_window_ends_of_a_step():
     assert m.window_ends([7, 8]) == F({4})
 
 
-def test_late_compress_switch(monkeypatch):
+def test_late_compress_is_opt_in(monkeypatch):
     monkeypatch.delenv("DS4_LATE_COMPRESS", raising=False)
-    assert late_compress_enabled()
-    monkeypatch.setenv("DS4_LATE_COMPRESS", "0")
     assert not late_compress_enabled()
+    monkeypatch.setenv("DS4_LATE_COMPRESS", "1")
+    assert late_compress_enabled()
 
 
 @pytest.mark.parametrize("hw_branch", [True, False])

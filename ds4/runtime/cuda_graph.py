@@ -9,8 +9,9 @@ layers of ratio m may join their compressor branches after the attention instead
 (Transformer.decode's window_ends). The phases are the sets of ratios whose window ends at a step:
 for V4's 4 and 128, {}, {4} and {4, 128}. The caller names the rows' positions (host ints it
 counts itself: ds4.runtime.generate.Generator) and the matching graph is replayed; without
-positions, the graph of every ratio (all branches joined early). DS4_LATE_COMPRESS=0 captures
-that graph alone.
+positions, the graph of every ratio (all branches joined early). Opt-in (DS4_LATE_COMPRESS=1;
+the default captures that one graph alone): on one H200 it measured no faster, 114.2 / 114.2
+against 113.5 / 114.2 us per layer with one graph (experiments/decode_session28_h200.md).
 
 Tensor parallel: collectives are captured too. NCCL needs its communicator warmed up on the
 capturing stream's side stream before capture (done by the warm-up steps below); the
@@ -50,8 +51,8 @@ def step_phases(ratios: Sequence[int]) -> list[frozenset[int]]:
 
 
 def late_compress_enabled() -> bool:
-    """DS4_LATE_COMPRESS (read at capture; default on): capture a graph per compressor phase (see the module)."""
-    return os.environ.get("DS4_LATE_COMPRESS", "1") != "0"
+    """DS4_LATE_COMPRESS=1 (read at capture; opt-in): capture a graph per compressor phase (see the module)."""
+    return os.environ.get("DS4_LATE_COMPRESS", "0") == "1"
 
 
 class CudaGraphStep:
