@@ -57,77 +57,6 @@ __global__ void __launch_bounds__(RT_MAX_THREADS) router_topk_kernel(const float
   }
 }
 
-// TEMPORARY (session 28 A/B): the previous tail, built with -DDS4_TOPK_SHUFFLE
-#ifdef DS4_TOPK_SHUFFLE
-// (value, id) arg-max across a warp, ties to the lower id (the order every routing path selects in).
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-  }
-}
-
-// One block per token, a thread per expert. Each warp selects the top-k of its 32 experts by shuffles,
-// then warp 0 selects the top-k of those <= 32 k candidates: the same experts in the same order as k
-// rounds over all E (a global top-k member is in its warp's top-k), with two block barriers instead of
-// two per selected expert (session 9's kernel: 5.5-6.0 us per call in the 8-layer profile; a one-warp
-// tail measured 8.0 there, its serial loop slowed most by the shared expert's co-resident blocks).
-constexpr int RT_MAX_WARPS = 32;  // E <= 1024
-__global__ void __launch_bounds__(1024) router_topk_kernel_shuffle(const float* __restrict__ logits, int E,
-                                                           const float* __restrict__ bias,
-                                                           const void* __restrict__ tid2eid, int tid64,
-                                                           const int64_t* __restrict__ token_ids, int topk,
-                                                           float route_scale, float* __restrict__ w_out,
-                                                           int64_t* __restrict__ ids_out) {
-  ds4_pdl::begin();
-  extern __shared__ float sh[];  // scores [E]
-  __shared__ float cand_v[RT_MAX_WARPS * ROUTER_MAX_K];
-  __shared__ int cand_i[RT_MAX_WARPS * ROUTER_MAX_K];
-  __shared__ int sel[ROUTER_MAX_K];
-  const int t = blockIdx.x, e = threadIdx.x, lane = e & 31, warp = e >> 5, nw = blockDim.x >> 5;
-  float biased = -INFINITY;
-  if (e < E) {
-    const float s = router_score(logits[(long)t * E + e]);
-    sh[e] = s;
-    biased = s + (bias ? bias[e] : 0.f);
-  }
-  if (tid2eid) {
-    if (e < topk) sel[e] = hash_expert(tid2eid, tid64, token_ids, t, topk, e);
-  } else {
-    for (int k = 0; k < topk; ++k) {  // this warp's top-k, best first
-      float v = biased;
-      int i = e < E ? e : 0x7fffffff;
-      warp_argmax(v, i);
-      if (lane == 0) { cand_v[warp * topk + k] = v; cand_i[warp * topk + k] = i; }
-      if (e == i) biased = -INFINITY;
-    }
-    __syncthreads();
-    if (warp == 0) {  // the top-k of the nw * topk candidates: each lane scans its strided share
-      const int nc = nw * topk;
-      for (int k = 0; k < topk; ++k) {
-        float v = -INFINITY;
-        int i = 0x7fffffff, p = -1;
-        for (int j = lane; j < nc; j += 32) {
-          const float cv = cand_v[j];
-          const int ci = cand_i[j];
-          if (cv > v || (cv == v && ci < i)) { v = cv; i = ci; p = j; }
-        }
-        float bv = v;
-        int bi = i;
-        warp_argmax(bv, bi);
-        if (lane == 0) sel[k] = bi < E ? bi : 0;  // only NaN scores leave no candidate: keep the id in range
-        if (p >= 0 && i == bi) { cand_v[p] = -INFINITY; cand_i[p] = 0x7fffffff; }  // its holder removes it
-        __syncwarp();
-      }
-    }
-  }
-  __syncthreads();
-  if (e == 0) store_route(sh, sel, t, topk, route_scale, w_out, ids_out);
-}
-#endif
-
 constexpr int RF_WARPS = 4;  // gate rows per block of the fused kernel (one per warp)
 constexpr int RF_BATCH = 16; // 16-byte weight chunks per lane in registers (a 4096-wide row: all of it)
 
@@ -240,10 +169,6 @@ cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const floa
   if (n_tok < 1 || E < 1 || E > RT_MAX_THREADS || topk < 1 || topk > ROUTER_MAX_K || topk > E)
     return cudaErrorInvalidValue;
   const int threads = ((E + 31) / 32) * 32;
-#ifdef DS4_TOPK_SHUFFLE
-  return ds4_pdl::launch(router_topk_kernel_shuffle, dim3(n_tok), dim3(threads), E * sizeof(float), st, logits, E, bias,
-                         tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out);
-#endif
   return ds4_pdl::launch(router_topk_kernel, dim3(n_tok), dim3(threads), 2L * E * sizeof(float), st, logits, E, bias,
                          tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out);
 }

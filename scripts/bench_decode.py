@@ -48,8 +48,7 @@ next GEMV's weights in captured steps at the default sites; measured slower, off
 the router fold, the library default since session 25 — the FFN's hc launch also forms the router's logits, so
 the router GEMV launch leaves the step), hcq (DS4_HC_QKV=1: the projection fold, opt-in — the attention site's
 hc finish also forms wq_a + wkv's rows, so their GEMV launch leaves the step; measured no faster in session 27),
-notail (DS4_HC_ROUTE_TAIL=0: the router's top-k in its own launch after the router fold's finish; by default the
-finish's last block per row routes it, ds4.ops.hc_cuda), pj (DS4_PJOIN=moe: the shared expert's branch joins the routed down kernel by programmatic edges, so that kernel
+pj (DS4_PJOIN=moe: the shared expert's branch joins the routed down kernel by programmatic edges, so that kernel
 may launch and start its weight loads before the shared down drains; ds4.ops.side_stream.Branch.join),
 late (DS4_LATE_COMPRESS=1: a captured graph per compressor phase, where layers whose window does not end at the
 step join their compressor branches after the output projection instead of before the attention core; opt-in,
@@ -254,7 +253,6 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
     os.environ["DS4_HC_ROUTER"] = "0" if "nohcr" in toks else "1"
     os.environ["DS4_HC_QKV"] = "1" if "hcq" in toks else "0"
-    os.environ["DS4_HC_ROUTE_TAIL"] = "0" if "notail" in toks else "1"
     os.environ["DS4_PJOIN"] = "moe" if "pj" in toks else ""
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"

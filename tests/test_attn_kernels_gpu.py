@@ -131,42 +131,6 @@ def test_hc_post_pre_router_fold(N, n, D, E):
             assert torch.equal(ids, rids) and torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("hashed", [False, True])
-@pytest.mark.parametrize("N,n,D,E,k", [(1, 4, 4096, 256, 6), (3, 4, 4096, 256, 6), (2, 2, 1024, 7, 7),
-                                       (8, 4, 512, 33, 16), (1, 1, 136, 1024, 6)])
-def test_hc_post_pre_router_tail(N, n, D, E, k, hashed):
-    """The router's tail in the router fold's launch (route=): the same streams, x, post, comb as without it, and the
-    route the tail kernel (ds4.router from the launch's logits) forms, bit for bit (the same logits, scores,
-    selection and weights: csrc/route_dev.cuh), for learned and hash layers; three more launches in a row give the
-    same (the per-row arrival counters are reset by their last block)."""
-    from ds4 import kernels
-    from ds4.ops.base import RouteTables, Routed
-    if kernels.unavailable_reason() is not None:
-        pytest.skip(kernels.unavailable_reason())
-    g = gen(N * 7000 + n * 10 + D + E + hashed)
-    res = randn(N, n, D, g=g, dtype=BF16, scale=2.0)
-    x = randn(N, D, g=g, dtype=BF16)
-    post = torch.rand(N, n, device=DEV, generator=g) * 2
-    comb = torch.rand(N, n, n, device=DEV, generator=g)
-    fn, scale, base = hc_weights(n, D, g)
-    norm = (1 + 0.1 * randn(D, g=g)).to(BF16)
-    gate = randn(E, D, g=g, dtype=BF16, scale=D ** -0.5)
-    bias = torch.randn(E, device=DEV, generator=g) * 0.01
-    tid = torch.randint(0, E, (1000, k), device=DEV, generator=g, dtype=torch.int32) if hashed else None
-    tok = torch.randint(0, 1000, (N,), device=DEV, generator=g) if hashed else None
-    route = RouteTables(None if hashed else bias, tid, tok, k, 1.5)
-    h0, x0, p0, c0, lg = kernels_attn.hc_post_pre_router(x, res, post, comb, fn, scale, base, 20, 1e-6, 1e-6, norm,
-                                                         gate)
-    want_w, want_ids = kernels.router(x0, gate, None if hashed else bias, tid, tok, k, 1.5, logits=lg)
-    for _ in range(4):
-        poison()
-        h, xn, pn, cn, r = kernels_attn.hc_post_pre_router(x, res, post, comb, fn, scale, base, 20, 1e-6, 1e-6, norm,
-                                                           gate, route)
-        assert isinstance(r, Routed) and r.w.shape == (N, k) and r.ids.dtype == torch.int64
-        assert torch.equal(h, h0) and torch.equal(xn, x0) and torch.equal(pn, p0) and torch.equal(cn, c0)
-        assert torch.equal(r.ids, want_ids) and torch.equal(r.w, want_w)
-
-
 @pytest.mark.parametrize("N,n,D,O", [(1, 4, 4096, 1536), (3, 4, 4096, 1536), (2, 2, 1024, 100), (1, 1, 256, 130),
                                      (8, 4, 512, 12)])
 def test_hc_fold_finish_proj(N, n, D, O):

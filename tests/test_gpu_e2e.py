@@ -43,8 +43,6 @@ def _options():
     return params + [pytest.param(combos[-1], {"DS4_MMA": "all"}, id="all-fused,DS4_MMA=all"),
                      # without the router fold (the default: the FFN's hc launch also forms the router's logits)
                      pytest.param(combos[-1], {"DS4_HC_ROUTER": "0"}, id="all-fused,DS4_HC_ROUTER=0"),
-                     # the router fold without its tail (the default: the fold's last block per row also routes it)
-                     pytest.param(combos[-1], {"DS4_HC_ROUTE_TAIL": "0"}, id="all-fused,DS4_HC_ROUTE_TAIL=0"),
                      # the hc fold (the default): small's eager steps request folds that no kernel forms (wo_b's and
                      # the shared expert's FP8 rows take the FMA kernels: every site falls back, as in the plain row);
                      # with DS4_MMA=all every one folds; DS4_HC_FOLD=0 requests none
@@ -149,7 +147,6 @@ _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fu
     # without the router fold in both runtimes (the default fused rows fold: its logits are its own rounding of
     # x . gate^T)
     pytest.param(Impls(**_FUSED), {}, {"DS4_HC_ROUTER": "0"}, id="fused-no_router_fold"),
-    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_ROUTE_TAIL": "0"}, id="fused-no_route_tail"),
     # the hc fold in both runtimes, at both sites (DS4_MMA=all: tiny's wo_b on the tensor cores); one row
     pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="fused-hc_fold"),
     # the same with the projection fold (opt-in: the attention site's finish forms wq_a + wkv's rows)

@@ -107,18 +107,6 @@ def test_fold_finish_with_the_router():
     x, p, c, lg = kernels_attn.hc_fold_finish(fold.out, fold.part, scale, base, 20, 1e-6, 1e-6, norm, gate)
     assert rel(x, x0) <= 1e-3 and rel(p, p0) <= 1e-6 and rel(c, c0) <= 1e-6
     assert lg.shape == (1, E) and torch.allclose(lg, x.float() @ gate.float().t(), rtol=1e-4, atol=1e-4)
-    # with the route's tables the same launch routes the row: the route ds4.router forms from these logits
-    from ds4.ops.base import RouteTables, Routed
-    bias = torch.randn(E, device=DEV, generator=g) * 0.01
-    want_w, want_ids = kernels.router(x, gate, bias, None, None, 6, 1.5, logits=lg)
-    for _ in range(3):
-        xr, pr, cr, r = kernels_attn.hc_fold_finish(fold.out, fold.part, scale, base, 20, 1e-6, 1e-6, norm, gate,
-                                                    RouteTables(bias, None, None, 6, 1.5))
-        assert isinstance(r, Routed) and torch.equal(xr, x) and torch.equal(pr, p) and torch.equal(cr, c)
-        assert torch.equal(r.ids, want_ids) and torch.equal(r.w, want_w)
-    with pytest.raises(ValueError, match="needs the gate"):
-        kernels_attn.hc_fold_finish(fold.out, fold.part, scale, base, 20, 1e-6, 1e-6, norm, None,
-                                    RouteTables(bias, None, None, 6, 1.5))
 
 
 def test_fold_rejections():

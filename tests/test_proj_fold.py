@@ -34,8 +34,8 @@ def test_rows_from_hc_are_what_the_attention_uses():
     lin = _gemv_named(fold_ops.linear)
 
     class ProjHC(type(fold_ops.hc)):
-        def fold_pre(self, fold, scale, base, iters, hc_eps, norm_eps, norm, gate=None, proj=None, route=None):
-            h, x, post, comb, y = super().fold_pre(fold, scale, base, iters, hc_eps, norm_eps, norm, gate, proj, route)
+        def fold_pre(self, fold, scale, base, iters, hc_eps, norm_eps, norm, gate=None, proj=None):
+            h, x, post, comb, y = super().fold_pre(fold, scale, base, iters, hc_eps, norm_eps, norm, gate, proj)
             assert y is None  # the reference forms neither logits nor rows
             if proj is None:
                 return h, x, post, comb, None

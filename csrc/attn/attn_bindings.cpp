@@ -161,64 +161,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
   return {h, xn, pn, cn};
 }
 
-// The router's tail in the router fold's launch (ds4_attn::HcRoute): given route_w, the launch also routes every
-// token from its logits into route_w fp32 [N, topk] and route_ids int64 [N, topk] (preallocated, contiguous), with
-// the learned layer's bias (fp32 [E]) or the hash layer's tid2eid (int32 / int64 [vocab, topk]) and token_ids
-// (int64 [N]). Without route_w: no tail.
-struct RouteOut {
-  std::optional<at::Tensor> w, ids, bias, tid2eid, token_ids;
-  int64_t topk = 0;
-  double scale = 1.0;
-};
-
-ds4_attn::HcRoute route_tail(const RouteOut& r, int64_t N, int64_t E, const char* what) {
-  ds4_attn::HcRoute out;
-  if (!r.w.has_value()) return out;
-  TORCH_CHECK(r.ids.has_value(), what, ": route_w needs route_ids");
-  TORCH_CHECK(r.topk >= 1 && r.topk <= E && r.topk <= 16 && N <= ds4_attn::HC_ROUTE_MAX_TOKENS &&
-                  E <= ds4_attn::HC_ROUTE_MAX_EXPERTS,
-              what, ": the router's tail takes 1..16 experts of at most ", ds4_attn::HC_ROUTE_MAX_EXPERTS, " for at most ",
-              ds4_attn::HC_ROUTE_MAX_TOKENS, " tokens");
-  check_cuda(*r.w, "route_w");
-  check_cuda(*r.ids, "route_ids");
-  TORCH_CHECK(r.w->scalar_type() == at::kFloat && r.w->is_contiguous() && r.w->numel() == N * r.topk &&
-                  r.ids->scalar_type() == at::kLong && r.ids->is_contiguous() && r.ids->numel() == N * r.topk,
-              what, ": route_w fp32 / route_ids int64 [N, topk], contiguous");
-  if (r.tid2eid.has_value()) {
-    check_cuda(*r.tid2eid, "tid2eid");
-    TORCH_CHECK(r.token_ids.has_value(), what, ": hash routing needs token_ids");
-    check_cuda(*r.token_ids, "token_ids");
-    TORCH_CHECK(r.token_ids->scalar_type() == at::kLong && r.token_ids->is_contiguous() && r.token_ids->numel() == N,
-                what, ": token_ids int64 [N]");
-    TORCH_CHECK((r.tid2eid->scalar_type() == at::kInt || r.tid2eid->scalar_type() == at::kLong) &&
-                    r.tid2eid->dim() == 2 && r.tid2eid->size(1) == r.topk && r.tid2eid->is_contiguous(),
-                what, ": tid2eid must be contiguous int32/int64 [vocab, topk]");
-    out.tid2eid = r.tid2eid->data_ptr();
-    out.tid64 = r.tid2eid->scalar_type() == at::kLong;
-    out.token_ids = static_cast<const int64_t*>(r.token_ids->data_ptr());
-  } else {
-    TORCH_CHECK(r.bias.has_value(), what, ": learned routing needs the bias");
-    check_cuda(*r.bias, "route_bias");
-    TORCH_CHECK(r.bias->scalar_type() == at::kFloat && r.bias->numel() == E && r.bias->is_contiguous(),
-                what, ": route_bias must be contiguous fp32 [E]");
-    out.bias = r.bias->data_ptr<float>();
-  }
-  out.topk = (int)r.topk;
-  out.route_scale = (float)r.scale;
-  out.w_out = r.w->data_ptr<float>();
-  out.ids_out = static_cast<int64_t*>(r.ids->data_ptr());
-  return out;
-}
-
 // The router fold's finishing launch (launch_hc_finish_router) on h [N, n, D] bf16 and its partials: -> (x, post,
-// comb, logits [N, E] fp32 = x . gate^T), and with route.w the route too (route_tail); the caller has checked the
-// shapes (N >= 1).
+// comb, logits [N, E] fp32 = x . gate^T); the caller has checked the shapes (N >= 1).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_router_finish(
     const at::Tensor& h, const at::Tensor& part, int64_t nsplit, int64_t mix, const at::Tensor& scale,
     const at::Tensor& base, int64_t iters, double hc_eps, double norm_eps, const at::Tensor& norm, bool nf,
-    const at::Tensor& gate, const RouteOut& route) {
+    const at::Tensor& gate) {
   const int64_t N = h.size(0), n = h.size(1), D = h.size(2), E = gate.size(0);
-  const ds4_attn::HcRoute rt = route_tail(route, N, E, "ds4_attn.hc_router_finish");
   auto x = at::empty({N, D}, h.options());
   auto post = at::empty({N, n}, h.options().dtype(at::kFloat));
   auto comb = at::empty({N, n, n}, h.options().dtype(at::kFloat));
@@ -228,7 +177,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_router_finish(
                                                  (int)iters, (float)hc_eps, (float)norm_eps, x.data_ptr(),
                                                  post.data_ptr<float>(), comb.data_ptr<float>(), norm.data_ptr(), nf,
                                                  gate.data_ptr(), (int)E, logits.data_ptr<float>(),
-                                                 c10::cuda::getCurrentCUDAStream().stream(), rt),
+                                                 c10::cuda::getCurrentCUDAStream().stream()),
                "hc_finish_router");
   return {x, post, comb, logits};
 }
@@ -238,10 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_router_finish(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_router(
     const at::Tensor& x, const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb, const at::Tensor& fn,
     const at::Tensor& scale, const at::Tensor& base, int64_t iters, double hc_eps, double norm_eps,
-    const at::Tensor& norm, const at::Tensor& gate, const std::optional<at::Tensor>& route_w,
-    const std::optional<at::Tensor>& route_ids, const std::optional<at::Tensor>& route_bias,
-    const std::optional<at::Tensor>& tid2eid, const std::optional<at::Tensor>& token_ids, int64_t topk,
-    double route_scale) {
+    const at::Tensor& norm, const at::Tensor& gate) {
   const auto [N, n, D, xf, rf] = check_post_inputs(x, res, post, comb, "hc_post_pre_router");
   check_pre_weights(fn, scale, base, n, iters, "hc_post_pre_router");
   TORCH_CHECK(fn.size(1) == n * D, "ds4_attn.hc_post_pre_router: fn must be [mix, hc*D]");
@@ -258,8 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_p
     return {h, at::empty({N, D}, res.options()), at::empty({N, n}, res.options().dtype(at::kFloat)),
             at::empty({N, n, n}, res.options().dtype(at::kFloat)), at::empty({N, E}, res.options().dtype(at::kFloat))};
   const auto part = hc_post_partials(x, xf, res, rf, post, comb, fn, h, nsplit);
-  auto [xn, pn, cn, logits] = hc_router_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, norm, nf, gate,
-                                               {route_w, route_ids, route_bias, tid2eid, token_ids, topk, route_scale});
+  auto [xn, pn, cn, logits] = hc_router_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, norm, nf, gate);
   return {h, xn, pn, cn, logits};
 }
 
@@ -269,10 +214,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_p
 // [N, E] = x . gate^T), else logits is [N, 0].
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_fold_finish(
     const at::Tensor& h, const at::Tensor& part, const at::Tensor& scale, const at::Tensor& base, int64_t iters,
-    double hc_eps, double norm_eps, const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& gate,
-    const std::optional<at::Tensor>& route_w, const std::optional<at::Tensor>& route_ids,
-    const std::optional<at::Tensor>& route_bias, const std::optional<at::Tensor>& tid2eid,
-    const std::optional<at::Tensor>& token_ids, int64_t topk, double route_scale) {
+    double hc_eps, double norm_eps, const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& gate) {
   check_cuda(h, "h");
   check_f32(part, "part");
   check_f32(scale, "scale");
@@ -285,7 +227,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_fold_finish(
   const int64_t nsplit = part.size(2);
   c10::cuda::CUDAGuard guard(h.device());
   if (!gate.has_value()) {
-    TORCH_CHECK(!route_w.has_value(), "ds4_attn.hc_fold_finish: the router's tail needs the gate (the router fold)");
     const bool nf = norm.has_value() ? norm_weight_f32(*norm, D, "hc_fold_finish") : false;
     if (N == 0)
       return {at::empty({N, D}, h.options()), at::empty({N, n}, h.options().dtype(at::kFloat)),
@@ -303,8 +244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_fold_finish(
     return {at::empty({N, D}, h.options()), at::empty({N, n}, h.options().dtype(at::kFloat)),
             at::empty({N, n, n}, h.options().dtype(at::kFloat)),
             at::empty({N, gate->size(0)}, h.options().dtype(at::kFloat))};
-  return hc_router_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, *norm, nf, *gate,
-                          {route_w, route_ids, route_bias, tid2eid, token_ids, topk, route_scale});
+  return hc_router_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, *norm, nf, *gate);
 }
 
 // hc_fold_finish with the projection fold (launch_hc_finish_proj): the finishing launch also forms y [N, O] bf16 =
@@ -699,13 +639,9 @@ TORCH_LIBRARY(ds4_attn, m) {
   m.def("hc_post_pre(Tensor x, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, int iters, "
         "float hc_eps, float norm_eps, Tensor? norm=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("hc_post_pre_router(Tensor x, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
-        "int iters, float hc_eps, float norm_eps, Tensor norm, Tensor gate, Tensor(a!)? route_w=None, "
-        "Tensor(b!)? route_ids=None, Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, "
-        "int topk=0, float route_scale=1.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int iters, float hc_eps, float norm_eps, Tensor norm, Tensor gate) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("hc_fold_finish(Tensor h, Tensor part, Tensor scale, Tensor base, int iters, float hc_eps, float norm_eps, "
-        "Tensor? norm=None, Tensor? gate=None, Tensor(a!)? route_w=None, Tensor(b!)? route_ids=None, "
-        "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, int topk=0, float route_scale=1.0) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? norm=None, Tensor? gate=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("hc_fold_finish_proj(Tensor h, Tensor part, Tensor scale, Tensor base, int iters, float hc_eps, "
         "float norm_eps, Tensor norm, Tensor w, Tensor ws) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sparse_attn(Tensor q, Tensor kv, Tensor valid, Tensor? sel_kv, Tensor? sel_valid, Tensor sink, "

@@ -33,26 +33,10 @@ cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N
 // router's logits [N, E] fp32 = the bf16 normalised x . gate^T (gate bf16 [E, D], 16-byte aligned): the
 // router fold (opt-in, DS4_HC_ROUTER=1; hc.cu). x, post, comb as launch_hc_finish writes them.
 bool hc_router_fold_ok(int n, int D);
-// The router's tail in the same launch (route.w_out != nullptr; N <= HC_ROUTE_MAX_TOKENS, E <= HC_ROUTE_MAX_EXPERTS,
-// 1 <= topk <= 16): the last block of each token to finish its logits routes it (csrc/route_dev.cuh: scores,
-// top-k of score + bias or tid2eid[token], weights) -> w_out fp32 [N, topk], ids_out int64 [N, topk].
-constexpr int HC_ROUTE_MAX_TOKENS = 64;
-constexpr int HC_ROUTE_MAX_EXPERTS = 1024;
-struct HcRoute {
-  const float* bias = nullptr;       // [E] (learned layers)
-  const void* tid2eid = nullptr;     // [vocab, topk] int32 / int64 (hash layers; then bias is unused)
-  int tid64 = 0;
-  const int64_t* token_ids = nullptr;
-  int topk = 0;
-  float route_scale = 1.f;
-  float* w_out = nullptr;
-  int64_t* ids_out = nullptr;
-};
 cudaError_t launch_hc_finish_router(const void* h, const float* part, int N, int n, int D, int mix, int nsplit,
                                     const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
                                     void* x, float* post, float* comb, const void* norm, bool norm_f32,
-                                    const void* gate, int E, float* logits, cudaStream_t st,
-                                    const HcRoute& route = HcRoute{});
+                                    const void* gate, int E, float* logits, cudaStream_t st);
 // hc_pre's finish with the block norm (bf16 h, n = 1, 2, 4; hc_proj_fold_ok: D % 128 == 0, D <= 4096) that also
 // computes y [N, O] bf16 = the bf16 normalised x . W^T for an FP8 weight w (E4M3 [O, D], 16-byte aligned) with E8M0
 // scales s [ceil(O / 128), s_ld] per 128 x 128 block: the projection fold (the attention's wq_a + wkv; hc.cu).

@@ -15,7 +15,6 @@
 //                n = 4) takes hc_finish_norm_kernel instead: x and its norm in registers, 5.0 us;
 //   hc_post:     out[k] = post[k] x + sum_j comb[j, k] res[j], elementwise.
 #include "../ds4_common.cuh"  // the FP8 weight decode the projection fold shares with the ds4 GEMVs
-#include "../route_dev.cuh"   // the router's tail (scores, top-k, weights) the router fold's last block runs
 #include "attn_common.cuh"
 #include "attn_launch.h"
 
@@ -454,50 +453,13 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& u, float* f) {
   }
 }
 
-// Blocks of a router-fold launch that have written their logits, per token. Zero at module load; the last block of
-// a token resets its counter. One router-fold finish runs at a time per device (the decode step's FFN sites are in
-// stream order, and with PDL a kernel starts only after the one two launches before it ended).
-__device__ unsigned hc_route_arrivals[HC_ROUTE_MAX_TOKENS];
-
-// The router's tail inside the router fold's finish (the x / norm threads, named barrier 1): the last of token t's
-// blocks to write its logits reads all E of them back from L2 and routes the token (route_dev.cuh: the same
-// scores, selection and weights as ds4.router's tail kernel), so the router's own launch leaves the step.
-constexpr int HCN_X_THREADS = 32 * HCN_WARPS;
-__device__ __forceinline__ void hc_route_tail(const float* logits, int E, const HcRoute& route, int t) {
-  __shared__ int s_last;
-  __shared__ int sel[ds4::ROUTER_MAX_K];
-  __shared__ float w[ds4::ROUTER_MAX_K];
-  extern __shared__ float s_route[];  // scores [E], then the keys of score + bias [E]
-  unsigned* key = reinterpret_cast<unsigned*>(s_route + E);
-  __threadfence();  // this block's logits, device-wide, before its arrival is counted
-  asm volatile("bar.sync 1, %0;" ::"r"(HCN_X_THREADS) : "memory");
-  if (threadIdx.x == 0) s_last = atomicAdd(&hc_route_arrivals[t], 1u) == gridDim.x - 1;
-  asm volatile("bar.sync 1, %0;" ::"r"(HCN_X_THREADS) : "memory");
-  if (!s_last) return;
-  __threadfence();
-  if (threadIdx.x == 0) hc_route_arrivals[t] = 0;
-  for (int e = threadIdx.x; e < E; e += HCN_X_THREADS) {
-    const float s = ds4::router_score(__ldcg(logits + (long)t * E + e));  // other blocks' writes: from L2
-    s_route[e] = s;
-    key[e] = ds4::score_key(s + (route.bias ? route.bias[e] : 0.f));
-  }
-  asm volatile("bar.sync 1, %0;" ::"r"(HCN_X_THREADS) : "memory");
-  if (threadIdx.x >= 32) return;
-  ds4::route_select_warp(s_route, key, E, route.tid2eid, route.tid64, route.token_ids, t, route.topk,
-                         route.route_scale, sel, w);
-  if (threadIdx.x < route.topk) {
-    route.w_out[(long)t * route.topk + threadIdx.x] = w[threadIdx.x];
-    route.ids_out[(long)t * route.topk + threadIdx.x] = sel[threadIdx.x];
-  }
-}
-
 template <int N, int R = 0, int Q = 0>
 __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
     const __nv_bfloat16* __restrict__ h, const float* __restrict__ part, int D, int mix, int nsplit,
     const float* __restrict__ scale, const float* __restrict__ base, int iters, float hc_eps, float norm_eps,
     __nv_bfloat16* __restrict__ x, float* __restrict__ post, float* __restrict__ comb, const void* __restrict__ norm,
     bool norm_f32, const __nv_bfloat16* __restrict__ gate = nullptr, int E = 0, float* __restrict__ logits = nullptr,
-    const HcProj proj = HcProj{}, const HcRoute route = HcRoute{}) {
+    const HcProj proj = HcProj{}) {
   static_assert(R == 0 || Q == 0, "one fold per launch");
   constexpr int VEC = Q > 0 ? 1 : HCN_VEC;  // 8-value chunks per x thread (the projection fold: D <= 4096)
   constexpr int RQ = R > Q ? R : Q;         // the block's dot products
@@ -568,7 +530,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
     if (lane == 0 && lead) hc_comb_n<N>(tot, t, D, mix, s_scale, s_base, iters, hc_eps, norm_eps, comb);
     return;
   }
-  constexpr int NT = HCN_X_THREADS;  // the x / norm threads (named barrier 1)
+  constexpr int NT = 32 * HCN_WARPS;  // the x / norm threads (named barrier 1)
   if (warp == 0) {  // lane j: pre[j]; lane N + j: post[j]
     const float r = rsqrtf(tot[mix] / (float)(N * D) + norm_eps);
     if (lane < N)
@@ -655,7 +617,6 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
       for (int w = 0; w < HCN_WARPS; ++w) sum += s_lg[w][threadIdx.x];
       logits[(long)t * E + e] = sum;
     }
-    if (route.w_out != nullptr) hc_route_tail(logits, E, route, t);
   }
   if constexpr (Q > 0) {  // a fixed order: a reduce-scatter over the lanes, the warps in turn; then the exact 2^80
     constexpr int P = Q <= 16 ? 16 : 32;
@@ -743,7 +704,7 @@ cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N
     return ds4_pdl::launch(kern, dim3(1, N), dim3(HCN_THREADS), 0, st, static_cast<const __nv_bfloat16*>(h), part, D,
                            mix, nsplit, scale, base, iters, hc_eps, norm_eps, static_cast<__nv_bfloat16*>(x), post,
                            comb, norm, norm_f32, static_cast<const __nv_bfloat16*>(nullptr), 0,
-                           static_cast<float*>(nullptr), HcProj{}, HcRoute{});
+                           static_cast<float*>(nullptr), HcProj{});
   }
   if (norm != nullptr)
     return ds4_pdl::launch(hc_finish_kernel<HC_NORM_THREADS>, dim3(1, N), dim3(HC_NORM_THREADS), (size_t)D * sizeof(float),
@@ -762,21 +723,16 @@ bool hc_router_fold_ok(int n, int D) {
 cudaError_t launch_hc_finish_router(const void* h, const float* part, int N, int n, int D, int mix, int nsplit,
                                     const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
                                     void* x, float* post, float* comb, const void* norm, bool norm_f32,
-                                    const void* gate, int E, float* logits, cudaStream_t st, const HcRoute& route) {
+                                    const void* gate, int E, float* logits, cudaStream_t st) {
   if (!hc_router_fold_ok(n, D) || mix != (2 + n) * n || N < 1 || N > 65535 || E < 1 || norm == nullptr ||
       !hc_finish_norm_ok(h, false, n, D, x, norm) || (reinterpret_cast<uintptr_t>(gate) & 15))
     return cudaErrorInvalidValue;
-  const bool tail = route.w_out != nullptr;
-  if (tail && (N > HC_ROUTE_MAX_TOKENS || E > HC_ROUTE_MAX_EXPERTS || route.topk < 1 || route.topk > ds4::ROUTER_MAX_K ||
-               route.topk > E || route.ids_out == nullptr || (route.tid2eid == nullptr && route.bias == nullptr) ||
-               (route.tid2eid != nullptr && route.token_ids == nullptr)))
-    return cudaErrorInvalidValue;
   auto kern = n == 4 ? hc_finish_norm_kernel<4, HCR_ROWS>
             : n == 2 ? hc_finish_norm_kernel<2, HCR_ROWS> : hc_finish_norm_kernel<1, HCR_ROWS>;
-  return ds4_pdl::launch(kern, dim3((E + HCR_ROWS - 1) / HCR_ROWS, N), dim3(HCN_THREADS),
-                         tail ? 2 * (size_t)E * sizeof(float) : 0, st, static_cast<const __nv_bfloat16*>(h), part, D,
-                         mix, nsplit, scale, base, iters, hc_eps, norm_eps, static_cast<__nv_bfloat16*>(x), post, comb,
-                         norm, norm_f32, static_cast<const __nv_bfloat16*>(gate), E, logits, HcProj{}, route);
+  return ds4_pdl::launch(kern, dim3((E + HCR_ROWS - 1) / HCR_ROWS, N), dim3(HCN_THREADS), 0, st,
+                         static_cast<const __nv_bfloat16*>(h), part, D, mix, nsplit, scale, base, iters, hc_eps,
+                         norm_eps, static_cast<__nv_bfloat16*>(x), post, comb, norm, norm_f32,
+                         static_cast<const __nv_bfloat16*>(gate), E, logits, HcProj{});
 }
 
 bool hc_proj_fold_ok(int n, int D) {
@@ -797,7 +753,7 @@ cudaError_t launch_hc_finish_proj(const void* h, const float* part, int N, int n
   return ds4_pdl::launch(kern, dim3((O + HCQ_ROWS - 1) / HCQ_ROWS, N), dim3(HCN_THREADS), 0, st,
                          static_cast<const __nv_bfloat16*>(h), part, D, mix, nsplit, scale, base, iters, hc_eps,
                          norm_eps, static_cast<__nv_bfloat16*>(x), post, comb, norm, norm_f32,
-                         static_cast<const __nv_bfloat16*>(nullptr), 0, static_cast<float*>(nullptr), proj, HcRoute{});
+                         static_cast<const __nv_bfloat16*>(nullptr), 0, static_cast<float*>(nullptr), proj);
 }
 
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,

@@ -79,57 +79,27 @@ def hc_post_pre(x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, 
                               int(iters), float(hc_eps), float(norm_eps), None if norm is None else norm.contiguous())
 
 
-HC_ROUTE_MAX_TOKENS = 64      # rows the router's tail in the router fold takes (HC_ROUTE_MAX_TOKENS in attn_launch.h)
-HC_ROUTE_MAX_EXPERTS = 1024   # and experts (HC_ROUTE_MAX_EXPERTS)
-
-
-def _route_args(route, n_tok: int, device) -> tuple:
-    """The router's tail's arguments from route (ds4.ops.base.RouteTables or None): its outputs allocated here."""
-    if route is None:
-        return None, None, None, None, None, 0, 1.0
-    w = torch.empty(n_tok, route.topk, device=device, dtype=torch.float32)
-    ids = torch.empty(n_tok, route.topk, device=device, dtype=torch.int64)
-    hashed = route.tid2eid is not None
-    return (w, ids, None if hashed else route.bias.float().contiguous(),
-            route.tid2eid.contiguous() if hashed else None,
-            route.token_ids.reshape(-1).to(torch.int64).contiguous() if hashed else None,
-            int(route.topk), float(route.route_scale))
-
-
-def _routed_or_logits(logits: Tensor, args: tuple):
-    from ds4.ops.base import Routed
-    return logits if args[0] is None else Routed(args[0], args[1])
-
-
 def hc_post_pre_router(x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
-                       iters: int, hc_eps: float, norm_eps: float, norm: Tensor, gate: Tensor, route=None) -> tuple:
+                       iters: int, hc_eps: float, norm_eps: float, norm: Tensor,
+                       gate: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """hc_post_pre with the block norm whose finishing launch also returns the router's logits: -> (h, x_next,
-    post_next, comb_next, logits fp32 [N, E] = x_next . gate^T). bf16 res with 1, 2 or 4 streams; gate bf16 [E, D].
-    With route (ds4.ops.base.RouteTables; N <= HC_ROUTE_MAX_TOKENS, E <= HC_ROUTE_MAX_EXPERTS) the same launch also
-    routes the rows (the router's tail in its last block per row), and the last output is the route
-    (ds4.ops.base.Routed) instead of the logits."""
-    ra = _route_args(route, res.shape[0], res.device)
-    *out, logits = _ops().hc_post_pre_router(x.contiguous(), res.contiguous(), post.float().contiguous(),
-                                             comb.float().contiguous(), fn.float().contiguous(),
-                                             scale.float().contiguous(), base.float().contiguous(), int(iters),
-                                             float(hc_eps), float(norm_eps), norm.contiguous(), gate.contiguous(), *ra)
-    return (*out, _routed_or_logits(logits, ra))
+    post_next, comb_next, logits fp32 [N, E] = x_next . gate^T). bf16 res with 1, 2 or 4 streams; gate bf16 [E, D]."""
+    return _ops().hc_post_pre_router(x.contiguous(), res.contiguous(), post.float().contiguous(),
+                                     comb.float().contiguous(), fn.float().contiguous(), scale.float().contiguous(),
+                                     base.float().contiguous(), int(iters), float(hc_eps), float(norm_eps),
+                                     norm.contiguous(), gate.contiguous())
 
 
 def hc_fold_finish(h: Tensor, part: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float, norm_eps: float,
-                   norm: Tensor | None = None, gate: Tensor | None = None, route=None) -> tuple:
+                   norm: Tensor | None = None, gate: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """The finishing launch of an mHC site whose partials the hc fold formed (ds4.kernels.gemv_fold / moe_down's
     fold): h [N, n, D] bf16 the new streams, part fp32 [N, mix + 1, nsplit] -> (x, post, comb, logits). With gate
-    (bf16 [E, D], norm required) the router fold's finish: logits fp32 [N, E] = x . gate^T; else logits None. With
-    route too, the router's tail in the same launch, as hc_post_pre_router: the last output is the route."""
-    if route is not None and gate is None:
-        raise ValueError("ds4_attn.hc_fold_finish: the router's tail (route) needs the gate (the router fold)")
-    ra = _route_args(route, h.shape[0], h.device)
+    (bf16 [E, D], norm required) the router fold's finish: logits fp32 [N, E] = x . gate^T; else logits None."""
     x, post, comb, logits = _ops().hc_fold_finish(h, part, scale.float().contiguous(), base.float().contiguous(),
                                                   int(iters), float(hc_eps), float(norm_eps),
                                                   None if norm is None else norm.contiguous(),
-                                                  None if gate is None else gate.contiguous(), *ra)
-    return x, post, comb, (_routed_or_logits(logits, ra) if gate is not None else None)
+                                                  None if gate is None else gate.contiguous())
+    return x, post, comb, (logits if gate is not None else None)
 
 
 def hc_fold_finish_proj(h: Tensor, part: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float,

@@ -31,16 +31,14 @@ def _hc_post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, n
 
 
 @register_fake("ds4_attn::hc_post_pre_router")
-def _hc_post_pre_router(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm, gate, route_w=None,
-                        route_ids=None, route_bias=None, tid2eid=None, token_ids=None, topk=0, route_scale=1.0):
+def _hc_post_pre_router(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm, gate):
     n_tok, n, d = res.shape
     return (torch.empty_like(res), res.new_empty((n_tok, d)), res.new_empty((n_tok, n), dtype=torch.float32),
             res.new_empty((n_tok, n, n), dtype=torch.float32), res.new_empty((n_tok, gate.shape[0]), dtype=torch.float32))
 
 
 @register_fake("ds4_attn::hc_fold_finish")
-def _hc_fold_finish(h, part, scale, base, iters, hc_eps, norm_eps, norm=None, gate=None, route_w=None, route_ids=None,
-                    route_bias=None, tid2eid=None, token_ids=None, topk=0, route_scale=1.0):
+def _hc_fold_finish(h, part, scale, base, iters, hc_eps, norm_eps, norm=None, gate=None):
     n_tok, n, d = h.shape
     e = 0 if gate is None else gate.shape[0]
     return (h.new_empty((n_tok, d)), h.new_empty((n_tok, n), dtype=torch.float32),

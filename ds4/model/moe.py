@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ds4.model.args import ModelArgs
 from ds4.model.weights_module import WeightsModule, weight_format
-from ds4.ops.base import MoEWeights, RouteTables, Routed
+from ds4.ops.base import MoEWeights
 from ds4.profile import NULL_PROFILER
 
 
@@ -67,20 +67,9 @@ class MoE(WeightsModule):
         """The router's gate [E, dim] (bf16), for an hc implementation that forms the logits itself."""
         return self.mw.gate
 
-    def route_tables(self, token_ids: Tensor) -> RouteTables | None:
-        """What an hc implementation needs to route the rows in its own launch (hc's router fold with the router's
-        tail), when the MoE implementation takes a route formed before it (`takes_routed`); else None."""
-        takes = getattr(self.ops.moe, "takes_routed", None)
-        if takes is None or not takes():
-            return None
-        hashed = self.mw.tid2eid is not None
-        return RouteTables(None if hashed else self.mw.bias, self.mw.tid2eid, token_ids if hashed else None,
-                           self.mw.topk, self.mw.route_scale)
-
-    def forward(self, x: Tensor, token_ids: Tensor, logits: Tensor | Routed | None = None, fold=None) -> Tensor:
+    def forward(self, x: Tensor, token_ids: Tensor, logits: Tensor | None = None, fold=None) -> Tensor:
         """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert.
-        logits: the router's x . gate^T when the caller formed them (hc's router fold), or the route itself
-        (ds4.ops.base.Routed: the router fold with the router's tail), else None.
+        logits: the router's x . gate^T when the caller formed them (hc's router fold), else None.
         fold: the block's pending mHC step (ds4.ops.base.HcFold), which the kernel forming the output may do
         where nothing is reduced over ranks after it, else the all-reduce (comm=ll)."""
         moe = self.ops.moe

@@ -97,15 +97,14 @@ class Block(WeightsModule):
         fold = hc.fold(h, post, comb, self.hc_ffn_fn) if folds else None
         x = attend(self.attn, x, fold, qkv_a)
         with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN (which may also give
-            # the router's logits, or the route itself: hc's router fold, the CUDA implementation's default)
-            route = self.ffn.route_tables(token_ids)
+            # the router's logits: hc's router fold, the CUDA implementation's default)
             if fold is not None and fold.fused:
                 h, x, post, comb, logits = hc.fold_pre(fold, self.hc_ffn_scale, self.hc_ffn_base, a.hc_sinkhorn_iters,
-                                                       a.hc_eps, a.norm_eps, self.ffn_norm, self.ffn.gate, route=route)
+                                                       a.hc_eps, a.norm_eps, self.ffn_norm, self.ffn.gate)
             else:
                 h, x, post, comb, logits = hc.post_pre_route(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale,
                                                              self.hc_ffn_base, a.hc_sinkhorn_iters, a.hc_eps,
-                                                             a.norm_eps, self.ffn_norm, self.ffn.gate, route=route)
+                                                             a.norm_eps, self.ffn_norm, self.ffn.gate)
         fold = hc.fold(h, post, comb, next_fn) if next_fn is not None and folds else None
         x = self.ffn(x, token_ids, logits, fold)
         if fold is not None and fold.fused:

@@ -34,26 +34,6 @@ class HcFold:
         return self.res, self.post, self.comb, self.fn, self.out, self.part
 
 
-@dataclass(frozen=True)
-class RouteTables:
-    """What the router's tail needs besides the logits, for an hc implementation that routes in its own launch
-    (the MoE's `route_tables`): the learned layer's bias fp32 [E], or the hash layer's tid2eid [vocab, topk] with
-    the rows' token ids int64 [N]; topk and route_scale."""
-    bias: Tensor | None
-    tid2eid: Tensor | None
-    token_ids: Tensor | None
-    topk: int
-    route_scale: float
-
-
-@dataclass(frozen=True)
-class Routed:
-    """A route formed before the MoE (hc's router fold with the router's tail): weights fp32 [N, topk], expert ids
-    int64 [N, topk], as the MoE's route() would return them."""
-    w: Tensor
-    ids: Tensor
-
-
 @dataclass
 class QWeight:
     """One linear layer's weight in its storage format (spec §10.3).
@@ -148,8 +128,7 @@ class MoEImpl(Protocol):
     def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights,
               logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x [N, dim], token_ids [N] -> (weights f32 [N, k], global expert ids int64 [N, k]); logits: x . gate^T
-        (fp32 [N, E]) when the caller formed them already (hc's router fold), else computed here. An implementation
-        with `takes_routed()` true may also be handed the route itself (Routed: the router fold with its tail)."""
+        (fp32 [N, E]) when the caller formed them already (hc's router fold), else computed here."""
         ...
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,

@@ -12,10 +12,6 @@ post_pre_route (post_pre before the MoE): the router fold (default; DS4_HC_ROUTE
       runs only its top-k tail). H200, session 25: 115.1 / 115.1 against 117.7 / 117.4 us per layer without it
       (experiments/decode_session25_h200.md); session 14 had measured it slower (133.9 against 131.2), before
       the router's own GEMV and the hc finish were reworked.
-route= (the router's tail; default, DS4_HC_ROUTE_TAIL=0 turns it off): with the router fold, the MoE's route tables
-      given (ds4.ops.base.RouteTables), the last block of each row to write its logits routes the row (csrc/route_dev.cuh,
-      the same selection and weights as the router's tail kernel) and the route (ds4.ops.base.Routed) is returned
-      instead of the logits, so the router's tail launch leaves the step too.
 fold_pre(proj=) (the projection fold; opt-in, DS4_HC_QKV=1): at the attention site the finishing launch of a fold
       also forms x . W^T for the attention's merged FP8 wq_a + wkv (every block forms the normalised x and 12 of the
       1536 rows), so the wq_a + wkv GEMV launch leaves the step (the attention takes the rows as qkv_a). H200, session
@@ -40,7 +36,7 @@ from torch import Tensor
 
 from ds4 import kernels_attn
 from ds4.model.norm import rms_norm
-from ds4.ops.base import HcFold, QWeight, RouteTables
+from ds4.ops.base import HcFold, QWeight
 from ds4.ops.hc_torch import TorchHC
 
 _ACT = (torch.bfloat16, torch.float32)
@@ -64,19 +60,6 @@ def _router_fold_ok(x: Tensor, res: Tensor, norm: Tensor | None, gate: Tensor) -
     return (_ok(res) and res.dtype == torch.bfloat16 and x.dtype in _ACT and res.shape[0] <= ROUTER_FOLD_ROWS
             and n in (1, 2, 4) and d % 8 == 0 and d <= 8192 and norm is not None and norm.is_cuda
             and gate.is_cuda and gate.dtype == torch.bfloat16 and gate.dim() == 2 and gate.shape[1] == d)
-
-
-def _route_tail_on() -> bool:
-    """The router's tail runs in the router fold's launch unless DS4_HC_ROUTE_TAIL=0 (read per call, for the
-    ablation: bench token notail)."""
-    return os.environ.get("DS4_HC_ROUTE_TAIL", "1") != "0"
-
-
-def _route_tail_ok(res: Tensor, gate: Tensor, route: RouteTables | None) -> bool:
-    """The router fold's launch can also route: its row and expert limits, 1..16 experts per row."""
-    return (route is not None and res.shape[0] <= kernels_attn.HC_ROUTE_MAX_TOKENS
-            and gate.shape[0] <= kernels_attn.HC_ROUTE_MAX_EXPERTS and 1 <= route.topk <= min(16, gate.shape[0])
-            and (route.bias is not None or (route.tid2eid is not None and route.token_ids is not None)))
 
 
 def _proj_fold_on() -> bool:
@@ -129,17 +112,14 @@ class FusedCudaHC:
 
     def post_pre_route(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor,
                        base: Tensor, iters: int, hc_eps: float, norm_eps: float, norm: Tensor,
-                       gate: Tensor, route: RouteTables | None = None) -> tuple:
+                       gate: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         # the router fold (default; DS4_HC_ROUTER=0 turns it off, read per call): decode rows with the V4 layout —
         # the finishing launch also computes the router's logits (every block forms the normalised x and the
-        # logits of two gate rows), so the router's BF16 GEMV leaves the step; otherwise post_pre and None. Given
-        # the route's tables (and DS4_HC_ROUTE_TAIL not 0), its last block per row also routes the row: the last
-        # output is then the route (ds4.ops.base.Routed) and the router's tail launch leaves the step too
+        # logits of two gate rows), so the router's BF16 GEMV leaves the step; otherwise post_pre and None
         if not (_router_fold_on() and _router_fold_ok(x, res, norm, gate)):
             return (*self.post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm), None)
-        tail = route if _route_tail_on() and _route_tail_ok(res, gate, route) else None
         return kernels_attn.hc_post_pre_router(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm,
-                                               gate, tail)
+                                               gate)
 
     def fold(self, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor) -> HcFold | None:
         # On by default (DS4_HC_FOLD=0 turns it off, read per call): one decode row of bf16 streams (1, 2 or 4 of
@@ -156,22 +136,20 @@ class FusedCudaHC:
                       torch.empty_like(res), res.new_empty((1, mix + 1, d // 16), dtype=torch.float32))
 
     def fold_pre(self, fold: HcFold, scale: Tensor, base: Tensor, iters: int, hc_eps: float, norm_eps: float,
-                 norm: Tensor, gate: Tensor | None = None, proj: QWeight | None = None,
-                 route: RouteTables | None = None) -> tuple:
+                 norm: Tensor, gate: Tensor | None = None,
+                 proj: QWeight | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         # the finishing launch on the fold's streams and partials; with a gate (and the router fold on) the router
-        # fold's finish (the logits too, or with route the route), as post_pre_route; with proj (and the projection
-        # fold opted in) the projection fold's finish, whose last output is x . proj^T (bf16); else that output is
-        # None
+        # fold's finish (the logits too), as post_pre_route; with proj (and the projection fold opted in) the
+        # projection fold's finish, whose last output is x . proj^T (bf16); else that output is None
         if not fold.fused:
             raise RuntimeError("hc.fold_pre: the fold was not formed by a kernel (fold.fused is False)")
         if proj is not None and gate is None and _proj_fold_on() and _proj_fold_ok(fold.out, norm, proj):
             x, post, comb, y = kernels_attn.hc_fold_finish_proj(fold.out, fold.part, scale, base, iters, hc_eps,
                                                                 norm_eps, norm, proj.weight, proj.scale)
             return fold.out, x, post, comb, y
-        fold_gate = gate is not None and _router_fold_on() and _router_fold_ok(fold.out[0], fold.out, norm, gate)
-        tail = route if fold_gate and _route_tail_on() and _route_tail_ok(fold.out, gate, route) else None
+        route = gate is not None and _router_fold_on() and _router_fold_ok(fold.out[0], fold.out, norm, gate)
         x, post, comb, logits = kernels_attn.hc_fold_finish(fold.out, fold.part, scale, base, iters, hc_eps,
-                                                            norm_eps, norm, gate if fold_gate else None, tail)
+                                                            norm_eps, norm, gate if route else None)
         return fold.out, x, post, comb, logits
 
     def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,

@@ -58,11 +58,10 @@ class TorchHC:
 
     def post_pre_route(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor,
                        base: Tensor, iters: int, hc_eps: float, norm_eps: float, norm: Tensor,
-                       gate: Tensor, route=None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+                       gate: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         """post_pre before the MoE, which may also return the router's logits (fp32 x_next . gate^T) when an
-        implementation forms them in the same launches (the CUDA router fold), or with route (the MoE's
-        ds4.ops.base.RouteTables) the route itself (ds4.ops.base.Routed); None: the router computes them. The
-        reference never does."""
+        implementation forms them in the same launches (the CUDA router fold); None: the router computes
+        them. The reference never does."""
         return (*self.post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm), None)
 
     def fold(self, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor) -> HcFold | None:
@@ -71,12 +70,11 @@ class TorchHC:
         return None
 
     def fold_pre(self, fold: HcFold, scale: Tensor, base: Tensor, iters: int, hc_eps: float, norm_eps: float,
-                 norm: Tensor, gate: Tensor | None = None, proj: QWeight | None = None,
-                 route=None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+                 norm: Tensor, gate: Tensor | None = None,
+                 proj: QWeight | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         """The next site's pre once a kernel folded the post (fold.fused): (h, x, post, comb, None) from the
         streams fold.out (the partials are the CUDA finish's shortcut to the same matvec). The reference never
-        forms the router's logits (gate), the route (route) or the projection (proj) here: the caller computes them
-        itself."""
+        forms the router's logits (gate) or the projection (proj) here: the caller computes them itself."""
         return (fold.out, *self.pre(fold.out, fold.fn, scale, base, iters, hc_eps, norm_eps, norm), None)
 
     def head(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,

@@ -72,7 +72,7 @@ from torch import Tensor
 from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops import side_stream
-from ds4.ops.base import HcFold, MoEWeights, QWeight, Routed
+from ds4.ops.base import HcFold, MoEWeights, QWeight
 from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
@@ -168,17 +168,9 @@ class Fp4TopkMoE:
                 and os.environ.get("DS4_ROUTE_IN_MOE") == "1"
                 and kernels.moe_route_ok(mw.w1.fmt, mw.topk, x2.shape[1], mw.w1.weight.shape[-2], gate.shape[0]))
 
-    def takes_routed(self) -> bool:
-        """route() takes a route formed before the MoE (hc's router fold with the router's tail, ds4.ops.base.Routed),
-        unless the routed kernels route for themselves (DS4_ROUTE_IN_MOE=1, read per call)."""
-        return os.environ.get("DS4_ROUTE_IN_MOE") != "1"
-
     def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights,
-              logits: Tensor | Routed | None = None) -> tuple[Tensor, Tensor]:
-        # logits (fp32 [N, E]): x . gate^T formed already (hc's router fold): the GEMV is skipped; a Routed: the
-        # route itself (the router fold with the router's tail), nothing left to launch
-        if isinstance(logits, Routed):
-            return logits.w, logits.ids
+              logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        # logits (fp32 [N, E]): x . gate^T formed already (hc's router fold): the GEMV is skipped
         x2 = _bf16(x.reshape(-1, x.shape[-1]))
         if logits is not None:
             logits = logits.float().contiguous()
