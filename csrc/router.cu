@@ -17,8 +17,6 @@
 #include "ds4_launch.h"
 #include "route_dev.cuh"
 
-#include <cstdlib>
-
 namespace ds4 {
 
 // Token t's outputs from its scores and selected ids: weights = scores[ids] / (their sum, in selection
@@ -36,7 +34,8 @@ __device__ __forceinline__ void store_route(const float* scores, const int* sel,
 // One block per token, a thread per expert for the scores and keys, then warp 0 selects (topk_warp). Session
 // 9's form (5.5-6.0 us per call in the 8-layer profile) had each warp select the top-k of its 32 experts by
 // shuffle trees, then warp 0 the top-k of those candidates: the same experts in the same order. In the decode
-// step (H200, two builds on one machine, session 28): 113.5-114.2 against 114.5-115.2 us per layer.
+// step (H200, two builds on one machine, session 28): 113.5-114.2 against 114.5-115.2 us per layer; the 8-layer
+// profile charges it 4.4-4.9 us on the critical path of a learned layer, session 27's 7.4-8.1.
 constexpr int RT_MAX_THREADS = 1024;  // E <= 1024
 __global__ void __launch_bounds__(RT_MAX_THREADS) router_topk_kernel(const float* __restrict__ logits, int E,
                                                                      const float* __restrict__ bias,
@@ -171,11 +170,10 @@ cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const floa
                                int64_t* ids_out, cudaStream_t st) {
   if (n_tok < 1 || E < 1 || E > RT_MAX_THREADS || topk < 1 || topk > ROUTER_MAX_K || topk > E)
     return cudaErrorInvalidValue;
-  // DS4_ROUTER_TOPK_WARPS=N (read per launch; a trial): N warps per block instead of one per 32 experts, the
-  // scores then taking several passes per thread (the kernel takes any block width of whole warps)
-  const char* env = std::getenv("DS4_ROUTER_TOPK_WARPS");
-  const int warps = env ? std::atoi(env) : 0;
-  const int threads = warps >= 1 && warps <= RT_MAX_THREADS / 32 ? 32 * warps : ((E + 31) / 32) * 32;
+  // a thread per expert: narrower blocks, the scores in several passes per thread, measured slower in the decode
+  // step (H200, session 28, E = 256: one warp 119.2 / 119.5, two warps 116.1 / 116.3 against 114.3 / 113.6 us per
+  // layer), the block then spending longer beside the shared expert's blocks
+  const int threads = ((E + 31) / 32) * 32;
   return ds4_pdl::launch(router_topk_kernel, dim3(n_tok), dim3(threads), 2L * E * sizeof(float), st, logits, E, bias,
                          tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out);
 }

@@ -255,7 +255,6 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_QKV"] = "1" if "hcq" in toks else "0"
     os.environ["DS4_PJOIN"] = "moe" if "pj" in toks else ""
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
-    _set_or_unset("DS4_ROUTER_TOPK_WARPS", next((t[2:] for t in toks if t in ("rt1", "rt2", "rt4")), None))
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
