@@ -2,16 +2,17 @@
 sparse attention, compressor updates (emission decided on the device), head and greedy
 selection. Replayed per token; the token, positions and caches live in static buffers.
 
-One graph per compressor phase: the decode step has no host branch (the in-progress compressed
-entry is rewritten every step and only becomes visible when its window completes), so one graph
-would be correct at every position; but at a step where no row's window of ratio m ends, the
-layers of ratio m may join their compressor branches after the attention instead of before it
-(Transformer.decode's window_ends). The phases are the sets of ratios whose window ends at a step:
-for V4's 4 and 128, {}, {4} and {4, 128}. The caller names the rows' positions (host ints it
-counts itself: ds4.runtime.generate.Generator) and the matching graph is replayed; without
-positions, the graph of every ratio (all branches joined early). Opt-in (DS4_LATE_COMPRESS=1;
-the default captures that one graph alone): on one H200 it measured no faster, 114.2 / 114.2
-against 113.5 / 114.2 us per layer with one graph (experiments/decode_session28_h200.md).
+One graph (the default) is enough because the decode step has no host branch: the in-progress
+compressed entry is rewritten every step and only becomes visible when its window completes.
+
+DS4_LATE_COMPRESS=1 (opt-in) captures one graph per compressor phase instead: at a step where no
+row's window of ratio m ends, the layers of ratio m may join their compressor branches after the
+attention instead of before it (Transformer.decode's window_ends). The phases are the sets of
+ratios whose window ends at a step: for V4's 4 and 128, {}, {4} and {4, 128}. The caller names the
+rows' positions (host ints it counts itself: ds4.runtime.generate.Generator) and the matching
+graph is replayed; without positions, the graph of every ratio (all branches joined early, as in
+the one graph). On one H200 it measured no faster: 114.2 / 114.2 against 113.5 / 114.2 us per
+layer with one graph (experiments/decode_session28_h200.md).
 
 Tensor parallel: collectives are captured too. NCCL needs its communicator warmed up on the
 capturing stream's side stream before capture (done by the warm-up steps below); the

@@ -236,7 +236,7 @@ FIGURES = [  # key, label, format
     ("copy_gb_s", "copy bandwidth (this run)", "{:.2f} GB/s"), ("bw_ratio", "bw_ratio", "{:.4g}"),
     ("peak_mem_gib", "peak memory", "{:.3f} GiB"),
     ("graph_warmup_s", "CUDA graph warm-up", "{:.2f} s"), ("graph_capture_s", "CUDA graph capture", "{:.2f} s"),
-    ("graph_pool_mib", "CUDA graph pool", "{:.1f} MiB"), ("graphs", "CUDA graphs (one per compressor phase)", "{:.0f}"),
+    ("graph_pool_mib", "CUDA graph pool", "{:.1f} MiB"), ("graphs", "CUDA graphs captured", "{:.0f}"),
     ("peak_reserved_gib", "peak reserved", "{:.3f} GiB"), ("peak_rss_gib", "peak RSS (process)", "{:.3f} GiB"),
     ("ppl", "perplexity", "{:.3f}"), ("ref_ppl", "reference perplexity", "{:.3f}"),
     ("eval_tokens", "tokens scored", "{:.0f}"),
