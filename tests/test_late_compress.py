@@ -16,7 +16,7 @@ from ds4.registry import torch_reference_ops
 from ds4.runtime.cuda_graph import late_compress_enabled, step_phases
 from ds4.runtime.generate import Generator
 from ds4.weights.synthetic import random_weights
-from tests.test_side_stream import _RecordingBranch
+from test_side_stream import _RecordingBranch
 
 F = frozenset
 
