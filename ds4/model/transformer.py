@@ -268,12 +268,16 @@ class Transformer(WeightsModule):
         out = self.logits(h[-1:], full_vocab=full_vocab)[0]
         return (out, h) if return_hidden else out
 
+    @property
+    def compress_ratios(self) -> frozenset[int]:
+        """The compress ratios of this model's layers that have a compressor."""
+        return frozenset(blk.attn.m for blk in self.layers if blk.attn.compressor is not None)
+
     def window_ends(self, positions: Iterable[int]) -> frozenset[int]:
-        """The compress ratios of this model's layers whose window ends at one of `positions` (a decode step's rows,
-        as host ints): decode's window_ends for that step."""
+        """The compress ratios whose window ends at one of `positions` (a decode step's rows, as host ints): decode's
+        window_ends for that step."""
         ps = list(positions)
-        ratios = {blk.attn.m for blk in self.layers if blk.attn.compressor is not None}
-        return frozenset(m for m in ratios if any((p + 1) % m == 0 for p in ps))
+        return frozenset(m for m in self.compress_ratios if any((p + 1) % m == 0 for p in ps))
 
     @torch.inference_mode()
     def decode(self, ids: Tensor, state: DecodeState, full_vocab: bool = True,

@@ -64,9 +64,8 @@ class CudaGraphStep:
             raise RuntimeError("runtime=cuda_graph needs a CUDA device")
         self.model, self.state, self.batch, self.mode = model, state, batch, mode
         self.tok = torch.zeros(batch, dtype=torch.long, device=model.device)
-        ratios = {blk.attn.m for blk in model.layers if blk.attn.compressor is not None}
-        self.full = frozenset(ratios)  # every ratio's window ends: every branch joined early (no positions given)
-        self.phases = step_phases(sorted(ratios)) if late_compress_enabled() else [self.full]
+        self.full = model.compress_ratios  # every ratio's window ends: every branch joined early (no positions given)
+        self.phases = step_phases(sorted(self.full)) if late_compress_enabled() else [self.full]
         # Profiler events cannot be recorded inside a capture: the captured step is one opaque
         # region (profile the eager runtime for the per-stage table).
         profiling, model.prof.enabled = model.prof.enabled, False
