@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "ds4_launch.h"
+#include "sinkhorn_ride_binding.h"
 
 namespace {
 
@@ -437,15 +438,19 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
   return out;
 }
 
-// given_logits (fp32 [N, E], e.g. from the mHC router fold): the tail kernel alone, no GEMV.
+// given_logits (fp32 [N, E], e.g. from the mHC router fold): the tail kernel alone, no GEMV. comb (fp32 [N, n, n] as
+// an hc finish with iters = 0 left it): the router's last launch also finishes each token's mHC Sinkhorn in place
+// (ds4.ops.base.SinkhornRide).
 std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor& gate,
                                           const std::optional<at::Tensor>& bias,
                                           const std::optional<at::Tensor>& tid2eid,
                                           const std::optional<at::Tensor>& token_ids, int64_t topk,
-                                          double route_scale, const std::optional<at::Tensor>& given_logits) {
+                                          double route_scale, const std::optional<at::Tensor>& given_logits,
+                                          const std::optional<at::Tensor>& comb, int64_t iters, double hc_eps) {
   check_cuda(gate, "gate");
   TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && gate.dim() == 2, "ds4.router: gate must be bf16 [E, dim]");
   const int64_t N = x.size(0), E = gate.size(0), dim = gate.size(1);
+  const ds4::SinkhornRide ride = ds4::sinkhorn_ride_arg(comb, iters, hc_eps, N, x.device(), "ds4.router");
   if (given_logits.has_value()) {
     check_cuda(*given_logits, "logits");
     TORCH_CHECK(given_logits->scalar_type() == at::kFloat && given_logits->dim() == 2 && given_logits->size(0) == N &&
@@ -483,13 +488,13 @@ std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor&
     check_launch(ds4::launch_router_fused(x.data_ptr(), (int)N, gate.data_ptr(), (int)E, (int)dim, b, tid, tid64, tok,
                                           (int)topk, (float)route_scale, static_cast<float*>(logits.data_ptr()),
                                           static_cast<float*>(w.data_ptr()), static_cast<int64_t*>(ids.data_ptr()),
-                                          at::cuda::getCurrentCUDAStream()),
+                                          at::cuda::getCurrentCUDAStream(), ride),
                  "router_fused");
     return {w, ids};
   }
   check_launch(ds4::launch_router_topk(static_cast<const float*>(logits.data_ptr()), (int)N, (int)E, b, tid, tid64,
                                        tok, (int)topk, (float)route_scale, static_cast<float*>(w.data_ptr()),
-                                       static_cast<int64_t*>(ids.data_ptr()), at::cuda::getCurrentCUDAStream()),
+                                       static_cast<int64_t*>(ids.data_ptr()), at::cuda::getCurrentCUDAStream(), ride),
                "router_topk");
   return {w, ids};
 }
@@ -770,7 +775,8 @@ TORCH_LIBRARY(ds4, m) {
         "Tensor(c!)? fold_out=None, Tensor(d!)? fold_part=None) -> Tensor");
   m.def("moe_route_ok(int fmt, int topk, int dim, int inter, int n_experts) -> bool", &moe_route_ok_host);
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
-        "float route_scale, Tensor? logits=None) -> (Tensor, Tensor)");
+        "float route_scale, Tensor? logits=None, Tensor(a!)? comb=None, int iters=0, float hc_eps=0.0) "
+        "-> (Tensor, Tensor)");
   m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("all_reduce_ll(Tensor x, int[] peers, Tensor(a!) counters, int rank, int cap, bool round_bf16, "

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "sinkhorn_ride.h"
+
 namespace ds4 {
 
 // Largest token count one launch handles (activations of all tokens sit in shared memory).
@@ -131,10 +133,12 @@ constexpr int ARGMAX_MAX_ROWS = 64;
 cudaError_t launch_argmax(const float* x, int B, long V, int64_t* out, cudaStream_t st);
 
 // Router tail: logits f32 [n_tok, E] -> scores sqrt(softplus); ids (top-k of score + bias, or
-// tid2eid[token_ids]); weights = renormalised scores * route_scale.
+// tid2eid[token_ids]); weights = renormalised scores * route_scale. ride (comb [n_tok, n, n]): the launch also
+// finishes each token's mHC Sinkhorn in place (both router launchers).
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias,
                                const void* tid2eid, bool tid64, const int64_t* token_ids, int topk,
-                               float route_scale, float* w_out, int64_t* ids_out, cudaStream_t st);
+                               float route_scale, float* w_out, int64_t* ids_out, cudaStream_t st,
+                               const SinkhornRide& ride = SinkhornRide{});
 
 // The whole router in one launch for decode-sized inputs (opt-in, DS4_ROUTER_FUSED=1; router_fused_ok:
 // n_tok <= ROUTER_FUSED_TOKENS, n_tok * E <= ROUTER_FUSED_SLOTS, dim % 8 == 0): x bf16 [n_tok, dim], gate
@@ -144,7 +148,8 @@ constexpr int ROUTER_FUSED_SLOTS = 4096;
 bool router_fused_ok(int n_tok, int E, int dim);
 cudaError_t launch_router_fused(const void* x, int n_tok, const void* gate, int E, int dim, const float* bias,
                                 const void* tid2eid, bool tid64, const int64_t* token_ids, int topk,
-                                float route_scale, float* logits, float* w_out, int64_t* ids_out, cudaStream_t st);
+                                float route_scale, float* logits, float* w_out, int64_t* ids_out, cudaStream_t st,
+                                const SinkhornRide& ride = SinkhornRide{});
 
 // L2 prefetch of weight ranges on the current stream (prefetch.cu): direct ranges [ptr[r], ptr[r] + bytes[r]),
 // or, with ids (int64 [n_ids] on the device), range r of slot k at ptr[r] + (ids[k] - id_offset) * stride[r]

@@ -41,11 +41,12 @@ __device__ __forceinline__ unsigned score_key(float v) {
 }
 
 // Scores of token t (sc, E floats) and the keys of score + bias (key, E unsigned), threads `tid` of
-// `nthreads`: sqrt(softplus(logit)) as the reference.
+// `nthreads`: sqrt(softplus(logit)) as the reference. The logits are read from L2 (__ldcg): the fused router's
+// last block reads the other blocks' writes of the same launch.
 __device__ __forceinline__ void route_scores(const float* logits, int E, const float* bias, int t, float* sc,
                                              unsigned* key, int tid, int nthreads) {
   for (int e = tid; e < E; e += nthreads) {
-    const float s = router_score(logits[(long)t * E + e]);
+    const float s = router_score(__ldcg(logits + (long)t * E + e));
     sc[e] = s;
     key[e] = score_key(s + (bias ? bias[e] : 0.f));
   }

@@ -16,33 +16,24 @@
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "route_dev.cuh"
+#include "sinkhorn_dev.cuh"
 
 namespace ds4 {
-
-// Token t's outputs from its scores and selected ids: weights = scores[ids] / (their sum, in selection
-// order) * route_scale (one thread).
-__device__ __forceinline__ void store_route(const float* scores, const int* sel, int t, int topk, float route_scale,
-                                            float* w_out, int64_t* ids_out) {
-  float w[ROUTER_MAX_K];
-  route_weights(scores, sel, topk, route_scale, w);
-  for (int k = 0; k < topk; ++k) {
-    w_out[(long)t * topk + k] = w[k];
-    ids_out[(long)t * topk + k] = sel[k];
-  }
-}
 
 // One block per token, a thread per expert for the scores and keys, then warp 0 selects (topk_warp). Session
 // 9's form (5.5-6.0 us per call in the 8-layer profile) had each warp select the top-k of its 32 experts by
 // shuffle trees, then warp 0 the top-k of those candidates: the same experts in the same order. In the decode
 // step (H200, two builds on one machine, session 28): 113.5-114.2 against 114.5-115.2 us per layer; the 8-layer
 // profile charges it 4.4-4.9 us on the critical path of a learned layer, session 27's 7.4-8.1.
+// ride: warp 1 (the block has two warps at least then) finishes token t's mHC Sinkhorn while warp 0 selects.
 constexpr int RT_MAX_THREADS = 1024;  // E <= 1024
 __global__ void __launch_bounds__(RT_MAX_THREADS) router_topk_kernel(const float* __restrict__ logits, int E,
                                                                      const float* __restrict__ bias,
                                                                      const void* __restrict__ tid2eid, int tid64,
                                                                      const int64_t* __restrict__ token_ids, int topk,
                                                                      float route_scale, float* __restrict__ w_out,
-                                                                     int64_t* __restrict__ ids_out) {
+                                                                     int64_t* __restrict__ ids_out,
+                                                                     const SinkhornRide ride) {
   ds4_pdl::begin();
   extern __shared__ float sh[];  // scores [E], then keys [E]
   unsigned* key = reinterpret_cast<unsigned*>(sh + E);
@@ -51,7 +42,10 @@ __global__ void __launch_bounds__(RT_MAX_THREADS) router_topk_kernel(const float
   const int t = blockIdx.x;
   route_scores(logits, E, tid2eid ? nullptr : bias, t, sh, key, threadIdx.x, blockDim.x);
   __syncthreads();
-  if (threadIdx.x >= 32) return;
+  if (threadIdx.x >= 32) {
+    if (threadIdx.x == 32 && ride.comb != nullptr) sinkhorn_ride(ride, t);
+    return;
+  }
   route_select_warp(sh, key, E, tid2eid, tid64, token_ids, t, topk, route_scale, sel, w);
   if (threadIdx.x < topk) {
     w_out[(long)t * topk + threadIdx.x] = w[threadIdx.x];
@@ -79,10 +73,12 @@ __device__ __forceinline__ void bf16x8_f32(const uint4& u, float* f) {
 __global__ void __launch_bounds__(RF_WARPS * 32) router_fused_kernel(
     const __nv_bfloat16* __restrict__ x, int n_tok, const __nv_bfloat16* __restrict__ gate, int E, int dim,
     const float* __restrict__ bias, const void* __restrict__ tid2eid, int tid64, const int64_t* __restrict__ token_ids,
-    int topk, float route_scale, float* __restrict__ logits, float* __restrict__ w_out, int64_t* __restrict__ ids_out) {
+    int topk, float route_scale, float* __restrict__ logits, float* __restrict__ w_out, int64_t* __restrict__ ids_out,
+    const SinkhornRide ride) {
   extern __shared__ float rs[];
   __shared__ int s_last;
   __shared__ int sel[ROUTER_FUSED_TOKENS][ROUTER_MAX_K];
+  __shared__ float wsel[ROUTER_FUSED_TOKENS][ROUTER_MAX_K];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * RF_WARPS + warp;
   const int nch = dim / 8;
@@ -129,25 +125,19 @@ __global__ void __launch_bounds__(RF_WARPS * 32) router_fused_kernel(
   if (!s_last) return;
   __threadfence();
   if (threadIdx.x == 0) router_arrivals = 0;
-  float* sc = rs;                 // [n_tok][E]
+  float* sc = rs;                                             // [n_tok][E] scores
   unsigned* key = reinterpret_cast<unsigned*>(rs + n_tok * E);  // [n_tok][E] keys of score + bias
-  for (int i = threadIdx.x; i < n_tok * E; i += blockDim.x) {
-    const int e = i % E;
-    const float s = router_score(__ldcg(logits + i));  // other blocks' writes: read from L2
-    sc[i] = s;
-    key[i] = score_key(s + (bias ? bias[e] : 0.f));
-  }
+  for (int t = 0; t < n_tok; ++t)  // (other blocks' logits: route_scores reads them from L2)
+    route_scores(logits, E, tid2eid ? nullptr : bias, t, sc + t * E, key + t * E, threadIdx.x, blockDim.x);
   __syncthreads();
   for (int t = warp; t < n_tok; t += RF_WARPS) {
-    int* st = sel[t];
-    if (tid2eid) {
-      if (lane < topk) st[lane] = hash_expert(tid2eid, tid64, token_ids, t, topk, lane);
-    } else {
-      topk_warp(key + t * E, E, topk, st);
+    route_select_warp(sc + t * E, key + t * E, E, tid2eid, tid64, token_ids, t, topk, route_scale, sel[t], wsel[t]);
+    if (lane < topk) {
+      w_out[(long)t * topk + lane] = wsel[t][lane];
+      ids_out[(long)t * topk + lane] = sel[t][lane];
     }
-    __syncwarp();
-    if (lane == 0) store_route(sc + t * E, st, t, topk, route_scale, w_out, ids_out);
   }
+  if (ride.comb != nullptr && threadIdx.x < n_tok) sinkhorn_ride(ride, threadIdx.x);  // (an opt-in path: after)
 }
 
 bool router_fused_ok(int n_tok, int E, int dim) {
@@ -157,25 +147,29 @@ bool router_fused_ok(int n_tok, int E, int dim) {
 
 cudaError_t launch_router_fused(const void* x, int n_tok, const void* gate, int E, int dim, const float* bias,
                                 const void* tid2eid, bool tid64, const int64_t* token_ids, int topk,
-                                float route_scale, float* logits, float* w_out, int64_t* ids_out, cudaStream_t st) {
-  if (!router_fused_ok(n_tok, E, dim) || topk < 1 || topk > ROUTER_MAX_K || topk > E) return cudaErrorInvalidValue;
+                                float route_scale, float* logits, float* w_out, int64_t* ids_out, cudaStream_t st,
+                                const SinkhornRide& ride) {
+  if (!router_fused_ok(n_tok, E, dim) || topk < 1 || topk > ROUTER_MAX_K || topk > E || !sinkhorn_ride_ok(ride, n_tok))
+    return cudaErrorInvalidValue;
   const int blocks = (E + RF_WARPS - 1) / RF_WARPS;
   return ds4_pdl::launch(router_fused_kernel, dim3(blocks), dim3(RF_WARPS * 32), 2L * n_tok * E * sizeof(float), st,
                          static_cast<const __nv_bfloat16*>(x), n_tok, static_cast<const __nv_bfloat16*>(gate), E, dim,
-                         bias, tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, logits, w_out, ids_out);
+                         bias, tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, logits, w_out, ids_out, ride);
 }
 
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias, const void* tid2eid,
                                bool tid64, const int64_t* token_ids, int topk, float route_scale, float* w_out,
-                               int64_t* ids_out, cudaStream_t st) {
-  if (n_tok < 1 || E < 1 || E > RT_MAX_THREADS || topk < 1 || topk > ROUTER_MAX_K || topk > E)
+                               int64_t* ids_out, cudaStream_t st, const SinkhornRide& ride) {
+  if (n_tok < 1 || E < 1 || E > RT_MAX_THREADS || topk < 1 || topk > ROUTER_MAX_K || topk > E ||
+      !sinkhorn_ride_ok(ride, n_tok))
     return cudaErrorInvalidValue;
   // a thread per expert: narrower blocks, the scores in several passes per thread, measured slower in the decode
   // step (H200, session 28, E = 256: one warp 119.2 / 119.5, two warps 116.1 / 116.3 against 114.3 / 113.6 us per
   // layer), the block then spending longer beside the shared expert's blocks
-  const int threads = ((E + 31) / 32) * 32;
+  int threads = ((E + 31) / 32) * 32;
+  if (ride.comb != nullptr && threads < 64) threads = 64;  // a ride: warp 1 runs it
   return ds4_pdl::launch(router_topk_kernel, dim3(n_tok), dim3(threads), 2L * E * sizeof(float), st, logits, E, bias,
-                         tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out);
+                         tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out, ride);
 }
 
 }  // namespace ds4

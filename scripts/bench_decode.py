@@ -53,6 +53,9 @@ may launch and start its weight loads before the shared down drains; ds4.ops.sid
 late (DS4_LATE_COMPRESS=1: a captured graph per compressor phase, where layers whose window does not end at the
 step join their compressor branches after the output projection instead of before the attention core; opt-in,
 measured no faster in session 28; ds4.runtime.cuda_graph),
+noride (DS4_SINKHORN_RIDE=0: each hc finish runs its own Sinkhorn, the default before session 30; the default
+leaves it to the site's attention combine / router top-k launch), rideattn (DS4_SINKHORN_RIDE=attn: at the attention
+sites only),
 nohcf (DS4_HC_FOLD=0:
 without the hc fold, the library default since session 14 — the next mHC site's first launch done by wo_b's
 and the MoE down's epilogues — so each site is its own 2 launches again; with arf the all-reduce's fold too),
@@ -174,10 +177,12 @@ def skip_router(moe) -> None:
     from ds4.ops.moe_cuda import PREFILL_TOKENS
     route = moe.route
 
-    def fixed_route(x, token_ids, mw, logits=None):
+    def fixed_route(x, token_ids, mw, logits=None, ride=None):
         n = x.reshape(-1, x.shape[-1]).shape[0]
         if n > PREFILL_TOKENS:
-            return route(x, token_ids, mw, logits)
+            return route(x, token_ids, mw, logits, **({} if ride is None else {"ride": ride}))
+        if ride is not None:  # the mHC Sinkhorn the router's launch would have finished stays in the step
+            ride.run()
         ids = (torch.arange(mw.topk, device=x.device) + mw.expert_offset).expand(n, -1).contiguous()
         return torch.full((n, mw.topk), 1.0 / mw.topk, device=x.device), ids
     moe.route = fixed_route
@@ -199,8 +204,13 @@ def skip_routed_experts(moe) -> None:
 
 
 def skip_attention_core(attn) -> None:
-    """xattn: the decode attention core (attn.decode) launches nothing and returns zeros."""
-    attn.decode = lambda q, *args, **kw: torch.zeros_like(q)
+    """xattn: the decode attention core (attn.decode) launches nothing and returns zeros (an mHC Sinkhorn it was
+    to take along runs as a launch of its own)."""
+    def no_core(q, *args, ride=None, **kw):
+        if ride is not None:
+            ride.run()
+        return torch.zeros_like(q)
+    attn.decode = no_core
 
 
 def _apply_removals(ops, toks: set[str]) -> None:
@@ -256,6 +266,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_PJOIN"] = "moe" if "pj" in toks else ""
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
+    os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
     os.environ["DS4_AR_FOLD_SPREAD"] = "0" if "arfpack" in toks else "1"

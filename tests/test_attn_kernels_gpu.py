@@ -158,6 +158,61 @@ def test_hc_fold_finish_proj(N, n, D, O):
     assert rel(y, want) <= 4e-3, rel(y, want)  # the bf16 rounding of an fp32 sum
 
 
+@pytest.mark.parametrize("N,n,D", [(1, 4, 4096), (3, 4, 4096), (2, 2, 1024), (1, 1, 256), (40, 4, 512)])
+def test_hc_sinkhorn_after_a_deferring_finish_is_the_finish_sinkhorn(N, n, D):
+    """Every finish with iters = 0 leaves the Sinkhorn's input logits in comb and hc_sinkhorn finishes it in place
+    (the ride's launch of its own; the rides run the same device code): the same comb bit for bit as the finish
+    with iters, and the same x, post (and logits, y) as that finish; iters = 0 is refused where nothing can
+    follow (3 streams)."""
+    g = gen(N * 13000 + n * 10 + D)
+    h = randn(N, n, D, g=g, dtype=BF16, scale=2.0)
+    fn, scale, base = hc_weights(n, D, g)
+    hv = h.float().flatten(1)
+    part = torch.cat([hv @ fn.t(), (hv * hv).sum(-1, keepdim=True)], -1).unsqueeze(-1).contiguous()
+    norm = (1 + 0.1 * randn(D, g=g)).to(BF16)
+    gate = randn(9, D, g=g, dtype=BF16, scale=D ** -0.5)
+    x0 = randn(N, D, g=g, dtype=BF16)
+    post0, comb0 = torch.rand(N, n, device=DEV, generator=g) * 2, torch.rand(N, n, n, device=DEV, generator=g)
+    w = torch.randint(0, 120, (130, D), device=DEV, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    ws = torch.randint(116, 124, (2, D // 128), device=DEV, dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+    finishes = {
+        "hc_pre": lambda it: kernels_attn.hc_pre(h, fn, scale, base, it, 1e-6, 1e-6),
+        "hc_pre+norm": lambda it: kernels_attn.hc_pre(h, fn, scale, base, it, 1e-6, 1e-6, norm),
+        "hc_post_pre": lambda it: kernels_attn.hc_post_pre(x0, h, post0, comb0, fn, scale, base, it, 1e-6, 1e-6,
+                                                           norm),
+        "hc_post_pre_router": lambda it: kernels_attn.hc_post_pre_router(x0, h, post0, comb0, fn, scale, base, it,
+                                                                         1e-6, 1e-6, norm, gate),
+        "hc_fold_finish": lambda it: kernels_attn.hc_fold_finish(h, part, scale, base, it, 1e-6, 1e-6, norm)[:3],
+        "hc_fold_finish+gate": lambda it: kernels_attn.hc_fold_finish(h, part, scale, base, it, 1e-6, 1e-6, norm,
+                                                                      gate),
+        "hc_fold_finish_proj": lambda it: kernels_attn.hc_fold_finish_proj(h, part, scale, base, it, 1e-6, 1e-6,
+                                                                           norm, w, ws),
+    }
+    comb_at = {"hc_post_pre": 3, "hc_post_pre_router": 3}
+    for name, finish in finishes.items():
+        if name == "hc_fold_finish_proj" and D % 128:
+            continue
+        poison()
+        want = finish(20)
+        poison()
+        got = finish(0)
+        c = comb_at.get(name, 2)
+        raw = got[c].clone()
+        kernels_attn.hc_sinkhorn(got[c], 20, 1e-6)
+        assert not torch.equal(raw, got[c]), name  # the finish left the logits: hc_sinkhorn changed them
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (name, i)
+    with pytest.raises(RuntimeError, match="iters"):
+        kernels_attn.hc_pre(randn(1, 3, 136, g=g, dtype=BF16), *hc_weights(3, 136, g), 0, 1e-6, 1e-6)
+
+
+def test_hc_sinkhorn_refuses_what_it_cannot_finish():
+    with pytest.raises(RuntimeError, match="n = 1, 2 or 4"):
+        kernels_attn.hc_sinkhorn(torch.rand(1, 3, 3, device=DEV), 20, 1e-6)
+    with pytest.raises(RuntimeError, match="iters"):
+        kernels_attn.hc_sinkhorn(torch.rand(1, 4, 4, device=DEV), 0, 1e-6)
+
+
 def test_hc_post_mixed_dtypes():
     g = gen(77)
     res = randn(3, 4, 4096, g=g, dtype=BF16)

@@ -145,6 +145,44 @@ def test_decode_attention(kind, pos, prep):
     assert torch.isfinite(got).all() and rel(got, ref) <= TOL
 
 
+@pytest.mark.parametrize("n", [4, 2, 1])
+@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
+def test_decode_attention_takes_the_sinkhorn_along(kind, n):
+    """ride: the combine launch finishes each row's mHC Sinkhorn (comb as a finish with iters = 0 leaves it) before
+    its PDL wait: the attention output bit for bit as without it, comb as hc_sinkhorn's launch of its own makes it
+    (the finish's own bits: test_attn_kernels_gpu) and close to the torch reference's divisions; the twin's path
+    (fp32 q here) runs that launch."""
+    from ds4.ops.base import SinkhornRide
+    from ds4.ops.hc_torch import sinkhorn
+    g = gen(31 + n + len(kind))
+    B, H, D, W = 3, 64, 512, 128
+    q = randn(B, H, D, g=g, dtype=BF16)
+    win = randn(B, W, D, g=g, dtype=BF16, scale=0.3)
+    sink = randn(H, g=g)
+    p = positions(9, 4000, 70000)
+    ratio = {"swa": 1, "hca": 128, "csa": 4}[kind]
+    ext = idx = None
+    if kind != "swa":
+        ext = randn(B, 20000, D, g=g, dtype=BF16, scale=0.3)
+    if kind == "csa":
+        idx = torch.stack([torch.randperm(20000, device=DEV, generator=g)[:512] for _ in range(B)])
+    f = freqs(4 if kind == "csa" else 128 if kind == "hca" else 0)
+    logits = randn(B, n, n, g=g, scale=2.0)
+    want = logits.clone()
+    kernels_attn.hc_sinkhorn(want, 20, EPS)
+    assert not torch.equal(want, logits)
+    poison()
+    plain = FUSED.decode(q, win, p, ext, idx, ratio, sink, D ** -0.5, f, EPS)
+    for qq in (q, q.float()):
+        comb = logits.clone()
+        poison()
+        got = FUSED.decode(qq, win, p, ext, idx, ratio, sink, D ** -0.5, f, EPS, ride=SinkhornRide(comb, 20, EPS))
+        assert torch.equal(comb, want), qq.dtype
+        if qq is q:
+            assert torch.equal(got, plain)
+    assert rel(comb, sinkhorn(logits, 20, EPS)) <= 1e-5
+
+
 @pytest.mark.parametrize("pos", [(700, 200_000), (0, 127), (3000 * 128 - 1,)])
 def test_decode_attention_combine_over_many_splits(pos):
     """The combine gathers the splits' (max, sum) pairs at once and reads the partial outputs of the valid

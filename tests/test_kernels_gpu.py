@@ -563,6 +563,50 @@ def test_router_topk_order_and_ties(n_experts, topk, n, fused, monkeypatch):
         assert rel(w, ref_w) <= 1e-6
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("n_experts,n,hc", [(256, 1, 4), (256, 3, 2), (16, 2, 4), (40, 1, 1)])
+def test_router_takes_the_sinkhorn_along(n_experts, n, hc, fused, monkeypatch):
+    """ride: the router's last launch (the top-k tail in a warp of its own, with 16 experts a block widened to two
+    warps; the fused router's last block after its tail) finishes each token's mHC Sinkhorn in place: the same ids
+    and weights as without it, comb as hc_sinkhorn's launch of its own makes it (the finish's bits), for learned
+    and hash layers."""
+    from ds4 import kernels_attn
+    from ds4.ops.base import SinkhornRide
+    monkeypatch.setenv("DS4_ROUTER_FUSED", "1" if fused else "0")
+    g = gen(1700 + n_experts + n + hc)
+    dim = 128
+    x = rand_x(n, dim, g)
+    gate = (torch.randn(n_experts, dim, device=DEV, generator=g) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(n_experts, device=DEV, generator=g) * 0.1
+    tid = torch.randint(0, n_experts, (50, 6), device=DEV, generator=g)
+    tok = torch.randint(0, 50, (n,), device=DEV, generator=g)
+    logits = torch.randn(n, hc, hc, device=DEV, generator=g) * 2
+    want = logits.clone()
+    kernels_attn.hc_sinkhorn(want, 20, 1e-6)
+    for table in ((bias, None, None), (None, tid, tok)):
+        for given in ((None, x.float() @ gate.float().t()) if not fused else (None,)):
+            plain = kernels.router(x, gate, *table, 6, 1.5, logits=given)
+            comb = logits.clone()
+            poison()
+            got = kernels.router(x, gate, *table, 6, 1.5, logits=given, ride=SinkhornRide(comb, 20, 1e-6))
+            assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+            assert torch.equal(comb, want), (table[1] is not None, given is not None)
+
+
+def test_router_refuses_a_ride_it_cannot_take():
+    """One comb per token, 1, 2 or 4 streams, iters >= 1: anything else fails before a launch."""
+    from ds4.ops.base import SinkhornRide
+    g = gen(1790)
+    x = rand_x(2, 128, g)
+    gate = (torch.randn(16, 128, device=DEV, generator=g) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(16, device=DEV, generator=g)
+    for comb, iters, what in ((torch.rand(3, 4, 4, device=DEV), 20, "comb must be"),
+                              (torch.rand(2, 3, 3, device=DEV), 20, "comb must be"),
+                              (torch.rand(2, 4, 4, device=DEV), 0, "iters")):
+        with pytest.raises(RuntimeError, match=what):
+            kernels.router(x, gate, bias, None, None, 6, 1.5, ride=SinkhornRide(comb, iters, 1e-6))
+
+
 @pytest.mark.parametrize("hash_layer", [False, True])
 @pytest.mark.parametrize("dim,inter,n_experts,e_local,offset", [(4096, 2048, 256, 256, 0), (512, 256, 64, 16, 32)])
 def test_moe_kernels_route_from_logits(hash_layer, dim, inter, n_experts, e_local, offset):

@@ -11,6 +11,7 @@
 #include <optional>
 #include <tuple>
 
+#include "../sinkhorn_ride_binding.h"
 #include "attn_launch.h"
 
 namespace {
@@ -81,6 +82,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_finish(const at::Tensor& h
   return {x, post, comb};
 }
 
+// The Sinkhorn's iterations: >= 1, or 0 (n = 1, 2, 4): comb then holds the Sinkhorn's input logits, which a later
+// launch of the step finishes (ds4.ops.base.SinkhornRide: the sparse combine, the router top-k, or hc_sinkhorn).
+void check_iters(int64_t iters, int64_t n, const char* op) {
+  TORCH_CHECK(iters >= 1 || (iters == 0 && (n == 1 || n == 2 || n == 4)), "ds4_attn.", op,
+              ": iters must be >= 1 (or 0 with 1, 2 or 4 streams: the Sinkhorn left to a later launch)");
+}
+
 void check_pre_weights(const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base, int64_t n,
                        int64_t iters, const char* op) {
   check_f32(fn, "fn");
@@ -88,7 +96,7 @@ void check_pre_weights(const at::Tensor& fn, const at::Tensor& scale, const at::
   check_f32(base, "base");
   TORCH_CHECK(fn.dim() == 2 && fn.size(0) == (2 + n) * n && base.numel() == (2 + n) * n && scale.numel() >= 3,
               "ds4_attn.", op, ": fn/base/scale shapes");
-  TORCH_CHECK(iters >= 1, "ds4_attn.", op, ": iters must be >= 1");
+  check_iters(iters, n, op);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const at::Tensor& fn,
@@ -107,6 +115,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& h, const
   int64_t nsplit = 0;
   auto part = hc_mixes_partials(h, fn, nsplit);
   return hc_pre_finish(h, part, nsplit, fn.size(0), scale, base, iters, hc_eps, norm_eps, norm, nf);
+}
+
+// comb [N, n, n] fp32 (n = 1, 2, 4) as a finish with iters = 0 left it -> its Sinkhorn in place, as a launch of
+// its own: where no launch of the step takes it along (ds4.ops.base.SinkhornRide.run).
+void hc_sinkhorn(const at::Tensor& comb, int64_t iters, double hc_eps) {
+  TORCH_CHECK(comb.dim() == 3, "ds4_attn.hc_sinkhorn: comb must be [N, n, n]");
+  const int64_t N = comb.size(0);
+  const ds4::SinkhornRide ride = ds4::sinkhorn_ride_arg(comb, iters, hc_eps, N, comb.device(), "ds4_attn.hc_sinkhorn");
+  if (N == 0) return;
+  c10::cuda::CUDAGuard guard(comb.device());
+  check_launch(ds4_attn::launch_hc_sinkhorn(ride, (int)N, c10::cuda::getCurrentCUDAStream().stream()), "hc_sinkhorn");
 }
 
 // The inputs of hc_post / hc_post_pre: x [N, D] and res [N, hc, D] (bf16 / fp32), post [N, hc] and
@@ -223,7 +242,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_fold_finish(
   const int64_t N = h.size(0), n = h.size(1), D = h.size(2), mix = (2 + n) * n;
   TORCH_CHECK(part.dim() == 3 && part.size(0) == N && part.size(1) == mix + 1 && part.size(2) >= 1,
               "ds4_attn.hc_fold_finish: part must be [N, (2+hc)*hc + 1, nsplit]");
-  TORCH_CHECK(base.numel() == mix && scale.numel() >= 3 && iters >= 1, "ds4_attn.hc_fold_finish: base/scale/iters");
+  TORCH_CHECK(base.numel() == mix && scale.numel() >= 3, "ds4_attn.hc_fold_finish: base/scale");
+  check_iters(iters, n, "hc_fold_finish");
   const int64_t nsplit = part.size(2);
   c10::cuda::CUDAGuard guard(h.device());
   if (!gate.has_value()) {
@@ -262,8 +282,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_fold_finish_proj(
   const int64_t N = h.size(0), n = h.size(1), D = h.size(2), mix = (2 + n) * n;
   TORCH_CHECK(part.dim() == 3 && part.size(0) == N && part.size(1) == mix + 1 && part.size(2) >= 1,
               "ds4_attn.hc_fold_finish_proj: part must be [N, (2+hc)*hc + 1, nsplit]");
-  TORCH_CHECK(base.numel() == mix && scale.numel() >= 3 && iters >= 1,
-              "ds4_attn.hc_fold_finish_proj: base/scale/iters");
+  TORCH_CHECK(base.numel() == mix && scale.numel() >= 3, "ds4_attn.hc_fold_finish_proj: base/scale");
+  check_iters(iters, n, "hc_fold_finish_proj");
   TORCH_CHECK(ds4_attn::hc_proj_fold_ok((int)n, (int)D),
               "ds4_attn.hc_fold_finish_proj: 1, 2 or 4 streams and D a multiple of 128 (at most 4096)");
   check_cuda(w, "w");
@@ -445,10 +465,13 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
 at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& win, const at::Tensor& pos,
                          const std::optional<at::Tensor>& ext, const std::optional<at::Tensor>& ext_idx, int64_t ratio,
                          const at::Tensor& sink, double scale, const std::optional<at::Tensor>& freqs,
-                         std::optional<double> q_norm_eps) {
+                         std::optional<double> q_norm_eps, const std::optional<at::Tensor>& comb, int64_t iters,
+                         double hc_eps) {
   check_cuda(q, "q");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3, "ds4_attn.sparse_decode: q must be bf16 [B, H, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  // comb: a row's mHC Sinkhorn that the combine launch finishes along the way (ds4.ops.base.SinkhornRide)
+  const ds4::SinkhornRide ride = ds4::sinkhorn_ride_arg(comb, iters, hc_eps, B, q.device(), "ds4_attn.sparse_decode");
   check_rows(win, "win");
   TORCH_CHECK(win.dim() == 3 && win.size(0) == B && win.size(2) == D, "ds4_attn.sparse_decode: win must be [B, W, D]");
   check_pos(pos, B, "sparse_decode");
@@ -502,7 +525,7 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& win, const at::T
   auto opart = at::empty({B, nsplit, H, D}, q.options().dtype(at::kFloat));
   auto ml = at::empty({B, nsplit, H, 2}, q.options().dtype(at::kFloat));
   check_launch(ds4_attn::launch_sparse_attn(a, (int)nsplit, opart.data_ptr<float>(), ml.data_ptr<float>(),
-                                            out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
+                                            out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream(), ride),
                "sparse_decode");
   return out;
 }
@@ -636,6 +659,7 @@ TORCH_LIBRARY(ds4_attn, m) {
   m.def("hc_head(Tensor h, Tensor fn, Tensor scale, Tensor base, float hc_eps, float norm_eps, Tensor? norm=None) "
         "-> Tensor");
   m.def("hc_post(Tensor x, Tensor res, Tensor post, Tensor comb) -> Tensor");
+  m.def("hc_sinkhorn(Tensor(a!) comb, int iters, float hc_eps) -> ()");
   m.def("hc_post_pre(Tensor x, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, int iters, "
         "float hc_eps, float norm_eps, Tensor? norm=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("hc_post_pre_router(Tensor x, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
@@ -649,7 +673,8 @@ TORCH_LIBRARY(ds4_attn, m) {
   m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1, "
         "float w_scale=1.0, Tensor? rope_freqs=None) -> Tensor");
   m.def("sparse_decode(Tensor q, Tensor win, Tensor pos, Tensor? ext, Tensor? ext_idx, int ratio, Tensor sink, "
-        "float scale, Tensor? freqs, float? q_norm_eps=None) -> Tensor");
+        "float scale, Tensor? freqs, float? q_norm_eps=None, Tensor(a!)? comb=None, int iters=0, float hc_eps=0.0) "
+        "-> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("topk(Tensor scores, int k, Tensor? pos=None, int ratio=1) -> Tensor");
   m.def("head_rope(Tensor x, Tensor pos, Tensor freqs, bool norm, float eps) -> Tensor");
@@ -662,6 +687,7 @@ TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
   m.impl("hc_pre", &hc_pre);
   m.impl("hc_head", &hc_head);
   m.impl("hc_post", &hc_post);
+  m.impl("hc_sinkhorn", &hc_sinkhorn);
   m.impl("hc_post_pre", &hc_post_pre);
   m.impl("hc_post_pre_router", &hc_post_pre_router);
   m.impl("hc_fold_finish", &hc_fold_finish);

@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../sinkhorn_ride.h"
+
 namespace ds4_attn {
 
 // ---- mHC (spec §4) -------------------------------------------------------------------------------
@@ -25,6 +27,9 @@ cudaError_t launch_hc_post_partials(const void* x, bool x_f32, const void* res, 
 //  head = true (hc_head): pre = sigmoid(m*scale[0] + base) + hc_eps (mix == n);
 // x[t, :] = sum_j pre[j] * h[t, j, :] (fp32, written in h's dtype). post [N, n], comb [N, n, n] f32.
 // norm (bf16 / f32 [D], hc_pre only): x is then rounded to h's dtype and RMS-normed with that weight.
+// iters = 0 (n = 1, 2, 4; also in the two folds' finishes below): comb gets the Sinkhorn's input logits
+// m[2n:]*scale[2] + base[2n:] instead, and a later launch of the step finishes it (sinkhorn_ride.h: the sparse
+// combine's ride, the router top-k's, or launch_hc_sinkhorn).
 cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N, int n, int D, int mix, int nsplit,
                              const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
                              bool head, void* x, float* post, float* comb, const void* norm, bool norm_f32,
@@ -45,6 +50,9 @@ cudaError_t launch_hc_finish_proj(const void* h, const float* part, int N, int n
                                   const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
                                   void* x, float* post, float* comb, const void* norm, bool norm_f32, const void* w,
                                   const void* s, int s_ld, int O, void* y, cudaStream_t st);
+// ride.comb [N, n, n] f32 as an iters = 0 finish wrote it -> its Sinkhorn in place, as a launch of its own (the
+// finish's own arithmetic: the same bits as a finish with iters).
+cudaError_t launch_hc_sinkhorn(const ds4::SinkhornRide& ride, int N, cudaStream_t st);
 // out[t, k, :] = post[t, k] * x[t, :] + sum_j comb[t, j, k] * res[t, j, :]  (fp32, written in res's dtype)
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,
                            const float* comb, int N, int n, int D, void* out, cudaStream_t st);
@@ -84,7 +92,9 @@ struct SparseArgs {
 };
 int sparse_keys_per_block();
 // workspace: opart fp32 [B*S, nsplit, H, D], ml fp32 [B*S, nsplit, H, 2]; out bf16 [B, S, H, D].
-cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st);
+// ride (decode mode only, comb [B, n, n]): the combine launch also finishes each row's mHC Sinkhorn in place.
+cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st,
+                               const ds4::SinkhornRide& ride = ds4::SinkhornRide{});
 
 // ---- lightning indexer scores (spec §5.5) ---------------------------------------------------------
 // out[r, t] = sum_h w_scale * w[r, h] * ReLU(q[r, h] . keys[b, t]),  r = b*S + s; q bf16 [B, S, H, d]

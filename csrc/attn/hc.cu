@@ -11,10 +11,12 @@
 //                passes over D) that also RMS-normalises the result, its warp 0 running the Sinkhorn
 //                meanwhile. H200, no PDL, per call: 29.7 us at 128 threads, 13.7 us at 512, 8.6 us
 //                with a shuffle-based Sinkhorn in one warp, 8.0 us with it overlapped (session 5);
-//                the Sinkhorn now runs in one thread's registers (sinkhorn_regs). The V4 case (bf16,
-//                n = 4) takes hc_finish_norm_kernel instead: x and its norm in registers, 5.0 us;
+//                the Sinkhorn now runs in one thread's registers (sinkhorn_regs, ../sinkhorn_dev.cuh), or
+//                with iters = 0 in a later launch of the decode step (the "ride", ds4.ops.hc_cuda). The V4
+//                case (bf16, n = 4) takes hc_finish_norm_kernel instead: x and its norm in registers, 5.0 us;
 //   hc_post:     out[k] = post[k] x + sum_j comb[j, k] res[j], elementwise.
 #include "../ds4_common.cuh"  // the FP8 weight decode the projection fold shares with the ds4 GEMVs
+#include "../sinkhorn_dev.cuh"
 #include "attn_common.cuh"
 #include "attn_launch.h"
 
@@ -119,59 +121,6 @@ __global__ void __launch_bounds__(HC_THREADS) hc_partials_kernel(const void* __r
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
 
-// reciprocal, MUFU approximation (<= 1 ulp; the sums here lie in [eps, n + eps], never subnormal)
-__device__ __forceinline__ float rcp_approx(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
-// Every row (ROWS) or column of c scaled by the reciprocal of its sum + eps.
-template <int N, bool ROWS>
-__device__ __forceinline__ void sinkhorn_scale(float (&c)[N * N], float hc_eps) {
-  float r[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    float sum = 0.f;
-#pragma unroll
-    for (int e = 0; e < N; ++e) sum += c[ROWS ? i * N + e : e * N + i];
-    r[i] = rcp_approx(sum + hc_eps);
-  }
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-#pragma unroll
-    for (int k = 0; k < N; ++k) c[j * N + k] *= r[ROWS ? j : k];
-}
-
-// Sinkhorn of an N x N matrix held in one thread's registers (c: the logits), in
-// ds4.ops.hc_torch.sinkhorn's op order: row softmax + eps, column normalise, then iters - 1 rounds of
-// row and column normalisation. Each row / column is scaled by the reciprocal of its sum instead of
-// divided by the sum: comb then differs from the reference's divisions by a few ulp (fp32), where 20
-// iterations of divisions and shuffles across lanes were ~3 us of latency on the critical path.
-template <int N>
-__device__ __forceinline__ void sinkhorn_regs(float (&c)[N * N], int iters, float hc_eps) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) {  // row softmax + eps
-    float mx = c[j * N];
-#pragma unroll
-    for (int k = 1; k < N; ++k) mx = fmaxf(mx, c[j * N + k]);
-    float sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      c[j * N + k] = expf(c[j * N + k] - mx);
-      sum += c[j * N + k];
-    }
-    const float r = rcp_approx(sum);
-#pragma unroll
-    for (int k = 0; k < N; ++k) c[j * N + k] = c[j * N + k] * r + hc_eps;
-  }
-  sinkhorn_scale<N, false>(c, hc_eps);  // column normalise
-  for (int it = 1; it < iters; ++it) {
-    sinkhorn_scale<N, true>(c, hc_eps);   // rows
-    sinkhorn_scale<N, false>(c, hc_eps);  // columns
-  }
-}
-
 template <int N>
 __device__ __forceinline__ void hc_comb_n(const float* tot, int t, int D, int mix, const float* scale, const float* base,
                                           int iters, float hc_eps, float norm_eps, float* __restrict__ comb) {
@@ -179,7 +128,7 @@ __device__ __forceinline__ void hc_comb_n(const float* tot, int t, int D, int mi
   float c[N * N];
 #pragma unroll
   for (int i = 0; i < N * N; ++i) c[i] = tot[2 * N + i] * r * scale[2] + base[2 * N + i];
-  sinkhorn_regs<N>(c, iters, hc_eps);
+  if (iters > 0) ds4::sinkhorn_regs<N>(c, iters, hc_eps);  // iters = 0: comb gets the logits (a ride finishes it)
   if (blockIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < N * N; ++i) comb[(long)t * N * N + i] = c[i];
@@ -714,6 +663,19 @@ cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N
   dim3 grid((D + per_block - 1) / per_block, N);
   return ds4_pdl::launch(hc_finish_kernel<HC_THREADS>, grid, dim3(HC_THREADS), 0, st, h, h_f32, part, n, D, mix, nsplit,
                          scale, base, iters, hc_eps, norm_eps, head, x, post, comb, norm, norm_f32);
+}
+
+// The Sinkhorn of comb in place as a launch of its own, one thread per token (comb as a finish with iters = 0 left
+// it): where no launch of the step can take it along (ds4.ops.base.SinkhornRide.run), the same bits.
+__global__ void __launch_bounds__(32) hc_sinkhorn_kernel(ds4::SinkhornRide ride, int ntok) {
+  ds4_pdl::begin();
+  const int t = blockIdx.x * 32 + threadIdx.x;
+  if (t < ntok) ds4::sinkhorn_ride(ride, t);
+}
+
+cudaError_t launch_hc_sinkhorn(const ds4::SinkhornRide& ride, int N, cudaStream_t st) {
+  if (ride.comb == nullptr || !ds4::sinkhorn_ride_ok(ride, N)) return cudaErrorInvalidValue;
+  return ds4_pdl::launch(hc_sinkhorn_kernel, dim3((unsigned)((N + 31) / 32)), dim3(32), 0, st, ride, N);
 }
 
 bool hc_router_fold_ok(int n, int D) {

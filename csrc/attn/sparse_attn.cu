@@ -15,6 +15,7 @@
 //   Decode mode (SparseArgs.pos): key validity from the row's position (window ring, visible compressed
 //   entries), selected entries gathered by index straight from the compressed cache, and the output's
 //   RoPE dims de-rotated in the combine - no mask, gather or de-rotation ops around the kernel.
+#include "../sinkhorn_dev.cuh"
 #include "attn_common.cuh"
 #include "attn_launch.h"
 
@@ -285,13 +286,19 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
 // experiments/decode_session24_h200.md). The arithmetic is the same, in the same order (splits in increasing
 // order; an invalid split adds nothing), so the same bits.
 // Shared memory: nsplit float2 pairs, then the valid splits' indices (sparse_combine_smem).
+// ride (decode, one row per token): block (0, r)'s thread 0 finishes token r's mHC Sinkhorn (sinkhorn_dev.cuh)
+// BEFORE the PDL wait, while the chunk kernel runs: comb was written by the attention site's hc finish, which
+// has completed by then (this launch starts only after every chunk block passed its own wait, i.e. after the
+// launch before the chunk kernel completed, and the finish comes earlier still), and comb is read only at the
+// site's end (wo_b's hc fold epilogue or hc.post, launches after this one's completion).
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                       const float* __restrict__ sink, int nsplit, int H, int D,
                                       const int64_t* __restrict__ pos, const float* __restrict__ freqs, int R,
-                                      __nv_bfloat16* __restrict__ out) {
+                                      __nv_bfloat16* __restrict__ out, const ds4::SinkhornRide ride) {
   extern __shared__ float2 s_ml[];  // [nsplit] (max, sum) of each split, then int [nsplit]: the valid splits
   int* s_valid = reinterpret_cast<int*>(s_ml + nsplit);
   __shared__ int s_nvalid;
+  if (ride.comb != nullptr && blockIdx.x == 0 && threadIdx.x == 0) ds4::sinkhorn_ride(ride, blockIdx.y);
   ds4_pdl::begin();
   const int h = blockIdx.x, r = blockIdx.y, lane = threadIdx.x & 31;
   const float2* mlh = reinterpret_cast<const float2*>(ml) + (long)r * nsplit * H + h;  // split c at mlh[c * H]
@@ -366,7 +373,10 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
 
 static size_t sparse_combine_smem(int nsplit) { return (size_t)nsplit * (sizeof(float2) + sizeof(int)); }
 
-cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st) {
+cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st,
+                               const ds4::SinkhornRide& ride) {
+  if (!ds4::sinkhorn_ride_ok(ride, a.B) || (ride.comb != nullptr && (a.pos == nullptr || a.S != 1)))
+    return cudaErrorInvalidValue;
   if (a.D < 64 || a.D % 64 || a.H < 1 || a.B < 1 || a.S < 1 || nsplit < 1) return cudaErrorInvalidValue;
   if ((long)a.B * a.S > 65535 || a.H > 65535) return cudaErrorInvalidValue;
   if (a.P > 0 && (a.sel == nullptr || (a.pos == nullptr && a.sel_valid == nullptr))) return cudaErrorInvalidValue;
@@ -392,7 +402,7 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   }
   return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), csmem, st,
                          static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
-                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out));
+                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out), ride);
 }
 
 }  // namespace ds4_attn

@@ -42,7 +42,7 @@ def _moe_ffn(x, ids, route_w, w1, s1, w3, s3, w2, s2, expert_offset, limit, sw1,
 
 
 @register_fake("ds4::router")
-def _router(x, gate, bias, tid2eid, token_ids, topk, route_scale, logits=None):
+def _router(x, gate, bias, tid2eid, token_ids, topk, route_scale, logits=None, comb=None, iters=0, hc_eps=0.0):
     n = x.shape[0]
     return x.new_empty((n, topk), dtype=torch.float32), x.new_empty((n, topk), dtype=torch.int64)
 

@@ -188,11 +188,13 @@ def moe_route_ok(fmt: str, topk: int, dim: int, inter: int, n_experts: int) -> b
 
 
 def router(x: Tensor, gate: Tensor, bias: Tensor | None, tid2eid: Tensor | None, token_ids: Tensor | None,
-           topk: int, route_scale: float, logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+           topk: int, route_scale: float, logits: Tensor | None = None, ride=None) -> tuple[Tensor, Tensor]:
     """(weights f32 [N, k], ids int64 [N, k]): gate GEMV, sqrt(softplus), top-k of score+bias (or
     tid2eid[token_ids]), renormalised x route_scale. Given logits (fp32 [N, E], contiguous) the GEMV is
-    skipped (the tail kernel alone)."""
-    return _ops().router(x, gate, bias, tid2eid, token_ids, topk, route_scale, logits)
+    skipped (the tail kernel alone). ride (ds4.ops.base.SinkhornRide, comb [N, n, n]): the router's last launch
+    also finishes each token's mHC Sinkhorn in place."""
+    return _ops().router(x, gate, bias, tid2eid, token_ids, topk, route_scale, logits,
+                         *(ride.args() if ride is not None else (None, 0, 0.0)))
 
 
 ARGMAX_MAX_ROWS = 64  # rows one argmax launch takes (ARGMAX_MAX_ROWS in ds4_launch.h)

@@ -65,6 +65,14 @@ def hc_head(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, n
                           None if norm is None else norm.contiguous())
 
 
+def hc_sinkhorn(comb: Tensor, iters: int, hc_eps: float) -> None:
+    """comb fp32 contiguous [N, n, n] (n = 1, 2, 4) as a finish called with iters = 0 left it (the Sinkhorn's
+    input logits; every finish above takes iters = 0 for 1, 2 or 4 streams) -> its Sinkhorn, in place: the same
+    values the finish computes with iters. One launch of its own (ds4.ops.base.SinkhornRide.run: where no launch
+    of the step takes the Sinkhorn along)."""
+    _ops().hc_sinkhorn(comb, int(iters), float(hc_eps))
+
+
 def hc_post(x: Tensor, res: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     return _ops().hc_post(x.contiguous(), res.contiguous(), post.float().contiguous(), comb.float().contiguous())
 
@@ -147,17 +155,20 @@ def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: 
 
 
 def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
-                  sink: Tensor, scale: float, freqs: Tensor | None, q_norm_eps: float | None = None) -> Tensor:
+                  sink: Tensor, scale: float, freqs: Tensor | None, q_norm_eps: float | None = None,
+                  ride=None) -> Tensor:
     """bf16 q [B, H, D], window ring win [B, W, D], pos int64 [B], compressed entries ext [B, T, D] (all,
     or the ext_idx int64 [B, k] selected), sink f32 [H] -> bf16 [B, H, D], last 2*len(freqs) dims
     de-rotated at pos. q_norm_eps given: q is taken before head_rope(q, pos, freqs, True, q_norm_eps),
-    which the kernel applies as it loads q. Two launches."""
+    which the kernel applies as it loads q. Two launches. ride (ds4.ops.base.SinkhornRide, comb [B, n, n]): the
+    combine launch also finishes each row's mHC Sinkhorn in place, before its PDL wait."""
     return _ops().sparse_decode(q.contiguous(), _rows_ok(win), pos.contiguous(),
                                 None if ext is None else _rows_ok(ext),
                                 None if ext_idx is None else ext_idx.contiguous(), int(ratio),
                                 sink.float().contiguous(), float(scale),
                                 None if freqs is None else freqs.float().contiguous(),
-                                None if q_norm_eps is None else float(q_norm_eps))
+                                None if q_norm_eps is None else float(q_norm_eps),
+                                *(ride.args() if ride is not None else (None, 0, 0.0)))
 
 
 def topk(scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:

@@ -18,6 +18,11 @@ def _hc_head(h, fn, scale, base, hc_eps, norm_eps, norm=None):
     return h.new_empty((h.shape[0], h.shape[2]))
 
 
+@register_fake("ds4_attn::hc_sinkhorn")
+def _hc_sinkhorn(comb, iters, hc_eps):
+    return None
+
+
 @register_fake("ds4_attn::hc_post")
 def _hc_post(x, res, post, comb):
     return torch.empty_like(res)
@@ -64,7 +69,8 @@ def _indexer_scores(q, w, keys, bf16, pos=None, ratio=1, w_scale=1.0, rope_freqs
 
 
 @register_fake("ds4_attn::sparse_decode")
-def _sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps=None):
+def _sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps=None, comb=None, iters=0,
+                   hc_eps=0.0):
     return torch.empty_like(q)
 
 

@@ -185,9 +185,16 @@ class Attention(WeightsModule):
             return self._out(o, fold)
 
     # ---- decode: one token per row ------------------------------------------------------
+    @property
+    def rides_sinkhorn(self) -> bool:
+        """Whether decode takes a SinkhornRide along (the attention implementation's combine launch runs it)."""
+        return getattr(self.ops.attn, "rides_sinkhorn", False)
+
     def decode(self, x: Tensor, pos: Tensor, st: dict[str, Tensor], fold=None, qkv_a: Tensor | None = None,
-               late_compress: bool = False) -> Tensor:
+               late_compress: bool = False, ride=None) -> Tensor:
         """x [B, dim], pos [B] (device) -> [B, dim]. No host synchronisation. fold: see _out; qkv_a: see _qkv_a.
+        ride: the site's deferred mHC Sinkhorn (ds4.ops.base.SinkhornRide; only where rides_sinkhorn), which the
+        attention core's launches finish.
         late_compress: the caller knows that no row's compressed window completes at this step ((pos + 1) % m != 0
         for every row; ds4.runtime.cuda_graph captures a step per phase). This step's attention then reads nothing
         its compressor steps write (the in-progress entry becomes visible at its window's last position only, and
@@ -271,7 +278,8 @@ class Attention(WeightsModule):
             br.join()
         ext = st["ckv"] if self.compressor is not None else None
         with self.prof("attn.sparse"):
-            o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs, eps)
+            o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs, eps,
+                            **({} if ride is None else {"ride": ride}))
         with self.prof("attn.out"):
             out = self._out(o, fold)
         for br in late:

@@ -67,12 +67,20 @@ class MoE(WeightsModule):
         """The router's gate [E, dim] (bf16), for an hc implementation that forms the logits itself."""
         return self.mw.gate
 
-    def forward(self, x: Tensor, token_ids: Tensor, logits: Tensor | None = None, fold=None) -> Tensor:
+    @property
+    def rides_sinkhorn(self) -> bool:
+        """Whether forward takes a SinkhornRide along (the MoE implementation's router launch runs it)."""
+        return getattr(self.ops.moe, "rides_sinkhorn", False)
+
+    def forward(self, x: Tensor, token_ids: Tensor, logits: Tensor | None = None, fold=None, ride=None) -> Tensor:
         """x [N, dim], token_ids [N] -> [N, dim]: routed sum (fp32, reduced over ranks) + shared expert.
         logits: the router's x . gate^T when the caller formed them (hc's router fold), else None.
         fold: the block's pending mHC step (ds4.ops.base.HcFold), which the kernel forming the output may do
-        where nothing is reduced over ranks after it, else the all-reduce (comm=ll)."""
+        where nothing is reduced over ranks after it, else the all-reduce (comm=ll).
+        ride: the site's deferred mHC Sinkhorn (ds4.ops.base.SinkhornRide; only where rides_sinkhorn), which the
+        router's launch finishes."""
         moe = self.ops.moe
+        rk = {} if ride is None else {"ride": ride}
         ffn_ok = getattr(moe, "ffn_ok", None)
         if self.comm.world == 1 and ffn_ok is not None and ffn_ok(x, self.mw, self.qat):
             # routed and shared experts in one launch (nothing is reduced over ranks after it, so it may fold); with
@@ -80,7 +88,7 @@ class MoE(WeightsModule):
             with self.prof("moe.shared_up"):
                 up = moe.ffn_shared_up(x, self.mw)
             with self.prof("moe.gate"):
-                w, ids = moe.route(x, token_ids, self.mw, logits)
+                w, ids = moe.route(x, token_ids, self.mw, logits, **rk)
             with self.prof("moe.ffn"):
                 return moe.ffn(x, w, ids, self.mw, fold=fold, shared=up)
 
@@ -91,7 +99,7 @@ class MoE(WeightsModule):
         late = getattr(moe, "shared_after_route", False)  # where a side-stream shared expert forks
         up = None if late else start_shared()
         with self.prof("moe.gate"):
-            w, ids = moe.route(x, token_ids, self.mw, logits)
+            w, ids = moe.route(x, token_ids, self.mw, logits, **rk)
         if late:
             up = start_shared()
         if self.shared_partial:  # one all-reduce sums routed and shared partials; it writes x's dtype

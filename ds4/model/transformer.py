@@ -21,7 +21,7 @@ from ds4.model.moe import MoE
 from ds4.model.norm import rms_norm
 from ds4.model.weights_module import WeightsModule, weight_format
 from ds4.ops import prefetch
-from ds4.ops.base import HcFold
+from ds4.ops.base import HcFold, SinkhornRide
 from ds4.profile import NULL_PROFILER, Profiler
 
 
@@ -61,9 +61,17 @@ class Block(WeightsModule):
         self.attn.load(t, f"{p}.attn")
         self.ffn.load(t, f"{p}.ffn")
 
+    def _defers_sinkhorn(self, h: Tensor, site: str) -> bool:
+        """Whether the finish at `site` ("attn" / "ffn") over the streams h leaves its Sinkhorn to the site's next
+        launch able to take it (ds4.ops.base.SinkhornRide): the hc implementation allows it there and the
+        attention / MoE implementation takes the ride."""
+        defers = getattr(self.ops.hc, "defers_sinkhorn", None)
+        rides = self.attn.rides_sinkhorn if site == "attn" else getattr(self.ffn, "rides_sinkhorn", False)
+        return defers is not None and rides and defers(h, site)
+
     def forward(self, h: Tensor, token_ids: Tensor,
-                attend: Callable[[Attention, Tensor, HcFold | None, Tensor | None], Tensor],
-                carry: Carry | None = None, next_fn: Tensor | None = None) -> tuple[Tensor, Carry]:
+                attend: Callable[..., Tensor],
+                carry: Carry | None = None, next_fn: Tensor | None = None, ride: bool = False) -> tuple[Tensor, Carry]:
         """h [N, hc, dim] residual streams; `attend(attn, x, fold, qkv_a)` runs prefill or decode attention (qkv_a:
         the attention's wq_a + wkv rows of x when the hc finish formed them, hc.fold_pre's projection fold; else None).
         carry: the previous block's FFN output with its post / comb, whose hc.post onto h is still to be
@@ -73,40 +81,48 @@ class Block(WeightsModule):
         The hc fold (hc.fold; the CUDA implementation's default): the kernel that forms a sub-block's output
         (wo_b, the MoE down) may also do that post and the next site's first launch; next_fn (the next block's
         hc_attn_fn) lets the FFN's fold reach into the next block, whose forward then takes the fold as its
-        carry."""
+        carry.
+        ride (decode steps): each site's finish may leave its mHC Sinkhorn to a later launch of the site
+        (_defers_sinkhorn), which attend(..., ride=) / the FFN then get as a SinkhornRide."""
         a, hc = self.args, self.ops.hc
         qkv_a = None
+        defer = ride and self._defers_sinkhorn(h, "attn")
+        dk = {"defer_sinkhorn": True} if defer else {}
         # opt-in (DS4_L2_PREFETCH, measured slower): a captured decode step starts bringing the query
         # up-projection into L2 beside this block's first mHC and wq_a + wkv (ds4.ops.prefetch)
         self.attn.prefetch_q(h)
         with self.prof("hc.pre"):  # x comes back already RMS-normed with attn_norm
             if carry is None:
                 x, post, comb = hc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
-                                       a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
+                                       a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm, **dk)
             elif isinstance(carry, HcFold):  # the finish may also form the attention's wq_a + wkv rows (qkv_a)
                 h, x, post, comb, qkv_a = hc.fold_pre(carry, self.hc_attn_scale, self.hc_attn_base,
                                                       a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm,
-                                                      proj=self.attn.fold_proj())
+                                                      proj=self.attn.fold_proj(), **dk)
             else:
                 h, x, post, comb = hc.post_pre(*carry, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
-                                               a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm)
+                                               a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, self.attn_norm, **dk)
+        rk = {"ride": SinkhornRide(comb, a.hc_sinkhorn_iters, a.hc_eps)} if defer else {}
         # the fold is formed by the kernel producing the sub-block output on one rank; under tensor parallelism by
         # the all-reduce after it where the communicator takes it (comm.folds_hc: comm=ll with DS4_AR_FOLD=1)
         comm = self.attn.comm
         folds = comm.world == 1 or comm.folds_hc
         fold = hc.fold(h, post, comb, self.hc_ffn_fn) if folds else None
-        x = attend(self.attn, x, fold, qkv_a)
+        x = attend(self.attn, x, fold, qkv_a, **rk)
+        defer = ride and self._defers_sinkhorn(h, "ffn")
+        dk = {"defer_sinkhorn": True} if defer else {}
         with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN (which may also give
             # the router's logits: hc's router fold, the CUDA implementation's default)
             if fold is not None and fold.fused:
                 h, x, post, comb, logits = hc.fold_pre(fold, self.hc_ffn_scale, self.hc_ffn_base, a.hc_sinkhorn_iters,
-                                                       a.hc_eps, a.norm_eps, self.ffn_norm, self.ffn.gate)
+                                                       a.hc_eps, a.norm_eps, self.ffn_norm, self.ffn.gate, **dk)
             else:
                 h, x, post, comb, logits = hc.post_pre_route(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale,
                                                              self.hc_ffn_base, a.hc_sinkhorn_iters, a.hc_eps,
-                                                             a.norm_eps, self.ffn_norm, self.ffn.gate)
+                                                             a.norm_eps, self.ffn_norm, self.ffn.gate, **dk)
+        rk = {"ride": SinkhornRide(comb, a.hc_sinkhorn_iters, a.hc_eps)} if defer else {}
         fold = hc.fold(h, post, comb, next_fn) if next_fn is not None and folds else None
-        x = self.ffn(x, token_ids, logits, fold)
+        x = self.ffn(x, token_ids, logits, fold, **rk)
         if fold is not None and fold.fused:
             return h, fold
         return h, (x, h, post, comb)
@@ -244,13 +260,15 @@ class Transformer(WeightsModule):
         with self.prof("comm.head"):
             return self.comm.gather_vocab(out)
 
-    def _run_blocks(self, h: Tensor, ids: Tensor, attend, state: DecodeState) -> Tensor:
-        """The blocks over h [N, hc, dim]; `attend(attn, x, layer_state, fold, qkv_a)`. Each block's last hc.post is
-        fused into the next block's first hc.pre (Block.forward's carry; next_fn for the hc fold)."""
+    def _run_blocks(self, h: Tensor, ids: Tensor, attend, state: DecodeState, ride: bool = False) -> Tensor:
+        """The blocks over h [N, hc, dim]; `attend(attn, x, layer_state, fold, qkv_a[, ride=])`. Each block's last
+        hc.post is fused into the next block's first hc.pre (Block.forward's carry; next_fn for the hc fold). ride:
+        see Block.forward (decode steps)."""
         carry = None
         for i, (blk, st) in enumerate(zip(self.layers, state.layers)):
             nxt = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else None
-            h, carry = blk(h, ids, lambda attn, x, fold, qkv_a, st=st: attend(attn, x, st, fold, qkv_a), carry, nxt)
+            h, carry = blk(h, ids, lambda attn, x, fold, qkv_a, st=st, **rk: attend(attn, x, st, fold, qkv_a, **rk),
+                           carry, nxt, ride)
         return h if carry is None else self.layers[-1].finish_streams(carry)
 
     # ---- prefill / decode ---------------------------------------------------------------------
@@ -288,11 +306,11 @@ class Transformer(WeightsModule):
         compressor branches late (Attention.decode's late_compress). None: not known, every layer joins them early."""
         pos = state.pos[: ids.shape[0]]
 
-        def attend(attn, x, st, fold, qkv_a):
+        def attend(attn, x, st, fold, qkv_a, ride=None):
             late = window_ends is not None and attn.compressor is not None and attn.m not in window_ends
-            return attn.decode(x, pos, st, fold, qkv_a, late_compress=late)
+            return attn.decode(x, pos, st, fold, qkv_a, late_compress=late, ride=ride)
 
-        h = self._run_blocks(self._embed(ids), ids, attend, state)
+        h = self._run_blocks(self._embed(ids), ids, attend, state, ride=True)
         prefetch.join_pending()  # the step's L2 prefetch branches (ds4.ops.prefetch), in one place
         pos.add_(1)
         return self.logits(h, full_vocab=full_vocab)

@@ -58,6 +58,7 @@ def _cuda_bf16(*ts: Tensor) -> bool:
 
 class FusedCudaAttention:
     name = "fused_cuda"
+    rides_sinkhorn = True  # decode takes the site's deferred mHC Sinkhorn along (ds4.ops.base.SinkhornRide)
 
     def __init__(self):
         self._ref = TorchAttention()
@@ -132,13 +133,17 @@ class FusedCudaAttention:
         return kernels_attn.sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale)
 
     def decode(self, q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
-               sink: Tensor, scale: float, freqs: Tensor, q_norm_eps: float | None = None) -> Tensor:
+               sink: Tensor, scale: float, freqs: Tensor, q_norm_eps: float | None = None, ride=None) -> Tensor:
+        # ride (a SinkhornRide): the combine launch finishes the mHC Sinkhorn along the way, before its PDL wait
         use = (_cuda_bf16(q, win) and (ext is None or ext.dtype == BF16) and q.shape[-1] % 64 == 0
                and (2 * freqs.numel()) % 4 == 0 and (q_norm_eps is None or 2 * freqs.numel() <= QPREP_MAX_ROPE))
         if not use:
-            return self._ref.decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps)
+            o = self._ref.decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps)
+            if ride is not None:
+                ride.run()
+            return o
         # with q_norm_eps the chunk kernel applies head_rope to q as it loads it (one launch fewer)
-        return kernels_attn.sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps)
+        return kernels_attn.sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps, ride)
 
 
 class MergedWoAttention(FusedCudaAttention):

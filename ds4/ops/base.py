@@ -35,6 +35,26 @@ class HcFold:
 
 
 @dataclass
+class SinkhornRide:
+    """An mHC Sinkhorn that a later launch of the decode step finishes (hc=fused_cuda's `defers_sinkhorn`): comb
+    fp32 [N, n, n] (n = 1, 2, 4) holds the Sinkhorn's input logits, as the site's finish left them, and must hold
+    Sinkhorn(logits) before it is read (hc.post / the hc fold, at the site's end). The attention core's combine
+    launch (attn=fused_cuda) or the router's top-k launch (moe=fp4_topk) takes it along; where neither can, `run`
+    finishes it as a launch of its own, with the same bits."""
+    comb: Tensor
+    iters: int
+    eps: float
+
+    def args(self) -> tuple[Tensor, int, float]:
+        """(comb, iters, eps) in the kernels' order: comb is finished in place (never copied)."""
+        return self.comb, int(self.iters), float(self.eps)
+
+    def run(self) -> None:
+        from ds4 import kernels_attn  # (CUDA only: a ride exists only beside the CUDA hc kernels)
+        kernels_attn.hc_sinkhorn(self.comb, self.iters, self.eps)
+
+
+@dataclass
 class QWeight:
     """One linear layer's weight in its storage format (spec §10.3).
 

@@ -19,6 +19,14 @@ fold_pre(proj=) (the projection fold; opt-in, DS4_HC_QKV=1): at the attention si
       115.6 / 115.4, 114.9 / 114.9, 115.1 / 115.4 us per layer without it: no gain. The run's profile charges the
       finish about 3 us more and wq_b about 3 us more: the finish's 128 blocks hold every SM, so wq_b's blocks no
       longer start their weight loads during it as they did during the wq_a + wkv GEMV.
+defer_sinkhorn (the Sinkhorn ride; default at both sites of a decode step, DS4_SINKHORN_RIDE=attn keeps it at the
+      attention sites only, =0 turns it off, read per call): every finish above writes the Sinkhorn's input logits
+      into comb (iters = 0) and a later launch of the step finishes comb in place (ds4.ops.base.SinkhornRide): the
+      attention core's combine launch before its PDL wait, the router's top-k launch in a warp of its own. In the
+      finish the Sinkhorn's ~40 dependent steps outlast the weighted sum and norm, and the next launch waits for
+      all of it (a build with 1 iteration instead of 20 ran 1.0-1.3 us per layer faster, H200, session 29); comb
+      is read only at the site's end. Session 29's form, a launch of its own on a side stream, measured slower
+      (experiments/TRIED.md).
 fold / fold_pre (the hc fold; default, DS4_HC_FOLD=0 turns it off): a decode row's post + the next site's
       first launch done by the epilogue of the kernel that produces the block output (wo_b's tensor-core
       GEMV, the MoE down kernel: ds4.kernels.gemv_fold / moe_down(fold=)), so the site is its finishing
@@ -82,14 +90,34 @@ def _norm_fuses(norm: Tensor | None, d: int) -> bool:
     return norm is None or d * 4 <= 48 * 1024
 
 
+RIDE_ENV = "DS4_SINKHORN_RIDE"
+
+
+def _iters(h: Tensor, iters: int, defer: bool) -> int:
+    """The finish's iters: 0 when its Sinkhorn is deferred (comb then holds the logits)."""
+    if defer and not (_ok(h) and h.shape[-2] in (1, 2, 4)):
+        raise ValueError("hc.defer_sinkhorn: only for the CUDA finishes of 1, 2 or 4 streams (ask defers_sinkhorn)")
+    return 0 if defer else iters
+
+
 class FusedCudaHC:
     name = "fused_cuda"
 
     def __init__(self):
         self._ref = TorchHC()
 
+    def defers_sinkhorn(self, h: Tensor, site: str) -> bool:
+        """Whether a finish over the streams h [N, n, D] at `site` ("attn" / "ffn") may leave its Sinkhorn to a later
+        launch (defer_sinkhorn=True; the caller then hands a SinkhornRide to that launch): CUDA streams of 1, 2 or 4,
+        unless DS4_SINKHORN_RIDE (read per call) is 0, or "attn" at an FFN site."""
+        mode = os.environ.get(RIDE_ENV, "1")
+        return _ok(h) and h.shape[-2] in (1, 2, 4) and mode != "0" and (site == "attn" or mode != "attn")
+
     def pre(self, h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float,
-            norm_eps: float, norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+            norm_eps: float, norm: Tensor | None = None,
+            defer_sinkhorn: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        # defer_sinkhorn: comb comes back holding the Sinkhorn's logits (module docstring)
+        iters = _iters(h, iters, defer_sinkhorn)
         if not _ok(h):
             return self._ref.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm)
         if not _norm_fuses(norm, h.shape[-1]):
@@ -103,23 +131,26 @@ class FusedCudaHC:
         return kernels_attn.hc_post(x, res, post, comb)
 
     def post_pre(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
-                 iters: int, hc_eps: float, norm_eps: float,
-                 norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 iters: int, hc_eps: float, norm_eps: float, norm: Tensor | None = None,
+                 defer_sinkhorn: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if not (_ok(res) and x.dtype in _ACT and _norm_fuses(norm, res.shape[-1])):
             h = self.post(x, res, post, comb)
-            return (h, *self.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm))
-        return kernels_attn.hc_post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm)
+            return (h, *self.pre(h, fn, scale, base, iters, hc_eps, norm_eps, norm, defer_sinkhorn))
+        return kernels_attn.hc_post_pre(x, res, post, comb, fn, scale, base, _iters(res, iters, defer_sinkhorn),
+                                        hc_eps, norm_eps, norm)
 
     def post_pre_route(self, x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor,
                        base: Tensor, iters: int, hc_eps: float, norm_eps: float, norm: Tensor,
-                       gate: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+                       gate: Tensor,
+                       defer_sinkhorn: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         # the router fold (default; DS4_HC_ROUTER=0 turns it off, read per call): decode rows with the V4 layout —
         # the finishing launch also computes the router's logits (every block forms the normalised x and the
         # logits of two gate rows), so the router's BF16 GEMV leaves the step; otherwise post_pre and None
         if not (_router_fold_on() and _router_fold_ok(x, res, norm, gate)):
-            return (*self.post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm), None)
-        return kernels_attn.hc_post_pre_router(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm,
-                                               gate)
+            return (*self.post_pre(x, res, post, comb, fn, scale, base, iters, hc_eps, norm_eps, norm,
+                                   defer_sinkhorn), None)
+        it = _iters(res, iters, defer_sinkhorn)
+        return kernels_attn.hc_post_pre_router(x, res, post, comb, fn, scale, base, it, hc_eps, norm_eps, norm, gate)
 
     def fold(self, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor) -> HcFold | None:
         # On by default (DS4_HC_FOLD=0 turns it off, read per call): one decode row of bf16 streams (1, 2 or 4 of
@@ -136,13 +167,14 @@ class FusedCudaHC:
                       torch.empty_like(res), res.new_empty((1, mix + 1, d // 16), dtype=torch.float32))
 
     def fold_pre(self, fold: HcFold, scale: Tensor, base: Tensor, iters: int, hc_eps: float, norm_eps: float,
-                 norm: Tensor, gate: Tensor | None = None,
-                 proj: QWeight | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+                 norm: Tensor, gate: Tensor | None = None, proj: QWeight | None = None,
+                 defer_sinkhorn: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         # the finishing launch on the fold's streams and partials; with a gate (and the router fold on) the router
         # fold's finish (the logits too), as post_pre_route; with proj (and the projection fold opted in) the
         # projection fold's finish, whose last output is x . proj^T (bf16); else that output is None
         if not fold.fused:
             raise RuntimeError("hc.fold_pre: the fold was not formed by a kernel (fold.fused is False)")
+        iters = _iters(fold.out, iters, defer_sinkhorn)
         if proj is not None and gate is None and _proj_fold_on() and _proj_fold_ok(fold.out, norm, proj):
             x, post, comb, y = kernels_attn.hc_fold_finish_proj(fold.out, fold.part, scale, base, iters, hc_eps,
                                                                 norm_eps, norm, proj.weight, proj.scale)

@@ -158,6 +158,7 @@ class Fp4TopkMoE:
     # Whether a captured decode step may leave the router's tail to the routed kernels (off in subclasses
     # that read the ids on the host).
     route_in_kernels = True
+    rides_sinkhorn = True  # route takes the FFN site's deferred mHC Sinkhorn along (ds4.ops.base.SinkhornRide)
     _deferred: tuple[Tensor, kernels.InKernelRoute] | None = None
 
     def _defer_route(self, x2: Tensor, gate: Tensor, mw: MoEWeights) -> bool:
@@ -168,9 +169,10 @@ class Fp4TopkMoE:
                 and os.environ.get("DS4_ROUTE_IN_MOE") == "1"
                 and kernels.moe_route_ok(mw.w1.fmt, mw.topk, x2.shape[1], mw.w1.weight.shape[-2], gate.shape[0]))
 
-    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights,
-              logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        # logits (fp32 [N, E]): x . gate^T formed already (hc's router fold): the GEMV is skipped
+    def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights, logits: Tensor | None = None,
+              ride=None) -> tuple[Tensor, Tensor]:
+        # logits (fp32 [N, E]): x . gate^T formed already (hc's router fold): the GEMV is skipped. ride (a
+        # SinkhornRide): the router's last launch finishes the mHC Sinkhorn in a warp of its own
         x2 = _bf16(x.reshape(-1, x.shape[-1]))
         if logits is not None:
             logits = logits.float().contiguous()
@@ -186,8 +188,10 @@ class Fp4TopkMoE:
             w = torch.empty(1, mw.topk, device=x2.device, dtype=torch.float32)
             ids = torch.empty(1, mw.topk, device=x2.device, dtype=torch.int64)
             self._deferred = (ids, kernels.InKernelRoute(logits, bias, tid, tok, mw.route_scale))
+            if ride is not None:  # no router launch here to take it along
+                ride.run()
             return w, ids
-        return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale, logits=logits)
+        return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale, logits=logits, ride=ride)
 
     @property
     def ffn_capable(self) -> bool:
