@@ -71,7 +71,8 @@ class Block(WeightsModule):
 
     def forward(self, h: Tensor, token_ids: Tensor,
                 attend: Callable[..., Tensor],
-                carry: Carry | None = None, next_fn: Tensor | None = None, ride: bool = False) -> tuple[Tensor, Carry]:
+                carry: Carry | None = None, next_fn: Tensor | None = None,
+                defer_sinkhorn: bool = False) -> tuple[Tensor, Carry]:
         """h [N, hc, dim] residual streams; `attend(attn, x, fold, qkv_a)` runs prefill or decode attention (qkv_a:
         the attention's wq_a + wkv rows of x when the hc finish formed them, hc.fold_pre's projection fold; else None).
         carry: the previous block's FFN output with its post / comb, whose hc.post onto h is still to be
@@ -82,11 +83,11 @@ class Block(WeightsModule):
         (wo_b, the MoE down) may also do that post and the next site's first launch; next_fn (the next block's
         hc_attn_fn) lets the FFN's fold reach into the next block, whose forward then takes the fold as its
         carry.
-        ride (decode steps): each site's finish may leave its mHC Sinkhorn to a later launch of the site
+        defer_sinkhorn (decode steps): each site's finish may leave its mHC Sinkhorn to a later launch of the site
         (_defers_sinkhorn), which attend(..., ride=) / the FFN then get as a SinkhornRide."""
         a, hc = self.args, self.ops.hc
         qkv_a = None
-        defer = ride and self._defers_sinkhorn(h, "attn")
+        defer = defer_sinkhorn and self._defers_sinkhorn(h, "attn")
         dk = {"defer_sinkhorn": True} if defer else {}
         # opt-in (DS4_L2_PREFETCH, measured slower): a captured decode step starts bringing the query
         # up-projection into L2 beside this block's first mHC and wq_a + wkv (ds4.ops.prefetch)
@@ -109,7 +110,7 @@ class Block(WeightsModule):
         folds = comm.world == 1 or comm.folds_hc
         fold = hc.fold(h, post, comb, self.hc_ffn_fn) if folds else None
         x = attend(self.attn, x, fold, qkv_a, **rk)
-        defer = ride and self._defers_sinkhorn(h, "ffn")
+        defer = defer_sinkhorn and self._defers_sinkhorn(h, "ffn")
         dk = {"defer_sinkhorn": True} if defer else {}
         with self.prof("hc.pre"):  # hc.post of the attention output, then hc.pre of the FFN (which may also give
             # the router's logits: hc's router fold, the CUDA implementation's default)
@@ -260,15 +261,15 @@ class Transformer(WeightsModule):
         with self.prof("comm.head"):
             return self.comm.gather_vocab(out)
 
-    def _run_blocks(self, h: Tensor, ids: Tensor, attend, state: DecodeState, ride: bool = False) -> Tensor:
+    def _run_blocks(self, h: Tensor, ids: Tensor, attend, state: DecodeState, defer_sinkhorn: bool = False) -> Tensor:
         """The blocks over h [N, hc, dim]; `attend(attn, x, layer_state, fold, qkv_a[, ride=])`. Each block's last
-        hc.post is fused into the next block's first hc.pre (Block.forward's carry; next_fn for the hc fold). ride:
-        see Block.forward (decode steps)."""
+        hc.post is fused into the next block's first hc.pre (Block.forward's carry; next_fn for the hc fold).
+        defer_sinkhorn: see Block.forward (decode steps)."""
         carry = None
         for i, (blk, st) in enumerate(zip(self.layers, state.layers)):
             nxt = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else None
             h, carry = blk(h, ids, lambda attn, x, fold, qkv_a, st=st, **rk: attend(attn, x, st, fold, qkv_a, **rk),
-                           carry, nxt, ride)
+                           carry, nxt, defer_sinkhorn)
         return h if carry is None else self.layers[-1].finish_streams(carry)
 
     # ---- prefill / decode ---------------------------------------------------------------------
@@ -310,7 +311,7 @@ class Transformer(WeightsModule):
             late = window_ends is not None and attn.compressor is not None and attn.m not in window_ends
             return attn.decode(x, pos, st, fold, qkv_a, late_compress=late, ride=ride)
 
-        h = self._run_blocks(self._embed(ids), ids, attend, state, ride=True)
+        h = self._run_blocks(self._embed(ids), ids, attend, state, defer_sinkhorn=True)
         prefetch.join_pending()  # the step's L2 prefetch branches (ds4.ops.prefetch), in one place
         pos.add_(1)
         return self.logits(h, full_vocab=full_vocab)
