@@ -66,7 +66,7 @@ class Block(WeightsModule):
         launch able to take it (ds4.ops.base.SinkhornRide): the hc implementation allows it there and the
         attention / MoE implementation takes the ride."""
         defers = getattr(self.ops.hc, "defers_sinkhorn", None)
-        rides = self.attn.rides_sinkhorn if site == "attn" else getattr(self.ffn, "rides_sinkhorn", False)
+        rides = self.attn.rides_sinkhorn if site == "attn" else self.ffn.rides_sinkhorn
         return defers is not None and rides and defers(h, site)
 
     def forward(self, h: Tensor, token_ids: Tensor,
