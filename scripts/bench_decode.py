@@ -54,8 +54,10 @@ late (DS4_LATE_COMPRESS=1: a captured graph per compressor phase, where layers w
 step join their compressor branches after the output projection instead of before the attention core; opt-in,
 measured no faster in session 28; ds4.runtime.cuda_graph),
 noride (DS4_SINKHORN_RIDE=0: each hc finish runs its own Sinkhorn, the default before session 30; the default
-leaves it to the site's attention combine / router top-k launch), rideattn (DS4_SINKHORN_RIDE=attn: at the attention
-sites only),
+leaves it to the site's attention combine / routed gate+up launch), rideattn (DS4_SINKHORN_RIDE=attn: at the attention
+sites only), ridetopk (DS4_SINKHORN_RIDE=topk: the FFN site's in the router's top-k launch, session 30's default),
+noearly (DS4_ATTN_EARLY_KEYS=0: the attention core's chunk kernel copies every key row after its PDL wait, the
+default before session 31; the default copies the window rows and the unselected compressed entries before it),
 nohcf (DS4_HC_FOLD=0:
 without the hc fold, the library default since session 14 — the next mHC site's first launch done by wo_b's
 and the MoE down's epilogues — so each site is its own 2 launches again; with arf the all-reduce's fold too),
@@ -266,7 +268,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_PJOIN"] = "moe" if "pj" in toks else ""
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
-    os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
+    os.environ["DS4_SINKHORN_RIDE"] = ("0" if "noride" in toks else "attn" if "rideattn" in toks
+                                       else "topk" if "ridetopk" in toks else "1")
+    os.environ["DS4_ATTN_EARLY_KEYS"] = "0" if "noearly" in toks else "1"
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
     os.environ["DS4_AR_FOLD_SPREAD"] = "0" if "arfpack" in toks else "1"
