@@ -276,8 +276,7 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
                        const std::optional<at::Tensor>& ptrs, int64_t fmt, int64_t expert_offset, int64_t n_local,
                        double limit, int64_t kernel, const std::optional<at::Tensor>& route_logits,
                        const std::optional<at::Tensor>& route_bias, const std::optional<at::Tensor>& tid2eid,
-                       const std::optional<at::Tensor>& token_ids, double route_scale,
-                       const std::optional<at::Tensor>& comb, int64_t iters, double hc_eps) {
+                       const std::optional<at::Tensor>& token_ids, double route_scale) {
   check_cuda(x, "x");
   check_cuda(w1, "w1");
   check_cuda(w3, "w3");
@@ -334,11 +333,6 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
     a.ids_out = static_cast<int64_t*>(ids->data_ptr());
     a.rw_out = static_cast<float*>(route_w->data_ptr());
   }
-  // comb (fp32 [N, n, n] as an hc finish with iters = 0 left it): the launch also finishes each token's mHC
-  // Sinkhorn in place, before its PDL wait (ds4_launch.h's contract; ds4.ops.base.SinkhornRide)
-  const ds4::SinkhornRide ride = ds4::sinkhorn_ride_arg(comb, iters, hc_eps, N, x.device(), "ds4.moe_gate_up");
-  TORCH_CHECK(ride.comb == nullptr || (!a.route_logits && N <= 256),
-              "ds4.moe_gate_up: a Sinkhorn ride needs the routing done before the launch, and at most 256 tokens");
   c10::cuda::CUDAGuard guard(x.device());
   auto h = at::empty({N * k, inter}, x.options());
   if (N == 0) return h;
@@ -350,10 +344,6 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
     c.n_tok = (int)std::min<int64_t>(step, N - t0);
     c.ids = ids.has_value() ? static_cast<const int64_t*>(ids->data_ptr()) + t0 * k : nullptr;
     c.rw = route_w.has_value() ? static_cast<const float*>(route_w->data_ptr()) + t0 * k : nullptr;
-    if (t0 == 0 && ride.comb != nullptr) {  // the first launch takes every token's ride
-      c.ride = ride;
-      c.ride_rows = (int)N;
-    }
     check_launch(ds4::launch_moe_gate_up(c, static_cast<const at::BFloat16*>(x.data_ptr()) + t0 * dim,
                                          static_cast<at::BFloat16*>(h.data_ptr()) + t0 * k * inter, st),
                  "moe_gate_up");
@@ -777,8 +767,7 @@ TORCH_LIBRARY(ds4, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? scale, int fmt, int groups=1, int kernel=0, bool out_f32=False) -> Tensor");
   m.def("moe_gate_up(Tensor x, Tensor(a!)? ids, Tensor(b!)? route_w, Tensor w1, Tensor? s1, Tensor w3, Tensor? s3, "
         "Tensor? ptrs, int fmt, int expert_offset, int n_local, float limit, int kernel=0, Tensor? route_logits=None, "
-        "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0, "
-        "Tensor(c!)? comb=None, int iters=0, float hc_eps=0.0) -> Tensor");
+        "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0) -> Tensor");
   m.def("moe_down(Tensor h, Tensor? ids, int topk, Tensor w2, Tensor? s2, Tensor? ptrs, int fmt, "
         "int expert_offset, int n_local, Tensor? add, bool out_f32, int kernel=0, Tensor? route_logits=None, "
         "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0, "

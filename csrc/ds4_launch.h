@@ -98,11 +98,6 @@ struct MoEArgs {
   float route_scale = 1.f;
   int64_t* ids_out = nullptr;          // [1, topk]
   float* rw_out = nullptr;             // [1, topk]
-  // A Sinkhorn ride (gate+up launches only; sinkhorn_ride.h): the launch's last block finishes tokens
-  // 0 .. ride_rows - 1 of comb BEFORE its PDL wait, one thread each. Contract: comb is not written by the
-  // launch right before (in the decode step the FFN site's hc finish wrote it, then the router's top-k ran).
-  SinkhornRide ride;
-  int ride_rows = 0;
 };
 // Whether the one-token kernels route for themselves at this shape (tensor-core kernels, n_experts and
 // topk within the shared-memory scratch and ROUTER_MAX_K).

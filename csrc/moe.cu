@@ -18,7 +18,6 @@
 #include "hc_fold.cuh"
 #include "mma_dot.cuh"
 #include "moe_dev.cuh"
-#include "sinkhorn_dev.cuh"
 
 #include <algorithm>
 #include <cstdlib>
@@ -99,7 +98,6 @@ __device__ __forceinline__ float down_store(void* out, long o, const void* add, 
 template <int FMT, int NT, int R, int U>
 __global__ void __launch_bounds__(MOE_THREADS)
 moe_gate_up_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
-  if (blockIdx.x == gridDim.x - 1 && blockIdx.y == gridDim.y - 1) sinkhorn_ride_rows(a.ride, a.ride_rows);
   ds4_pdl::begin();  // expert ids, route weights and x come from the previous kernels
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
@@ -306,8 +304,6 @@ constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
 template <int FMT, int U, int W>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
 moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
-  // a ride (ds4_launch.h): the last block, which streams the fewest pairs (often none), before its wait
-  if (blockIdx.x == gridDim.x - 1) sinkhorn_ride_rows(a.ride, a.ride_rows);
   ds4_pdl::begin();  // expert ids, route weights (or the router's logits) and x come from the previous kernels
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
@@ -533,11 +529,6 @@ static int gate_up_depth(const MoEArgs& a) {
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && (!moe_route_ok(a) || !a.ids_out || !a.rw_out))) return cudaErrorInvalidValue;
-  // a ride: not with the in-kernel routing (its logits may come from the launch right before, as comb may), and
-  // one thread per token
-  if (a.ride.comb != nullptr && (a.route_logits || a.ride_rows < 1 || a.ride_rows > MMA_STREAM_THREADS ||
-                                 a.ride_rows > MOE_THREADS || !sinkhorn_ride_ok(a.ride, a.ride_rows)))
-    return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4T && mma) {
     if (!fp4t_shape_ok(a)) return cudaErrorInvalidValue;
     return with_fp4t_shape(gate_up_depth(a), [&](auto u) {

@@ -80,10 +80,4 @@ __device__ __forceinline__ void sinkhorn_ride(const SinkhornRide& r, int t) {
   else sinkhorn_ride_n<1>(c, r.iters, r.eps);
 }
 
-// The ride's tokens 0 .. rows - 1, one thread each (rows <= blockDim.x), in the block the caller picked; a no-op
-// without a ride.
-__device__ __forceinline__ void sinkhorn_ride_rows(const SinkhornRide& r, int rows) {
-  if (r.comb != nullptr && (int)threadIdx.x < rows) sinkhorn_ride(r, threadIdx.x);
-}
-
 }  // namespace ds4

@@ -54,10 +54,8 @@ late (DS4_LATE_COMPRESS=1: a captured graph per compressor phase, where layers w
 step join their compressor branches after the output projection instead of before the attention core; opt-in,
 measured no faster in session 28; ds4.runtime.cuda_graph),
 noride (DS4_SINKHORN_RIDE=0: each hc finish runs its own Sinkhorn, the default before session 30; the default
-leaves it to the site's attention combine / routed gate+up launch), rideattn (DS4_SINKHORN_RIDE=attn: at the attention
-sites only), ridetopk (DS4_SINKHORN_RIDE=topk: the FFN site's in the router's top-k launch, session 30's default),
-noearly (DS4_ATTN_EARLY_KEYS=0: the attention core's chunk kernel copies every key row after its PDL wait, the
-default before session 31; the default copies the window rows and the unselected compressed entries before it),
+leaves it to the site's attention combine / router top-k launch), rideattn (DS4_SINKHORN_RIDE=attn: at the attention
+sites only),
 nohcf (DS4_HC_FOLD=0:
 without the hc fold, the library default since session 14 — the next mHC site's first launch done by wo_b's
 and the MoE down's epilogues — so each site is its own 2 launches again; with arf the all-reduce's fold too),
@@ -67,8 +65,8 @@ leaves the step; opt-in), arfnp (DS4_AR_FOLD_PDL=0: that fold kernel launched wi
 one GPU, the routed and shared experts, gate+up and down, in one launch; opt-in), ffn2 (DS4_MOE_FFN=2: the same
 with the shared expert's gate+up a side-stream launch beside the router), ffnreg (DS4_FFN_SH_DOWN=reg: that
 launch's shared-expert down on the register stream), xshared / xrouter /
-xrouted / xattn (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core kernels, to
-time what each costs the step). On a machine without CUDA it runs on the CPU (a dry run of the script).
+xrouted / xattn / xcombine (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core /
+attention-combine kernels, to time what each costs the step; xcombine with noride only). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
 """
@@ -162,6 +160,8 @@ def _number_token(toks: set[str], prefix: str, default: int) -> int:
 #   xrouter  no router kernels (a fixed device (weights, ids): experts 0..k-1 of this rank, weights 1/k)
 #   xrouted  no routed-expert kernels (the routed sum is zero)
 #   xattn    no attention-core kernels (the attention output is zero)
+#   xcombine no attention combine launch (DS4_X_COMBINE=1: its output left unwritten; with noride only, as that
+#            launch takes the attention site's Sinkhorn along)
 #   xar      tp > 1: no all-reduce (each rank keeps its partial sums; the ranks no longer wait for each other)
 def skip_shared_expert(moe) -> None:
     """xshared: this MoE implementation launches no shared-expert kernel in decode steps; the routed sum
@@ -268,9 +268,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_PJOIN"] = "moe" if "pj" in toks else ""
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
-    os.environ["DS4_SINKHORN_RIDE"] = ("0" if "noride" in toks else "attn" if "rideattn" in toks
-                                       else "topk" if "ridetopk" in toks else "1")
-    os.environ["DS4_ATTN_EARLY_KEYS"] = "0" if "noearly" in toks else "1"
+    os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
+    os.environ["DS4_X_COMBINE"] = "1" if "xcombine" in toks else "0"
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
     os.environ["DS4_AR_FOLD_SPREAD"] = "0" if "arfpack" in toks else "1"

@@ -201,6 +201,33 @@ def test_decode_attention_combine_over_many_splits(pos):
     assert torch.isfinite(got).all() and rel(got, ref) <= TOL
 
 
+def test_xcombine_diagnostic_leaves_out_the_combine(monkeypatch):
+    """DS4_X_COMBINE=1 (bench_decode's xcombine, timing only): the attention core's output is left unwritten (here
+    the NaNs a freed block held; the chunk kernel still runs), and a ride, which only the combine launch takes along,
+    is refused; unset, the same call agrees with the torch twin."""
+    from ds4 import kernels_attn
+    from ds4.ops.base import SinkhornRide
+    g = gen(91)
+    B, H, D, W = 1, 64, 512, 128
+    q = randn(B, H, D, g=g, dtype=BF16)
+    win = randn(B, W, D, g=g, dtype=BF16, scale=0.3)
+    ext = randn(B, 300, D, g=g, dtype=BF16, scale=0.3)
+    sink = randn(H, g=g)
+    p, f = positions(900), freqs(128)
+    monkeypatch.setenv("DS4_X_COMBINE", "1")
+    torch.full((B, H, D), float("nan"), device=DEV, dtype=BF16)  # freed at once: the output's block, likely
+    got = FUSED.decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None)
+    with pytest.raises(RuntimeError):
+        kernels_attn.sparse_decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None,
+                                   SinkhornRide(torch.rand(B, 4, 4, device=DEV), 20, 1e-6))
+    torch.cuda.synchronize()
+    monkeypatch.delenv("DS4_X_COMBINE")
+    ref = REF.decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None)
+    assert not torch.equal(got, ref)  # never written by the diagnostic
+    full = FUSED.decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None)
+    assert torch.isfinite(full).all() and rel(full, ref) <= TOL
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_indexer_scores_mask_invisible_entries(bf16):
     g = gen(11 + bf16)

@@ -201,45 +201,35 @@ def test_moe_ffn_graph_matches_eager_on_small(mode, small_weights, monkeypatch):
 
 @pytest.mark.parametrize("env", [{}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}], ids=["plain", "hc_fold"])
 def test_sinkhorn_ride_decodes_as_the_finish(env, small_weights, monkeypatch):
-    """The Sinkhorn ride (the default: the FFN site's in the routed gate+up launch) and DS4_SINKHORN_RIDE=topk (in the
-    router's launch) against DS4_SINKHORN_RIDE=0 on small: the same logits bit for bit over 48 eager decode steps,
-    and the same 200 tokens from the captured graph; the ride reached the attention core's and the chosen FFN
-    launch in every layer of every eager step, and no other launch."""
-    from ds4 import kernels
+    """The Sinkhorn ride (the default) against DS4_SINKHORN_RIDE=0 on small: the same logits bit for bit over 48
+    eager decode steps, and the same 200 tokens from the captured graph; the ride reached both sites' launches in
+    every layer of every eager step."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     args = small()
     prompt = [(11 * i + 5) % args.vocab_size for i in range(20)]
     logits, tokens, rides = [], [], []
-    for mode in ("0", "1", "topk"):
+    for mode in ("0", "1"):
         monkeypatch.setenv("DS4_SINKHORN_RIDE", mode)
         m = _model(args, small_weights, Impls(**_FUSED))
-        rides.append([_count_ride(monkeypatch, m.ops.attn, "decode"), _count_ride(monkeypatch, kernels, "router"),
-                      _count_ride(monkeypatch, kernels, "moe_gate_up")])
+        rides.append([_count_ride(m.ops.attn, "decode"), _count_ride(m.ops.moe, "route")])
         g = Generator(m, 1, 512)
         g.prefill([prompt])
         logits.append(torch.stack([g.decode(torch.tensor([(7 * t + 3) % args.vocab_size], device=DEV))[0]
                                    for t in range(48)]))
         tokens.append(Generator(m, 1, 512, runtime="cuda_graph").generate([prompt], 200, stop_at_eos=False).tokens)
-        monkeypatch.undo()  # the counters off, the switches back (set again below)
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
     assert torch.equal(logits[0], logits[1]) and tokens[0] == tokens[1]
-    assert torch.equal(logits[0], logits[2]) and tokens[0] == tokens[2]
-    steps = 48 * args.n_layers
-    assert rides[0] == [[0], [0], [0]]
-    assert rides[1][0][0] >= steps and rides[1][1] == [0] and rides[1][2][0] >= steps, rides[1]
-    assert rides[2][0][0] >= steps and rides[2][1][0] >= steps and rides[2][2] == [0], rides[2]
+    assert rides[0] == [[0], [0]] and rides[1][0][0] >= 48 * args.n_layers and rides[1][1][0] >= 48 * args.n_layers
 
 
-def _count_ride(monkeypatch, obj, name: str) -> list[int]:
-    """[calls of obj.name that took a SinkhornRide] from now on (until monkeypatch undoes it)."""
+def _count_ride(obj, name: str) -> list[int]:
+    """[calls of obj.name that took a SinkhornRide] from now on."""
     calls, fn = [0], getattr(obj, name)
 
     def counting(*args, **kw):
         calls[0] += kw.get("ride") is not None
         return fn(*args, **kw)
-    monkeypatch.setattr(obj, name, counting)
+    setattr(obj, name, counting)
     return calls
 
 

@@ -607,54 +607,6 @@ def test_router_refuses_a_ride_it_cannot_take():
             kernels.router(x, gate, bias, None, None, 6, 1.5, ride=SinkhornRide(comb, iters, 1e-6))
 
 
-@pytest.mark.parametrize("fmt,n", [("fp4t", 1), ("fp4p", 1), ("fp4", 3), ("fp4", 20)])
-@pytest.mark.parametrize("hc", [4, 2, 1])
-def test_gate_up_takes_the_sinkhorn_along(fmt, n, hc):
-    """ride: the routed gate+up launch's last block finishes each token's mHC Sinkhorn in place before its PDL wait
-    (one token: the tensor-core kernel; 3 and 20 tokens: the FMA kernel, 20 over several launches, the first of
-    which takes every token's ride): the same h as without it, comb as hc_sinkhorn's launch of its own makes it."""
-    from ds4 import kernels_attn
-    from ds4.ops.base import SinkhornRide
-    g = gen(seed_of("gate_up_ride", fmt, n, hc))
-    dim, inter = 512, 256
-    (w1, s1, w3, s3, _, _), _ = make_experts(16, dim, inter, g, fmt)
-    ids = torch.randint(28, 52, (n, 6), device=DEV, generator=g)  # some outside the local 32 .. 47
-    weights = torch.rand(n, 6, device=DEV, generator=g) + 0.1
-    x = rand_x(n, dim, g)
-    logits = torch.randn(n, hc, hc, device=DEV, generator=g) * 2
-    want = logits.clone()
-    kernels_attn.hc_sinkhorn(want, 20, 1e-6)
-    plain = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, fmt, 32, 16, 10.0)
-    comb = logits.clone()
-    poison()
-    got = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, fmt, 32, 16, 10.0, ride=SinkhornRide(comb, 20, 1e-6))
-    loc = ((ids >= 32) & (ids < 48)).flatten()  # other slots' h rows are not written
-    assert loc.any() and torch.equal(got[loc], plain[loc])
-    assert torch.equal(comb, want)
-
-
-def test_gate_up_refuses_a_ride_it_cannot_take():
-    """One comb per token, iters >= 1, and not with the routing inside the kernel (its logits may come from the
-    launch right before it, as comb may): anything else fails before a launch."""
-    from ds4.ops.base import SinkhornRide
-    g = gen(1795)
-    (w1, s1, w3, s3, _, _), _ = make_experts(16, 512, 256, g)
-    x = rand_x(1, 512, g)
-    ids = torch.tensor([ONE_TOKEN_IDS["distinct"]], device=DEV)
-    weights = torch.rand(1, 6, device=DEV, generator=g)
-    for comb, iters, what in ((torch.rand(2, 4, 4, device=DEV), 20, "comb must be"),
-                              (torch.rand(1, 4, 4, device=DEV), 0, "iters")):
-        with pytest.raises(RuntimeError, match=what):
-            kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, "fp4", 32, 16, 10.0,
-                                ride=SinkhornRide(comb, iters, 1e-6))
-    gate = (torch.randn(64, 512, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
-    r = kernels.InKernelRoute(kernels.gemv(x, gate, None, "bf16", out_f32=True), torch.zeros(64, device=DEV), None,
-                              None, 1.5)
-    with pytest.raises(RuntimeError, match="routing done before"):
-        kernels.moe_gate_up(x, ids.clone(), weights.clone(), w1, s1, w3, s3, "fp4", 32, 16, 10.0, route=r,
-                            ride=SinkhornRide(torch.rand(1, 4, 4, device=DEV), 20, 1e-6))
-
-
 @pytest.mark.parametrize("hash_layer", [False, True])
 @pytest.mark.parametrize("dim,inter,n_experts,e_local,offset", [(4096, 2048, 256, 256, 0), (512, 256, 64, 16, 32)])
 def test_moe_kernels_route_from_logits(hash_layer, dim, inter, n_experts, e_local, offset):

@@ -89,12 +89,6 @@ struct SparseArgs {
   // as it loads them (no separate head_rope launch).
   bool q_prep = false;
   float qnorm_eps = 0.f;
-  // Decode mode (launch_sparse_attn sets it; DS4_ATTN_EARLY_KEYS=0, read per launch, turns it off): the chunk kernel
-  // copies its window rows and the compressed entries it takes without sel_idx BEFORE its PDL wait. Contract: the
-  // launch right before writes neither the window nor the compressed cache (in the decode step the window write and
-  // the compressor steps are branches joined before the attention core, or in line two launches back or more; a
-  // late-joined compressor writes only an entry the position leaves invisible).
-  bool early_keys = false;
 };
 int sparse_keys_per_block();
 // workspace: opart fp32 [B*S, nsplit, H, D], ml fp32 [B*S, nsplit, H, 2]; out bf16 [B, S, H, D].

@@ -1,7 +1,6 @@
 // Sparse MQA attention for decode (spec §5.7), flash-decoding style:
 //   sparse_chunk_kernel: block (split, head tile, row) loads KC = 32 key rows (window/HCA keys then the
-//     row's selected keys; in decode mode all but the selected ones before the PDL wait, SparseArgs.early_keys)
-//     into shared memory (invalid keys zeroed) with its 16 heads' queries, and
+//     row's selected keys) into shared memory (invalid keys zeroed) with its 16 heads' queries, and
 //     uses BF16 mma.sync m16n8k16. 8 warps: for S = q K^T each warp takes a slice of the D dims
 //     (partial S through shared memory, summed in a fixed order: deterministic); every warp then
 //     holds the whole 16 x 32 S and does scale, mask, chunk max, p = exp(s - max) (fp32 sum for the
@@ -42,6 +41,7 @@ static size_t sparse_smem(int D) {
 __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
                                                                   float* __restrict__ ml) {
   DS4_MARK(0);
+  ds4_pdl::begin();
   extern __shared__ __align__(16) uint16_t ks[];   // [SP_KC][D + 8] keys (= values), [16][D + 8] q, S partials
   __shared__ uint8_t kval[SP_KC];
   const int split = blockIdx.x, mt = blockIdx.y, r = blockIdx.z;
@@ -53,25 +53,34 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
   const int g = lane >> 2, c = lane & 3;
   uint16_t* qs = ks + SP_KC * LD;
   float* spart = reinterpret_cast<float*>(qs + 16 * LD);
-  const int vec_per_row = D / 8;
 
-  // ---- keys: warp w copies rows w, w + 8, ... (16 B per lane; cp.async: no register per copy, invalid rows
-  // zero-filled), the rows' sources first, so that their index loads overlap. A row's source and validity need only
-  // the position, except a selected compressed entry's (sel_idx: from the launch right before, in a decode step).
-  // early_keys (SparseArgs): the other rows' copies go out before the PDL wait.
-  const long pos_b = a.pos ? a.pos[b] : 0;  // (an input of the step: before the wait is fine)
+  // ---- the tile's 16 query heads (rows >= H zero): loads issued first, stored after the keys' loads
+  const int vec_per_row = D / 8;
+  const uint16_t* q = static_cast<const uint16_t*>(a.q) + ((long)r * H + mt * 16) * D;
+  constexpr int QV = 4;  // 16 B loads per thread held in registers (all of them for D <= 512)
+  uint4 qv[QV];
+#pragma unroll
+  for (int u = 0; u < QV; ++u) {
+    const int i = threadIdx.x + u * SP_THREADS, h = i / vec_per_row, v = i % vec_per_row;
+    qv[u] = make_uint4(0u, 0u, 0u, 0u);
+    if (i < 16 * vec_per_row && mt * 16 + h < H) qv[u] = *reinterpret_cast<const uint4*>(q + (long)h * D + v * 8);
+  }
+  // ---- keys: warp w loads rows w, w + 8, ... (row sources first, so the index loads overlap), 16 B per lane
+  const long pos_b = a.pos ? a.pos[b] : 0;
+  __shared__ float2 s_rot[SP_MAX_ROPE / 2];  // q_prep: (cos, sin) of the RoPE pairs at pos_b, same for all heads
+  if (a.q_prep)
+    for (int i = threadIdx.x; i < a.R / 2; i += SP_THREADS) {
+      float sn, cs;
+      sincosf((float)pos_b * a.freqs[i], &sn, &cs);
+      s_rot[i] = make_float2(cs, sn);
+    }
   const long n_vis = a.pos ? (pos_b + 1) / a.ratio : 0;
-  const uint16_t* valid_src = static_cast<const uint16_t*>(a.kv);
   const uint16_t* src[SP_ROWS_PER_WARP];
   bool ok[SP_ROWS_PER_WARP];
-  int any = 0;
-  auto late = [&](int i) {  // this warp's row i waits for the PDL wait
+#pragma unroll
+  for (int i = 0; i < SP_ROWS_PER_WARP; ++i) {
     const int idx = key0 + warp + SP_WARPS * i;
-    return !a.early_keys || (a.sel_idx != nullptr && idx >= a.K && idx < total);
-  };
-  auto row_source = [&](int i) {
-    const int idx = key0 + warp + SP_WARPS * i;
-    src[i] = valid_src;
+    src[i] = nullptr;
     ok[i] = false;
     if (idx < a.K) {
       ok[i] = a.pos ? idx <= pos_b : a.valid[(long)b * a.valid_b + (long)s * a.valid_s + idx] != 0;
@@ -87,45 +96,18 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
         src[i] = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (long)s * a.sel_s + (long)p * a.sel_r;
       }
     }
-  };
-  auto copy_row = [&](int i) {
+  }
+  // the rows' copies all go out before any lands (cp.async: no register per copy; invalid rows zero-filled)
+  int any = 0;
+  const uint16_t* valid_src = static_cast<const uint16_t*>(a.kv);
+#pragma unroll
+  for (int i = 0; i < SP_ROWS_PER_WARP; ++i) {
     const int j = warp + SP_WARPS * i;
     for (int v = lane; v < vec_per_row; v += 32)
       cp_async16_zfill(ks + j * LD + v * 8, ok[i] ? src[i] + v * 8 : valid_src, ok[i]);
     if (lane == 0) kval[j] = ok[i] ? 1 : 0;
     any |= ok[i] ? 1 : 0;
-  };
-#pragma unroll
-  for (int i = 0; i < SP_ROWS_PER_WARP; ++i)
-    if (!late(i)) row_source(i);
-#pragma unroll
-  for (int i = 0; i < SP_ROWS_PER_WARP; ++i)
-    if (!late(i)) copy_row(i);
-  __shared__ float2 s_rot[SP_MAX_ROPE / 2];  // q_prep: (cos, sin) of the RoPE pairs at pos_b, same for all heads
-  if (a.q_prep)
-    for (int i = threadIdx.x; i < a.R / 2; i += SP_THREADS) {
-      float sn, cs;
-      sincosf((float)pos_b * a.freqs[i], &sn, &cs);
-      s_rot[i] = make_float2(cs, sn);
-    }
-  ds4_pdl::begin();  // q (and sel_idx) come from the launches right before
-
-  // ---- the tile's 16 query heads (rows >= H zero): loads issued first, stored after the keys' loads
-  const uint16_t* q = static_cast<const uint16_t*>(a.q) + ((long)r * H + mt * 16) * D;
-  constexpr int QV = 4;  // 16 B loads per thread held in registers (all of them for D <= 512)
-  uint4 qv[QV];
-#pragma unroll
-  for (int u = 0; u < QV; ++u) {
-    const int i = threadIdx.x + u * SP_THREADS, h = i / vec_per_row, v = i % vec_per_row;
-    qv[u] = make_uint4(0u, 0u, 0u, 0u);
-    if (i < 16 * vec_per_row && mt * 16 + h < H) qv[u] = *reinterpret_cast<const uint4*>(q + (long)h * D + v * 8);
   }
-#pragma unroll
-  for (int i = 0; i < SP_ROWS_PER_WARP; ++i)
-    if (late(i)) row_source(i);
-#pragma unroll
-  for (int i = 0; i < SP_ROWS_PER_WARP; ++i)
-    if (late(i)) copy_row(i);
 #pragma unroll
   for (int u = 0; u < QV; ++u) {
     const int i = threadIdx.x + u * SP_THREADS, h = i / vec_per_row, v = i % vec_per_row;
@@ -408,12 +390,13 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
     cudaError_t e = cudaFuncSetAttribute(sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  SparseArgs c = a;
-  const char* early = std::getenv("DS4_ATTN_EARLY_KEYS");
-  c.early_keys = a.pos != nullptr && !(early && early[0] == '0');
   cudaError_t e = ds4_pdl::launch(sparse_chunk_kernel, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS),
-                                  smem, st, c, nsplit, opart, ml);
+                                  smem, st, a, nsplit, opart, ml);
   if (e != cudaSuccess) return e;
+  // DS4_X_COMBINE=1 (read per launch): the removal diagnostic of scripts/bench_decode.py's xcombine, timing only: no
+  // combine launch, the output left unwritten (WRONG outputs; no ride, which only this launch could take along)
+  const char* xc = std::getenv("DS4_X_COMBINE");
+  if (xc && xc[0] == '1') return ride.comb == nullptr ? cudaSuccess : cudaErrorInvalidValue;
   const int threads = a.D / 4 < 32 ? 32 : (a.D / 4 < 128 ? a.D / 4 : 128);  // warp 0 whole (its ballots)
   const size_t csmem = sparse_combine_smem(nsplit);
   if (csmem > 200 * 1024) return cudaErrorInvalidValue;

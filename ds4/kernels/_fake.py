@@ -18,7 +18,7 @@ def _gemv_rmsnorm(x, w, scale, fmt, norm_weight, eps):
 
 @register_fake("ds4::moe_gate_up")
 def _gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, fmt, expert_offset, n_local, limit, kernel=0, route_logits=None,
-             route_bias=None, tid2eid=None, token_ids=None, route_scale=1.0, comb=None, iters=0, hc_eps=0.0):
+             route_bias=None, tid2eid=None, token_ids=None, route_scale=1.0):
     k = 1 if ids is None else ids.shape[1]
     return x.new_empty((x.shape[0] * k, w1.shape[-2]), dtype=torch.bfloat16)
 

@@ -112,31 +112,23 @@ def _fp4t_check(fmt: str, *ws: Tensor) -> None:
                          f"got {[tuple(w.shape) for w in ws]}")
 
 
-def _ride_args(ride) -> tuple:
-    """A SinkhornRide's (comb, iters, eps) for an op's trailing arguments; (None, 0, 0.0) for none."""
-    return ride.args() if ride is not None else (None, 0, 0.0)
-
-
 def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tensor, s1: Tensor | None,
                 w3: Tensor, s3: Tensor | None, fmt: str, expert_offset: int = 0, n_local: int | None = None,
                 limit: float = 10.0, ptrs: Tensor | None = None, kernel: str = "auto",
-                route: InKernelRoute | None = None, ride=None) -> Tensor:
+                route: InKernelRoute | None = None) -> Tensor:
     """h [N*k, inter] bf16 = silu(min(x@w1[e]^T, lim)) * clamp(x@w3[e]^T, +-lim) * route_w, per slot.
 
     ids int64 [N, k] (global expert ids; slots outside [offset, offset+n_local) are skipped and
     their h rows left unwritten), or None for one (shared) expert. ptrs: int64 [n_local, 3] device
     addresses of bf16 (w1, w3, w2) per expert (then w1/w3 only give the shapes). route (one token):
-    the kernel routes from the router's logits itself and writes ids [1, k] and route_w [1, k].
-    ride (ds4.ops.base.SinkhornRide, comb [N, n, n]; not with route): the launch also finishes each token's mHC
-    Sinkhorn in place, before its PDL wait, so comb must not come from the launch right before it."""
+    the kernel routes from the router's logits itself and writes ids [1, k] and route_w [1, k]."""
     if n_local is None:
         n_local = w1.shape[0] if w1.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
     _fp4t_check(fmt, w1, w3)
     r = route or InKernelRoute(None, None, None, None, 1.0)
     return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, f, expert_offset, n_local, limit, k,
-                              r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale),
-                              *_ride_args(ride))
+                              r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale))
 
 
 def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | None, fmt: str,
@@ -202,7 +194,7 @@ def router(x: Tensor, gate: Tensor, bias: Tensor | None, tid2eid: Tensor | None,
     skipped (the tail kernel alone). ride (ds4.ops.base.SinkhornRide, comb [N, n, n]): the router's last launch
     also finishes each token's mHC Sinkhorn in place."""
     return _ops().router(x, gate, bias, tid2eid, token_ids, topk, route_scale, logits,
-                         *_ride_args(ride))
+                         *(ride.args() if ride is not None else (None, 0, 0.0)))
 
 
 ARGMAX_MAX_ROWS = 64  # rows one argmax launch takes (ARGMAX_MAX_ROWS in ds4_launch.h)

@@ -34,19 +34,13 @@ class HcFold:
         return self.res, self.post, self.comb, self.fn, self.out, self.part
 
 
-# The Sinkhorn ride's switch (read per call): unset or 1 = at both sites of a decode step, the FFN site's in the
-# routed gate+up launch; "topk" = the FFN site's in the router's top-k launch instead (session 30's form); "attn" = at
-# the attention sites only; 0 = off.
-RIDE_ENV = "DS4_SINKHORN_RIDE"
-
-
 @dataclass
 class SinkhornRide:
     """An mHC Sinkhorn that a later launch of the decode step finishes (hc=fused_cuda's `defers_sinkhorn`): comb
     fp32 [N, n, n] (n = 1, 2, 4) holds the Sinkhorn's input logits, as the site's finish left them, and must hold
     Sinkhorn(logits) before it is read (hc.post / the hc fold, at the site's end). The attention core's combine
-    launch (attn=fused_cuda) or, at the FFN site, moe=fp4_topk's routed gate+up launch (or its router's top-k launch,
-    RIDE_ENV=topk) takes it along; where none can, `run` finishes it as a launch of its own, with the same bits."""
+    launch (attn=fused_cuda) or the router's top-k launch (moe=fp4_topk) takes it along; where neither can, `run`
+    finishes it as a launch of its own, with the same bits."""
     comb: Tensor
     iters: int
     eps: float

@@ -20,10 +20,9 @@ fold_pre(proj=) (the projection fold; opt-in, DS4_HC_QKV=1): at the attention si
       finish about 3 us more and wq_b about 3 us more: the finish's 128 blocks hold every SM, so wq_b's blocks no
       longer start their weight loads during it as they did during the wq_a + wkv GEMV.
 defer_sinkhorn (the Sinkhorn ride; default at both sites of a decode step, DS4_SINKHORN_RIDE=attn keeps it at the
-      attention sites only, =0 turns it off, read per call: ds4.ops.base.RIDE_ENV): every finish above writes the
-      Sinkhorn's input logits into comb (iters = 0) and a later launch of the step finishes comb in place
-      (ds4.ops.base.SinkhornRide): the attention core's combine launch before its PDL wait; at the FFN site the
-      routed gate+up launch before its PDL wait (=topk: the router's top-k launch in a warp of its own). In the
+      attention sites only, =0 turns it off, read per call): every finish above writes the Sinkhorn's input logits
+      into comb (iters = 0) and a later launch of the step finishes comb in place (ds4.ops.base.SinkhornRide): the
+      attention core's combine launch before its PDL wait, the router's top-k launch in a warp of its own. In the
       finish the Sinkhorn's ~40 dependent steps outlast the weighted sum and norm, and the next launch waits for
       all of it (a build with 1 iteration instead of 20 ran 1.0-1.3 us per layer faster, H200, session 29); comb
       is read only at the site's end. Session 29's form, a launch of its own on a side stream, measured slower
@@ -45,7 +44,7 @@ from torch import Tensor
 
 from ds4 import kernels_attn
 from ds4.model.norm import rms_norm
-from ds4.ops.base import RIDE_ENV, HcFold, QWeight
+from ds4.ops.base import HcFold, QWeight
 from ds4.ops.hc_torch import TorchHC
 
 _ACT = (torch.bfloat16, torch.float32)
@@ -89,6 +88,9 @@ def _proj_fold_ok(h: Tensor, norm: Tensor | None, proj: QWeight) -> bool:
 def _norm_fuses(norm: Tensor | None, d: int) -> bool:
     """The finishing kernel can apply the block norm (the generic one holds a row in shared memory)."""
     return norm is None or d * 4 <= 48 * 1024
+
+
+RIDE_ENV = "DS4_SINKHORN_RIDE"
 
 
 def _iters(h: Tensor, iters: int, defer: bool) -> int:

@@ -72,7 +72,7 @@ from torch import Tensor
 from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops import side_stream
-from ds4.ops.base import RIDE_ENV, HcFold, MoEWeights, QWeight, SinkhornRide
+from ds4.ops.base import HcFold, MoEWeights, QWeight
 from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
@@ -160,21 +160,6 @@ class Fp4TopkMoE:
     route_in_kernels = True
     rides_sinkhorn = True  # route takes the FFN site's deferred mHC Sinkhorn along (ds4.ops.base.SinkhornRide)
     _deferred: tuple[Tensor, kernels.InKernelRoute] | None = None
-    _ride: SinkhornRide | None = None  # route()'s ride, left to the routed gate+up launch of routed()
-    ride_in_gate_up = True  # off in subclasses whose routed() does not end in _routed_launches
-
-    def _gate_up_rides(self) -> bool:
-        """Whether route() leaves its ride to the routed gate+up (the default) instead of the router's top-k launch
-        (RIDE_ENV=topk, session 30's form; also under the one-launch FFN, which has no gate+up launch of its own).
-        Why: the gate+up launch is two launches after the finish that wrote comb, so it may finish comb before its
-        PDL wait, in its last block, while the top-k runs; in the top-k's launch the ride ran after the wait
-        (comb comes from the launch right before it) and lengthened it (experiments/decode_session30_h200.md)."""
-        return (self.ride_in_gate_up and os.environ.get(RIDE_ENV) != "topk"
-                and os.environ.get("DS4_MOE_FFN") not in ("1", "2"))
-
-    def _take_ride(self) -> SinkhornRide | None:
-        ride, self._ride = self._ride, None
-        return ride
 
     def _defer_route(self, x2: Tensor, gate: Tensor, mw: MoEWeights) -> bool:
         """With DS4_ROUTE_IN_MOE=1 (read per call) while a decode graph is captured (one token, the
@@ -187,10 +172,7 @@ class Fp4TopkMoE:
     def route(self, x: Tensor, token_ids: Tensor, mw: MoEWeights, logits: Tensor | None = None,
               ride=None) -> tuple[Tensor, Tensor]:
         # logits (fp32 [N, E]): x . gate^T formed already (hc's router fold): the GEMV is skipped. ride (a
-        # SinkhornRide): the routed gate+up launch of the routed() call that follows finishes the mHC Sinkhorn
-        # (_gate_up_rides), else the router's last launch in a warp of its own
-        if self._ride is not None:
-            raise RuntimeError("moe=fp4_topk: route() again before routed() took the previous route()'s Sinkhorn ride")
+        # SinkhornRide): the router's last launch finishes the mHC Sinkhorn in a warp of its own
         x2 = _bf16(x.reshape(-1, x.shape[-1]))
         if logits is not None:
             logits = logits.float().contiguous()
@@ -206,11 +188,9 @@ class Fp4TopkMoE:
             w = torch.empty(1, mw.topk, device=x2.device, dtype=torch.float32)
             ids = torch.empty(1, mw.topk, device=x2.device, dtype=torch.int64)
             self._deferred = (ids, kernels.InKernelRoute(logits, bias, tid, tok, mw.route_scale))
-            if ride is not None:  # no router launch here to take it along (the gate+up's logits come from the
-                ride.run()        # launch right before it, as comb may: it cannot ride before its wait)
+            if ride is not None:  # no router launch here to take it along
+                ride.run()
             return w, ids
-        if ride is not None and self._gate_up_rides():
-            self._ride, ride = ride, None
         return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale, logits=logits, ride=ride)
 
     @property
@@ -249,9 +229,6 @@ class Fp4TopkMoE:
             fold = None
         if shared is not None:
             shared.branch.join()
-        ride = self._take_ride()  # (route() leaves none under the one-launch FFN: defensive)
-        if ride is not None:
-            ride.run()
         y = kernels.moe_ffn(_bf16(x), ids.to(torch.int64).contiguous(), weights.float().contiguous(), mw.w1, mw.w3,
                             mw.w2, mw.shared_w1, mw.shared_w3, mw.shared_w2, mw.expert_offset, mw.swiglu_limit, fold,
                             None if shared is None else shared.out)
@@ -261,8 +238,7 @@ class Fp4TopkMoE:
 
     def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool,
                          shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None,
-                         fold: HcFold | None = None, partial: bool = False,
-                         ride: SinkhornRide | None = None) -> Tensor:
+                         fold: HcFold | None = None, partial: bool = False) -> Tensor:
         fmt = mw.w1.fmt
         xq = _act_quant_sim(x) if act_quant else x
         # the chosen experts' down projections into L2 while gate+up streams (site "d"; ids are on the device
@@ -271,7 +247,7 @@ class Fp4TopkMoE:
             l2.issue("d", [t for t in (mw.w2.weight, mw.w2.scale) if t is not None], x, ids, mw.expert_offset)
         h = kernels.moe_gate_up(_bf16(xq), ids, weights.float().contiguous(), mw.w1.weight, mw.w1.scale,
                                 mw.w3.weight, mw.w3.scale, fmt, mw.expert_offset, mw.w1.weight.shape[0],
-                                mw.swiglu_limit, route=route, ride=ride)
+                                mw.swiglu_limit, route=route)
         if act_quant:
             h = _act_quant_sim(h)
         add = None
@@ -293,10 +269,6 @@ class Fp4TopkMoE:
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False,
                shared: SharedUp | None = None, fold: HcFold | None = None, partial: bool = False) -> Tensor:
         n = x.shape[0]
-        ride = self._take_ride()
-        if ride is not None and not 0 < n <= PREFILL_TOKENS:
-            ride.run()  # no single gate+up launch to take it (never in a decode step)
-            ride = None
         if self._deferred is not None:
             pending, route = self._deferred
             self._deferred = None
@@ -307,12 +279,10 @@ class Fp4TopkMoE:
             if n > PREFILL_TOKENS:
                 raise ValueError("routed(shared=...) takes the shared_up result of a decode-sized call")
             return self._routed_launches(x, weights, ids.to(torch.int64).contiguous(), mw, act_quant, shared,
-                                         fold=fold, partial=partial, ride=ride)
+                                         fold=fold, partial=partial)
         if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().routed(x, weights, ids, mw, act_quant)
         ids = ids.to(torch.int64).contiguous()
-        if ride is not None:  # one chunk (n <= PREFILL_TOKENS)
-            return self._routed_launches(x, weights, ids, mw, act_quant, ride=ride)
         # short prompts: the decode kernels over chunks of PREFILL_TOKENS tokens (static chunk shapes)
         return torch.cat([self._routed_launches(x[i:i + PREFILL_TOKENS], weights[i:i + PREFILL_TOKENS],
                                                 ids[i:i + PREFILL_TOKENS], mw, act_quant)
@@ -375,7 +345,6 @@ class Bf16CacheMoE(Fp4TopkMoE):
     """Hot-expert BF16 cache (per layer, keyed by the layer's w1 storage)."""
     name = "bf16_cache"
     route_in_kernels = False  # its routed() reads the ids on the host (so no one-launch FFN either)
-    ride_in_gate_up = False  # the router's top-k launch takes the Sinkhorn ride
     tiles = False  # the seed-phase ablation keeps fp4p (its cache and cold path not tested with fp4t)
 
     def __init__(self, cap_bytes: int | None = None, min_free_bytes: int | None = None,
