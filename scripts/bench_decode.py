@@ -66,7 +66,8 @@ one GPU, the routed and shared experts, gate+up and down, in one launch; opt-in)
 with the shared expert's gate+up a side-stream launch beside the router), ffnreg (DS4_FFN_SH_DOWN=reg: that
 launch's shared-expert down on the register stream), xshared / xrouter /
 xrouted / xattn / xcombine (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core /
-attention-combine kernels, to time what each costs the step; xcombine with noride only). On a machine without CUDA it runs on the CPU (a dry run of the script).
+attention-combine kernels, to time what each costs the step; xcombine and xcombine2, an empty launch in the
+combine's place, with noride only). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
 """
@@ -161,7 +162,8 @@ def _number_token(toks: set[str], prefix: str, default: int) -> int:
 #   xrouted  no routed-expert kernels (the routed sum is zero)
 #   xattn    no attention-core kernels (the attention output is zero)
 #   xcombine no attention combine launch (DS4_X_COMBINE=1: its output left unwritten; with noride only, as that
-#            launch takes the attention site's Sinkhorn along)
+#            launch takes the attention site's Sinkhorn along); xcombine2: an empty launch in its place (=2: the PDL
+#            wait and trigger alone), so the combine's own work is what it leaves out
 #   xar      tp > 1: no all-reduce (each rank keeps its partial sums; the ranks no longer wait for each other)
 def skip_shared_expert(moe) -> None:
     """xshared: this MoE implementation launches no shared-expert kernel in decode steps; the routed sum
@@ -269,7 +271,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
-    os.environ["DS4_X_COMBINE"] = "1" if "xcombine" in toks else "0"
+    os.environ["DS4_X_COMBINE"] = "2" if "xcombine2" in toks else ("1" if "xcombine" in toks else "0")
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
     os.environ["DS4_AR_FOLD_SPREAD"] = "0" if "arfpack" in toks else "1"

@@ -201,10 +201,11 @@ def test_decode_attention_combine_over_many_splits(pos):
     assert torch.isfinite(got).all() and rel(got, ref) <= TOL
 
 
-def test_xcombine_diagnostic_leaves_out_the_combine(monkeypatch):
-    """DS4_X_COMBINE=1 (bench_decode's xcombine, timing only): the attention core's output is left unwritten (here
-    the NaNs a freed block held; the chunk kernel still runs), and a ride, which only the combine launch takes along,
-    is refused; unset, the same call agrees with the torch twin."""
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_xcombine_diagnostic_leaves_out_the_combine(mode, monkeypatch):
+    """DS4_X_COMBINE=1 / 2 (bench_decode's xcombine / xcombine2, timing only: no combine launch / an empty one): the
+    attention core's output is left unwritten (here the NaNs a freed block held; the chunk kernel still runs), and a
+    ride, which only the combine launch takes along, is refused; unset, the same call agrees with the torch twin."""
     from ds4 import kernels_attn
     from ds4.ops.base import SinkhornRide
     g = gen(91)
@@ -214,7 +215,7 @@ def test_xcombine_diagnostic_leaves_out_the_combine(monkeypatch):
     ext = randn(B, 300, D, g=g, dtype=BF16, scale=0.3)
     sink = randn(H, g=g)
     p, f = positions(900), freqs(128)
-    monkeypatch.setenv("DS4_X_COMBINE", "1")
+    monkeypatch.setenv("DS4_X_COMBINE", mode)
     torch.full((B, H, D), float("nan"), device=DEV, dtype=BF16)  # freed at once: the output's block, likely
     got = FUSED.decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None)
     with pytest.raises(RuntimeError):

@@ -371,6 +371,9 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
   }
 }
 
+// DS4_X_COMBINE=2's stand-in for the combine launch (launch_sparse_attn): the PDL wait and trigger alone.
+__global__ void pdl_spacer_kernel() { ds4_pdl::begin(); }
+
 static size_t sparse_combine_smem(int nsplit) { return (size_t)nsplit * (sizeof(float2) + sizeof(int)); }
 
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st,
@@ -393,10 +396,14 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   cudaError_t e = ds4_pdl::launch(sparse_chunk_kernel, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS),
                                   smem, st, a, nsplit, opart, ml);
   if (e != cudaSuccess) return e;
-  // DS4_X_COMBINE=1 (read per launch): the removal diagnostic of scripts/bench_decode.py's xcombine, timing only: no
-  // combine launch, the output left unwritten (WRONG outputs; no ride, which only this launch could take along)
+  // DS4_X_COMBINE (read per launch): the removal diagnostics of scripts/bench_decode.py, timing only, the output left
+  // unwritten (WRONG outputs; no ride, which only this launch could take along): 1 (xcombine) no combine launch; 2
+  // (xcombine2) an empty launch in its place (it waits for the chunk kernel and lets the next launch go, nothing else)
   const char* xc = std::getenv("DS4_X_COMBINE");
-  if (xc && xc[0] == '1') return ride.comb == nullptr ? cudaSuccess : cudaErrorInvalidValue;
+  if (xc && (xc[0] == '1' || xc[0] == '2')) {
+    if (ride.comb != nullptr) return cudaErrorInvalidValue;
+    return xc[0] == '1' ? cudaSuccess : ds4_pdl::launch(pdl_spacer_kernel, dim3(1), dim3(32), 0, st);
+  }
   const int threads = a.D / 4 < 32 ? 32 : (a.D / 4 < 128 ? a.D / 4 : 128);  // warp 0 whole (its ballots)
   const size_t csmem = sparse_combine_smem(nsplit);
   if (csmem > 200 * 1024) return cudaErrorInvalidValue;
