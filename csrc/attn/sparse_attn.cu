@@ -415,7 +415,12 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   const char* hv = std::getenv("DS4_COMBINE_HEADS");
   int hpb = hv ? std::atoi(hv) : 1;
   if (hpb != 2 && hpb != 4 && hpb != 8) hpb = 1;
-  while (hpb > 1 && (a.H % hpb || threads % 32 || threads * hpb > 1024)) hpb /= 2;
+  static int max_threads = 0;  // the kernel's block limit at its register count (1024 threads need <= 64 each)
+  if (max_threads == 0) {
+    cudaFuncAttributes fa;
+    max_threads = cudaFuncGetAttributes(&fa, sparse_combine_kernel) == cudaSuccess ? fa.maxThreadsPerBlock : 128;
+  }
+  while (hpb > 1 && (a.H % hpb || threads % 32 || threads * hpb > max_threads)) hpb /= 2;
   const size_t csmem = sparse_combine_smem(nsplit, hpb);
   if (csmem > 200 * 1024) return cudaErrorInvalidValue;
   if (csmem > 48 * 1024) {
