@@ -53,8 +53,7 @@ may launch and start its weight loads before the shared down drains; ds4.ops.sid
 late (DS4_LATE_COMPRESS=1: a captured graph per compressor phase, where layers whose window does not end at the
 step join their compressor branches after the output projection instead of before the attention core; opt-in,
 measured no faster in session 28; ds4.runtime.cuda_graph),
-chN (DS4_COMBINE_HEADS=N, 2 / 4 / 8: the attention combine's blocks take N heads each, so they sit on fewer SMs
-while wo_a's blocks start), noride (DS4_SINKHORN_RIDE=0: each hc finish runs its own Sinkhorn, the default before session 30; the default
+noride (DS4_SINKHORN_RIDE=0: each hc finish runs its own Sinkhorn, the default before session 30; the default
 leaves it to the site's attention combine / router top-k launch), rideattn (DS4_SINKHORN_RIDE=attn: at the attention
 sites only),
 nohcf (DS4_HC_FOLD=0:
@@ -273,8 +272,6 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
     os.environ["DS4_X_COMBINE"] = "2" if "xcombine2" in toks else ("1" if "xcombine" in toks else "0")
-    # chN: the attention combine's blocks take N heads each (DS4_COMBINE_HEADS; 1 without the token)
-    os.environ["DS4_COMBINE_HEADS"] = str(_number_token(toks, "ch", 1))
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
     os.environ["DS4_AR_FOLD_SPREAD"] = "0" if "arfpack" in toks else "1"

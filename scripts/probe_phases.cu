@@ -147,8 +147,8 @@ static void probe_sparse(int pos) {
   CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * H * D));
   auto freqs = dev_random<float>(32, 0.f, 1.f);
   auto combine = [&](int) {  // after the chunk kernel above: its ml / opart are the inputs
-    ds4_attn::sparse_combine_kernel<<<dim3(H, 1), D / 4 < 128 ? D / 4 : 128, ds4_attn::sparse_combine_smem(nsplit, 1)>>>(
-        opart, ml, sink, nsplit, H, D, dpos, freqs, 64, out, ds4::SinkhornRide{}, 1);
+    ds4_attn::sparse_combine_kernel<<<dim3(H, 1), D / 4 < 128 ? D / 4 : 128, ds4_attn::sparse_combine_smem(nsplit)>>>(
+        opart, ml, sink, nsplit, H, D, dpos, freqs, 64, out, ds4::SinkhornRide{});
   };
   std::printf("sparse_combine pos %d: %.2f us\n", pos, time_us(combine));
 }

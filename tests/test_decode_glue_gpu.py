@@ -201,35 +201,6 @@ def test_decode_attention_combine_over_many_splits(pos):
     assert torch.isfinite(got).all() and rel(got, ref) <= TOL
 
 
-@pytest.mark.parametrize("heads", ["2", "4", "8"])
-@pytest.mark.parametrize("pos,D", [((63,), 512), ((5, 900, 2999), 512), ((700,), 128)])
-def test_decode_attention_combine_heads_per_block(heads, pos, D, monkeypatch):
-    """DS4_COMBINE_HEADS=N: the combine's blocks take N heads each (fewer, wider blocks) with the same arithmetic in
-    the same order: the same output bit for bit as one head per block, and the same ride (comb)."""
-    from ds4 import kernels_attn
-    from ds4.ops.base import SinkhornRide
-    g = gen(93 + int(heads) + D + len(pos))
-    B, H, W = len(pos), 64, 128
-    q = randn(B, H, D, g=g, dtype=BF16)
-    win = randn(B, W, D, g=g, dtype=BF16, scale=0.3)
-    ext = randn(B, 3000, D, g=g, dtype=BF16, scale=0.3)
-    sink = randn(H, g=g)
-    p, f = positions(*pos), freqs(128)
-    logits = torch.randn(B, 4, 4, device=DEV, generator=g)
-    outs, combs = [], []
-    for n in ("1", heads):
-        monkeypatch.setenv("DS4_COMBINE_HEADS", n)
-        comb = logits.clone()
-        poison()
-        outs.append(kernels_attn.sparse_decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None,
-                                               SinkhornRide(comb, 20, 1e-6)))
-        combs.append(comb)
-    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1]) and torch.equal(combs[0], combs[1])
-    monkeypatch.delenv("DS4_COMBINE_HEADS")
-    ref = REF.decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None)
-    assert rel(outs[0], ref) <= TOL
-
-
 @pytest.mark.parametrize("mode", ["1", "2"])
 def test_xcombine_diagnostic_leaves_out_the_combine(mode, monkeypatch):
     """DS4_X_COMBINE=1 / 2 (bench_decode's xcombine / xcombine2, timing only: no combine launch / an empty one): the

@@ -291,31 +291,26 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
 // has completed by then (this launch starts only after every chunk block passed its own wait, i.e. after the
 // launch before the chunk kernel completed, and the finish comes earlier still), and comb is read only at the
 // site's end (wo_b's hc fold epilogue or hc.post, launches after this one's completion).
-constexpr int COMBINE_MAX_HPB = 8;  // heads per combine block (DS4_COMBINE_HEADS)
-
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                       const float* __restrict__ sink, int nsplit, int H, int D,
                                       const int64_t* __restrict__ pos, const float* __restrict__ freqs, int R,
-                                      __nv_bfloat16* __restrict__ out, const ds4::SinkhornRide ride, int hpb) {
-  // hpb heads per block (COMBINE_MAX_HPB at most), blockDim.x / hpb threads each (a whole number of warps)
-  extern __shared__ float2 s_mls[];  // [hpb][nsplit] (max, sum) of each split, then int [hpb][nsplit]: the valid splits
-  __shared__ int s_nvalids[COMBINE_MAX_HPB];
+                                      __nv_bfloat16* __restrict__ out, const ds4::SinkhornRide ride) {
+  extern __shared__ float2 s_ml[];  // [nsplit] (max, sum) of each split, then int [nsplit]: the valid splits
+  int* s_valid = reinterpret_cast<int*>(s_ml + nsplit);
+  __shared__ int s_nvalid;
   if (ride.comb != nullptr && blockIdx.x == 0 && threadIdx.x == 0) ds4::sinkhorn_ride(ride, blockIdx.y);
   ds4_pdl::begin();
-  const int tph = blockDim.x / hpb, hl = threadIdx.x / tph, tid = threadIdx.x % tph;
-  const int h = blockIdx.x * hpb + hl, r = blockIdx.y, lane = threadIdx.x & 31;
-  float2* s_ml = s_mls + hl * nsplit;
-  int* s_valid = reinterpret_cast<int*>(s_mls + hpb * nsplit) + hl * nsplit;
+  const int h = blockIdx.x, r = blockIdx.y, lane = threadIdx.x & 31;
   const float2* mlh = reinterpret_cast<const float2*>(ml) + (long)r * nsplit * H + h;  // split c at mlh[c * H]
-  for (int c = tid; c < nsplit; c += tph) s_ml[c] = mlh[(long)c * H];
+  for (int c = threadIdx.x; c < nsplit; c += blockDim.x) s_ml[c] = mlh[(long)c * H];
   const float sk = sink[h];
-  const int d0 = tid * 4;  // this thread's first 4 output dims
+  const int d0 = threadIdx.x * 4;  // this thread's first 4 output dims
   const bool rot = R > 0 && d0 < D && d0 >= D - R;
   const float fpos = R > 0 ? (float)pos[r] : 0.f;  // for every thread: a later pass of d may reach the RoPE dims
   float fr[2] = {0.f, 0.f};
   if (rot) { fr[0] = freqs[(d0 - (D - R)) / 2]; fr[1] = freqs[(d0 + 2 - (D - R)) / 2]; }
   __syncthreads();
-  if (tid < 32) {  // the valid splits in increasing order (the head's first warp: a ballot per 32 splits)
+  if (threadIdx.x < 32) {  // the valid splits in increasing order (warp 0: a ballot per 32 splits)
     int n = 0;
     for (int c0 = 0; c0 < nsplit; c0 += 32) {
       const int c = c0 + lane;
@@ -324,10 +319,10 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
       if (v) s_valid[n + __popc(b & ((1u << lane) - 1u))] = c;
       n += __popc(b);
     }
-    if (lane == 0) s_nvalids[hl] = n;
+    if (lane == 0) s_nvalid = n;
   }
   __syncthreads();
-  const int nv = s_nvalids[hl];
+  const int nv = s_nvalid;
   float M = sk;
   for (int i = 0; i < nv; ++i) M = fmaxf(M, s_ml[s_valid[i]].x);
   float L = expf(sk - M);
@@ -337,7 +332,7 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
   }
   const float inv = 1.f / L;
   constexpr int CU = 8;  // valid splits whose partial outputs are loaded together (one L2 round trip)
-  for (int d = d0; d < D; d += tph * 4) {
+  for (int d = d0; d < D; d += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int i0 = 0; i0 < nv; i0 += CU) {
       float4 v[CU];
@@ -379,7 +374,7 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
 // DS4_X_COMBINE=2's stand-in for the combine launch (launch_sparse_attn): the PDL wait and trigger alone.
 __global__ void pdl_spacer_kernel() { ds4_pdl::begin(); }
 
-static size_t sparse_combine_smem(int nsplit, int hpb) { return (size_t)hpb * nsplit * (sizeof(float2) + sizeof(int)); }
+static size_t sparse_combine_smem(int nsplit) { return (size_t)nsplit * (sizeof(float2) + sizeof(int)); }
 
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st,
                                const ds4::SinkhornRide& ride) {
@@ -410,26 +405,15 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
     return xc[0] == '1' ? cudaSuccess : ds4_pdl::launch(pdl_spacer_kernel, dim3(1), dim3(32), 0, st);
   }
   const int threads = a.D / 4 < 32 ? 32 : (a.D / 4 < 128 ? a.D / 4 : 128);  // warp 0 whole (its ballots)
-  // DS4_COMBINE_HEADS=N (read per launch; 1, 2, 4 or 8): N heads per block, so that the combine's blocks sit on
-  // fewer SMs while the next launch's blocks take their slots (whole warps per head, H a multiple of N)
-  const char* hv = std::getenv("DS4_COMBINE_HEADS");
-  int hpb = hv ? std::atoi(hv) : 1;
-  if (hpb != 2 && hpb != 4 && hpb != 8) hpb = 1;
-  static int max_threads = 0;  // the kernel's block limit at its register count (1024 threads need <= 64 each)
-  if (max_threads == 0) {
-    cudaFuncAttributes fa;
-    max_threads = cudaFuncGetAttributes(&fa, sparse_combine_kernel) == cudaSuccess ? fa.maxThreadsPerBlock : 128;
-  }
-  while (hpb > 1 && (a.H % hpb || threads % 32 || threads * hpb > max_threads)) hpb /= 2;
-  const size_t csmem = sparse_combine_smem(nsplit, hpb);
+  const size_t csmem = sparse_combine_smem(nsplit);
   if (csmem > 200 * 1024) return cudaErrorInvalidValue;
   if (csmem > 48 * 1024) {
     e = cudaFuncSetAttribute(sparse_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)csmem);
     if (e != cudaSuccess) return e;
   }
-  return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H / hpb, a.B * a.S), dim3(threads * hpb), csmem, st,
+  return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), csmem, st,
                          static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
-                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out), ride, hpb);
+                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out), ride);
 }
 
 }  // namespace ds4_attn
