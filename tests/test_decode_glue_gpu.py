@@ -218,7 +218,7 @@ def test_xcombine_diagnostic_leaves_out_the_combine(mode, monkeypatch):
     monkeypatch.setenv("DS4_X_COMBINE", mode)
     torch.full((B, H, D), float("nan"), device=DEV, dtype=BF16)  # freed at once: the output's block, likely
     got = FUSED.decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="sparse_decode launch failed"):
         kernels_attn.sparse_decode(q, win, p, ext, None, 128, sink, D ** -0.5, f, None,
                                    SinkhornRide(torch.rand(B, 4, 4, device=DEV), 20, 1e-6))
     torch.cuda.synchronize()
