@@ -10,6 +10,7 @@ whole vocabulary.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -74,7 +75,16 @@ def init(device_type: str, expected_world: int) -> DistEnv:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
                                 device_id=torch.device("cuda", e.local_rank) if device_type == "cuda" else None)
+        atexit.register(_leave_group)
     return e
+
+
+def _leave_group() -> None:
+    """Leave the process group at exit while the interpreter is still whole. Why: left to interpreter finalization,
+    gloo's worker threads may still hold work whose tensors need the GIL, and the process aborts (pytorch/pytorch
+    #179291); CI saw rank 0 of `test_torchrun_tp2_on_cpu` die with SIGABRT once (session 31)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def symm_dtypes(reduce_dtype: torch.dtype) -> list[torch.dtype]:
