@@ -378,7 +378,12 @@ static size_t sparse_combine_smem(int nsplit) { return (size_t)nsplit * (sizeof(
 
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st,
                                const ds4::SinkhornRide& ride) {
-  if (!ds4::sinkhorn_ride_ok(ride, a.B) || (ride.comb != nullptr && (a.pos == nullptr || a.S != 1)))
+  // DS4_X_COMBINE (read per launch): the removal diagnostics of scripts/bench_decode.py, timing only, the output left
+  // unwritten (WRONG outputs; no ride, which only the combine launch could take along): 1 (xcombine) no combine
+  // launch; 2 (xcombine2) an empty launch in its place (it waits for the chunk kernel and lets the next launch go)
+  const char* xc = std::getenv("DS4_X_COMBINE");
+  const int xcombine = xc && (xc[0] == '1' || xc[0] == '2') ? xc[0] - '0' : 0;
+  if (!ds4::sinkhorn_ride_ok(ride, a.B) || (ride.comb != nullptr && (a.pos == nullptr || a.S != 1 || xcombine)))
     return cudaErrorInvalidValue;
   if (a.D < 64 || a.D % 64 || a.H < 1 || a.B < 1 || a.S < 1 || nsplit < 1) return cudaErrorInvalidValue;
   if ((long)a.B * a.S > 65535 || a.H > 65535) return cudaErrorInvalidValue;
@@ -396,14 +401,8 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   cudaError_t e = ds4_pdl::launch(sparse_chunk_kernel, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS),
                                   smem, st, a, nsplit, opart, ml);
   if (e != cudaSuccess) return e;
-  // DS4_X_COMBINE (read per launch): the removal diagnostics of scripts/bench_decode.py, timing only, the output left
-  // unwritten (WRONG outputs; no ride, which only this launch could take along): 1 (xcombine) no combine launch; 2
-  // (xcombine2) an empty launch in its place (it waits for the chunk kernel and lets the next launch go, nothing else)
-  const char* xc = std::getenv("DS4_X_COMBINE");
-  if (xc && (xc[0] == '1' || xc[0] == '2')) {
-    if (ride.comb != nullptr) return cudaErrorInvalidValue;
-    return xc[0] == '1' ? cudaSuccess : ds4_pdl::launch(pdl_spacer_kernel, dim3(1), dim3(32), 0, st);
-  }
+  if (xcombine == 1) return cudaSuccess;
+  if (xcombine == 2) return ds4_pdl::launch(pdl_spacer_kernel, dim3(1), dim3(32), 0, st);
   const int threads = a.D / 4 < 32 ? 32 : (a.D / 4 < 128 ? a.D / 4 : 128);  // warp 0 whole (its ballots)
   const size_t csmem = sparse_combine_smem(nsplit);
   if (csmem > 200 * 1024) return cudaErrorInvalidValue;
