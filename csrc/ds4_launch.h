@@ -29,6 +29,15 @@ int mma_max_width();
 // per-group rows): DS4_MMA_DEPTH = 8, 4, 2 for all, else the per-shape default (gemv.cu); 0 with
 // DS4_MMA_LOAD=smem (mma_dot.cuh).
 int mma_depth(int K, bool grouped);
+// Weight rounds per warp the tensor-core GEMVs (down = false) / the MoE down kernels (down = true) load before
+// their PDL wait: DS4_PREFETCH / DS4_PREFETCH_DOWN = N (0: none, the loads all after the wait), else -1 = all
+// of the stream's depth (the default). Read at every launch (an ablation knob).
+int mma_prefetch_rounds(bool down);
+// Diagnostic (timing only; the outputs are unchanged): DS4_SPACER holding the letter g / d / u puts an empty PDL
+// launch in front of every tensor-core GEMV / MoE down / MoE gate+up launch, so that kernel launches only once
+// the kernel before it has ended: what PDL's early launch is worth per kernel class (H200: 1-3 us per kernel,
+// experiments/decode_session32_h200.md). launch_spacer_before returns cudaSuccess when it launches nothing.
+cudaError_t launch_spacer_before(char kind, cudaStream_t st);
 
 // out[t, o] = sum_k x[t, xoff(o) + k] * W[o, k]   (t < n_tok <= 8)
 // fmt 0 bf16 / 1 fp8 (E4M3 + E8M0 128x128) / 2 fp4 (E2M1 pairs + E8M0 per 32); not 3 (fp4p: MoE only).

@@ -144,7 +144,7 @@ template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, CW>()))
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                 int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb,
-                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold) {
+                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold, int pre) {
   DS4_MARK(0);
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
@@ -159,7 +159,8 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
   };
   auto st = mma_stream<FMT, U, CW>(tile, xs, nt, 1, K / mma_round_vals<FMT, CW>(), row_bytes<FMT>(K), s_ld,
                                    reinterpret_cast<uint8_t*>(xs + (long)ng * K));
-  st.prefetch();  // weights do not depend on the previous kernel: load them before waiting (PDL)
+  const int pre_rounds = pre < 0 ? (1 << 30) : pre;  // mma_prefetch_rounds
+  st.prefetch(pre_rounds);  // weights do not depend on the previous kernel: load them before waiting (PDL)
   // the fold's buffers after the stream's (recomputed where used: nothing of the fold stays live in registers
   // across the stream)
   [[maybe_unused]] auto fs = [&] {
@@ -168,6 +169,7 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
   };
   if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, O);  // a weight: before the wait
   ds4_pdl::begin();
+  st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, O);
   mma_part_zero(part, nt);
   if constexpr (NORM) stage_mma_rmsnorm<FMT>(xs, x, K, nw, nw_f32 != 0, eps);
@@ -244,9 +246,26 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   const int blocks = (T + tpb - 1) / tpb;
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
+  if ((e = launch_spacer_before('g', st)) != cudaSuccess) return e;
   return ds4_pdl::launch(kern, dim3(blocks), dim3(MMA_STREAM_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
-                         out_f32 ? 1 : 0, O, K, group_rows, tpb, nw, nw_f32 ? 1 : 0, eps, fold);
+                         out_f32 ? 1 : 0, O, K, group_rows, tpb, nw, nw_f32 ? 1 : 0, eps, fold,
+                         mma_prefetch_rounds(false));
+}
+
+__global__ void spacer_kernel() { ds4_pdl::begin(); }
+
+cudaError_t launch_spacer_before(char kind, cudaStream_t st) {
+  const char* env = std::getenv("DS4_SPACER");
+  if (!env || !std::strchr(env, kind)) return cudaSuccess;
+  return ds4_pdl::launch(spacer_kernel, dim3(1), dim3(32), 0, st);
+}
+
+int mma_prefetch_rounds(bool down) {
+  const char* env = std::getenv(down ? "DS4_PREFETCH_DOWN" : "DS4_PREFETCH");
+  if (!env || !env[0]) return -1;
+  const int n = std::atoi(env);
+  return n < 0 ? -1 : n;
 }
 
 bool mma_auto(int fmt, int K, int O) {

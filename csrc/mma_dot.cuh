@@ -328,11 +328,17 @@ struct MmaStream {
     }
   }
 
-  // the first loads: may run before the activations are staged (weights are constant)
-  __device__ __forceinline__ void prefetch() {
+  // the first loads: may run before the activations are staged (weights are constant). upto < U: only the
+  // first upto rounds (before a PDL wait); prefetch_rest(upto) after it loads the others, in the same order.
+  __device__ __forceinline__ void prefetch(int upto = U) {
 #pragma unroll
     for (int k = 0; k < U; ++k)
-      if (left > 0) load(k);
+      if (k < upto && left > 0) load(k);
+  }
+  __device__ __forceinline__ void prefetch_rest(int from) {
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+      if (k >= from && left > 0) load(k);
   }
 
   // FP4 scale byte of (row half hr: 0 = g, 1 = g+8, column j of the lane's pair, chunk w)
@@ -501,10 +507,20 @@ struct MmaSmemStream {
     }
   }
 
-  // the first MMA_SMEM_STAGES - 1 stages (weights only: may run before the PDL wait)
-  __device__ __forceinline__ void prefetch() {
+  // the first MMA_SMEM_STAGES - 1 stages (weights only: may run before the PDL wait); upto / prefetch_rest as
+  // MmaStream's, per stage (one commit group each, in order either way)
+  __device__ __forceinline__ void prefetch(int upto = MMA_SMEM_STAGES - 1) {
 #pragma unroll
     for (int i = 0; i < MMA_SMEM_STAGES - 1; ++i) {
+      if (i >= upto) break;
+      if (i < ns) issue(i);
+      cp_async_commit();
+    }
+  }
+  __device__ __forceinline__ void prefetch_rest(int from) {
+#pragma unroll
+    for (int i = 0; i < MMA_SMEM_STAGES - 1; ++i) {
+      if (i < from) continue;
       if (i < ns) issue(i);
       cp_async_commit();
     }

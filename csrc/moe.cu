@@ -341,7 +341,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, W>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
-                    void* __restrict__ out, int tpb, const HcFold fold) {
+                    void* __restrict__ out, int tpb, const HcFold fold, int pre) {
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
@@ -364,7 +364,8 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   auto tile = [=](int tl, int u) { return MmaTile{s_w[u], s_s[u], hs + (long)u * a.inter, (t0 + tl) * 16, a.dim}; };
   auto st = mma_stream<FMT, U, W>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
                                   a.s2_ld, reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter));
-  st.prefetch();
+  const int pre_rounds = pre < 0 ? (1 << 30) : pre;  // mma_prefetch_rounds
+  st.prefetch(pre_rounds);
   // the fold's buffers after the stream's (recomputed where used: nothing of the fold stays live in registers
   // across the stream)
   [[maybe_unused]] auto fs = [&] {
@@ -373,6 +374,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   };
   if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, a.dim);  // a weight: before the wait
   ds4_pdl::begin();  // h and add come from the previous kernels
+  st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, a.dim);
   stage_mma_rows<FMT>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   mma_part_zero(part, nt);
@@ -449,6 +451,7 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
   int grid = std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem), true), pairs);
   const int floor_grid = (pairs + MMA_STREAM_MAX_TILES / 2 - 1) / (MMA_STREAM_MAX_TILES / 2);
   if (grid < floor_grid) grid = floor_grid;
+  if ((e = launch_spacer_before('u', st)) != cudaSuccess) return e;
   return ds4_pdl::launch(kern, dim3(grid), dim3(MMA_STREAM_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<__nv_bfloat16*>(h));
 }
@@ -471,8 +474,9 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
   while (FOLD && tpb > 1 && smem_for(tpb) > MOE_MMA_SMEM_CAP) tpb /= 2;
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
+  if ((e = launch_spacer_before('d', st)) != cudaSuccess) return e;
   return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(MMA_STREAM_THREADS), smem, st, a,
-                         reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb, fold);
+                         reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb, fold, mma_prefetch_rounds(true));
 }
 
 template <int FMT, int NT>

@@ -66,8 +66,11 @@ one GPU, the routed and shared experts, gate+up and down, in one launch; opt-in)
 with the shared expert's gate+up a side-stream launch beside the router), ffnreg (DS4_FFN_SH_DOWN=reg: that
 launch's shared-expert down on the register stream), xshared / xrouter /
 xrouted / xattn / xcombine (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core /
-attention-combine kernels, to time what each costs the step; xcombine and xcombine2, an empty launch in the
-combine's place, with noride only). On a machine without CUDA it runs on the CPU (a dry run of the script).
+attention-combine kernels, to time what each costs the step; xcombine: a launch of the combine's grid that only
+writes zeros in its place, with noride only), preN / dpreN (DS4_PREFETCH / DS4_PREFETCH_DOWN=N: the tensor-core GEMVs /
+the MoE down kernels load only N weight rounds before their PDL wait, the rest after it; default all), spLETTERS
+(DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
+launch; a diagnostic, outputs unchanged). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
 """
@@ -148,6 +151,18 @@ def _set_or_unset(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
+def launch_order_env(toks: set[str]) -> dict[str, str | None]:
+    """The variables of the launch-order ablations (None: unset, the library default). preN / dpreN: the tensor-core
+    GEMVs / the MoE down kernels load only N weight rounds before their PDL wait (DS4_PREFETCH / DS4_PREFETCH_DOWN;
+    default all of their depth). spLETTERS (letters of g d u): an empty PDL launch before every tensor-core GEMV /
+    MoE down / MoE gate+up launch (DS4_SPACER; timing only, outputs unchanged)."""
+    def rounds(prefix):
+        ns = [t[len(prefix):] for t in toks if t.startswith(prefix) and t[len(prefix):].isdigit()]
+        return str(max(int(n) for n in ns)) if ns else None
+    sp = sorted(t[2:] for t in toks if t.startswith("sp") and t[2:] and set(t[2:]) <= set("gdu"))
+    return {"DS4_PREFETCH": rounds("pre"), "DS4_PREFETCH_DOWN": rounds("dpre"), "DS4_SPACER": "".join(sp) or None}
+
+
 def _number_token(toks: set[str], prefix: str, default: int) -> int:
     """N of a variant token prefix + digits (e.g. cap8192, shw50), the largest if several; else default."""
     return max([int(t[len(prefix):]) for t in toks if t.startswith(prefix) and t[len(prefix):].isdigit()] or [default])
@@ -161,9 +176,10 @@ def _number_token(toks: set[str], prefix: str, default: int) -> int:
 #   xrouter  no router kernels (a fixed device (weights, ids): experts 0..k-1 of this rank, weights 1/k)
 #   xrouted  no routed-expert kernels (the routed sum is zero)
 #   xattn    no attention-core kernels (the attention output is zero)
-#   xcombine no attention combine launch (DS4_X_COMBINE=1: its output left unwritten; with noride only, as that
-#            launch takes the attention site's Sinkhorn along); xcombine2: an empty launch in its place (=2: the PDL
-#            wait and trigger alone), so the combine's own work is what it leaves out
+#   xcombine the attention combine's loads and arithmetic (DS4_X_COMBINE=1: a launch of its grid writes zeros in
+#            its place; with noride only, as that launch takes the attention site's Sinkhorn along). Session 31's
+#            forms left the output unwritten: the state went NaN, the tokens all 0, and the router's ids degenerate,
+#            so their timings measured another MoE workload (withdrawn, experiments/decode_session32_h200.md)
 #   xar      tp > 1: no all-reduce (each rank keeps its partial sums; the ranks no longer wait for each other)
 def skip_shared_expert(moe) -> None:
     """xshared: this MoE implementation launches no shared-expert kernel in decode steps; the routed sum
@@ -271,7 +287,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
-    os.environ["DS4_X_COMBINE"] = "2" if "xcombine2" in toks else ("1" if "xcombine" in toks else "0")
+    os.environ["DS4_X_COMBINE"] = "1" if "xcombine" in toks else "0"
+    for name, value in launch_order_env(toks).items():
+        _set_or_unset(name, value)
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
     os.environ["DS4_AR_FOLD_SPREAD"] = "0" if "arfpack" in toks else "1"
@@ -321,6 +339,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
         "graphs": f.get("graphs"),  # captured steps: one per compressor phase (DS4_LATE_COMPRESS)
         "programmatic_joins": side_stream.programmatic_joins() - pjoins,  # pj: made while capturing (DS4_PJOIN)
         "tokens": out.tokens[0][:16],
+        # every token after the first the same: the state has likely gone NaN (greedy argmax of NaN logits is 0), and
+        # the router's ids with it, so the step ran another MoE workload and its time compares with nothing
+        "degenerate": len(out.tokens[0][1:16]) > 1 and len(set(out.tokens[0][1:16])) == 1,
     }
 
 
@@ -386,7 +407,9 @@ def main():
             for v in dict.fromkeys(r["variant"] for r in rows):  # in order, with the layout suffix
                 t = {r["n_layers"]: r["tpot_ms"] for r in rows if r["variant"] == v and "tpot_ms" in r}
                 if len(t) == 2:
-                    print(f"per-layer {v}: {1e3 * (t[ns[1]] - t[ns[0]]) / (ns[1] - ns[0]):.1f} us/layer")
+                    bad = any(r.get("degenerate") for r in rows if r["variant"] == v)
+                    print(f"per-layer {v}: {1e3 * (t[ns[1]] - t[ns[0]]) / (ns[1] - ns[0]):.1f} us/layer"
+                          + ("  [DEGENERATE TOKENS: a NaN state? not comparable]" if bad else ""))
         if a.out:
             json.dump({"gpu": gpu, "world": e.world, "copy_gb_s": bw, "rows": rows},
                       open(a.out, "w"), indent=1)

@@ -24,6 +24,16 @@ def test_bench_tokens_choose_the_sites(tokens, expected):
     assert _bench_decode()._prefetch_sites(tokens) == expected
 
 
+@pytest.mark.parametrize("tokens,expected", [
+    ({"kernels", "graph"}, (None, None, None)), ({"pre0"}, ("0", None, None)), ({"pre1", "dpre0"}, ("1", "0", None)),
+    ({"spg", "spd"}, (None, None, "dg")), ({"spgdu"}, (None, None, "gdu")),
+    ({"sprio", "pre", "dprex"}, (None, None, None)),  # another token, and no number: not these knobs
+])
+def test_launch_order_tokens_set_their_variables(tokens, expected):
+    env = _bench_decode().launch_order_env(tokens)
+    assert (env["DS4_PREFETCH"], env["DS4_PREFETCH_DOWN"], env["DS4_SPACER"]) == expected
+
+
 def test_repeated_variants_get_rows_of_their_own():
     names = _bench_decode().repeat_names(["k+graph", "k+graph+spg", "k+graph", "k+graph+rd4", "k+graph"])
     assert names == ["k+graph", "k+graph+spg", "k+graph#2", "k+graph+rd4", "k+graph#3"]

@@ -116,6 +116,25 @@ def test_gemv_kernel_variants(kernel, width, depth, fmt, o, i, monkeypatch):
     _gemv_check(fmt, o, i, 1, seed=o + i, kernel=kernel)
 
 
+@pytest.mark.parametrize("width,depth", [(2, 8), (2, 2), (1, 8), (2, 0)])
+@pytest.mark.parametrize("fmt,o,i", [("fp8", 4096, 8192), ("fp8", 200, 1024), ("fp4", 333, 4224)])
+def test_gemv_prefetch_split_is_bit_exact(width, depth, fmt, o, i, monkeypatch):
+    """DS4_PREFETCH=N loads only N weight rounds (stages, for the shared-memory stream) before the PDL wait and the
+    rest after it, in the same order: the output is the default's bit for bit, for N = 0, 1 and more rounds than
+    the stream has."""
+    set_mma_shape(monkeypatch, width, depth)
+    monkeypatch.delenv("DS4_PREFETCH", raising=False)
+    g = gen(seed_of("prefetch", fmt, o, i, width, depth))
+    w, s = (rand_fp8_weight if fmt == "fp8" else rand_fp4_weight)(o, i, g)
+    x = rand_x(1, i, g)
+    y = kernels.gemv(x, w, s, fmt, kernel="mma")
+    assert torch.isfinite(y).all()
+    for n in ("0", "1", "9"):
+        monkeypatch.setenv("DS4_PREFETCH", n)
+        poison()
+        assert torch.equal(kernels.gemv(x, w, s, fmt, kernel="mma"), y), n
+
+
 def test_gemv_mma_rejects_what_it_cannot_serve():
     g = gen(9)
     w, s = rand_fp8_weight(64, 1024, g)
@@ -364,6 +383,65 @@ def test_moe_fp4t_layout_bit_exact(depth, case, dims, monkeypatch):
         poison()
         yt = kernels.moe_down(h, ids, 6, t2, s2, "fp4t", 32, 16, add, add is None)
         assert torch.isfinite(yt.float()).all() and torch.equal(yt, y)
+
+
+@pytest.mark.parametrize("depth", ["2", "8", "smem"])
+def test_moe_down_prefetch_split_is_bit_exact(depth, monkeypatch):
+    """DS4_PREFETCH_DOWN=N: the MoE down loads N weight rounds before its PDL wait and the rest after; the same
+    output bits as the default (fp4t at V4's dim, and fp4p through the shared-memory stream)."""
+    monkeypatch.setenv("DS4_MMA_DEPTH", "2" if depth == "smem" else depth)
+    monkeypatch.delenv("DS4_PREFETCH_DOWN", raising=False)
+    if depth == "smem":
+        monkeypatch.setenv("DS4_MMA_LOAD", "smem")
+    else:
+        monkeypatch.delenv("DS4_MMA_LOAD", raising=False)
+    layout = "fp4p" if depth == "smem" else "fp4t"
+    dim, inter = 4096, 2048
+    g = gen(seed_of("down_prefetch", depth))
+    (p1, s1, p3, s3, p2, s2), _ = make_experts(16, dim, inter, g, "fp4p")
+    w2 = p2 if layout == "fp4p" else tile_fp4_mma(p2)
+    ids = torch.tensor([ONE_TOKEN_IDS["boundary_and_nonlocal"]], device=DEV)
+    h = rand_x(6, inter, g)
+    add = rand_x(1, dim, g)
+    y = kernels.moe_down(h, ids, 6, w2, s2, layout, 32, 16, add, False)
+    assert torch.isfinite(y.float()).all()
+    for n in ("0", "1", "9"):
+        monkeypatch.setenv("DS4_PREFETCH_DOWN", n)
+        poison()
+        assert torch.equal(kernels.moe_down(h, ids, 6, w2, s2, layout, 32, 16, add, False), y), n
+
+
+def test_spacer_diagnostic_launches_before_the_named_kernels(monkeypatch):
+    """DS4_SPACER (timing only): an empty launch goes before each tensor-core GEMV (g), MoE gate+up (u) and MoE
+    down (d) launch it names, and the outputs stay the same bits."""
+    monkeypatch.delenv("DS4_MMA_DEPTH", raising=False)
+    monkeypatch.delenv("DS4_MMA_LOAD", raising=False)
+    monkeypatch.delenv("DS4_SPACER", raising=False)
+    dim, inter = 4096, 2048
+    g = gen(seed_of("spacer"))
+    (p1, s1, p3, s3, p2, s2), _ = make_experts(16, dim, inter, g, "fp4p")
+    t1, t3, t2 = (tile_fp4_mma(w) for w in (p1, p3, p2))
+    ids = torch.tensor([ONE_TOKEN_IDS["distinct"]], device=DEV)
+    weights = torch.rand(1, 6, device=DEV, generator=g) + 0.1
+    x = rand_x(1, dim, g)
+    w, s = rand_fp8_weight(1024, dim, g)
+
+    def run():
+        y = kernels.gemv(x, w, s, "fp8", kernel="mma")
+        h = kernels.moe_gate_up(x, ids, weights, t1, s1, t3, s3, "fp4t", 32, 16, 10.0)
+        return y, h, kernels.moe_down(h, ids, 6, t2, s2, "fp4t", 32, 16, None, True)
+
+    ref = run()
+    for letters in ("g", "u", "d", "gdu"):
+        monkeypatch.setenv("DS4_SPACER", letters)
+        poison()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = run()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        assert sum("spacer_kernel" in n for n in names) == len(letters), (letters, names)
+        loc = ((ids >= 32) & (ids < 48)).flatten()
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1][loc], ref[1][loc]) and torch.equal(out[2], ref[2])
 
 
 @pytest.mark.parametrize("routed_depth,rounds", [(None, 4), ("2", 1), ("4", 2), ("8", 4)])
