@@ -12,19 +12,7 @@
 // Time per kernel = graph replay / N. Outputs are checked where the kernels do no arithmetic (work = 0: every
 // element must equal N; with work the values drift from N by design, so no check is printed).
 //   nvcc -std=c++17 -O3 -arch=sm_90 scripts/probe_chain.cu -o /tmp/probe_chain && /tmp/probe_chain
-#include <cuda_runtime.h>
-
-#include <cstdio>
-#include <vector>
-
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);    \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+#include "probe_util.cuh"
 
 constexpr int THREADS = 256;
 
@@ -77,14 +65,14 @@ static void launch(cudaStream_t st, int G, const float* prev, float* cur, unsign
   CK(cudaLaunchKernelEx(&cfg, chain_kernel<MODE>, prev, cur, cnt, first, G, work));
 }
 
-template <int MODE>
-static float run(int N, int G, int work, float** bufs, unsigned* cnt, bool* ok) {
+// Microseconds per replay of the graph that capture(stream) records (3 warm-up replays, then `reps` timed).
+template <typename F>
+static float graph_us(F capture, int reps) {
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   cudaGraph_t graph;
   CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  CK(cudaMemsetAsync(cnt, 0, sizeof(unsigned) * (N + 1), st));
-  for (int k = 0; k < N; ++k) launch<MODE>(st, G, bufs[k], bufs[k + 1], cnt + 1 + k, k == 0, work);
+  capture(st);
   CK(cudaStreamEndCapture(st, &graph));
   cudaGraphExec_t exec;
   CK(cudaGraphInstantiate(&exec, graph, 0));
@@ -93,22 +81,30 @@ static float run(int N, int G, int work, float** bufs, unsigned* cnt, bool* ok) 
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
-  const int R = 20;
   CK(cudaEventRecord(a, st));
-  for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(exec, st));
+  for (int r = 0; r < reps; ++r) CK(cudaGraphLaunch(exec, st));
   CK(cudaEventRecord(b, st));
   CK(cudaEventSynchronize(b));
   float ms = 0.f;
   CK(cudaEventElapsedTime(&ms, a, b));
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(st));
+  return ms * 1000.f / reps;
+}
+
+template <int MODE>
+static float run(int N, int G, int work, float** bufs, unsigned* cnt, bool* ok) {
+  const float us = graph_us([&](cudaStream_t st) {
+    CK(cudaMemsetAsync(cnt, 0, sizeof(unsigned) * (N + 1), st));
+    for (int k = 0; k < N; ++k) launch<MODE>(st, G, bufs[k], bufs[k + 1], cnt + 1 + k, k == 0, work);
+  }, 20);
   std::vector<float> h((size_t)G * THREADS);
   CK(cudaMemcpy(h.data(), bufs[N], h.size() * sizeof(float), cudaMemcpyDeviceToHost));
   *ok = true;
   for (float v : h)
     if (v != (float)N) *ok = false;
-  CK(cudaGraphExecDestroy(exec));
-  CK(cudaGraphDestroy(graph));
-  CK(cudaStreamDestroy(st));
-  return ms * 1000.f / R / N;
+  return us / N;
 }
 
 // ---- Do a PDL successor's blocks, resident and waiting in griddepcontrol.wait, slow the kernel before them?
@@ -134,47 +130,26 @@ __global__ void waiter_kernel(float* out) {
 }
 
 static float run_pair(bool pdl, int wblocks, int wthreads, int iters, float* buf) {
-  cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int P = 20;
-  cudaGraph_t graph;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  for (int k = 0; k < P; ++k) {
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.stream = st;
-    cfg.gridDim = dim3(sms);
-    cfg.blockDim = dim3(BUSY_THREADS);
-    cfg.numAttrs = pdl ? 1 : 0;
-    CK(cudaLaunchKernelEx(&cfg, busy_kernel, buf, iters));
-    cfg.gridDim = dim3(wblocks);
-    cfg.blockDim = dim3(wthreads);
-    CK(cudaLaunchKernelEx(&cfg, waiter_kernel, buf + 1));
-  }
-  CK(cudaStreamEndCapture(st, &graph));
-  cudaGraphExec_t exec;
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  CK(cudaGraphLaunch(exec, st));
-  CK(cudaStreamSynchronize(st));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  const int R = 10;
-  CK(cudaEventRecord(a, st));
-  for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(exec, st));
-  CK(cudaEventRecord(b, st));
-  CK(cudaEventSynchronize(b));
-  float ms = 0.f;
-  CK(cudaEventElapsedTime(&ms, a, b));
-  CK(cudaGraphExecDestroy(exec));
-  CK(cudaGraphDestroy(graph));
-  CK(cudaStreamDestroy(st));
-  return ms * 1000.f / R / P;
+  return graph_us([&](cudaStream_t st) {
+    for (int k = 0; k < P; ++k) {
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.stream = st;
+      cfg.gridDim = dim3(sms);
+      cfg.blockDim = dim3(BUSY_THREADS);
+      cfg.numAttrs = pdl ? 1 : 0;
+      CK(cudaLaunchKernelEx(&cfg, busy_kernel, buf, iters));
+      cfg.gridDim = dim3(wblocks);
+      cfg.blockDim = dim3(wthreads);
+      CK(cudaLaunchKernelEx(&cfg, waiter_kernel, buf + 1));
+    }
+  }, 10) / P;
 }
 
 int main() {

@@ -1,4 +1,4 @@
-// Host helpers shared by the probes (scripts/probe_phases.cu, scripts/probe_bulk.cu): error check, random
+// Host helpers shared by the probes (scripts/probe_phases.cu, probe_bulk.cu, probe_chain.cu): error check, random
 // device buffers, CUDA-event timing.
 #pragma once
 #include <cuda_runtime.h>
