@@ -157,8 +157,8 @@ def launch_order_env(toks: set[str]) -> dict[str, str | None]:
     default all of their depth). spLETTERS (letters of g d u): an empty PDL launch before every tensor-core GEMV /
     MoE down / MoE gate+up launch (DS4_SPACER; timing only, outputs unchanged)."""
     def rounds(prefix):
-        ns = [t[len(prefix):] for t in toks if t.startswith(prefix) and t[len(prefix):].isdigit()]
-        return str(max(int(n) for n in ns)) if ns else None
+        n = _number_token(toks, prefix, -1)
+        return str(n) if n >= 0 else None
     sp = sorted(t[2:] for t in toks if t.startswith("sp") and t[2:] and set(t[2:]) <= set("gdu"))
     return {"DS4_PREFETCH": rounds("pre"), "DS4_PREFETCH_DOWN": rounds("dpre"), "DS4_SPACER": "".join(sp) or None}
 

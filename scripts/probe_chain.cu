@@ -6,18 +6,17 @@
 // they finish (after a fence), so it proceeds without the grid-completion step. This probe times N
 // dependent kernels (each block reads what the previous kernel wrote and writes its own buffer) three ways:
 //   plain  launches without PDL;
-//   pdl    griddepcontrol.wait, then launch_dependents (the library's ds4_pdl::begin());
+//   pdl    griddepcontrol.wait, then launch_dependents (ds4_pdl::begin(), csrc/pdl.cuh);
 //   flag   thread 0 polls the previous kernel's counter (ld.acquire.gpu) until every block of it has
 //          finished, then launch_dependents; at its end each block fences and bumps its own counter.
 // Time per kernel = graph replay / N. Outputs are checked where the kernels do no arithmetic (work = 0: every
 // element must equal N; with work the values drift from N by design, so no check is printed).
 //   nvcc -std=c++17 -O3 -arch=sm_90 scripts/probe_chain.cu -o /tmp/probe_chain && /tmp/probe_chain
+#include "../csrc/pdl.cuh"
 #include "probe_util.cuh"
 
 constexpr int THREADS = 256;
 
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -30,15 +29,15 @@ template <int MODE>
 __global__ void __launch_bounds__(THREADS) chain_kernel(const float* prev, float* cur, unsigned* cnt, int first,
                                                         int gprev, int work) {
   if (MODE == 1) {
-    pdl_wait();
-    pdl_trigger();
+    ds4_pdl::wait();
+    ds4_pdl::launch_dependents();
   }
   if (MODE == 2) {
     if (!first && threadIdx.x == 0) {
       while (ld_acquire(cnt - 1) < (unsigned)gprev) __nanosleep(32);
     }
     __syncthreads();
-    pdl_trigger();
+    ds4_pdl::launch_dependents();
   }
   const int i = blockIdx.x * THREADS + threadIdx.x;
   float v = first ? 0.f : __ldcg(prev + i);
@@ -51,18 +50,19 @@ __global__ void __launch_bounds__(THREADS) chain_kernel(const float* prev, float
   }
 }
 
-template <int MODE>
-static void launch(cudaStream_t st, int G, const float* prev, float* cur, unsigned* cnt, int first, int work) {
+// ds4_pdl::launch with PDL chosen per call (not by DS4_PDL)
+template <typename... KArgs, typename... Args>
+static void launch(bool pdl, void (*kernel)(KArgs...), int grid, int block, cudaStream_t st, Args... args) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(G);
-  cfg.blockDim = dim3(THREADS);
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
   cfg.stream = st;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = MODE == 0 ? 0 : 1;
-  CK(cudaLaunchKernelEx(&cfg, chain_kernel<MODE>, prev, cur, cnt, first, G, work));
+  cfg.numAttrs = pdl ? 1 : 0;
+  CK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
 // Microseconds per replay of the graph that capture(stream) records (3 warm-up replays, then `reps` timed).
@@ -97,7 +97,9 @@ template <int MODE>
 static float run(int N, int G, int work, float** bufs, unsigned* cnt, bool* ok) {
   const float us = graph_us([&](cudaStream_t st) {
     CK(cudaMemsetAsync(cnt, 0, sizeof(unsigned) * (N + 1), st));
-    for (int k = 0; k < N; ++k) launch<MODE>(st, G, bufs[k], bufs[k + 1], cnt + 1 + k, k == 0, work);
+    for (int k = 0; k < N; ++k)
+      launch(MODE != 0, chain_kernel<MODE>, G, THREADS, st, (const float*)bufs[k], bufs[k + 1], cnt + 1 + k,
+             (int)(k == 0), G, work);
   }, 20);
   std::vector<float> h((size_t)G * THREADS);
   CK(cudaMemcpy(h.data(), bufs[N], h.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -114,7 +116,7 @@ static float run(int N, int G, int work, float** bufs, unsigned* cnt, bool* ok) 
 // after it. If waiting warps took issue slots, the PDL pairs would be the slower.
 constexpr int BUSY_THREADS = 1024;
 __global__ void __launch_bounds__(BUSY_THREADS) busy_kernel(float* out, int iters) {
-  pdl_trigger();
+  ds4_pdl::launch_dependents();
   float a = threadIdx.x * 1e-3f, b = a + 1.f, c = a + 2.f, d = a + 3.f;
   for (int i = 0; i < iters; ++i) {
     a = fmaf(a, 0.9999f, 1e-4f);
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(BUSY_THREADS) busy_kernel(float* out, int iter
   if (a + b + c + d == 12345.f) out[0] = a;  // never: keeps the loop
 }
 __global__ void waiter_kernel(float* out) {
-  pdl_wait();
+  ds4_pdl::wait();
   if (threadIdx.x == 0) out[blockIdx.x] = 1.f;
 }
 
@@ -135,19 +137,8 @@ static float run_pair(bool pdl, int wblocks, int wthreads, int iters, float* buf
   const int P = 20;
   return graph_us([&](cudaStream_t st) {
     for (int k = 0; k < P; ++k) {
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.stream = st;
-      cfg.gridDim = dim3(sms);
-      cfg.blockDim = dim3(BUSY_THREADS);
-      cfg.numAttrs = pdl ? 1 : 0;
-      CK(cudaLaunchKernelEx(&cfg, busy_kernel, buf, iters));
-      cfg.gridDim = dim3(wblocks);
-      cfg.blockDim = dim3(wthreads);
-      CK(cudaLaunchKernelEx(&cfg, waiter_kernel, buf + 1));
+      launch(pdl, busy_kernel, sms, BUSY_THREADS, st, buf, iters);
+      launch(pdl, waiter_kernel, wblocks, wthreads, st, buf + 1);
     }
   }, 10) / P;
 }
