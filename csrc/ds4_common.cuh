@@ -66,6 +66,19 @@ __device__ __forceinline__ float e8m0_byte_to_f32(uint32_t w, int k) {
   return fmaxf(__uint_as_float(b << 23), 5.877471754111438e-39f);  // 2^-127
 }
 
+// The scale of an FP4 chunk in the tensor-core kernels (MmaStream): byte k (0..3) of w as 2^(b - 127) for
+// b >= 1, in at most one ALU instruction. Byte 0 needs only the shift (FMA pipe): the bit that lands in the
+// sign is dropped by the fabsf, which ptxas folds into the FFMA operand (|R|); bytes 1..3 are taken out by PRMT.
+// b = 0 gives 0 here, not 2^-127: the scale multiplies a partial d = 2^-62 sum(v x) (mma_dot.cuh's 2^-126 and
+// 2^64 factors), and 2^-127 d lies below half fp32's least subnormal (2^-150) whenever |sum(v x)| < 2^39 —
+// with |v| <= 6 over 32 values, any activation below 2^31 in magnitude — so the FFMA that adds it returns its
+// accumulator unchanged either way (up to the sign of a zero accumulator). The FMNMX that e8m0_byte_to_f32
+// spends on that case is one of the FP4 kernels' ALU instructions, and those kernels are ALU-bound
+// (experiments/decode_session22_h200.md).
+__device__ __forceinline__ float e8m0_mma_scale(uint32_t w, int k) {
+  return fabsf(__uint_as_float((k == 0 ? w : __byte_perm(w, 0u, 0x4440u | (uint32_t)k)) << 23));
+}
+
 // 16-byte streaming load of weights (read once: do not allocate in L1).
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   uint4 r;

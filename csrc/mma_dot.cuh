@@ -139,6 +139,25 @@ __device__ __forceinline__ void mma_round_chunk(const uint4& wg, const uint4& wg
   mma_chunk<FMT>(wg, wg8, xb, d);
 }
 
+// mma_round_chunk with B at a 32-bit shared-memory address (MmaStream): sa = the lane's B values for the
+// round (or the zero block). With the generic pointer, the routed gate+up's SASS rebuilt the shared window's
+// address on every round (S2R SR_CgaCtaId, MOV, VIADD, LEA, ...: about 10 instructions); the 32-bit address
+// costs an AND and a multiply-add (experiments/decode_session33_h200.md).
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
+  return r;
+}
+template <int FMT>
+__device__ __forceinline__ void mma_round_chunk_sa(const uint4& wg, const uint4& wg8, uint32_t sa, int w,
+                                                   float (&d)[4]) {
+  constexpr int NB = FMT == FMT_FP8 ? 2 : 4;  // uint4 of B per chunk
+  uint4 xb[NB];
+#pragma unroll
+  for (int j = 0; j < NB; ++j) xb[j] = lds128(sa + 16u * (w * NB + j));
+  mma_chunk<FMT>(wg, wg8, xb, d);
+}
+
 // 8 bf16 activations (16 bytes) -> bf16 x 2^64 (exact: a power-of-two scaling of a bf16 value), permuted
 // for mma_chunk.
 template <int FMT>
@@ -309,8 +328,9 @@ struct MmaStream {
       fp4_scales(psb + 4 * lr, &hi);
       sc[k][0] = lo | hi << 16;
     } else {  // W/2 words of row g, then W/2 of row g+8
-      fp4_scales(psa + 4 * W * lr, &sc[k][0]);
-      fp4_scales(psb + 4 * W * lr, &sc[k][W / 2]);
+      // a 64-bit multiply-add (FMA pipe) per address, as for the weights, not a sign extension and two adds
+      fp4_scales(psa + (long)lr * (4 * W), &sc[k][0]);
+      fp4_scales(psb + (long)lr * (4 * W), &sc[k][W / 2]);
     }
     const bool seg_end = lr + 1 == nr, tile_end = seg_end && ls + 1 == nseg;
     meta[k] = (uint32_t)(xoff + lr * 4 * W * Mma<FMT>::VALS) | (uint32_t)lt << 17 |
@@ -341,28 +361,31 @@ struct MmaStream {
       if (k >= from && left > 0) load(k);
   }
 
-  // FP4 scale byte of (row half hr: 0 = g, 1 = g+8, column j of the lane's pair, chunk w)
+  // FP4 scale of (row half hr: 0 = g, 1 = g+8, column j of the lane's pair, chunk w)
   __device__ __forceinline__ float fp4_scale(int k, int hr, int j, int w) const {
-    if (W == 1) return e8m0_byte_to_f32(sc[k][0], 2 * hr + j);
+    if (W == 1) return e8m0_mma_scale(sc[k][0], 2 * hr + j);
     const int byte = j * W + w;  // of the row's 2W bytes
-    return e8m0_byte_to_f32(sc[k][hr * (W / 2) + (byte >> 2)], byte & 3);
+    return e8m0_mma_scale(sc[k][hr * (W / 2) + (byte >> 2)], byte & 3);
   }
 
   __device__ __forceinline__ void run(float* part) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const bool lane_b = fmt_fp4(FMT) ? g == t : (W == 4 ? g == (t >> 1) : g == 0);  // lanes that carry B
     const uint4* zb = mma_zero_b();
+    // the lane's B base in shared memory: the staged activations (offset from meta) or the zero block
+    const uint32_t bsel = (uint32_t)__cvta_generic_to_shared(lane_b ? reinterpret_cast<const void*>(xbase) : zb);
+    const uint32_t bmask = lane_b ? 0x1ffffu : 0u;
     float acc0 = 0.f, acc1 = 0.f;
     for (int i0 = 0; i0 < n; i0 += U) {
 #pragma unroll
       for (int k = 0; k < U; ++k) {
         if (i0 + k < n) {
           const uint32_t m = meta[k];
-          const uint4* src = lane_b ? reinterpret_cast<const uint4*>(xbase + (m & 0x1ffffu)) : zb;
+          const uint32_t sa = bsel + ((m & bmask) << 1);
           if (FMT == FMT_FP8) {  // one accumulator over the W MMAs, then the block scale(s)
             float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int w = 0; w < W; ++w) mma_round_chunk<FMT>(wa[k][w], wb[k][w], src, w, true, d);
+            for (int w = 0; w < W; ++w) mma_round_chunk_sa<FMT>(wa[k][w], wb[k][w], sa, w, d);
             const float f0 = e8m0_byte_to_f32(sc[k][0], 0);
             acc0 = fmaf(d[0], f0, acc0);
             acc1 = fmaf(d[2], f0, acc1);
@@ -375,7 +398,7 @@ struct MmaStream {
 #pragma unroll
             for (int w = 0; w < W; ++w) {
               float d[4] = {0.f, 0.f, 0.f, 0.f};
-              mma_round_chunk<FMT>(wa[k][w], wb[k][w], src, w, true, d);
+              mma_round_chunk_sa<FMT>(wa[k][w], wb[k][w], sa, w, d);
               acc0 = fmaf(d[0], fp4_scale(k, 0, 0, w), acc0);
               acc0 = fmaf(d[1], fp4_scale(k, 0, 1, w), acc0);
               acc1 = fmaf(d[2], fp4_scale(k, 1, 0, w), acc1);

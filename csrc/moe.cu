@@ -516,18 +516,22 @@ static cudaError_t with_fp4t_shape(int depth, F f) {
 }
 
 // The routed experts' gate+up depth: DS4_ROUTED_DEPTH (8 / 4 / 2; read at every launch, for the ablation: bench
-// tokens rdN) sets it there alone, else the per-shape rule (mma_depth). The shared expert, the down kernels and
-// the dense GEMVs keep mma_depth. Why a knob of its own: the FP4 arithmetic alone ran faster at depth 2 than at 8
-// (scripts/probe_bulk.cu, experiments/decode_session22_h200.md) and DS4_MMA_DEPTH moves every kernel at once. In the
-// decode step (H200, experiments/decode_session23_h200.md) depth 4 came out 1.3 / 0.8 / 0.4 / 0.0 us per layer
-// below 8 in four same-process pairs (runs 1-3), depth 2 1.1 above (run 1): within the step's noise, so the rule
-// stays.
+// tokens rdN) sets it there alone. Without it: depth 4 where the per-shape rule (mma_depth) says 8 and no global
+// DS4_MMA_DEPTH is set, else that rule. The shared expert, the down kernels and the dense GEMVs keep mma_depth.
+// Why a rule of its own: the FP4 arithmetic alone ran faster at depth 2 than at 8 (scripts/probe_bulk.cu,
+// experiments/decode_session22_h200.md). Session 23 measured depth 4 within the step's noise of 8 (0.0-1.3 us per
+// layer below it, experiments/decode_session23_h200.md); once session 33 had cut the stream's per-round ALU work
+// (MmaStream: shared-memory B addresses, scale conversion) depth 4 came out 2.0 / 1.8 us per layer below 8 in two
+// same-process pairs (H200, experiments/decode_session33_h200.md), so it is the default since.
 static int gate_up_depth(const MoEArgs& a) {
   const bool routed = a.ids != nullptr || a.route_logits != nullptr;
   const char* env = routed ? std::getenv("DS4_ROUTED_DEPTH") : nullptr;
-  if (env == nullptr || *env == '\0') return mma_depth(a.dim, false);
-  const int d = std::atoi(env);
-  return d >= 8 ? 8 : d >= 4 ? 4 : 2;
+  if (env != nullptr && *env != '\0') {
+    const int d = std::atoi(env);
+    return d >= 8 ? 8 : d >= 4 ? 4 : 2;
+  }
+  const int d = mma_depth(a.dim, false);
+  return routed && d == 8 && std::getenv("DS4_MMA_DEPTH") == nullptr ? 4 : d;
 }
 
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {

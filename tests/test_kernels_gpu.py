@@ -198,6 +198,28 @@ def test_gemv_subnormal_and_extreme_scales():
     assert rel(y, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_fp4_mma_zero_scale_byte_drops_its_block(width, monkeypatch):
+    """E8M0 byte 0 (2^-127) on the tensor-core FP4 path: its scale helper (e8m0_mma_scale) gives 0 there, which
+    must be the same bits as 2^-127 (the block's product underflows in the FFMA for activations below 2^31). So
+    the output equals, bit for bit, the output with those blocks' weights zeroed, and the fp32 reference. Zero
+    bytes sit at every position of the 4-byte scale words the stream loads (columns 0..7 of rows 0..7)."""
+    set_mma_shape(monkeypatch, width, 8)
+    g = gen(seed_of("zero_scale", width))
+    o, i = 256, 2048
+    w, s = rand_fp4_weight(o, i, g)
+    zero = torch.rand(o, i // 32, device=DEV, generator=g) < 0.1
+    zero[:8, :8] |= torch.eye(8, dtype=torch.bool, device=DEV)
+    s0 = s.view(torch.uint8).masked_fill(zero, 0).view(torch.float8_e8m0fnu)
+    wz = w.view(o, i // 32, 16).masked_fill(zero[..., None], 0).view(o, i // 2)
+    x = rand_x(1, i, g, scale=64.0)
+    y = kernels.gemv(x, w, s0, "fp4", kernel="mma", out_f32=True)
+    yz = kernels.gemv(x, wz, s0, "fp4", kernel="mma", out_f32=True)
+    ref = x.float() @ dequant_fp4(w, s0, torch.float32).t()
+    assert torch.equal(y, yz)
+    assert rel(y, ref) <= 1e-5
+
+
 @pytest.mark.parametrize("n,kernel", [(1, "auto"), (1, "fma"), (2, "auto"), (2, "fma"), (4, "auto")])
 @pytest.mark.parametrize("groups,o,i", [(8, 8192, 4096), (3, 480, 272)])
 def test_gemv_grouped_wo_a(n, kernel, groups, o, i):
@@ -444,12 +466,14 @@ def test_spacer_diagnostic_launches_before_the_named_kernels(monkeypatch):
         assert torch.equal(out[0], ref[0]) and torch.equal(out[1][loc], ref[1][loc]) and torch.equal(out[2], ref[2])
 
 
-@pytest.mark.parametrize("routed_depth,rounds", [(None, 4), ("2", 1), ("4", 2), ("8", 4)])
-def test_routed_gate_up_depth_default_and_knob(routed_depth, rounds, monkeypatch):
-    """The routed experts' fp4t gate+up at V4's dim runs at the per-shape rule's depth 8 (4 rounds of run width 2
-    in flight), and DS4_ROUTED_DEPTH sets the depth: the kernel that ran (its template arguments: format 4 = fp4t,
-    rounds, width) says which. Its h agrees with depth 8's up to the fp32 summation order (the grid, and so the
-    warps' split of the rounds, follows the registers), seen through h's bf16 rounding (one-ulp flips)."""
+@pytest.mark.parametrize("routed_depth,global_depth,rounds", [(None, None, 2), ("2", None, 1), ("4", None, 2),
+                                                               ("8", None, 4), (None, "8", 4), ("4", "8", 2)])
+def test_routed_gate_up_depth_default_and_knob(routed_depth, global_depth, rounds, monkeypatch):
+    """The routed experts' fp4t gate+up at V4's dim runs at depth 4 (2 rounds of run width 2 in flight) where the
+    per-shape rule says 8; a global DS4_MMA_DEPTH applies to it too, and DS4_ROUTED_DEPTH, which takes precedence,
+    sets it alone: the kernel that ran (its template arguments: format 4 = fp4t, rounds, width) says which. Its h
+    agrees with depth 8's up to the fp32 summation order (the grid, and so the warps' split of the rounds, follows
+    the registers), seen through h's bf16 rounding (one-ulp flips)."""
     monkeypatch.delenv("DS4_MMA_DEPTH", raising=False)
     monkeypatch.delenv("DS4_MMA_LOAD", raising=False)
     dim, inter = 4096, 2048
@@ -465,6 +489,8 @@ def test_routed_gate_up_depth_default_and_knob(routed_depth, rounds, monkeypatch
         monkeypatch.delenv("DS4_ROUTED_DEPTH")
     else:
         monkeypatch.setenv("DS4_ROUTED_DEPTH", routed_depth)
+    if global_depth is not None:
+        monkeypatch.setenv("DS4_MMA_DEPTH", global_depth)
     poison()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         h = kernels.moe_gate_up(x, ids, weights, t1, s1, t3, s3, "fp4t", 32, 16, 10.0)
@@ -511,7 +537,8 @@ def test_moe_one_token_kernels(kernel, width, depth, case, fmt, dims, monkeypatc
 @pytest.mark.parametrize("fmt,dims", [("fp4t", (4096, 2048)), ("fp4t", (512, 256)), ("fp4p", (4096, 2048))])
 def test_routed_wave_cap(wave, fmt, dims, monkeypatch):
     """DS4_ROUTED_WAVE: the one-token routed gate+up on part of a resident wave (more tiles per block) gives the
-    reference's output, and the same as the whole wave up to the summation order of a tile's warps."""
+    reference's output, and the same h as the whole wave up to the summation order of a tile's warps: h is bf16,
+    so that order shows as one-ulp flips (adjacent bit patterns) in a few of its values, and nowhere more."""
     dim, inter = dims
     g = gen(seed_of("wave", wave, fmt, dims))
     (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = make_experts(16, dim, inter, g, fmt)
@@ -520,15 +547,15 @@ def test_routed_wave_cap(wave, fmt, dims, monkeypatch):
     x = rand_x(1, dim, g)
     ref = ref_routed(x, weights, ids, d1, d3, d2, 32, 10.0)
     monkeypatch.setenv("DS4_ROUTED_WAVE", "100")
-    y_all = kernels.moe_down(kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, fmt, 32, 16, 10.0), ids, 6, w2,
-                             s2, fmt, 32, 16, None, True)
+    h_all = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, fmt, 32, 16, 10.0)
     monkeypatch.setenv("DS4_ROUTED_WAVE", wave)
     poison()
     h = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, fmt, 32, 16, 10.0)
     poison()
     y = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, None, True)
     assert torch.isfinite(y).all() and rel(y, ref) <= TOL, rel(y, ref)
-    assert rel(y, y_all) <= 1e-5, rel(y, y_all)
+    flips = (h.view(torch.int16).int() - h_all.view(torch.int16).int()).abs()  # all 6 slots are local
+    assert flips.max() <= 1 and (flips > 0).float().mean() <= 0.01, (flips.max(), (flips > 0).sum())
 
 
 # wave: DS4_SHARED_WAVE, the percent of a resident wave the one-token (tensor-core) shared expert launches take;
