@@ -40,7 +40,8 @@ a branch of their own), sprio
 slots to the router's kernels beside them), rwNN (DS4_ROUTED_WAVE=NN: the routed experts' tensor-core gate+up
 takes NN % of a resident wave, so the down kernel's blocks can be resident beside it under PDL), rdN
 (DS4_ROUTED_DEPTH=N, N of 8 / 4 / 2: the routed experts' tensor-core gate+up keeps N chunks per lane and row in
-flight, the other kernels their defaults), capN (the state's caches sized for
+flight, the other kernels their defaults; the library's default at V4's dim is 4 since session 33, rd8 the one
+before), capN (the state's caches sized for
 N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
