@@ -203,7 +203,8 @@ def test_fp4_mma_zero_scale_byte_drops_its_block(width, monkeypatch):
     """E8M0 byte 0 (2^-127) on the tensor-core FP4 path: its scale helper (e8m0_mma_scale) gives 0 there, which
     must be the same bits as 2^-127 (the block's product underflows in the FFMA for activations below 2^31). So
     the output equals, bit for bit, the output with those blocks' weights zeroed, and the fp32 reference. Zero
-    bytes sit at every position of the 4-byte scale words the stream loads (columns 0..7 of rows 0..7)."""
+    bytes sit at every position of the 4-byte scale words the stream loads (on the diagonal of the first 8 rows and
+    columns, and at random elsewhere)."""
     set_mma_shape(monkeypatch, width, 8)
     g = gen(seed_of("zero_scale", width))
     o, i = 256, 2048
