@@ -29,6 +29,8 @@ int mma_max_width();
 // per-group rows): DS4_MMA_DEPTH = 8, 4, 2 for all, else the per-shape default (gemv.cu); 0 with
 // DS4_MMA_LOAD=smem (mma_dot.cuh).
 int mma_depth(int K, bool grouped);
+int mma_depth_default(int K, bool grouped);
+int env_depth(const char* name);
 // Weight rounds per warp the tensor-core GEMVs (down = false) / the MoE down kernels (down = true) load before
 // their PDL wait: DS4_PREFETCH / DS4_PREFETCH_DOWN = N (0: none, the loads all after the wait), else -1 = all
 // of the stream's depth (the default). Read at every launch (an ablation knob).

@@ -214,12 +214,24 @@ int mma_max_width() {
 // 9.84 us, grouped wo_a 11.52 -> 10.39, routed down 16.45 -> 15.37); the longer rows keep depth 8 (wo_b
 // 11.52 vs 12.75 at depth 2, routed gate+up 25.37 vs 28.39).
 int mma_depth_default(int K, bool grouped) { return K <= 2048 || grouped ? 2 : 8; }
+// An environment depth (8 / 4 / 2, rounded down to one of them); 0 where the variable is unset or empty.
+int env_depth(const char* name) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return 0;
+  const int d = std::atoi(env);
+  return d >= 8 ? 8 : d >= 4 ? 4 : 2;
+}
+// DS4_LONG_ROW_DEPTH (bench token lrdN) replaces the rule's 8 alone: wq_a + wkv, wo_b and the shared expert's
+// gate+up at V4's shapes, not the routed gate+up (gate_up_depth in moe.cu). An ablation: the routed gate+up gained
+// from depth 4 once session 33 had made a round cheaper; these at 4 did not (lrd4, 110.3 / 109.9 against 109.6 /
+// 109.3 us per layer, H200, experiments/decode_session34_h200.md).
 int mma_depth(int K, bool grouped) {
   const char* load = std::getenv("DS4_MMA_LOAD");  // "smem": the shared-memory stream (depth 0)
   if (load && std::strcmp(load, "smem") == 0) return 0;
-  const char* env = std::getenv("DS4_MMA_DEPTH");
-  const int d = env ? std::atoi(env) : mma_depth_default(K, grouped);
-  return d >= 8 ? 8 : d >= 4 ? 4 : 2;
+  if (const int d = env_depth("DS4_MMA_DEPTH")) return d;
+  const int d = mma_depth_default(K, grouped);
+  const int long_rows = d == 8 ? env_depth("DS4_LONG_ROW_DEPTH") : 0;
+  return long_rows ? long_rows : d;
 }
 
 template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>

@@ -517,7 +517,7 @@ static cudaError_t with_fp4t_shape(int depth, F f) {
 
 // The routed experts' gate+up depth: DS4_ROUTED_DEPTH (8 / 4 / 2; read at every launch, for the ablation: bench
 // tokens rdN) sets it there alone. Without it: depth 4 where the per-shape rule (mma_depth) says 8 and no global
-// DS4_MMA_DEPTH is set, else that rule. The shared expert, the down kernels and the dense GEMVs keep mma_depth.
+// DS4_MMA_DEPTH is set, else that rule. The shared expert and the dense GEMVs keep mma_depth, the downs down_depth.
 // Why a rule of its own: the FP4 arithmetic alone ran faster at depth 2 than at 8 (scripts/probe_bulk.cu,
 // experiments/decode_session22_h200.md). Session 23 measured depth 4 within the step's noise of 8 (0.0-1.3 us per
 // layer below it, experiments/decode_session23_h200.md); once session 33 had cut the stream's per-round ALU work
@@ -525,13 +525,19 @@ static cudaError_t with_fp4t_shape(int depth, F f) {
 // same-process pairs (H200, experiments/decode_session33_h200.md), so it is the default since.
 static int gate_up_depth(const MoEArgs& a) {
   const bool routed = a.ids != nullptr || a.route_logits != nullptr;
-  const char* env = routed ? std::getenv("DS4_ROUTED_DEPTH") : nullptr;
-  if (env != nullptr && *env != '\0') {
-    const int d = std::atoi(env);
-    return d >= 8 ? 8 : d >= 4 ? 4 : 2;
-  }
-  const int d = mma_depth(a.dim, false);
-  return routed && d == 8 && std::getenv("DS4_MMA_DEPTH") == nullptr ? 4 : d;
+  if (!routed) return mma_depth(a.dim, false);
+  if (const int d = env_depth("DS4_ROUTED_DEPTH")) return d;
+  const int d = mma_depth(a.dim, false);  // 0 for DS4_MMA_LOAD=smem; DS4_LONG_ROW_DEPTH does not apply here
+  return d != 0 && !env_depth("DS4_MMA_DEPTH") && mma_depth_default(a.dim, false) == 8 ? 4 : d;
+}
+
+// The down kernels' depth (routed and shared experts): DS4_DOWN_DEPTH (8 / 4 / 2; bench token dnN) sets it there
+// alone, else the per-shape rule (2 at V4's inter of 2048). Measured on session 33's cheaper rounds, 4 and 8 were
+// no faster (dn4 109.3 / 109.6, dn8 113.9 / 113.9 against 109.6 / 109.3 us per layer, H200,
+// experiments/decode_session34_h200.md).
+static int down_depth(const MoEArgs& a) {
+  if (const int d = env_depth("DS4_DOWN_DEPTH")) return d;
+  return mma_depth(a.inter, false);
 }
 
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
@@ -596,11 +602,11 @@ static cudaError_t down_mma(const MoEArgs& a, const void* h, const void* add, vo
                             const HcFold& fold) {
   if (a.fmt == FMT_FP4T) {
     if (!fp4t_shape_ok(a)) return cudaErrorInvalidValue;
-    return with_fp4t_shape(mma_depth(a.inter, false), [&](auto u) {
+    return with_fp4t_shape(down_depth(a), [&](auto u) {
       return down_mma_go<FMT_FP4T, decltype(u)::value, FP4T_W, F32, FOLD>(a, h, add, out, st, fold);
     });
   }
-  return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), mma_depth(a.inter, false), [&](auto cw, auto u) {
+  return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), down_depth(a), [&](auto cw, auto u) {
     constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
     if (a.fmt == FMT_FP8) return down_mma_go<FMT_FP8, U, CW, F32, FOLD>(a, h, add, out, st, fold);
     if (a.fmt == FMT_FP4P) return down_mma_go<FMT_FP4P, U, CW, F32, FOLD>(a, h, add, out, st, fold);

@@ -41,8 +41,9 @@ slots to the router's kernels beside them), rwNN (DS4_ROUTED_WAVE=NN: the routed
 takes NN % of a resident wave, so the down kernel's blocks can be resident beside it under PDL), rdN
 (DS4_ROUTED_DEPTH=N, N of 8 / 4 / 2: the routed experts' tensor-core gate+up keeps N chunks per lane and row in
 flight, the other kernels their defaults; the library's default at V4's dim is 4 since session 33, rd8 the one
-before), capN (the state's caches sized for
-N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
+before), lrdN (DS4_LONG_ROW_DEPTH=N: the same for the kernels whose per-shape rule says 8 — wq_a + wkv, wo_b and
+the shared expert's gate+up at V4's shapes), dnN (DS4_DOWN_DEPTH=N: the routed and shared experts' down kernels),
+capN (the state's caches sized for N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
 prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
 (those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), nohcr (DS4_HC_ROUTER=0: without
@@ -162,6 +163,16 @@ def launch_order_env(toks: set[str]) -> dict[str, str | None]:
         return str(n) if n >= 0 else None
     sp = sorted(t[2:] for t in toks if t.startswith("sp") and t[2:] and set(t[2:]) <= set("gdu"))
     return {"DS4_PREFETCH": rounds("pre"), "DS4_PREFETCH_DOWN": rounds("dpre"), "DS4_SPACER": "".join(sp) or None}
+
+
+def depth_env(toks: set[str]) -> dict[str, str | None]:
+    """The per-kernel depth knobs (None: unset, the library's rule). rdN: the routed experts' gate+up
+    (DS4_ROUTED_DEPTH); lrdN: the kernels whose per-shape rule says 8 (DS4_LONG_ROW_DEPTH); dnN: the MoE downs
+    (DS4_DOWN_DEPTH). N of 8 / 4 / 2 (the library rounds others down to one of them)."""
+    def depth(prefix):
+        n = _number_token(toks, prefix, 0)
+        return str(n) if n else None
+    return {"DS4_ROUTED_DEPTH": depth("rd"), "DS4_LONG_ROW_DEPTH": depth("lrd"), "DS4_DOWN_DEPTH": depth("dn")}
 
 
 def _number_token(toks: set[str], prefix: str, default: int) -> int:
@@ -301,9 +312,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SHARED_WAVE"] = str(_number_token(toks, "shw", 100))
     # rwNN: the routed experts' tensor-core gate+up takes NN % of a resident wave (DS4_ROUTED_WAVE)
     os.environ["DS4_ROUTED_WAVE"] = str(_number_token(toks, "rw", 100))
-    # rdN: the routed experts' gate+up depth (DS4_ROUTED_DEPTH); without it the library's per-shape default
-    rdepth = _number_token(toks, "rd", 0)
-    _set_or_unset("DS4_ROUTED_DEPTH", str(rdepth) if rdepth else None)
+    for name, value in depth_env(toks).items():  # rdN, lrdN, dnN: per-kernel depths; without them the library's rules
+        _set_or_unset(name, value)
     # pf: the L2 prefetch's default sites; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those
     # sites; neither: no prefetch (DS4_L2_PREFETCH)
     os.environ["DS4_L2_PREFETCH"] = _prefetch_sites(toks)

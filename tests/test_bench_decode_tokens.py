@@ -34,6 +34,16 @@ def test_launch_order_tokens_set_their_variables(tokens, expected):
     assert (env["DS4_PREFETCH"], env["DS4_PREFETCH_DOWN"], env["DS4_SPACER"]) == expected
 
 
+@pytest.mark.parametrize("tokens,expected", [
+    ({"kernels", "graph", "d4"}, (None, None, None)), ({"rd8"}, ("8", None, None)),
+    ({"lrd4"}, (None, "4", None)),  # lrd4 is not rd4
+    ({"dn8", "rd2"}, ("2", None, "8")), ({"dn", "lrdx", "d2"}, (None, None, None)),  # no number: not these knobs
+])
+def test_depth_tokens_set_their_variables(tokens, expected):
+    env = _bench_decode().depth_env(tokens)
+    assert (env["DS4_ROUTED_DEPTH"], env["DS4_LONG_ROW_DEPTH"], env["DS4_DOWN_DEPTH"]) == expected
+
+
 def test_repeated_variants_get_rows_of_their_own():
     names = _bench_decode().repeat_names(["k+graph", "k+graph+spg", "k+graph", "k+graph+rd4", "k+graph"])
     assert names == ["k+graph", "k+graph+spg", "k+graph#2", "k+graph+rd4", "k+graph#3"]

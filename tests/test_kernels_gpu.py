@@ -502,6 +502,72 @@ def test_routed_gate_up_depth_default_and_knob(routed_depth, global_depth, round
     assert torch.isfinite(h[loc].float()).all() and rel(h[loc], h8[loc]) <= 1e-3
 
 
+def _launched(prof, kernel):
+    """The template arguments of the launches of `kernel` a profile recorded, e.g. "4, 2, 2"."""
+    names = [e.name.replace("(int)", "").replace("(bool)", "") for e in prof.events() if kernel + "<" in e.name]
+    return sorted({n[n.index("<") + 1:n.index(">")] for n in names})
+
+
+@pytest.mark.parametrize("long_rows,down,global_depth", [(None, None, None), ("4", None, None), ("2", "4", None),
+                                                         (None, "8", None), ("4", "4", "2")])
+def test_long_row_and_down_depth_knobs(long_rows, down, global_depth, monkeypatch):
+    """DS4_LONG_ROW_DEPTH replaces the per-shape rule's depth 8 alone (a 4096-input FP8 GEMV and the shared expert's
+    gate+up), not its depth 2 (a 1024-input GEMV) nor the routed gate+up's own rule; DS4_DOWN_DEPTH sets the MoE
+    downs' depth (routed and shared); a global DS4_MMA_DEPTH still sets the others. The kernels that ran (template
+    arguments: format, rounds in flight, run width) say which; every output matches its fp32 reference."""
+    for name, value in (("DS4_LONG_ROW_DEPTH", long_rows), ("DS4_DOWN_DEPTH", down), ("DS4_MMA_DEPTH", global_depth)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    for name in ("DS4_MMA_LOAD", "DS4_ROUTED_DEPTH", "DS4_MMA_W"):
+        monkeypatch.delenv(name, raising=False)
+    rounds = lambda depth: str(int(depth) // 2)  # noqa: E731 (run width 2)
+    glob = global_depth
+    g = gen(seed_of("depth_knobs", long_rows, down, global_depth))
+    dim, inter = 4096, 2048
+    # dense GEMVs: K = 4096 (rule 8) and K = 1024 (rule 2)
+    for o, i, rule in ((512, 4096, "8"), (256, 1024, "2")):
+        w, s = rand_fp8_weight(o, i, g)
+        x = rand_x(1, i, g)
+        ref = x.float() @ dequant_fp8(w, s, torch.float32).t()
+        poison()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y = kernels.gemv(x, w, s, "fp8", kernel="mma")
+            torch.cuda.synchronize()
+        want = glob or (long_rows if rule == "8" and long_rows else rule)
+        assert _launched(prof, "gemv_mma_kernel") == [f"1, {rounds(want)}, 2, false, false"], (o, i)
+        assert rel(y, ref) <= TOL
+    # the shared expert (FP8, one slot): gate+up K = dim (rule 8), down K = inter (rule 2)
+    w1, s1 = rand_fp8_weight(inter, dim, g)
+    w3, s3 = rand_fp8_weight(inter, dim, g)
+    w2, s2 = rand_fp8_weight(dim, inter, g)
+    x = rand_x(1, dim, g)
+    d1, d3, d2 = dequant_fp8(w1, s1), dequant_fp8(w3, s3), dequant_fp8(w2, s2)
+    a = torch.nn.functional.silu((x.float() @ d1.t()).clamp(max=10.0)) * (x.float() @ d3.t()).clamp(-10, 10)
+    poison()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        h = kernels.moe_gate_up(x, None, None, w1, s1, w3, s3, "fp8", 0, 1, 10.0, kernel="mma")
+        y = kernels.moe_down(h, None, 1, w2, s2, "fp8", 0, 1, None, False, kernel="mma")
+        torch.cuda.synchronize()
+    assert _launched(prof, "moe_gate_up_mma_kernel") == [f"1, {rounds(glob or long_rows or '8')}, 2"]
+    assert _launched(prof, "moe_down_mma_kernel") == [f"1, {rounds(down or glob or '2')}, 2, false, false"]
+    assert rel(y, a.to(torch.bfloat16).float() @ d2.t()) <= TOL
+    # the routed experts (fp4t): gate+up by its own rule (4 where the rule says 8), down by DS4_DOWN_DEPTH
+    (p1, s1, p3, s3, p2, s2), (e1, e3, e2) = make_experts(16, dim, inter, g, "fp4p")
+    t1, t3, t2 = tile_fp4_mma(p1), tile_fp4_mma(p3), tile_fp4_mma(p2)
+    ids = torch.tensor([ONE_TOKEN_IDS["distinct"]], device=DEV)
+    weights = torch.rand(1, 6, device=DEV, generator=g) + 0.1
+    poison()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        h = kernels.moe_gate_up(x, ids, weights, t1, s1, t3, s3, "fp4t", 32, 16, 10.0)
+        y = kernels.moe_down(h, ids, 6, t2, s2, "fp4t", 32, 16, None, True)
+        torch.cuda.synchronize()
+    assert _launched(prof, "moe_gate_up_mma_kernel") == [f"4, {rounds(glob or '4')}, 2"]
+    assert _launched(prof, "moe_down_mma_kernel") == [f"4, {rounds(down or glob or '2')}, 2, true, false"]
+    assert rel(y, ref_routed(x, weights, ids, e1, e3, e2, 32, 10.0)) <= TOL
+
+
 ONE_TOKEN_IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": [31, 32, 47, 48, 0, 63],
                  "dup": [40, 40, 41, 42, 43, 44], "none_local": [0, 1, 2, 3, 60, 61]}
 
