@@ -26,11 +26,11 @@ bool mma_auto(int fmt, int K, int O);
 // Widest run of 16-B chunks per lane and row the tensor-core kernels read (DS4_MMA_W: 1, 2, 4).
 int mma_max_width();
 // Chunks per lane and row the tensor-core kernels keep in flight for rows of K (grouped: wo_a's
-// per-group rows): DS4_MMA_DEPTH = 8, 4, 2 for all, else the per-shape default (gemv.cu); 0 with
-// DS4_MMA_LOAD=smem (mma_dot.cuh).
+// per-group rows): DS4_MMA_DEPTH = 8, 4, 2 for all, else the per-shape default (gemv.cu), whose 8
+// DS4_LONG_ROW_DEPTH replaces; 0 with DS4_MMA_LOAD=smem (mma_dot.cuh).
 int mma_depth(int K, bool grouped);
-int mma_depth_default(int K, bool grouped);
-int env_depth(const char* name);
+int mma_depth_default(int K, bool grouped);  // the per-shape rule alone (no environment)
+int env_depth(const char* name);             // a depth variable: 8, 4, 2, or 0 where unset or empty
 // Weight rounds per warp the tensor-core GEMVs (down = false) / the MoE down kernels (down = true) load before
 // their PDL wait: DS4_PREFETCH / DS4_PREFETCH_DOWN = N (0: none, the loads all after the wait), else -1 = all
 // of the stream's depth (the default). Read at every launch (an ablation knob).

@@ -43,8 +43,8 @@ takes NN % of a resident wave, so the down kernel's blocks can be resident besid
 flight, the other kernels their defaults; the library's default at V4's dim is 4 since session 33, rd8 the one
 before), lrdN (DS4_LONG_ROW_DEPTH=N: the same for the kernels whose per-shape rule says 8 — wq_a + wkv, wo_b and
 the shared expert's gate+up at V4's shapes), dnN (DS4_DOWN_DEPTH=N: the routed and shared experts' down kernels),
-capN (the state's caches sized for N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default max_seq_len, instead of this run's
-prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
+capN (the state's caches sized for N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default
+max_seq_len, instead of this run's prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
 (those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), nohcr (DS4_HC_ROUTER=0: without
 the router fold, the library default since session 25 — the FFN's hc launch also forms the router's logits, so
