@@ -1,19 +1,13 @@
 """scripts/bench_decode.py's variant tokens that are plain functions (no GPU needed)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from script_loader import load_script
 
 
 def _bench_decode():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_for_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_decode")
 
 
 @pytest.mark.parametrize("tokens,expected", [

@@ -1,16 +1,7 @@
 """scripts/fp4_decode_search.py: the bit-layout search behind session 34's FP4 decode finding (no GPU)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-
-def _search():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "fp4_decode_search.py"
-    spec = importlib.util.spec_from_file_location("fp4_decode_search_for_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_loader import load_script
 
 
 def _decode(regs, q):
@@ -28,7 +19,7 @@ def _decode(regs, q):
 def test_fp16_layout_is_a_bit_permutation_and_bf16_has_none():
     """The fp16 solution uses 6 pieces and moves every word bit to exactly one register bit of the fp16 pattern
     (so a load-time permutation makes it an exact decode); bf16 has no such layout, with or without one SHF."""
-    m = _search()
+    m = load_script("fp4_decode_search")
     regs = m.search(m.FORMATS["fp16"], 6, [])
     assert regs is not None and sum(len(r) for r in regs) == 6
     pattern = sum(1 << p for p in m.FORMATS["fp16"])
