@@ -29,8 +29,9 @@ int mma_max_width();
 // per-group rows): DS4_MMA_DEPTH = 8, 4, 2 for all, else the per-shape default (gemv.cu), whose 8
 // DS4_LONG_ROW_DEPTH replaces; 0 with DS4_MMA_LOAD=smem (mma_dot.cuh).
 int mma_depth(int K, bool grouped);
-int mma_depth_default(int K, bool grouped);  // the per-shape rule alone (no environment)
-int env_depth(const char* name);             // a depth variable: 8, 4, 2, or 0 where unset or empty
+// The same with long_rows (8, 4, 2; 0: none) in place of the rule's 8 (the routed gate+up's own rule, moe.cu).
+int mma_depth_for(int K, bool grouped, int long_rows);
+int env_depth(const char* name);  // a depth variable: 8, 4, 2, or 0 where unset or empty
 // Weight rounds per warp the tensor-core GEMVs (down = false) / the MoE down kernels (down = true) load before
 // their PDL wait: DS4_PREFETCH / DS4_PREFETCH_DOWN = N (0: none, the loads all after the wait), else -1 = all
 // of the stream's depth (the default). Read at every launch (an ablation knob).

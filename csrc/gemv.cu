@@ -225,14 +225,14 @@ int env_depth(const char* name) {
 // gate+up at V4's shapes, not the routed gate+up (gate_up_depth in moe.cu). An ablation: the routed gate+up gained
 // from depth 4 once session 33 had made a round cheaper; these at 4 did not (lrd4, 110.3 / 109.9 against 109.6 /
 // 109.3 us per layer, H200, experiments/decode_session34_h200.md).
-int mma_depth(int K, bool grouped) {
+int mma_depth_for(int K, bool grouped, int long_rows) {
   const char* load = std::getenv("DS4_MMA_LOAD");  // "smem": the shared-memory stream (depth 0)
   if (load && std::strcmp(load, "smem") == 0) return 0;
   if (const int d = env_depth("DS4_MMA_DEPTH")) return d;
   const int d = mma_depth_default(K, grouped);
-  const int long_rows = d == 8 ? env_depth("DS4_LONG_ROW_DEPTH") : 0;
-  return long_rows ? long_rows : d;
+  return d == 8 && long_rows ? long_rows : d;
 }
+int mma_depth(int K, bool grouped) { return mma_depth_for(K, grouped, env_depth("DS4_LONG_ROW_DEPTH")); }
 
 template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
 static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32, int O,

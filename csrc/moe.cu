@@ -527,8 +527,7 @@ static int gate_up_depth(const MoEArgs& a) {
   const bool routed = a.ids != nullptr || a.route_logits != nullptr;
   if (!routed) return mma_depth(a.dim, false);
   if (const int d = env_depth("DS4_ROUTED_DEPTH")) return d;
-  const int d = mma_depth(a.dim, false);  // 0 for DS4_MMA_LOAD=smem; DS4_LONG_ROW_DEPTH does not apply here
-  return d != 0 && !env_depth("DS4_MMA_DEPTH") && mma_depth_default(a.dim, false) == 8 ? 4 : d;
+  return mma_depth_for(a.dim, false, 4);  // 4 where the rule says 8 (DS4_LONG_ROW_DEPTH does not apply here)
 }
 
 // The down kernels' depth (routed and shared experts): DS4_DOWN_DEPTH (8 / 4 / 2; bench token dnN) sets it there

@@ -46,7 +46,7 @@ enum Mode { BF16 = 0, FP16 = 1, MASK = 2 };
 // rounds of MmaStream's W = 2 FP4 work per warp; weights / B / scales from shared memory at a round-dependent slot
 template <int MODE>
 __global__ void __launch_bounds__(256, 3) arith_kernel(int rounds, float* out) {
-  __shared__ uint4 ws[4][8][32];  // 4 round slots x (2 chunks x 2 rows x 2 halves of 2 words... ) x lanes: 16 KB
+  __shared__ uint4 ws[4][8][32];  // 4 round slots x 8 chunks (a round reads 0, 1, 4, 5: rows g, g+8 of its 2) x lanes
   __shared__ uint4 xb[4][8];      // B values per round slot
   __shared__ uint32_t scs[4][2][32];
   const int lane = threadIdx.x & 31;
