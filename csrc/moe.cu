@@ -523,9 +523,14 @@ static cudaError_t with_fp4t_shape(int depth, F f) {
 // layer below it, experiments/decode_session23_h200.md); once session 33 had cut the stream's per-round ALU work
 // (MmaStream: shared-memory B addresses, scale conversion) depth 4 came out 2.0 / 1.8 us per layer below 8 in two
 // same-process pairs (H200, experiments/decode_session33_h200.md), so it is the default since.
+// DS4_SHARED_DEPTH (bench token shdN) sets the shared expert's gate+up alone, for the ablation (the per-shape rule's
+// 8 at V4's dim, or DS4_LONG_ROW_DEPTH's replacement of it, without it).
 static int gate_up_depth(const MoEArgs& a) {
   const bool routed = a.ids != nullptr || a.route_logits != nullptr;
-  if (!routed) return mma_depth(a.dim, false);
+  if (!routed) {
+    if (const int d = env_depth("DS4_SHARED_DEPTH")) return d;
+    return mma_depth(a.dim, false);
+  }
   if (const int d = env_depth("DS4_ROUTED_DEPTH")) return d;
   return mma_depth_for(a.dim, false, 4);  // 4 where the rule says 8 (DS4_LONG_ROW_DEPTH does not apply here)
 }

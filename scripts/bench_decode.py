@@ -43,6 +43,7 @@ takes NN % of a resident wave, so the down kernel's blocks can be resident besid
 flight, the other kernels their defaults; the library's default at V4's dim is 4 since session 33, rd8 the one
 before), lrdN (DS4_LONG_ROW_DEPTH=N: the same for the kernels whose per-shape rule says 8 — wq_a + wkv, wo_b and
 the shared expert's gate+up at V4's shapes), dnN (DS4_DOWN_DEPTH=N: the routed and shared experts' down kernels),
+shdN (DS4_SHARED_DEPTH=N: the shared expert's gate+up alone),
 capN (the state's caches sized for N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default
 max_seq_len, instead of this run's prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
@@ -168,11 +169,13 @@ def launch_order_env(toks: set[str]) -> dict[str, str | None]:
 def depth_env(toks: set[str]) -> dict[str, str | None]:
     """The per-kernel depth knobs (None: unset, the library's rule). rdN: the routed experts' gate+up
     (DS4_ROUTED_DEPTH); lrdN: the kernels whose per-shape rule says 8 (DS4_LONG_ROW_DEPTH); dnN: the MoE downs
-    (DS4_DOWN_DEPTH). N of 8 / 4 / 2 (the library rounds others down to one of them)."""
+    (DS4_DOWN_DEPTH); shdN: the shared expert's gate+up (DS4_SHARED_DEPTH). N of 8 / 4 / 2 (the library rounds
+    others down to one of them)."""
     def depth(prefix):
         n = _number_token(toks, prefix, 0)
         return str(n) if n else None
-    return {"DS4_ROUTED_DEPTH": depth("rd"), "DS4_LONG_ROW_DEPTH": depth("lrd"), "DS4_DOWN_DEPTH": depth("dn")}
+    return {"DS4_ROUTED_DEPTH": depth("rd"), "DS4_LONG_ROW_DEPTH": depth("lrd"), "DS4_DOWN_DEPTH": depth("dn"),
+            "DS4_SHARED_DEPTH": depth("shd")}
 
 
 def _number_token(toks: set[str], prefix: str, default: int) -> int:

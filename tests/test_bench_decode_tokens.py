@@ -29,13 +29,15 @@ def test_launch_order_tokens_set_their_variables(tokens, expected):
 
 
 @pytest.mark.parametrize("tokens,expected", [
-    ({"kernels", "graph", "d4"}, (None, None, None)), ({"rd8"}, ("8", None, None)),
-    ({"lrd4"}, (None, "4", None)),  # lrd4 is not rd4
-    ({"dn8", "rd2"}, ("2", None, "8")), ({"dn", "lrdx", "d2"}, (None, None, None)),  # no number: not these knobs
+    ({"kernels", "graph", "d4"}, (None, None, None, None)), ({"rd8"}, ("8", None, None, None)),
+    ({"lrd4"}, (None, "4", None, None)),  # lrd4 is not rd4
+    ({"dn8", "rd2"}, ("2", None, "8", None)), ({"shd4", "shw50"}, (None, None, None, "4")),
+    ({"dn", "lrdx", "d2", "shd"}, (None, None, None, None)),  # no number: not these knobs
 ])
 def test_depth_tokens_set_their_variables(tokens, expected):
     env = _bench_decode().depth_env(tokens)
-    assert (env["DS4_ROUTED_DEPTH"], env["DS4_LONG_ROW_DEPTH"], env["DS4_DOWN_DEPTH"]) == expected
+    got = (env["DS4_ROUTED_DEPTH"], env["DS4_LONG_ROW_DEPTH"], env["DS4_DOWN_DEPTH"], env["DS4_SHARED_DEPTH"])
+    assert got == expected
 
 
 def test_repeated_variants_get_rows_of_their_own():

@@ -508,14 +508,17 @@ def _launched(prof, kernel):
     return sorted({n[n.index("<") + 1:n.index(">")] for n in names})
 
 
-@pytest.mark.parametrize("long_rows,down,global_depth", [(None, None, None), ("4", None, None), ("2", "4", None),
-                                                         (None, "8", None), ("4", "4", "2")])
-def test_long_row_and_down_depth_knobs(long_rows, down, global_depth, monkeypatch):
+@pytest.mark.parametrize("long_rows,down,global_depth,shared", [
+    (None, None, None, None), ("4", None, None, None), ("2", "4", None, None), (None, "8", None, None),
+    ("4", "4", "2", None), (None, None, None, "4"), ("2", None, "8", "4")])
+def test_long_row_and_down_depth_knobs(long_rows, down, global_depth, shared, monkeypatch):
     """DS4_LONG_ROW_DEPTH replaces the per-shape rule's depth 8 alone (a 4096-input FP8 GEMV and the shared expert's
     gate+up), not its depth 2 (a 1024-input GEMV) nor the routed gate+up's own rule; DS4_DOWN_DEPTH sets the MoE
-    downs' depth (routed and shared); a global DS4_MMA_DEPTH still sets the others. The kernels that ran (template
-    arguments: format, rounds in flight, run width) say which; every output matches its fp32 reference."""
-    for name, value in (("DS4_LONG_ROW_DEPTH", long_rows), ("DS4_DOWN_DEPTH", down), ("DS4_MMA_DEPTH", global_depth)):
+    downs' depth (routed and shared); DS4_SHARED_DEPTH the shared expert's gate+up alone; a global DS4_MMA_DEPTH still
+    sets the others. The kernels that ran (template arguments: format, rounds in flight, run width) say which; every
+    output matches its fp32 reference."""
+    for name, value in (("DS4_LONG_ROW_DEPTH", long_rows), ("DS4_DOWN_DEPTH", down), ("DS4_MMA_DEPTH", global_depth),
+                        ("DS4_SHARED_DEPTH", shared)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
@@ -524,7 +527,7 @@ def test_long_row_and_down_depth_knobs(long_rows, down, global_depth, monkeypatc
         monkeypatch.delenv(name, raising=False)
     rounds = lambda depth: str(int(depth) // 2)  # noqa: E731 (run width 2)
     glob = global_depth
-    g = gen(seed_of("depth_knobs", long_rows, down, global_depth))
+    g = gen(seed_of("depth_knobs", long_rows, down, global_depth, shared))
     dim, inter = 4096, 2048
     # dense GEMVs: K = 4096 (rule 8) and K = 1024 (rule 2)
     for o, i, rule in ((512, 4096, "8"), (256, 1024, "2")):
@@ -550,7 +553,7 @@ def test_long_row_and_down_depth_knobs(long_rows, down, global_depth, monkeypatc
         h = kernels.moe_gate_up(x, None, None, w1, s1, w3, s3, "fp8", 0, 1, 10.0, kernel="mma")
         y = kernels.moe_down(h, None, 1, w2, s2, "fp8", 0, 1, None, False, kernel="mma")
         torch.cuda.synchronize()
-    assert _launched(prof, "moe_gate_up_mma_kernel") == [f"1, {rounds(glob or long_rows or '8')}, 2"]
+    assert _launched(prof, "moe_gate_up_mma_kernel") == [f"1, {rounds(shared or glob or long_rows or '8')}, 2"]
     assert _launched(prof, "moe_down_mma_kernel") == [f"1, {rounds(down or glob or '2')}, 2, false, false"]
     assert rel(y, a.to(torch.bfloat16).float() @ d2.t()) <= TOL
     # the routed experts (fp4t): gate+up by its own rule (4 where the rule says 8), down by DS4_DOWN_DEPTH
