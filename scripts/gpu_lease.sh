@@ -22,7 +22,9 @@
 #                  and sparse_chunk; "tlb": the same bytes read from near or far pages)
 #   probe_bulk     the FP4 tensor-core arithmetic apart from its memory stream (scripts/probe_bulk.cu, sm_90, no torch:
 #                  the register stream, a bulk-copy stream, and the arithmetic alone / with parts left out)
-#   pytest         a diagnostic pytest run ($PYTEST_ARGS: files and options; CUDA_LAUNCH_BLOCKING=1, long tracebacks)
+#   pytest         a diagnostic pytest run ($PYTEST_ARGS: files and options, split at spaces; $PYTEST_K: a -k expression,
+#                  kept whole — a quoted -k inside $PYTEST_ARGS is split and selects nothing, as in session 35's run 1;
+#                  CUDA_LAUNCH_BLOCKING=1, long tracebacks)
 #   e2e_tests      end-to-end GPU tests on one GPU (options vs reference, CUDA graph vs eager; pytest -k "$E2E_K")
 #   tp2_tests      the 2-GPU tests (comm=ll's kernel; tp=2 vs tp=1, graph vs eager; pytest -k "$TP2_K"); alone in its group
 #   bench          1-GPU per-layer slope (4 -> 12 layers, $BENCH_VARIANTS)
@@ -115,7 +117,7 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
         > "$L/probe_bulk.log" 2>&1 || return
       CUDA_VISIBLE_DEVICES=$g timeout 150 /tmp/ds4_probe_bulk >> "$L/probe_bulk.log" 2>&1 ;;
     pytest) CUDA_VISIBLE_DEVICES=$g CUDA_LAUNCH_BLOCKING=1 timeout 200 python3 -X faulthandler -m pytest -m gpu -q \
-        -p no:cacheprovider --tb=long $PYTEST_ARGS > "$L/pytest.log" 2>&1 ;;
+        -p no:cacheprovider --tb=long $PYTEST_ARGS ${PYTEST_K:+-k "$PYTEST_K"} > "$L/pytest.log" 2>&1 ;;
     e2e_tests) CUDA_VISIBLE_DEVICES=$g timeout 420 $PT tests/test_gpu_e2e.py -k "${E2E_K:-not tp2}" > "$L/e2e_tests.log" 2>&1 ;;
     tp2_tests) CUDA_VISIBLE_DEVICES=0,1 timeout 300 $PT tests/test_allreduce_gpu.py tests/test_gpu_e2e.py \
         -k "${TP2_K:-tp2 or all_reduce}" > "$L/tp2_tests.log" 2>&1 ;;
