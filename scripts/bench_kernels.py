@@ -265,7 +265,16 @@ def main() -> int:
     for kern, tag in variants():
         record("shared expert fp8 (2 launches)" + tag, bts,
                [(lambda p=p, kern=kern: shared(p, kern)) for p in sets], target_us=8.0)
-    del sets
+    # its two launches alone, and its gate+up's bytes as one dense GEMV (4096 x 4096: 256 row tiles, where the
+    # gate+up pairs its gate and up tiles: 128 blocks at V4's inter)
+    record("shared gate+up fp8 (1 launch)", nbytes(*sets[0][:4]) + n * dim * 2 + n * inter * 2,
+           [(lambda p=p: kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0)) for p in sets])
+    shs = [kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0) for p in sets]
+    record("shared down fp8 (1 launch)", nbytes(*sets[0][4:]) + n * inter * 2 + n * dim * 2,
+           [(lambda p=p, h=h: kernels.moe_down(h, None, 1, p[4], p[5], "fp8", 0, 1, None, False))
+            for p, h in zip(sets, shs)])
+    del sets, shs
+    gemv_case("fp8 gemv 4096x4096 (shared w1+w3 bytes)", 2 * inter, dim)
 
     # router (learned): bf16 gate GEMV + top-k kernel
     gates = [(torch.randn(E, dim, device=DEV) * 0.05).to(torch.bfloat16) for _ in range(64)]
