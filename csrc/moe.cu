@@ -525,12 +525,15 @@ static cudaError_t with_fp4t_shape(int depth, F f) {
 // same-process pairs (H200, experiments/decode_session33_h200.md), so it is the default since.
 // DS4_SHARED_DEPTH (bench token shdN) sets the shared expert's gate+up alone, for the ablation (the per-shape rule's
 // 8 at V4's dim, or DS4_LONG_ROW_DEPTH's replacement of it, without it).
+// A per-kernel depth knob (`name`, read at every launch) where set, else the per-shape rule for rows of K.
+static int depth_knob_or_rule(const char* name, int K) {
+  if (const int d = env_depth(name)) return d;
+  return mma_depth(K, false);
+}
+
 static int gate_up_depth(const MoEArgs& a) {
   const bool routed = a.ids != nullptr || a.route_logits != nullptr;
-  if (!routed) {
-    if (const int d = env_depth("DS4_SHARED_DEPTH")) return d;
-    return mma_depth(a.dim, false);
-  }
+  if (!routed) return depth_knob_or_rule("DS4_SHARED_DEPTH", a.dim);
   if (const int d = env_depth("DS4_ROUTED_DEPTH")) return d;
   return mma_depth_for(a.dim, false, 4);  // 4 where the rule says 8 (DS4_LONG_ROW_DEPTH does not apply here)
 }
@@ -539,10 +542,7 @@ static int gate_up_depth(const MoEArgs& a) {
 // alone, else the per-shape rule (2 at V4's inter of 2048). Measured on session 33's cheaper rounds, 4 and 8 were
 // no faster (dn4 109.3 / 109.6, dn8 113.9 / 113.9 against 109.6 / 109.3 us per layer, H200,
 // experiments/decode_session34_h200.md).
-static int down_depth(const MoEArgs& a) {
-  if (const int d = env_depth("DS4_DOWN_DEPTH")) return d;
-  return mma_depth(a.inter, false);
-}
+static int down_depth(const MoEArgs& a) { return depth_knob_or_rule("DS4_DOWN_DEPTH", a.inter); }
 
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const int mma = moe_use_mma(a);

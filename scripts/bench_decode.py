@@ -315,7 +315,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SHARED_WAVE"] = str(_number_token(toks, "shw", 100))
     # rwNN: the routed experts' tensor-core gate+up takes NN % of a resident wave (DS4_ROUTED_WAVE)
     os.environ["DS4_ROUTED_WAVE"] = str(_number_token(toks, "rw", 100))
-    for name, value in depth_env(toks).items():  # rdN, lrdN, dnN: per-kernel depths; without them the library's rules
+    for name, value in depth_env(toks).items():  # rdN, lrdN, dnN, shdN: per-kernel depths; else the library's rules
         _set_or_unset(name, value)
     # pf: the L2 prefetch's default sites; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those
     # sites; neither: no prefetch (DS4_L2_PREFETCH)

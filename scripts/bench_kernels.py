@@ -231,9 +231,14 @@ def main() -> int:
         a2, b2 = rand_fp8(dim, inter, g)
         return a1, b1, a3, b3, a2, b2
 
-    def shared(p, kern):
-        h = kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0, kernel=kern)
+    def shared_h(p, kern="auto"):  # the shared expert's gate+up launch
+        return kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0, kernel=kern)
+
+    def shared_down(p, h, kern="auto"):  # ... and its down launch
         return kernels.moe_down(h, None, 1, p[4], p[5], "fp8", 0, 1, None, False, kernel=kern)
+
+    def shared(p, kern):
+        return shared_down(p, shared_h(p, kern), kern)
 
     if n == 1:  # the whole FFN (routed top-6 + the shared expert): the step's four launches, in line, against one
         ssets = [shared_set() for _ in range(16)]
@@ -268,12 +273,10 @@ def main() -> int:
     # its two launches alone, and its gate+up's bytes as one dense GEMV (4096 x 4096: 256 row tiles, where the
     # gate+up pairs its gate and up tiles: 128 blocks at V4's inter)
     record("shared gate+up fp8 (1 launch)", nbytes(*sets[0][:4]) + n * dim * 2 + n * inter * 2,
-           [(lambda p=p: kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0)) for p in sets])
-    shs = [kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0) for p in sets]
+           [(lambda p=p: shared_h(p)) for p in sets])
     record("shared down fp8 (1 launch)", nbytes(*sets[0][4:]) + n * inter * 2 + n * dim * 2,
-           [(lambda p=p, h=h: kernels.moe_down(h, None, 1, p[4], p[5], "fp8", 0, 1, None, False))
-            for p, h in zip(sets, shs)])
-    del sets, shs
+           [(lambda p=p, h=shared_h(p): shared_down(p, h)) for p in sets])
+    del sets
     gemv_case("fp8 gemv 4096x4096 (shared w1+w3 bytes)", 2 * inter, dim)
 
     # router (learned): bf16 gate GEMV + top-k kernel
