@@ -515,22 +515,22 @@ static cudaError_t with_fp4t_shape(int depth, F f) {
   return f(integral_constant<int, 2 / FP4T_W>{});
 }
 
-// The routed experts' gate+up depth: DS4_ROUTED_DEPTH (8 / 4 / 2; read at every launch, for the ablation: bench
-// tokens rdN) sets it there alone. Without it: depth 4 where the per-shape rule (mma_depth) says 8 and no global
-// DS4_MMA_DEPTH is set, else that rule. The shared expert and the dense GEMVs keep mma_depth, the downs down_depth.
-// Why a rule of its own: the FP4 arithmetic alone ran faster at depth 2 than at 8 (scripts/probe_bulk.cu,
-// experiments/decode_session22_h200.md). Session 23 measured depth 4 within the step's noise of 8 (0.0-1.3 us per
-// layer below it, experiments/decode_session23_h200.md); once session 33 had cut the stream's per-round ALU work
-// (MmaStream: shared-memory B addresses, scale conversion) depth 4 came out 2.0 / 1.8 us per layer below 8 in two
-// same-process pairs (H200, experiments/decode_session33_h200.md), so it is the default since.
-// DS4_SHARED_DEPTH (bench token shdN) sets the shared expert's gate+up alone, for the ablation (the per-shape rule's
-// 8 at V4's dim, or DS4_LONG_ROW_DEPTH's replacement of it, without it).
 // A per-kernel depth knob (`name`, read at every launch) where set, else the per-shape rule for rows of K.
 static int depth_knob_or_rule(const char* name, int K) {
   if (const int d = env_depth(name)) return d;
   return mma_depth(K, false);
 }
 
+// The routed experts' gate+up depth: DS4_ROUTED_DEPTH (8 / 4 / 2; read at every launch, for the ablation: bench
+// tokens rdN) sets it there alone. Without it: depth 4 where the per-shape rule (mma_depth) says 8 and no global
+// DS4_MMA_DEPTH is set, else that rule. The dense GEMVs keep mma_depth, the downs down_depth; the shared expert's
+// gate+up takes DS4_SHARED_DEPTH (bench token shdN; for the ablation) where set, else mma_depth (the per-shape
+// rule's 8 at V4's dim, or DS4_LONG_ROW_DEPTH's replacement of it).
+// Why a rule of its own: the FP4 arithmetic alone ran faster at depth 2 than at 8 (scripts/probe_bulk.cu,
+// experiments/decode_session22_h200.md). Session 23 measured depth 4 within the step's noise of 8 (0.0-1.3 us per
+// layer below it, experiments/decode_session23_h200.md); once session 33 had cut the stream's per-round ALU work
+// (MmaStream: shared-memory B addresses, scale conversion) depth 4 came out 2.0 / 1.8 us per layer below 8 in two
+// same-process pairs (H200, experiments/decode_session33_h200.md), so it is the default since.
 static int gate_up_depth(const MoEArgs& a) {
   const bool routed = a.ids != nullptr || a.route_logits != nullptr;
   if (!routed) return depth_knob_or_rule("DS4_SHARED_DEPTH", a.dim);
