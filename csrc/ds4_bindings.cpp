@@ -156,8 +156,11 @@ bool hc_fold_ok_host(int64_t kind, int64_t fmt, int64_t rows, int64_t cols, int6
 }
 
 // q_norm + wq_b in one launch (decode, one token): bf16 [1, O] = rms_norm(x, norm_weight, eps) @ W^T.
+// skip_pos (int64 [1]): where (skip_pos + 1) / skip_ratio <= skip_k, rows [skip_rows, O) are zeros, not computed
+// (ds4::RowSkip).
 at::Tensor gemv_rmsnorm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
-                        const at::Tensor& norm_weight, double eps) {
+                        const at::Tensor& norm_weight, double eps, const std::optional<at::Tensor>& skip_pos,
+                        int64_t skip_ratio, int64_t skip_k, int64_t skip_rows) {
   check_cuda(x, "x");
   check_cuda(w, "w");
   check_cuda(norm_weight, "norm_weight");
@@ -175,11 +178,21 @@ at::Tensor gemv_rmsnorm(const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK((nw_f32 || norm_weight.scalar_type() == at::kBFloat16) && norm_weight.dim() == 1 &&
                   norm_weight.size(0) == K && norm_weight.is_contiguous(),
               "ds4.gemv_rmsnorm: norm_weight must be a contiguous fp32 or bf16 [K]");
+  ds4::RowSkip skip;
+  if (skip_pos.has_value()) {
+    TORCH_CHECK(skip_pos->is_cuda() && skip_pos->device() == x.device() && skip_pos->scalar_type() == at::kLong &&
+                    skip_pos->numel() == 1,
+                "ds4.gemv_rmsnorm: skip_pos must be one int64 position on x's device");
+    TORCH_CHECK(skip_ratio >= 1 && skip_k >= 1 && skip_rows >= 16 && skip_rows % 16 == 0 && skip_rows < O,
+                "ds4.gemv_rmsnorm: need skip_ratio >= 1, skip_k >= 1 and 16 <= skip_rows < O, a multiple of 16 (got ",
+                skip_ratio, ", ", skip_k, ", ", skip_rows, ")");
+    skip = ds4::RowSkip{skip_pos->data_ptr<int64_t>(), (int)skip_ratio, (int)skip_k, (int)skip_rows};
+  }
   c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({1, O}, x.options());
   check_launch(ds4::launch_gemv_rmsnorm((int)fmt, x.data_ptr(), w.data_ptr(), opt_ptr(scale), (int)s_ld, out.data_ptr(),
                                         false, (int)O, (int)K, norm_weight.data_ptr(), nw_f32, (float)eps,
-                                        at::cuda::getCurrentCUDAStream()),
+                                        at::cuda::getCurrentCUDAStream(), skip),
                "gemv_rmsnorm");
   return out;
 }
@@ -777,7 +790,8 @@ TORCH_LIBRARY(ds4, m) {
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
         "float route_scale, Tensor? logits=None, Tensor(a!)? comb=None, int iters=0, float hc_eps=0.0) "
         "-> (Tensor, Tensor)");
-  m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps) -> Tensor");
+  m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps, Tensor? skip_pos=None, "
+        "int skip_ratio=1, int skip_k=0, int skip_rows=0) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("all_reduce_ll(Tensor x, int[] peers, Tensor(a!) counters, int rank, int cap, bool round_bf16, "
         "bool out_f32) -> Tensor");

@@ -74,8 +74,17 @@ bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n);
 // One token: out[0, :] = x @ W^T (bf16) on the tensor cores, and the fold's streams and partials.
 cudaError_t launch_gemv_fold(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, int O, int K,
                              const HcFold& fold, cudaStream_t st);
+// skip (pos != nullptr): where the token's (pos[0] + 1) / ratio <= k, rows [rows, O) are not computed but written
+// as zeros, and the grid's blocks share the tiles of rows [0, rows) instead (rows % 16 == 0; decided on the device
+// each launch). The merged wq_b + indexer wq_b at contexts where the indexer's top-k of k selects every visible
+// entry: zero index queries then score every entry 0, and the selection does not read a score.
+struct RowSkip {
+  const int64_t* pos = nullptr;  // int64 [1], a device position
+  int ratio = 1, k = 0, rows = 0;
+};
 cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32,
-                                int O, int K, const void* nw, bool nw_f32, float eps, cudaStream_t st);
+                                int O, int K, const void* nw, bool nw_f32, float eps, cudaStream_t st,
+                                const RowSkip& skip = RowSkip{});
 
 // Routed / shared expert gate+up: for every distinct local expert of ids [n_tok, topk] and every
 // token that selected it: h[t*topk + j, :] = bf16(silu(min(g, lim)) * clamp(u, +-lim) * rw[t, j]).

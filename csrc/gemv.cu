@@ -144,12 +144,29 @@ template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, CW>()))
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                 int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb,
-                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold, int pre) {
+                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold, int pre, const RowSkip skip) {
   DS4_MARK(0);
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
-  const int t0 = blockIdx.x * tpb, nt = min(tpb, (O + 15) / 16 - t0);
+  // skip (launch_gemv_rmsnorm): its position, read before the PDL wait, was written at the decode step's start,
+  // launches before this one; the kept rows' tiles then spread over the whole grid (bt <= tpb: smem fits)
+  const bool skipping = skip.pos != nullptr && (skip.pos[0] + 1) / skip.ratio <= skip.k;
+  const int T = skipping ? skip.rows / 16 : (O + 15) / 16;
+  const int bt = skipping ? (T + (int)gridDim.x - 1) / (int)gridDim.x : tpb;
+  const int t0 = blockIdx.x * bt, nt = max(0, min(bt, T - t0));
+  auto zero_skipped = [&] {  // after the wait (an output): every block a share of rows [rows, O)
+    if (!skipping) return;
+    for (int r = skip.rows + blockIdx.x * blockDim.x + threadIdx.x; r < O; r += gridDim.x * blockDim.x) {
+      if (out_f32) reinterpret_cast<float*>(out)[r] = 0.f;
+      else reinterpret_cast<__nv_bfloat16*>(out)[r] = __float2bfloat16(0.f);
+    }
+  };
+  if (nt == 0) {  // a block without a kept tile this launch
+    ds4_pdl::begin();
+    zero_skipped();
+    return;
+  }
   const int g0 = group_rows > 0 ? t0 * 16 / group_rows : 0;
   const int ng = group_rows > 0 ? ((t0 + nt) * 16 - 1) / group_rows - g0 + 1 : 1;
   auto tile = [=](int tl, int) {
@@ -169,6 +186,7 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
   };
   if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, O);  // a weight: before the wait
   ds4_pdl::begin();
+  zero_skipped();
   st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, O);
   mma_part_zero(part, nt);
@@ -237,7 +255,7 @@ int mma_depth(int K, bool grouped) { return mma_depth_for(K, grouped, env_depth(
 template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
 static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32, int O,
                                int K, int group_rows, cudaStream_t st, const void* nw = nullptr, bool nw_f32 = false,
-                               float eps = 0.f, const HcFold& fold = HcFold{}) {
+                               float eps = 0.f, const HcFold& fold = HcFold{}, const RowSkip& skip = RowSkip{}) {
   auto kern = gemv_mma_kernel<FMT, U, CW, NORM, FOLD>;
   const int T = (O + 15) / 16;
   auto smem_for = [&](int tpb) {  // partial sums + the activations of the groups tpb tiles can touch (+ stream, fold)
@@ -248,7 +266,7 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   if constexpr (U == 0) {  // the shared-memory stream does not fit beside these activations: registers
     if (smem_for(1) > SMEM_CAP)
       return gemv_mma_go<FMT, 8 / CW, CW, NORM, FOLD>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st, nw, nw_f32, eps,
-                                                      fold);
+                                                      fold, skip);
   }
   // one resident wave (register-bound occupancy), the tiles split evenly over it
   cudaError_t e = set_smem(kern, smem_for(1));
@@ -262,7 +280,7 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   return ds4_pdl::launch(kern, dim3(blocks), dim3(MMA_STREAM_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
                          out_f32 ? 1 : 0, O, K, group_rows, tpb, nw, nw_f32 ? 1 : 0, eps, fold,
-                         mma_prefetch_rounds(false));
+                         mma_prefetch_rounds(false), skip);
 }
 
 __global__ void spacer_kernel() { ds4_pdl::begin(); }
@@ -375,12 +393,16 @@ bool gemv_rmsnorm_ok(int fmt, int O, int K) {
 }
 
 cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32,
-                                int O, int K, const void* nw, bool nw_f32, float eps, cudaStream_t st) {
+                                int O, int K, const void* nw, bool nw_f32, float eps, cudaStream_t st,
+                                const RowSkip& skip) {
   if (!gemv_rmsnorm_ok(fmt, O, K) || nw == nullptr) return cudaErrorInvalidValue;
+  if (skip.pos != nullptr && (skip.ratio < 1 || skip.k < 1 || skip.rows < 16 || skip.rows % 16 || skip.rows >= O))
+    return cudaErrorInvalidValue;
   return with_mma_shape(mma_width(fmt, K, mma_max_width()), mma_depth(K, false), [&](auto cw, auto u) {
     constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
-    return fmt == FMT_FP8 ? gemv_mma_go<FMT_FP8, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps)
-                          : gemv_mma_go<FMT_FP4, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps);
+    return fmt == FMT_FP8
+               ? gemv_mma_go<FMT_FP8, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps, {}, skip)
+               : gemv_mma_go<FMT_FP4, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps, {}, skip);
   });
 }
 

@@ -70,8 +70,11 @@ with the shared expert's gate+up a side-stream launch beside the router), ffnreg
 launch's shared-expert down on the register stream), xshared / xrouter /
 xrouted / xattn / xcombine (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core /
 attention-combine kernels, to time what each costs the step; xcombine: a launch of the combine's grid that only
-writes zeros in its place, with noride only), preN / dpreN (DS4_PREFETCH / DS4_PREFETCH_DOWN=N: the tensor-core GEMVs /
-the MoE down kernels load only N weight rounds before their PDL wait, the rest after it; default all), spLETTERS
+writes zeros in its place, with noride only), noidxskip (DS4_INDEXER_SKIP=0: the indexer's scores kernel also
+scores rows whose visible entries the top-k takes all of, as before session 37; the same indices), noqskip
+(Attention.skip_index_query off: the merged wq_b + indexer wq_b GEMV also computes the index queries there),
+preN / dpreN (DS4_PREFETCH / DS4_PREFETCH_DOWN=N: the tensor-core GEMVs / the MoE down kernels load only N weight
+rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
 launch; a diagnostic, outputs unchanged). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
@@ -303,6 +306,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
     os.environ["DS4_X_COMBINE"] = "1" if "xcombine" in toks else "0"
+    # noidxskip: the indexer's scores computed for every row, also where the top-k selects all visible entries
+    # unread (DS4_INDEXER_SKIP=0; the same indices)
+    os.environ["DS4_INDEXER_SKIP"] = "0" if "noidxskip" in toks else "1"
     for name, value in launch_order_env(toks).items():
         _set_or_unset(name, value)
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
@@ -327,6 +333,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
         if isinstance(mod, Attention):
             mod.merged_indexer_q = "noidxm" not in toks
             mod.head_weights_branch = "hwin" not in toks
+            # noqskip: the merged GEMV computes the index queries also where the selection takes every visible entry
+            mod.skip_index_query = "noqskip" not in toks
     runtime = "cuda_graph" if "graph" in toks else "eager"
     # capN: caches sized for N positions (the app's max_seq_len; V4-Flash's default is 8192) instead of
     # just this run's; launch shapes that follow the capacity then show in the step

@@ -235,7 +235,7 @@ static void probe_shape(int sms, int O, int K) {
     const long smem = 4L * ds4::mma_part_floats(tpb) + 2L * K;
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kern<<<(T + tpb - 1) / tpb, ds4::MMA_STREAM_THREADS, smem>>>(x, Ws[i % copies], Ss[i % copies], s_ld, o, 1, O, K,
-                                                                  0, tpb, nullptr, 0, 0.f, ds4::HcFold{}, -1);
+                                                                  0, tpb, nullptr, 0, 0.f, ds4::HcFold{}, -1, ds4::RowSkip{});
   };
   auto run_ref = [&](int i, float* o) { reg_stream(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 4, 2, false, false>, 2 * sms, i, o); };
   auto run_d2 = [&](int i, float* o) { reg_stream(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 1, 2, false, false>, 4 * sms, i, o); };

@@ -96,6 +96,13 @@ def test_decode_glue_cpu_tensors_go_to_the_twin():
     want = DequantLinear()(ta.rms_norm(qa, w, 1e-6), wq)  # q_up: q_norm, then wq_b through `linear`
     assert torch.equal(ta.q_up(qa, w, 1e-6, wq, DequantLinear(), False), want)
     assert torch.equal(fa.q_up(qa, w, 1e-6, wq, DequantLinear(), False), want)
+    # a RowSkip: columns [rows:] zero where (pos + 1) // ratio <= k, the rest unchanged
+    from ds4.ops.base import RowSkip
+    for p, zero in ((3, True), (8, True), (11, False)):  # (p + 1) // 4 visible entries: 1, 2, 3 against k = 2
+        for impl in (ta, fa):
+            got = impl.q_up(qa, w, 1e-6, wq, DequantLinear(), False, RowSkip(torch.tensor([p]), 4, 2, 64))
+            assert torch.equal(got[:, :64], want[:, :64])
+            assert torch.equal(got[:, 64:], torch.zeros_like(want[:, 64:]) if zero else want[:, 64:]), (p, impl)
     assert torch.equal(fa.head_rope(x, pos, f, True, 1e-6), ta.head_rope(x, pos, f, True, 1e-6))
     assert torch.equal(FusedCudaIndexer().rope(x, pos, f), TorchIndexer().rope(x, pos, f))
     wins = [torch.zeros(2, 8, 64, dtype=torch.bfloat16) for _ in range(2)]

@@ -286,6 +286,38 @@ def test_indexer_scores_apply_the_query_rope(B):
     assert rel(got[fin], two[fin]) <= 1e-3 and rel(got[fin], ref[fin]) <= TOL
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_indexer_select_skips_rows_whose_entries_all_fit(monkeypatch, bf16):
+    """The decode selection in one op (scores kernel, then top-k): rows with at most k visible entries take all of
+    them (their scores are not computed), others the top-k of their scores. The same indices as the scores op
+    followed by the top-k op, with the skip on or off (DS4_INDEXER_SKIP=0), and as the torch twin's."""
+    g = gen(51 + bf16)
+    B, H, d, T, k = 5, 64, 128, 4096, 512
+    f = freqs(4)
+    q = randn(B, 1, H, d, g=g, dtype=BF16)
+    w = randn(B, 1, H, g=g, dtype=BF16)
+    keys = randn(B, T, d, g=g, dtype=BF16)
+    # visible entries (pos + 1) // 4: 25, 511, 512 (all fit), 513 (one too many), 4096
+    p = positions(100, 2047, 2048, 2052, 30000)
+    c = 128 ** -0.5 * 64 ** -0.5
+    fused = FusedCudaIndexer()
+    monkeypatch.delenv("DS4_INDEXER_SKIP", raising=False)
+    poison()
+    got = fused.select(q, w, keys, k, p, 4, bf16, c, f)
+    two = fused.topk(fused.scores(q, w, keys, bf16, p, 4, c, f)[:, 0], k, p, 4)
+    monkeypatch.setenv("DS4_INDEXER_SKIP", "0")
+    full = fused.select(q, w, keys, k, p, 4, bf16, c, f)
+    ref = TorchIndexer().select(q, w, keys, k, p, 4, bf16, c, f)
+    assert got.shape == (B, k) and got.dtype == torch.long
+    sort = lambda t: t.sort(-1).values  # noqa: E731 - the selection's order is not part of its contract
+    assert torch.equal(sort(got), sort(two)) and torch.equal(sort(got), sort(full))
+    assert torch.equal(sort(got[:3]), torch.arange(k, device=got.device).expand(3, k))
+    # the twin's scores differ in the last bits (and bf16 ties break another way): most of a row's selection agrees
+    for r in (3, 4):
+        common = len(set(got[r].tolist()) & set(ref[r].tolist()))
+        assert common >= 0.95 * k, (r, common)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_indexer_head_weights(rows):
     """weights_proj on the BF16 GEMV kernel: bf16 out like F.linear's, at V4-Flash's 64 x 4096."""
@@ -461,3 +493,45 @@ def test_q_up_folds_q_norm_into_the_gemv(fmt, o, i, wdt, mma_all, monkeypatch):
     assert rel(FUSED.q_up(q2, nw, EPS, qw, lin, False), REF.rms_norm(q2, nw, EPS).float() @ wd.t()) <= TOL
     with pytest.raises(RuntimeError, match="one contiguous bf16 row"):
         kernels.gemv_rmsnorm(q2, qw.weight, qw.scale, fmt, nw, EPS)
+
+
+@pytest.mark.parametrize("o,rows,tokens", [(32768 + 8192, 32768, 1), (4096 + 1024, 4096, 1), (32768 + 8192, 32768, 2)])
+def test_q_up_skip_zeroes_the_index_queries(o, rows, tokens):
+    """attn.q_up with a RowSkip (the merged wq_b + indexer wq_b in decode): where (pos + 1) // ratio <= k the columns
+    [rows:] are zeros — the one-token kernel then spreads the kept rows' tiles over the whole grid — and the kept
+    columns are the plain q_up's within TOL (another split of their rounds over warps); elsewhere the plain q_up's
+    bits. Two tokens take the twin's path (the plain GEMV, then the zeros where each row's position says)."""
+    from ds4.ops.base import QWeight, RowSkip
+    from ds4.ops.linear_cuda import GemvCudaLinear
+    from ds4.quant import dequant_fp8
+    g = gen(o + tokens)
+    i = 1024
+    wb = torch.randint(0, 256, (o, i), device=DEV, dtype=torch.uint8, generator=g)
+    w = torch.where((wb & 0x7F) == 0x7F, wb - 1, wb).view(torch.float8_e4m3fn)
+    s = torch.randint(116, 124, (-(-o // 128), i // 128), device=DEV, dtype=torch.uint8, generator=g)
+    qw = QWeight("fp8", w, s.view(torch.float8_e8m0fnu))
+    nw = (1 + 0.1 * randn(i, g=g)).to(BF16)
+    lin = GemvCudaLinear()
+    ref_w = dequant_fp8(qw.weight, qw.scale, torch.float32)
+    # (pos + 1) // 4 visible entries: 25 and 512 fit in k = 512, 513 does not
+    cases = [(100,), (2047,), (2051,)] if tokens == 1 else [(100, 5000)]
+    for p in cases:
+        pos = positions(*p)
+        qa = randn(tokens, i, g=g, dtype=BF16, scale=3.0)
+        skip = RowSkip(pos, 4, 512, rows)
+        plain = FUSED.q_up(qa, nw, EPS, qw, lin, False)
+        poison()
+        got = FUSED.q_up(qa, nw, EPS, qw, lin, False, skip)
+        want = REF.rms_norm(qa, nw, EPS).float() @ ref_w.t()
+        zero = [(q + 1) // 4 <= 512 for q in p]
+        assert got.shape == (tokens, o) and torch.isfinite(got).all()
+        for t in range(tokens):
+            if zero[t]:
+                assert torch.equal(got[t, rows:], torch.zeros_like(got[t, rows:])), (p, t)
+                assert rel(got[t, :rows], plain[t, :rows]) <= TOL and rel(got[t, :rows], want[t, :rows]) <= TOL
+            else:
+                assert torch.equal(got[t], plain[t]), (p, t)
+    from ds4 import kernels
+    with pytest.raises(ValueError, match="a multiple of 16"):
+        kernels.gemv_rmsnorm(randn(1, i, g=g, dtype=BF16), qw.weight, qw.scale, "fp8", nw, EPS,
+                             (positions(1), 4, 512, rows + 8))

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -419,9 +420,10 @@ void check_freqs(const at::Tensor& freqs, const char* op) {
               "ds4_attn.", op, ": freqs must be a contiguous float32 CUDA tensor [R/2]");
 }
 
-at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, bool bf16,
-                          const std::optional<at::Tensor>& pos, int64_t ratio, double w_scale,
-                          const std::optional<at::Tensor>& rope_freqs) {
+// skip_k: see launch_indexer_scores (indexer_select's scores, read by its top-k alone)
+static at::Tensor indexer_scores_impl(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, bool bf16,
+                                      const std::optional<at::Tensor>& pos, int64_t ratio, double w_scale,
+                                      const std::optional<at::Tensor>& rope_freqs, int64_t skip_k) {
   check_cuda(q, "q");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4, "ds4_attn.indexer: q must be bf16 [B, S, H, d]");
   check_cuda(w, "w");
@@ -456,9 +458,36 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
                                                keys.stride(1), (int)B, (int)S, (int)H, (int)d, (int)T, bf16,
                                                pos.has_value() ? pos->data_ptr<int64_t>() : nullptr, (int)ratio,
                                                rope_freqs.has_value() ? rope_freqs->data_ptr<float>() : nullptr,
-                                               (int)R, out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
+                                               (int)R, out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream(),
+                                               (int)skip_k),
                "indexer_scores");
   return out;
+}
+
+at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, bool bf16,
+                          const std::optional<at::Tensor>& pos, int64_t ratio, double w_scale,
+                          const std::optional<at::Tensor>& rope_freqs) {
+  return indexer_scores_impl(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, 0);
+}
+
+at::Tensor topk_indices(const at::Tensor& scores, int64_t k, const std::optional<at::Tensor>& pos, int64_t ratio);
+
+// The decode selection: top-k (k) of the indexer scores of one query per row (S == 1) at decode positions, the
+// scores kernel then the top-k kernel. While a row has at most k visible entries the top-k selects all of them
+// without reading a score, so the scores kernel leaves that row alone (contexts below k * ratio tokens: 2048 for
+// V4's CSA). DS4_INDEXER_SKIP=0 (read per call, the ablation) computes every row's scores anyway; the indices are
+// the same either way.
+at::Tensor indexer_select(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, int64_t k, bool bf16,
+                          const at::Tensor& pos, int64_t ratio, double w_scale,
+                          const std::optional<at::Tensor>& rope_freqs) {
+  TORCH_CHECK(q.dim() == 4 && q.size(1) == 1, "ds4_attn.indexer_select: q must be [B, 1, H, d]");
+  TORCH_CHECK(k >= 1 && k <= keys.size(1), "ds4_attn.indexer_select: need 1 <= k <= T (k=", k, ", T=",
+              keys.size(1), ")");
+  const char* env = std::getenv("DS4_INDEXER_SKIP");
+  const bool skip = !(env && env[0] == '0');
+  at::Tensor sc = indexer_scores_impl(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, skip ? k : 0);
+  // bf16 scores (qat): the top-k reads fp32 (a cast of the rows it skips converts bytes it then never reads)
+  return topk_indices(sc.select(1, 0).to(at::kFloat).contiguous(), k, pos, ratio);
 }
 
 // ---- decode attention (positions instead of masks, gather by index, output de-rotation) ---------------
@@ -672,6 +701,8 @@ TORCH_LIBRARY(ds4_attn, m) {
         "float scale) -> Tensor");
   m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1, "
         "float w_scale=1.0, Tensor? rope_freqs=None) -> Tensor");
+  m.def("indexer_select(Tensor q, Tensor w, Tensor keys, int k, bool bf16, Tensor pos, int ratio=1, "
+        "float w_scale=1.0, Tensor? rope_freqs=None) -> Tensor");
   m.def("sparse_decode(Tensor q, Tensor win, Tensor pos, Tensor? ext, Tensor? ext_idx, int ratio, Tensor sink, "
         "float scale, Tensor? freqs, float? q_norm_eps=None, Tensor(a!)? comb=None, int iters=0, float hc_eps=0.0) "
         "-> Tensor");
@@ -694,6 +725,7 @@ TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
   m.impl("hc_fold_finish_proj", &hc_fold_finish_proj);
   m.impl("sparse_attn", &sparse_attn);
   m.impl("indexer_scores", &indexer_scores);
+  m.impl("indexer_select", &indexer_select);
   m.impl("sparse_decode", &sparse_decode);
   m.impl("rms_norm", &rms_norm);
   m.impl("topk", &topk_indices);

@@ -104,9 +104,11 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
 // pos (optional, S == 1): entries t >= (pos[b] + 1) / ratio are not visible yet and score -inf.
 // rope_freqs (optional, with pos; R = 2 len(freqs) <= min(d, 256)): q is taken before its interleaved RoPE
 // of the last R dims at pos, which the kernel applies as ds4_attn's head_rope (norm off) does.
+// skip_k > 0 (with pos; the scores' consumer is launch_topk with k = skip_k and the same pos / ratio): rows with at
+// most skip_k visible entries (and T >= skip_k) are left unwritten, since that top-k selects all of them unread.
 cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, float w_scale, const void* keys, long k_b,
                                   long k_r, int B, int S, int H, int d, int T, bool bf16, const int64_t* pos, int ratio,
-                                  const float* rope_freqs, int R, void* out, cudaStream_t st);
+                                  const float* rope_freqs, int R, void* out, cudaStream_t st, int skip_k = 0);
 
 // ---- top-k (topk.cu) ------------------------------------------------------------------------------
 // out[b, :k] = indices of the k largest of scores[b, :T] (fp32, contiguous rows), unsorted; ties at the

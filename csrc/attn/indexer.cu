@@ -27,7 +27,8 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
                                                              const uint16_t* __restrict__ keys, long k_b, long k_r,
                                                              int S, int H, int d, int T, bool bf16,
                                                              const int64_t* __restrict__ pos, int ratio,
-                                                             const float* __restrict__ rope_freqs, int R, void* out) {
+                                                             const float* __restrict__ rope_freqs, int R, void* out,
+                                                             int skip_k) {
   DS4_MARK(0);
   ds4_pdl::begin();
   extern __shared__ __align__(16) uint16_t ks[];   // [IX_KC][d + 8] keys, then (rope_freqs) [H][d + 8] q
@@ -42,6 +43,10 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
   // visible keys: all T, or with positions the complete entries t < (pos + 1) / ratio; invisible ones
   // score -inf (and are never loaded: a long preallocated cache costs nothing beyond the context)
   const long tl = pos ? (pos[b] + 1) / ratio : (long)T;
+  // skip_k (indexer_select): this row's scores are read by a top-k of skip_k that, while at most skip_k entries
+  // are visible, selects all of them without reading a score (topk.cu: n = max(k, visible) == k); they are then
+  // left unwritten
+  if (skip_k > 0 && pos != nullptr && T >= skip_k && tl <= skip_k) return;
   const int tlim = tl < T ? (int)tl : T;
   if (t0 >= tlim) {
     for (int j = threadIdx.x; j < IX_KC && t0 + j < T; j += IX_THREADS) {
@@ -174,7 +179,8 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
 
 cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, float w_scale, const void* keys, long k_b,
                                   long k_r, int B, int S, int H, int d, int T, bool bf16, const int64_t* pos, int ratio,
-                                  const float* rope_freqs, int R, void* out, cudaStream_t st) {
+                                  const float* rope_freqs, int R, void* out, cudaStream_t st, int skip_k) {
+  if (skip_k < 0 || (skip_k > 0 && pos == nullptr)) return cudaErrorInvalidValue;
   if (d < 16 || d % 16 || H < 1 || B < 1 || S < 1 || (long)B * S > 65535) return cudaErrorInvalidValue;
   if (pos != nullptr && (S != 1 || ratio < 1)) return cudaErrorInvalidValue;
   if (rope_freqs != nullptr && (pos == nullptr || R < 2 || R % 2 || R > d || R > IX_MAX_ROPE))
@@ -189,7 +195,7 @@ cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, flo
   dim3 grid((T + IX_KC - 1) / IX_KC, B * S);
   return ds4_pdl::launch(indexer_kernel, grid, dim3(IX_THREADS), smem, st, static_cast<const uint16_t*>(q), w, w_bf16,
                          w_scale, static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, pos, ratio,
-                         rope_freqs, R, out);
+                         rope_freqs, R, out, skip_k);
 }
 
 }  // namespace ds4_attn

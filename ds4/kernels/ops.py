@@ -53,12 +53,20 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, groups: int 
 
 
 def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm_weight: Tensor,
-                 eps: float) -> Tensor:
+                 eps: float, skip: tuple[Tensor, int, int, int] | None = None) -> Tensor:
     """y[1, O] bf16 = rms_norm(x, norm_weight, eps) @ W^T for one row x [1, I]: the RMSNorm (rounded as
     ds4.kernels_attn.rms_norm rounds it) inside the tensor-core GEMV's activation staging, one launch.
-    Only where gemv_rmsnorm_ok(fmt, O, I) holds (FP8 / FP4, the row lengths gemv's auto sends to tensor cores)."""
+    Only where gemv_rmsnorm_ok(fmt, O, I) holds (FP8 / FP4, the row lengths gemv's auto sends to tensor cores).
+    skip = (pos int64 [1], ratio, k, rows): where (pos + 1) // ratio <= k (decided on the device), y[:, rows:] is
+    zeros instead of its products and the whole grid computes y[:, :rows] (rows % 16 == 0)."""
     f = _fmt(fmt, dense=True)
-    return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps))
+    if skip is None:
+        return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps))
+    pos, ratio, k, rows = skip
+    if not (ratio >= 1 and k >= 1 and 16 <= rows < weight.shape[0] and rows % 16 == 0):
+        raise ValueError(f"gemv_rmsnorm skip: need ratio >= 1, k >= 1 and 16 <= rows < {weight.shape[0]}, a multiple "
+                         f"of 16 (got ratio={ratio}, k={k}, rows={rows})")
+    return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps), pos, int(ratio), int(k), int(rows))
 
 
 def gemv_rmsnorm_ok(fmt: str, rows: int, cols: int) -> bool:

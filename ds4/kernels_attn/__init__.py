@@ -154,6 +154,20 @@ def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: 
                                  None if rope_freqs is None else rope_freqs.float().contiguous())
 
 
+def indexer_select(q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, ratio: int = 1, bf16: bool = False,
+                   w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
+    """The decode selection, topk(indexer_scores(...)[:, 0], k, pos, ratio) in two launches: q [B, 1, H, d],
+    pos int64 [B], k <= T <= TOPK_MAX_LEN -> int64 [B, k] (unsorted). A row with at most k visible entries
+    selects all of them without reading a score, so its scores are not computed (the same indices)."""
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        w = w.float()
+    q = q.contiguous()
+    if rope_freqs is not None and q.data_ptr() % 16:
+        q = q.clone()
+    return _ops().indexer_select(q, w.contiguous(), _rows_ok(keys), int(k), bool(bf16), pos.contiguous(), int(ratio),
+                                 float(w_scale), None if rope_freqs is None else rope_freqs.float().contiguous())
+
+
 def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
                   sink: Tensor, scale: float, freqs: Tensor | None, q_norm_eps: float | None = None,
                   ride=None) -> Tensor:
@@ -203,4 +217,4 @@ def compress_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Te
 
 
 __all__ = ["load", "unavailable_reason", "build_dir", "hc_pre", "hc_head", "hc_post", "hc_post_pre", "sparse_attn",
-           "indexer_scores", "sparse_decode", "rms_norm", "head_rope", "kv_store", "compress_step", "topk"]
+           "indexer_scores", "indexer_select", "sparse_decode", "rms_norm", "head_rope", "kv_store", "compress_step", "topk"]

@@ -68,6 +68,11 @@ def _indexer_scores(q, w, keys, bf16, pos=None, ratio=1, w_scale=1.0, rope_freqs
     return q.new_empty((b, s, keys.shape[1]), dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
+@register_fake("ds4_attn::indexer_select")
+def _indexer_select(q, w, keys, k, bf16, pos, ratio=1, w_scale=1.0, rope_freqs=None):
+    return q.new_empty((q.shape[0], k), dtype=torch.long)
+
+
 @register_fake("ds4_attn::sparse_decode")
 def _sparse_decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps=None, comb=None, iters=0,
                    hc_eps=0.0):

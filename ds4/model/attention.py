@@ -17,7 +17,7 @@ from ds4.model.compressor import Compressor, finish_entry
 from ds4.model.indexer import Indexer
 from ds4.model.rope import inv_freq, rope_heads
 from ds4.model.weights_module import WeightsModule, weight_format
-from ds4.ops.base import QWeight
+from ds4.ops.base import QWeight, RowSkip
 from ds4.profile import NULL_PROFILER
 
 PREFILL_CHUNK = 256  # queries per prefill chunk (bounds the score matrices' memory)
@@ -39,6 +39,10 @@ class Attention(WeightsModule):
         # beside the indexer compressor's step, instead of after it in the "icompress" branch (False:
         # the ablation, bench token hwin)
         self.head_weights_branch = True
+        # with the merged query: while every visible entry fits in the indexer's top-k (contexts below index_topk *
+        # m tokens), the selection reads no score, so the index query may be zeros (RowSkip) and the fused GEMV
+        # skips its rows (False: the ablation, bench token noqskip)
+        self.skip_index_query = True
 
     def load(self, t: Mapping[str, Tensor], p: str) -> None:
         fmt = weight_format(t[f"{p}.wq_a.weight"])
@@ -252,8 +256,7 @@ class Attention(WeightsModule):
             if iw is not None:
                 iw.join()  # the head weights
             # invisible entries score -inf inside the scores op
-            sc = self.indexer.scores(qi[:, None], wi[:, None], st["ikv"], pos=pos, ratio=self.m, rope_freqs=rope)[:, 0]
-            return self.indexer.topk(sc, a.index_topk, pos=pos, ratio=self.m)
+            return self.indexer.select_decode(qi[:, None], wi[:, None], st["ikv"], a.index_topk, pos, self.m, rope)
 
         idx = None
         if select and not merged:
@@ -263,7 +266,10 @@ class Attention(WeightsModule):
             branches.append(ib)
         with self.prof("attn.q"):  # q_norm + wq_b (attn.q_up); the per-head RMS and RoPE happen inside attn.decode
             if merged:  # + the indexer's query rows in the same GEMV (before their RoPE: the scores op applies it)
-                q, qi = attn.q_up(qa, self.q_norm, eps, self.wq_bi, self.ops.linear, False).split(
+                # while a row's visible entries all fit in the top-k, its selection is all of them whatever the
+                # scores: its index query may be zeros (RowSkip), which the fused GEMV does not compute
+                skip = RowSkip(pos, self.m, a.index_topk, self.wq_b.out_features) if self.skip_index_query else None
+                q, qi = attn.q_up(qa, self.q_norm, eps, self.wq_bi, self.ops.linear, False, skip).split(
                     (self.wq_b.out_features, self.idx_wq_b.out_features), -1)
             else:
                 q = attn.q_up(qa, self.q_norm, eps, self.wq_b, self.ops.linear, self.qat)

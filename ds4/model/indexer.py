@@ -71,6 +71,16 @@ class Indexer(WeightsModule):
                                        w_scale=a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5,
                                        rope_freqs=rope_freqs)
 
+    def select_decode(self, q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, ratio: int,
+                      rope_freqs: Tensor | None = None) -> Tensor:
+        """Decode: q [B, 1, H, d], w [B, 1, H], keys [B, T, d] at positions pos [B] -> indices [B, k] of the top-k
+        scores (scores() then topk(), as one implementation op: a row whose visible entries all fit in k needs
+        no scores)."""
+        a = self.args
+        return self.ops.indexer.select(q, w, keys, k, pos, ratio, bf16=self.qat,
+                                       w_scale=a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5,
+                                       rope_freqs=rope_freqs)
+
     def topk(self, scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
         """Decode selection: scores [B, T] (entries t >= (pos+1)//ratio already -inf) -> indices [B, k]."""
         return self.ops.indexer.topk(scores, k, pos, ratio)

@@ -31,7 +31,9 @@ weights_proj's bf16 output and the unrotated query). bf16=True reproduces the re
 einsum/ReLU/product. Prefill-sized calls, fp32 q / keys and index dims not a multiple of 16 call
 TorchIndexer.scores (part of this implementation). head_weights: decode rows on the BF16 GEMV kernel.
 Top-k is a one-block-per-row radix select (ds4_attn topk, rows up to 32768 entries; longer rows use
-torch.topk).
+torch.topk). FusedCudaIndexer.select (the decode selection) runs both as one op: while a row has at most k
+visible entries (contexts below k * ratio tokens) its top-k selects all of them unread, and the scores
+kernel skips the row.
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ from torch import Tensor
 
 from ds4 import kernels, kernels_attn
 from ds4.ops import side_stream
-from ds4.ops.attn_torch import TorchAttention, TorchIndexer, branch_env_slot
-from ds4.ops.base import QWeight
+from ds4.ops.attn_torch import TorchAttention, TorchIndexer, apply_row_skip, branch_env_slot
+from ds4.ops.base import QWeight, RowSkip
 
 BF16 = torch.bfloat16
 INDEXER_MAX_ROWS = 16
@@ -69,7 +71,8 @@ class FusedCudaAttention:
             return self._ref.rms_norm(x, weight, eps)
         return kernels_attn.rms_norm(x, weight, eps)
 
-    def q_up(self, qa: Tensor, weight: Tensor, eps: float, wq_b: QWeight, linear, act_quant: bool) -> Tensor:
+    def q_up(self, qa: Tensor, weight: Tensor, eps: float, wq_b: QWeight, linear, act_quant: bool,
+             skip: RowSkip | None = None) -> Tensor:
         # One token with linear=gemv_cuda: q_norm inside wq_b's tensor-core GEMV (its activation staging
         # computes rms_norm exactly as the rms_norm launch does), one launch fewer on the step's critical
         # path. Other shapes, formats, qat, or another linear: rms_norm, then `linear` (the twin's order).
@@ -79,8 +82,13 @@ class FusedCudaAttention:
                and qa.shape[0] == 1 and weight.dtype in (torch.float32, BF16)
                and kernels.gemv_rmsnorm_ok(wq_b.fmt, wq_b.out_features, qa.shape[1]))
         if not use:
-            return self._ref.q_up(qa, weight, eps, wq_b, linear, act_quant)
-        return kernels.gemv_rmsnorm(qa.contiguous(), wq_b.weight, wq_b.scale, wq_b.fmt, weight.contiguous(), eps)
+            return self._ref.q_up(qa, weight, eps, wq_b, linear, act_quant, skip)
+        # skip: the kernel decides on the device and spreads the kept rows' tiles over the skipped rows' blocks
+        if skip is not None and skip.rows % 16:
+            y = kernels.gemv_rmsnorm(qa.contiguous(), wq_b.weight, wq_b.scale, wq_b.fmt, weight.contiguous(), eps)
+            return apply_row_skip(y, skip)
+        ks = None if skip is None else (skip.pos, skip.ratio, skip.k, skip.rows)
+        return kernels.gemv_rmsnorm(qa.contiguous(), wq_b.weight, wq_b.scale, wq_b.fmt, weight.contiguous(), eps, ks)
 
     def head_rope(self, x: Tensor, positions: Tensor, freqs: Tensor, norm: bool, eps: float) -> Tensor:
         if not (_cuda_bf16(x) and x.dim() == 3 and x.shape[0] == positions.numel()):
@@ -208,3 +216,14 @@ class FusedCudaIndexer:
         if not use:
             return self._ref.scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs)
         return kernels_attn.indexer_scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs)
+
+    def select(self, q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, ratio: int = 1, bf16: bool = False,
+               w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
+        # the scores and top-k kernels in one op (their contract lets the scores skip rows the top-k will not
+        # read); where either kernel does not take the inputs, scores() then topk() as separate steps
+        use = (q.is_cuda and q.dtype == BF16 and keys.dtype == BF16 and q.shape[-1] % 16 == 0 and q.shape[1] == 1
+               and q.shape[0] <= INDEXER_MAX_ROWS and k <= keys.shape[1] <= kernels_attn.TOPK_MAX_LEN
+               and (rope_freqs is None or 2 * rope_freqs.numel() <= min(q.shape[-1], INDEXER_MAX_ROPE)))
+        if not use:
+            return self._ref.select(q, w, keys, k, pos, ratio, bf16, w_scale, rope_freqs, impl=self)
+        return kernels_attn.indexer_select(q, w, keys, k, pos, ratio, bf16, w_scale, rope_freqs)

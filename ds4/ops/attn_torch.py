@@ -15,7 +15,7 @@ from ds4.model import compressor
 from ds4.model.norm import rms_norm, unweighted_rms_norm
 from ds4.model.rope import rope_heads
 from ds4.ops import side_stream
-from ds4.ops.base import QWeight
+from ds4.ops.base import QWeight, RowSkip
 
 
 # The decode branches an attention implementation may put on side streams: name -> (the environment
@@ -30,6 +30,15 @@ def branch_env_slot(name: str) -> tuple[str, int]:
     return BRANCHES[name]
 
 
+def apply_row_skip(y: Tensor, skip: RowSkip | None) -> Tensor:
+    """y [N, O] with columns [skip.rows:] zeroed in the rows where skip applies (decided on the device)."""
+    if skip is None:
+        return y
+    zero = skip.applies()[:, None]  # [N, 1]: no host sync
+    return torch.cat([y[:, :skip.rows], torch.where(zero, torch.zeros((), dtype=y.dtype, device=y.device),
+                                                    y[:, skip.rows:])], -1)
+
+
 class TorchAttention:
     name = "torch"
 
@@ -38,9 +47,11 @@ class TorchAttention:
         """Weighted RMSNorm in fp32, result in x.dtype (q_norm on the q-LoRA latent)."""
         return rms_norm(x, weight, eps)
 
-    def q_up(self, qa: Tensor, weight: Tensor, eps: float, wq_b: QWeight, linear, act_quant: bool) -> Tensor:
-        """qa [N, q_lora] (wq_a output) -> wq_b(rms_norm(qa)) [N, H*D]: q_norm, then wq_b through `linear`."""
-        return linear(self.rms_norm(qa, weight, eps), wq_b, act_quant=act_quant)
+    def q_up(self, qa: Tensor, weight: Tensor, eps: float, wq_b: QWeight, linear, act_quant: bool,
+             skip: RowSkip | None = None) -> Tensor:
+        """qa [N, q_lora] (wq_a output) -> wq_b(rms_norm(qa)) [N, H*D]: q_norm, then wq_b through `linear`.
+        skip (decode): the rows where skip.applies(pos) have zeros in columns skip.rows: (see RowSkip)."""
+        return apply_row_skip(linear(self.rms_norm(qa, weight, eps), wq_b, act_quant=act_quant), skip)
 
     def head_rope(self, x: Tensor, positions: Tensor, freqs: Tensor, norm: bool, eps: float) -> Tensor:
         """x [N, H, D] at positions [N] -> (norm: per-head unweighted RMSNorm) + RoPE of the last dims."""
@@ -143,6 +154,14 @@ class TorchIndexer:
         pos / ratio: entries t >= (pos+1)//ratio are -inf (a hint for kernels that can skip them; which of
         the tied -inf entries fill a short selection does not matter, attention masks them)."""
         return scores.float().topk(k, dim=-1).indices
+
+    def select(self, q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, ratio: int = 1, bf16: bool = False,
+               w_scale: float = 1.0, rope_freqs: Tensor | None = None, impl=None) -> Tensor:
+        """The decode selection: q [B, 1, H, d] at positions pos [B] -> int64 [B, k], the top-k of scores()
+        (arguments as there; invisible entries score -inf). impl: whose scores() and topk() (default this)."""
+        impl = self if impl is None else impl
+        sc = impl.scores(q, w, keys, bf16=bf16, pos=pos, ratio=ratio, w_scale=w_scale, rope_freqs=rope_freqs)
+        return impl.topk(sc[:, 0], k, pos, ratio)
 
     def head_weights(self, x: Tensor, weight: Tensor) -> Tensor:
         """x [N, dim], weights_proj [H, dim] -> [N, H] in x's dtype (bf16(x @ W^T) for bf16 x); the

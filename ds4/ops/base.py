@@ -54,6 +54,23 @@ class SinkhornRide:
         kernels_attn.hc_sinkhorn(self.comb, self.iters, self.eps)
 
 
+@dataclass(frozen=True)
+class RowSkip:
+    """Output columns a decode projection may leave out (attn.q_up's skip): for a row whose (pos + 1) // ratio <= k
+    (decided on the device), columns [rows:] are zeros instead of their products. The merged wq_b + indexer wq_b
+    passes the index queries' columns while the indexer's top-k of k would select every visible entry anyway: zero
+    index queries score each visible entry 0, so any scores + top-k take all of them, and the fused kernel spends
+    the whole grid on wq_b's rows instead."""
+    pos: Tensor  # int64 [N] (device)
+    ratio: int
+    k: int
+    rows: int
+
+    def applies(self) -> Tensor:
+        """bool [N] on the device: the rows whose columns [rows:] are zeros."""
+        return (self.pos + 1) // self.ratio <= self.k
+
+
 @dataclass
 class QWeight:
     """One linear layer's weight in its storage format (spec §10.3).
