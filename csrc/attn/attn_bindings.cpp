@@ -481,8 +481,7 @@ at::Tensor indexer_select(const at::Tensor& q, const at::Tensor& w, const at::Te
                           const at::Tensor& pos, int64_t ratio, double w_scale,
                           const std::optional<at::Tensor>& rope_freqs) {
   TORCH_CHECK(q.dim() == 4 && q.size(1) == 1, "ds4_attn.indexer_select: q must be [B, 1, H, d]");
-  TORCH_CHECK(k >= 1 && k <= keys.size(1), "ds4_attn.indexer_select: need 1 <= k <= T (k=", k, ", T=",
-              keys.size(1), ")");
+  TORCH_CHECK(k >= 1 && k <= keys.size(1), "ds4_attn.indexer_select: need 1 <= k <= T (keys' rows)");
   const char* env = std::getenv("DS4_INDEXER_SKIP");
   const bool skip = !(env && env[0] == '0');
   at::Tensor sc = indexer_scores_impl(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, skip ? k : 0);

@@ -159,6 +159,9 @@ def indexer_select(q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, rati
     """The decode selection, topk(indexer_scores(...)[:, 0], k, pos, ratio) in two launches: q [B, 1, H, d],
     pos int64 [B], k <= T <= TOPK_MAX_LEN -> int64 [B, k] (unsorted). A row with at most k visible entries
     selects all of them without reading a score, so its scores are not computed (the same indices)."""
+    if not 1 <= k <= keys.shape[1] or q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"indexer_select: need q [B, 1, H, d] and 1 <= k <= T (q {tuple(q.shape)}, k={k}, "
+                         f"T={keys.shape[1]})")
     if w.dtype not in (torch.float32, torch.bfloat16):
         w = w.float()
     q = q.contiguous()
