@@ -297,7 +297,7 @@ def test_indexer_select_skips_rows_whose_entries_all_fit(monkeypatch, bf16):
     q = randn(B, 1, H, d, g=g, dtype=BF16)
     w = randn(B, 1, H, g=g, dtype=BF16)
     keys = randn(B, T, d, g=g, dtype=BF16)
-    # visible entries (pos + 1) // 4: 25, 511, 512 (all fit), 513 (one too many), 4096
+    # visible entries (pos + 1) // 4: 25, 512, 512 (all fit), 513 (one too many), 4096
     p = positions(100, 2047, 2048, 2052, 30000)
     c = 128 ** -0.5 * 64 ** -0.5
     fused = FusedCudaIndexer()
