@@ -144,14 +144,19 @@ def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: 
     bf16 keys [B, T, d] -> [B, S, T] (f32, or bf16 when bf16).
     pos int64 [B] (S = 1): entries t >= (pos+1)//ratio score -inf and are not read.
     rope_freqs f32 [R/2] (with pos): q is taken before head_rope(q, pos, rope_freqs, False), applied in the kernel."""
+    q, w, keys, rope_freqs = _indexer_inputs(q, w, keys, rope_freqs)
+    return _ops().indexer_scores(q, w, keys, bool(bf16), None if pos is None else pos.contiguous(), int(ratio),
+                                 float(w_scale), rope_freqs)
+
+
+def _indexer_inputs(q: Tensor, w: Tensor, keys: Tensor, rope_freqs: Tensor | None):
+    """(q, w, keys, rope_freqs) as the scores kernel reads them."""
     if w.dtype not in (torch.float32, torch.bfloat16):
         w = w.float()
     q = q.contiguous()
     if rope_freqs is not None and q.data_ptr() % 16:  # the rotating staging reads q in 16-byte chunks
         q = q.clone()
-    return _ops().indexer_scores(q, w.contiguous(), _rows_ok(keys), bool(bf16),
-                                 None if pos is None else pos.contiguous(), int(ratio), float(w_scale),
-                                 None if rope_freqs is None else rope_freqs.float().contiguous())
+    return q, w.contiguous(), _rows_ok(keys), None if rope_freqs is None else rope_freqs.float().contiguous()
 
 
 def indexer_select(q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, ratio: int = 1, bf16: bool = False,
@@ -162,13 +167,9 @@ def indexer_select(q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, rati
     if not 1 <= k <= keys.shape[1] or q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"indexer_select: need q [B, 1, H, d] and 1 <= k <= T (q {tuple(q.shape)}, k={k}, "
                          f"T={keys.shape[1]})")
-    if w.dtype not in (torch.float32, torch.bfloat16):
-        w = w.float()
-    q = q.contiguous()
-    if rope_freqs is not None and q.data_ptr() % 16:
-        q = q.clone()
-    return _ops().indexer_select(q, w.contiguous(), _rows_ok(keys), int(k), bool(bf16), pos.contiguous(), int(ratio),
-                                 float(w_scale), None if rope_freqs is None else rope_freqs.float().contiguous())
+    q, w, keys, rope_freqs = _indexer_inputs(q, w, keys, rope_freqs)
+    return _ops().indexer_select(q, w, keys, int(k), bool(bf16), pos.contiguous(), int(ratio), float(w_scale),
+                                 rope_freqs)
 
 
 def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,

@@ -81,10 +81,6 @@ class Indexer(WeightsModule):
                                        w_scale=a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5,
                                        rope_freqs=rope_freqs)
 
-    def topk(self, scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
-        """Decode selection: scores [B, T] (entries t >= (pos+1)//ratio already -inf) -> indices [B, k]."""
-        return self.ops.indexer.topk(scores, k, pos, ratio)
-
     def select(self, scores: Tensor, visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Top-k of the visible entries: scores [B, S, T], visible [B, S, T] bool -> (idx [B, S, k]
         clamped to valid range, valid [B, S, k])."""

@@ -84,9 +84,8 @@ class FusedCudaAttention:
         if not use:
             return self._ref.q_up(qa, weight, eps, wq_b, linear, act_quant, skip)
         # skip: the kernel decides on the device and spreads the kept rows' tiles over the skipped rows' blocks
-        if skip is not None and skip.rows % 16:
-            y = kernels.gemv_rmsnorm(qa.contiguous(), wq_b.weight, wq_b.scale, wq_b.fmt, weight.contiguous(), eps)
-            return apply_row_skip(y, skip)
+        if skip is not None and skip.rows % 16:  # (its tiles are 16 rows: the zeros after the plain launch)
+            return apply_row_skip(self.q_up(qa, weight, eps, wq_b, linear, act_quant), skip)
         ks = None if skip is None else (skip.pos, skip.ratio, skip.k, skip.rows)
         return kernels.gemv_rmsnorm(qa.contiguous(), wq_b.weight, wq_b.scale, wq_b.fmt, weight.contiguous(), eps, ks)
 
@@ -225,5 +224,5 @@ class FusedCudaIndexer:
                and q.shape[0] <= INDEXER_MAX_ROWS and k <= keys.shape[1] <= kernels_attn.TOPK_MAX_LEN
                and (rope_freqs is None or 2 * rope_freqs.numel() <= min(q.shape[-1], INDEXER_MAX_ROPE)))
         if not use:
-            return self._ref.select(q, w, keys, k, pos, ratio, bf16, w_scale, rope_freqs, impl=self)
+            return self.topk(self.scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs)[:, 0], k, pos, ratio)
         return kernels_attn.indexer_select(q, w, keys, k, pos, ratio, bf16, w_scale, rope_freqs)

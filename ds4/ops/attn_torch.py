@@ -156,12 +156,11 @@ class TorchIndexer:
         return scores.float().topk(k, dim=-1).indices
 
     def select(self, q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, ratio: int = 1, bf16: bool = False,
-               w_scale: float = 1.0, rope_freqs: Tensor | None = None, impl=None) -> Tensor:
+               w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
         """The decode selection: q [B, 1, H, d] at positions pos [B] -> int64 [B, k], the top-k of scores()
-        (arguments as there; invisible entries score -inf). impl: whose scores() and topk() (default this)."""
-        impl = self if impl is None else impl
-        sc = impl.scores(q, w, keys, bf16=bf16, pos=pos, ratio=ratio, w_scale=w_scale, rope_freqs=rope_freqs)
-        return impl.topk(sc[:, 0], k, pos, ratio)
+        (arguments as there; invisible entries score -inf)."""
+        sc = self.scores(q, w, keys, bf16=bf16, pos=pos, ratio=ratio, w_scale=w_scale, rope_freqs=rope_freqs)
+        return self.topk(sc[:, 0], k, pos, ratio)
 
     def head_weights(self, x: Tensor, weight: Tensor) -> Tensor:
         """x [N, dim], weights_proj [H, dim] -> [N, H] in x's dtype (bf16(x @ W^T) for bf16 x); the
