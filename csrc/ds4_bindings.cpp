@@ -127,6 +127,28 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   return out;
 }
 
+// The compressors' deferred projection (ds4_launch.h launch_gemv_deferred): fp32 [every, O], written only on the step
+// whose position completes the ring; the others copy x into ring[pos % every]. The shapes are checked in Python
+// (ds4.kernels.gemv_deferred); these checks' messages hold strings only.
+at::Tensor gemv_deferred(const at::Tensor& x, at::Tensor& ring, const at::Tensor& w, const at::Tensor& pos) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &ring, &w, &pos})
+    check_cuda(*t, "gemv_deferred tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && ring.scalar_type() == at::kBFloat16 &&
+                  w.scalar_type() == at::kBFloat16 && pos.scalar_type() == at::kLong,
+              "ds4.gemv_deferred: x, ring, w must be bf16 and pos int64");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && ring.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&
+                  ring.size(1) == w.size(1) && pos.numel() == 1 && x.is_contiguous() && ring.is_contiguous() &&
+                  w.is_contiguous(),
+              "ds4.gemv_deferred: x [1, K], ring [every, K], w [O, K] contiguous, pos [1]");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({ring.size(0), w.size(0)}, x.options().dtype(at::kFloat));
+  check_launch(ds4::launch_gemv_deferred(x.data_ptr(), ring.data_ptr(), (int)ring.size(0), pos.data_ptr<int64_t>(),
+                                         w.data_ptr(), out.data_ptr(), (int)w.size(0), (int)w.size(1),
+                                         at::cuda::getCurrentCUDAStream()),
+               "gemv_deferred");
+  return out;
+}
+
 // The hc fold (ds4_launch.h HcFold): bf16 [1, O] = x @ W^T on the tensor cores, and the next mHC
 // site's streams (out) and partials (part) from its epilogue.
 at::Tensor gemv_fold(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
@@ -792,6 +814,7 @@ TORCH_LIBRARY(ds4, m) {
         "-> (Tensor, Tensor)");
   m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps, Tensor? skip_pos=None, "
         "int skip_ratio=1, int skip_k=0, int skip_rows=0) -> Tensor");
+  m.def("gemv_deferred(Tensor x, Tensor(a!) ring, Tensor w, Tensor pos) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("all_reduce_ll(Tensor x, int[] peers, Tensor(a!) counters, int rank, int cap, bool round_bf16, "
         "bool out_f32) -> Tensor");
@@ -817,6 +840,7 @@ TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
   m.impl("moe_down", &moe_down);
   m.impl("router", &router);
   m.impl("gemv_rmsnorm", &gemv_rmsnorm);
+  m.impl("gemv_deferred", &gemv_deferred);
   m.impl("gemv_fold", &gemv_fold);
   m.impl("argmax", &argmax);
   m.impl("all_reduce_ll", &all_reduce_ll);

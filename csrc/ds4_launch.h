@@ -49,6 +49,16 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
                         const void* W, const void* S, int s_ld, void* out, bool out_f32, long out_ld,
                         int O, int K, int group_rows, cudaStream_t st);
 
+// Deferred one-row projection (the compressors' BF16 [wkv; wgate] rows at decode; gemv.cu): a token's x is needed by
+// its compressor only once its window completes, and windows are multiples of `every` tokens, so the product of
+// every `every` tokens is formed at once, reading the weights once instead of `every` times. Per launch, p = pos[0]:
+// where (p + 1) % every != 0, x [K] is copied to ring[p % every] and nothing else is done (out is not written; no
+// weight is read); else out[t, o] = sum_k r_t[k] * W[o, k] (fp32 [every, O]) with r_t = ring[t] for t < every - 1
+// and r_{every-1} = x (the due step's own token). W bf16 [O, K]; ring bf16 [every, K]; 2 <= every <= 8.
+// pos: int64 [1], a device position written before the step's branches fork (read before the PDL wait).
+cudaError_t launch_gemv_deferred(const void* x, void* ring, int every, const int64_t* pos, const void* W, void* out,
+                                 int O, int K, cudaStream_t st);
+
 // One token: out[0, o] = sum_k rms_norm(x)[k] * W[o, k] with rms_norm(x) = bf16(x * rsqrt(mean(x^2) + eps)
 // * nw) (nw fp32 or bf16 [K]), rounded as ds4_attn's rms_norm computes it; the tensor-core kernel with
 // the norm in its activation staging (q_norm + wq_b in one launch). gemv_rmsnorm_ok: whether it

@@ -383,6 +383,98 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
   return cudaErrorInvalidValue;
 }
 
+// The compressors' deferred projection (ds4_launch.h launch_gemv_deferred): BF16 rows, NT >= every tokens, one warp
+// per row and DEFER_U 16-byte chunks per lane in flight. Its own kernel rather than gemv_kernel's NT form, which
+// stages the tokens as padded fp32 (80 KB of shared memory for four 4096-wide tokens; that first form ran 18-21 us
+// on the due step's critical path, H200, session 38, where this one ran 12-14). Here the tokens stay bf16 in shared
+// memory (8 KB each); a lane reads a chunk's NT tokens as one 16-byte load each, conflict-free.
+constexpr int DEFER_U = 8;
+template <int NT>
+__global__ void __launch_bounds__(GEMV_THREADS)
+gemv_deferred_kernel(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ ring, int every,
+                     const int64_t* __restrict__ pos, const uint8_t* __restrict__ W, float* __restrict__ out, int O,
+                     int K) {
+  extern __shared__ uint4 xs[];  // [NT][K / 8]
+  // The position was written at the decode step's start, before this branch forked: it may be read before the PDL
+  // wait. Not due: x goes to its ring slot (block 0, after the wait: x is the previous kernel's output) and every
+  // block exits without a weight load.
+  const int slot = (int)(pos[0] % every);
+  const int nch = K / 8;
+  if (slot != every - 1) {
+    ds4_pdl::begin();
+    if (blockIdx.x == 0)
+      for (int i = threadIdx.x; i < nch; i += blockDim.x)
+        reinterpret_cast<uint4*>(ring + (long)slot * K)[i] = reinterpret_cast<const uint4*>(x)[i];
+    return;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = min(blockIdx.x * GEMV_WARPS + warp, O - 1);
+  const uint8_t* wr = W + (long)row * K * 2;
+  uint4 wv[DEFER_U];
+  auto load = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < DEFER_U; ++u)
+      if (c0 + 32 * u < nch) wv[u] = ld_stream16(wr + (long)(c0 + 32 * u) * 16);
+  };
+  load(lane);  // weights do not depend on the activations: start their loads before the PDL wait
+  ds4_pdl::begin();
+  for (int i = threadIdx.x; i < every * nch; i += blockDim.x) {  // token t < every - 1 from the ring, the last is x
+    const int t = i / nch, c = i - t * nch;
+    xs[i] = reinterpret_cast<const uint4*>(t < every - 1 ? ring + (long)t * K : x)[c];
+  }
+  __syncthreads();
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+  for (int c0 = lane; c0 < nch; c0 += 32 * DEFER_U) {
+#pragma unroll
+    for (int u = 0; u < DEFER_U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= nch) break;
+      const uint32_t w4[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t >= every) break;
+        const uint4 xv = xs[t * nch + c];
+        const uint32_t x4[4] = {xv.x, xv.y, xv.z, xv.w};
+        float p = 0.f;  // the chunk's 8 products in order, then into the token's sum
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          p = fmaf(__uint_as_float(w4[k] << 16), __uint_as_float(x4[k] << 16), p);
+          p = fmaf(__uint_as_float(w4[k] & 0xffff0000u), __uint_as_float(x4[k] & 0xffff0000u), p);
+        }
+        acc[t] += p;
+      }
+    }
+    if (c0 + 32 * DEFER_U < nch) load(c0 + 32 * DEFER_U);
+  }
+  const int r = blockIdx.x * GEMV_WARPS + warp;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const float v = warp_sum(acc[t]);
+    if (lane == 0 && r < O && t < every) out[(long)t * O + r] = v;
+  }
+}
+
+cudaError_t launch_gemv_deferred(const void* x, void* ring, int every, const int64_t* pos, const void* W, void* out,
+                                 int O, int K, cudaStream_t st) {
+  if (every < 2 || every > 8 || O < 1 || K < 8 || K % 8 || !ring || !pos) return cudaErrorInvalidValue;
+  if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(ring) | reinterpret_cast<uintptr_t>(W)) & 15)
+    return cudaErrorInvalidValue;
+  const long smem = (long)(every <= 2 ? 2 : every <= 4 ? 4 : 8) * K * 2;
+  if (smem > SMEM_CAP) return cudaErrorInvalidValue;
+  auto go = [&](auto kern) {
+    cudaError_t e = set_smem(kern, smem);
+    if (e != cudaSuccess) return e;
+    return ds4_pdl::launch(kern, dim3((O + GEMV_WARPS - 1) / GEMV_WARPS), dim3(GEMV_THREADS), smem, st,
+                           static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(ring), every, pos,
+                           static_cast<const uint8_t*>(W), static_cast<float*>(out), O, K);
+  };
+  if (every <= 2) return go(gemv_deferred_kernel<2>);
+  if (every <= 4) return go(gemv_deferred_kernel<4>);
+  return go(gemv_deferred_kernel<8>);
+}
+
 // The norm-fused GEMV exists only on the tensor cores. It takes AUTO's rule without the row count: the
 // indexer's wq_b (8192 x 1024) alone is faster on the FMA kernel, but fused it saves the rms_norm launch
 // before it on the indexer's chain (DS4_MMA=0 / k2048 still keep the norm apart).

@@ -73,6 +73,8 @@ attention-combine kernels, to time what each costs the step; xcombine: a launch 
 writes zeros in its place, with noride only), noidxskip (DS4_INDEXER_SKIP=0: the indexer's scores kernel also
 scores rows whose visible entries the top-k takes all of, as before session 37; the same indices), noqskip
 (Attention.skip_index_query off: the merged wq_b + indexer wq_b GEMV also computes the index queries there),
+nodefer (Attention.defer_compress = 0: the compressors project every token, as before session 38, instead of
+four tokens at once on every fourth step), deferN (up to N tokens per projection: the largest divisor of the ratio),
 preN / dpreN (DS4_PREFETCH / DS4_PREFETCH_DOWN=N: the tensor-core GEMVs / the MoE down kernels load only N weight
 rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
@@ -94,6 +96,7 @@ import torch
 from ds4 import dist as ddist
 from ds4.model.args import preset
 from ds4.model.attention import Attention
+from ds4.model.compressor import DEFER_TOKENS
 from ds4.model.transformer import Transformer
 from ds4.ops import prefetch, side_stream
 from ds4.ops.base import MoEWeights, QWeight
@@ -267,6 +270,22 @@ def _prefetch_sites(toks: set[str]) -> str:
     return "1" if "pf" in toks else "0"
 
 
+def attention_options(model, toks: set[str]) -> None:
+    """The Attention modules' decode options of this variant (before the Generator allocates the state)."""
+    for mod in model.modules():
+        if isinstance(mod, Attention):
+            # noidxm: CSA layers compute the indexer's query with its own GEMV in the indexer's side branch instead
+            # of inside the merged wq_bi GEMV (Attention.merged_indexer_q; matters where the indexer selects: capN)
+            mod.merged_indexer_q = "noidxm" not in toks
+            # hwin: the indexer head weights after the indexer compressor in its branch, not in a branch of their own
+            mod.head_weights_branch = "hwin" not in toks
+            # noqskip: the merged GEMV computes the index queries also where the selection takes every visible entry
+            mod.skip_index_query = "noqskip" not in toks
+            # nodefer: the compressors project every token; deferN: up to N tokens per projection (read when the
+            # Generator allocates the state)
+            mod.defer_compress = 0 if "nodefer" in toks else _number_token(toks, "defer", DEFER_TOKENS)
+
+
 def run_variant(model, name, prompt, new_tokens, bw, world):
     toks = set(name.split("+"))
     ops = build_ops(impls_of(toks), model.device)
@@ -326,15 +345,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # pf: the L2 prefetch's default sites; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those
     # sites; neither: no prefetch (DS4_L2_PREFETCH)
     os.environ["DS4_L2_PREFETCH"] = _prefetch_sites(toks)
-    # noidxm: CSA layers compute the indexer's query with its own GEMV in the indexer's side branch instead
-    # of inside the merged wq_bi GEMV (Attention.merged_indexer_q; matters where the indexer selects: capN)
-    # hwin: the indexer head weights after the indexer compressor in its branch, not in a branch of their own
-    for mod in model.modules():
-        if isinstance(mod, Attention):
-            mod.merged_indexer_q = "noidxm" not in toks
-            mod.head_weights_branch = "hwin" not in toks
-            # noqskip: the merged GEMV computes the index queries also where the selection takes every visible entry
-            mod.skip_index_query = "noqskip" not in toks
+    attention_options(model, toks)
     runtime = "cuda_graph" if "graph" in toks else "eager"
     # capN: caches sized for N positions (the app's max_seq_len; V4-Flash's default is 8192) instead of
     # just this run's; launch shapes that follow the capacity then show in the step

@@ -31,7 +31,7 @@
 #   profile        per-kernel profile of an 8-layer step, the critical path of one replay (ds4.timeline) and
 #                  the step's time at position 65536 ($PROFILE_VARIANT, default kernels+fused; PROFILE_PDL=0:
 #                  without PDL; PROFILE_INLINE=1: side-stream branches in line too — both, and each
-#                  kernel's time is its own)
+#                  kernel's time is its own; $PROFILE_ARGS: more options, e.g. --phases 64)
 #   profile_tp2    the same profile of rank 0 in an 8-layer step of the full-width model at tp=2 (torchrun; routed experts
 #                  sliced, caches for 8192 positions; $PROFILE_TP2_VARIANT, default kernels+fused+ll+shtp+cap8192 (ds4_best's
 #                  all-reduce and shared-expert layout), e.g. kernels+fused+symm+cap8192); alone in its group
@@ -129,7 +129,7 @@ sm__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" pytho
       tag=$tag$X
       DS4_PDL=$pdl DS4_COMPRESS_OVERLAP=$ovl DS4_ATTN_OVERLAP=$ovl DS4_SHARED_OVERLAP=$ovl \
         CUDA_VISIBLE_DEVICES=$g timeout 90 python3 scripts/profile_step.py --layers 8 --variant "${PROFILE_VARIANT:-kernels+fused}" --timeline \
-        --long-context 65536 --out "$OUT/profile_step$tag.json" > "$L/$1$X.log" 2>&1 ;;
+        --long-context 65536 ${PROFILE_ARGS:-} --out "$OUT/profile_step$tag.json" > "$L/$1$X.log" 2>&1 ;;
     profile_tp2)
       CUDA_VISIBLE_DEVICES=0,1 timeout 150 torchrun --nproc-per-node 2 scripts/profile_step.py --layers 8 \
         --variant "${PROFILE_TP2_VARIANT:-kernels+fused+ll+shtp+cap8192}" --timeline --out "$OUT/profile_step_tp2.json" \

@@ -44,7 +44,8 @@ from ds4.runtime.generate import Generator
 from ds4.timeline import critical_path, kernels_from_trace, one_step, path_parts
 from ds4.weights.synthetic import random_weights
 
-from bench_decode import _number_token, impls_of, tp_comm  # the variant tokens of the decode benchmark (same folder)
+from bench_decode import (_number_token, attention_options, impls_of,  # the decode benchmark's variant tokens
+                          tp_comm)
 
 # a readable label per kernel: template arguments and namespaces dropped
 _LABEL = re.compile(r"^(?:void )?(?:[\w:]+::)?(\w+)")
@@ -67,6 +68,10 @@ def main() -> None:
                          "step - indexer over every entry, top-k, HCA over all entries - is that of the context)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--timeline", action="store_true", help="also print one replay's critical path (ds4.timeline)")
+    ap.add_argument("--phases", type=int, default=0,
+                    help="also time this many single replays (CUDA events) and print the mean step by position mod 4 "
+                         "(the compressors' deferred projections run at positions 3 mod 4) and the replay of the "
+                         "timeline at such a position too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     e = ddist.init("cuda", int(os.environ.get("WORLD_SIZE", 1)))
@@ -85,6 +90,8 @@ def main() -> None:
     model.load_weights(random_weights(args, seed=0, device=dev, rank=e.rank, world=e.world, include_mtp=False,
                                       experts="tp", shared="tp" if "shtp" in toks else "replicate"))
     cap = max(a.context, a.long_context) + 3 * a.replays + 64
+    attention_options(model, toks)
+    cap += a.phases
     gen = Generator(model, 1, max(cap, _number_token(toks, "cap", 0)), runtime="cuda_graph")
     prompt = [(13 * i + 7) % args.vocab_size for i in range(a.context)]
     gen.generate([prompt], 4, stop_at_eos=False)            # prefill, capture, a few steps
@@ -120,6 +127,15 @@ def main() -> None:
             per[k][0] += dt
             per[k][1] += ev.count
     timeline = step_timeline(step, tok, a.layers) if a.timeline else None
+    phase_us = due_timeline = None
+    if a.phases:
+        phase_us = per_phase(step, tok, gen, a.phases)
+        print("step wall by position mod 4 (us): " + ", ".join(f"{k}: {v:.1f}" for k, v in sorted(phase_us.items())))
+        if a.timeline:  # the last replay of step_timeline at a position 3 mod 4
+            while (gen.host_pos[0] + 2) % 4 != 3:
+                tok = step(tok)
+            print("the critical path of a step at a position 3 mod 4:")
+            due_timeline = step_timeline(step, tok, a.layers)
     long_us = None
     if a.long_context:
         gen.state.pos[0] = a.long_context
@@ -143,10 +159,24 @@ def main() -> None:
                    "context": a.context, "wall_us": wall_us, "kernel_us": busy, "kernels": launches,
                    "long_context": a.long_context, "long_context_wall_us": long_us, "world": e.world,
                    "rows": [{"kernel": k, "us_per_step": us, "calls_per_step": n} for k, us, n in rows],
-                   "timeline": timeline},
+                   "timeline": timeline, "phase_us": phase_us, "timeline_pos3": due_timeline},
                   open(a.out, "w"), indent=1)
     if e.world > 1:
         torch.distributed.destroy_process_group()
+
+
+def per_phase(step, tok, gen, n: int) -> dict[int, float]:
+    """Mean device time of single replays by the replayed token's position mod 4 (n replays, CUDA events)."""
+    times = collections.defaultdict(list)
+    for _ in range(n):
+        p = gen.host_pos[0]
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        tok = step(tok)
+        t1.record()
+        t1.synchronize()
+        times[p % 4].append(t0.elapsed_time(t1) * 1e3)
+    return {k: sum(v) / len(v) for k, v in times.items()}
 
 
 def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
@@ -187,7 +217,10 @@ def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
         print(f"{label(k.name):<50}{k.end - t0:>10.1f}{charge:>9.2f}{gap:>8.2f}")
     return {"span_us": span, "kernels": len(ks), "streams": streams, "strict": not pdl,
             "parts": {n: {"us": us, "n": c} for n, (us, c) in parts.items()},
-            "path": [{"kernel": label(k.name), "end_us": k.end - t0, "charge_us": c, "gap_us": g} for k, c, g in cpath]}
+            "path": [{"kernel": label(k.name), "end_us": k.end - t0, "charge_us": c, "gap_us": g} for k, c, g in cpath],
+            # every kernel of the replay: (label, stream, start us, end us), to read what the path's charges hide
+            "all": [(label(k.name), k.stream, round(k.start - t0, 2), round(k.end - t0, 2))
+                    for k in sorted(ks, key=lambda k: k.start)]}
 
 
 if __name__ == "__main__":

@@ -219,8 +219,9 @@ def test_merged_wo_bf16_output_projection():
 
 
 def test_decode_skips_refuse_bad_arguments_before_any_kernel():
-    """indexer_select and gemv_rmsnorm's skip check their arguments in Python (a ValueError, no extension needed):
-    a binding's own check that formats numbers crashed the process on the GPU in session 37."""
+    """indexer_select, gemv_rmsnorm's skip, gemv_deferred and compress_step's tokens check their arguments in Python
+    (a ValueError, no extension needed): a binding's own check that formats numbers crashed the process on the GPU
+    in session 37."""
     from ds4 import kernels, kernels_attn
     q, w, keys = torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 4), torch.zeros(1, 8, 16)
     with pytest.raises(ValueError, match="1 <= k <= T"):
@@ -231,3 +232,14 @@ def test_decode_skips_refuse_bad_arguments_before_any_kernel():
     for ratio, k, rows in ((0, 4, 32), (4, 0, 32), (4, 4, 24), (4, 4, 64), (4, 4, 0)):
         with pytest.raises(ValueError, match="a multiple of 16"):
             kernels.gemv_rmsnorm(x, wt, None, "fp8", nw, 1e-6, (torch.zeros(1, dtype=torch.long), ratio, k, rows))
+    # the deferred projection and its step (session 38): the ring's row count, the token count dividing m
+    ring = torch.zeros(4, 64, dtype=torch.bfloat16)
+    for bad_ring, bad_x in ((ring[:1], x), (torch.zeros(9, 64, dtype=torch.bfloat16), x), (ring, torch.zeros(2, 64))):
+        with pytest.raises(ValueError, match="2 <= every <= 8"):
+            kernels.gemv_deferred(bad_x, bad_ring, torch.zeros(32, 64), torch.zeros(1, dtype=torch.long))
+    cache = torch.zeros(1, 8, 16)
+    for tokens, rows in ((3, 3), (4, 1), (0, 0)):
+        with pytest.raises(ValueError, match="must divide m"):
+            kernels_attn.compress_step(torch.zeros(rows, 64), torch.zeros(4, 32), torch.ones(16), torch.zeros(1),
+                                       torch.zeros(4), torch.zeros(1, 8, 32), torch.zeros(1, 8, 32), cache, 4, True,
+                                       1e-6, False, tokens)

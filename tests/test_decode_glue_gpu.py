@@ -114,6 +114,57 @@ def test_compress_step_over_many_boundaries(m, w, overlap, quant):
                 assert rel(cache_f[b, :n_vis], cache_r[b, :n_vis]) <= TOL, (s, b)
 
 
+@pytest.mark.parametrize("m,w,overlap,quant,start", [(4, 512, True, "fp8", 33), (4, 128, True, None, 6),
+                                                     (4, 128, True, "fp4", 9), (128, 512, False, "fp8", 250),
+                                                     (128, 512, False, None, 3), (8, 128, False, None, 13)])
+@pytest.mark.parametrize("impl", ["fused", "twin"])
+def test_compress_deferred_matches_the_per_token_step(m, w, overlap, quant, start, impl):
+    """One row from an unaligned position through its window's completion and two more n-token groups: the
+    deferred step (fused: gemv_deferred + compress_step(tokens=n); twin: decode_step_deferred) against
+    the per-token projection and step of the torch reference. The ring starts as prefill leaves it. At every
+    group's last step the state matches within TOL, and at every step each visible cache entry does; the other
+    entries are untouched (the kernel writes an entry only when it completes)."""
+    g = gen(m * w + overlap + start)
+    dim, n = 4096, 4
+    steps = (m - start % m) + 2 * n + 1  # to the window's end, then two more groups
+    cw, slots = (2 if overlap else 1) * w, (2 if overlap else 1) * m
+    wkv = randn(2 * cw, dim, g=g, dtype=BF16, scale=0.05)
+    ape = randn(m, cw, g=g, scale=0.5)
+    norm = (1 + 0.1 * randn(w, g=g)).to(BF16)
+    f = freqs(4 if m == 4 else 128)
+    # the state as a prefill of `start` tokens leaves it: slots with history, and the ring's tokens since the last
+    # multiple of n (their projections are in the slots already; the group's last step projects them again)
+    past = randn(start, dim, g=g, dtype=BF16)
+    skv_r = randn(1, slots, cw, g=g)
+    ssc_r = randn(1, slots, cw, g=g)
+    base = start - start % m
+    for p in range(max(base - (m if overlap else 0), 0), start):
+        kv, z = REF.compress_project(past[p:p + 1], wkv).chunk(2, -1)
+        sl = p % m + (m if overlap and p >= base else 0)
+        skv_r[0, sl], ssc_r[0, sl] = kv[0], z[0] + ape[p % m]
+    ring = randn(1, n, dim, g=g, dtype=BF16)
+    ring[0, : start % n] = past[start - start % n:]
+    cache_r = randn(1, (start + steps) // m + 2, w, g=g, dtype=BF16)
+    skv_d, ssc_d, cache_d = skv_r.clone(), ssc_r.clone(), cache_r.clone()
+    ops = FUSED if impl == "fused" else REF
+    for s in range(steps):
+        pos = positions(start + s)
+        x = randn(1, dim, g=g, dtype=BF16)
+        before = cache_d.clone()
+        REF.compress_step(REF.compress_project(x, wkv), ape, norm, pos, f, skv_r, ssc_r, cache_r, m, overlap, EPS,
+                          quant)
+        ops.compress_deferred(x, ring, wkv, ape, norm, pos, f, skv_d, ssc_d, cache_d, m, overlap, EPS, quant)
+        p = start + s
+        if (p + 1) % n == 0:
+            assert rel(skv_d, skv_r) <= TOL and rel(ssc_d, ssc_r) <= TOL, f"state differs at position {p}"
+        else:
+            assert torch.equal(ring[0, p % n], x[0]), f"x not in the ring at position {p}"
+        n_vis = (p + 1) // m
+        assert rel(cache_d[0, :n_vis], cache_r[0, :n_vis]) <= TOL, f"visible entries differ at position {p}"
+        if (p + 1) % m:
+            assert torch.equal(cache_d[0, n_vis:], before[0, n_vis:]), f"an invisible entry written at position {p}"
+
+
 # ---------------------------------------------------------------------------------------- attention
 # prep: q is the raw wq_b output and the chunk kernel applies head_rope (per-head RMS + RoPE) to it
 @pytest.mark.parametrize("prep", [False, True])

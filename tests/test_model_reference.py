@@ -89,6 +89,31 @@ def test_decode_matches_prefill(numerics, gemm_act_quant, tol, monkeypatch):
         assert err < tol, (numerics, split, float(err))
 
 
+def test_deferred_compressor_projection_matches_per_token():
+    """Batch-1 decode projects the compressors' tokens four at a time (a ring of x in the state; the step that
+    completes a group writes their slots): the same logits as the per-token projection (Attention.defer_compress
+    = 0), from prefills that leave the ring empty, partly filled, or nearly full, over steps that complete CSA
+    (ratio 4) and HCA (ratio 16) windows. And the state really holds the rings only where deferral is on."""
+    from ds4.model.attention import Attention
+    a = tiny()
+    m = build(a, seed=5)
+    attns = [mod for mod in m.modules() if isinstance(mod, Attention)]
+    seq = [(13 * i + 1) % a.vocab_size for i in range(70)]
+    for split in (8, 21, 35):
+        out = {}
+        for defer in (4, 0):
+            for at in attns:
+                at.defer_compress = defer
+            g = Generator(m, 1, 96)
+            rings = [k for st in g.state.layers for k in st if k.endswith("_x")]
+            # two CSA layers (comp, icomp) and two HCA layers (comp)
+            assert bool(rings) == bool(defer) and (not defer or len(rings) == 4 + 2), rings
+            g.prefill([seq[:split]])
+            out[defer] = torch.stack([g.decode(torch.tensor([t]))[0] for t in seq[split:]])
+        err = (out[4] - out[0]).abs().max() / out[0].abs().max()
+        assert err <= 1e-5, (split, float(err))
+
+
 def test_small_cache_attends_to_all_entries_like_topk():
     """A state whose compressed cache holds <= index_topk entries skips the indexer at decode (top-k
     would select every entry): same logits as a larger state where the indexer runs, up to summation order."""

@@ -642,15 +642,17 @@ void kv_store(at::Tensor& win, const at::Tensor& kv, const at::Tensor& weight, c
 
 void compress_step(const at::Tensor& kvz, const at::Tensor& ape, const at::Tensor& norm, const at::Tensor& pos,
                    const at::Tensor& freqs, at::Tensor& skv, at::Tensor& ssc, at::Tensor& cache, int64_t m,
-                   bool overlap, double eps, bool fp8_nope) {
+                   bool overlap, double eps, bool fp8_nope, int64_t tokens) {
   check_f32(kvz, "kvz");
   check_f32(ape, "ape");
   TORCH_CHECK(cache.is_cuda() && cache.scalar_type() == at::kBFloat16 && cache.dim() == 3 && cache.stride(2) == 1 &&
                   cache.stride(1) == cache.size(2),
               "ds4_attn.compress_step: cache must be bf16 [N, T, w] with contiguous rows");
-  const int64_t N = kvz.size(0), w = cache.size(2), cw = (overlap ? 2 : 1) * w;
-  TORCH_CHECK(m >= 1 && kvz.dim() == 2 && kvz.size(1) == 2 * cw && cache.size(0) == N,
-              "ds4_attn.compress_step: kvz must be [N, 2*cw] (cw = ", cw, ")");
+  // (tokens is checked in Python too: ds4.kernels_attn.compress_step)
+  TORCH_CHECK(m >= 1 && tokens >= 1 && m % tokens == 0, "ds4_attn.compress_step: tokens must divide m");
+  const int64_t N = cache.size(0), w = cache.size(2), cw = (overlap ? 2 : 1) * w;
+  TORCH_CHECK(kvz.dim() == 2 && kvz.size(1) == 2 * cw && kvz.size(0) == N * tokens,
+              "ds4_attn.compress_step: kvz must be [N * tokens, 2*cw] (cw = ", cw, ")");
   TORCH_CHECK(ape.dim() == 2 && ape.size(0) == m && ape.size(1) == cw, "ds4_attn.compress_step: ape must be [m, cw]");
   for (const at::Tensor* t : {&skv, &ssc})
     TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == N &&
@@ -674,7 +676,7 @@ void compress_step(const at::Tensor& kvz, const at::Tensor& ape, const at::Tenso
   a.cache = cache.data_ptr();
   a.cache_b = cache.stride(0);
   a.m = (int)m; a.w = (int)w; a.R = (int)(2 * freqs.numel());
-  a.overlap = overlap; a.fp8_nope = fp8_nope; a.eps = (float)eps;
+  a.overlap = overlap; a.fp8_nope = fp8_nope; a.eps = (float)eps; a.tokens = (int)tokens;
   c10::cuda::CUDAGuard guard(kvz.device());
   check_launch(ds4_attn::launch_compress_step(a, (int)N, c10::cuda::getCurrentCUDAStream().stream()), "compress_step");
 }
@@ -710,7 +712,7 @@ TORCH_LIBRARY(ds4_attn, m) {
   m.def("head_rope(Tensor x, Tensor pos, Tensor freqs, bool norm, float eps) -> Tensor");
   m.def("kv_store(Tensor(a!) win, Tensor kv, Tensor weight, Tensor pos, Tensor freqs, float eps, bool fp8_nope) -> ()");
   m.def("compress_step(Tensor kvz, Tensor ape, Tensor norm, Tensor pos, Tensor freqs, Tensor(a!) skv, "
-        "Tensor(b!) ssc, Tensor(c!) cache, int m, bool overlap, float eps, bool fp8_nope) -> ()");
+        "Tensor(b!) ssc, Tensor(c!) cache, int m, bool overlap, float eps, bool fp8_nope, int tokens=1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {

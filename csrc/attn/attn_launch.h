@@ -145,6 +145,10 @@ struct CompressArgs {
   void* cache = nullptr;          // bf16 entry e of row n at cache + n*cache_b + e*w (elements)
   long cache_b = 0;
   int m = 0, w = 0, R = 0;
+  // kvz holds `tokens` rows per row n (n * tokens + i: position pos[n] - tokens + 1 + i), present only where
+  // (pos[n] + 1) % tokens == 0 (the deferred projection, ds4_launch.h launch_gemv_deferred); the step does nothing
+  // elsewhere. tokens divides m.
+  int tokens = 1;
   bool overlap = false, fp8_nope = false;
   float eps = 0.f;
 };

@@ -9,6 +9,8 @@
 //                        on the device) pool it (per-channel softmax over the window's slots), norm,
 //                        RoPE at the entry's first position, (qat) FP8 nope, write cache[pos // m], and
 //                        for the overlapped CSA compressor move the current slots to "previous".
+//                        With deferred projections (tokens > 1) it writes the group's tokens on the step
+//                        that completes the group, and does nothing on the others.
 // Positions are int64 device tensors; angles are fp32 pos * f as torch.polar's, with accurate
 // sincosf (no fast-math anywhere). Values are rounded to bf16 where the reference rounds.
 #include <cuda_fp8.h>
@@ -191,44 +193,87 @@ __global__ void __launch_bounds__(GLUE_THREADS) compress_step_kernel(CompressArg
   const int r = blockIdx.x;
   const long p = a.pos[r];
   const int m = a.m, w = a.w, cw = a.overlap ? 2 * w : w;   // cw: state / projection width
-  const int phase = (int)(p % m);
-  const int slot = phase + (a.overlap ? m : 0);
-  const float* kv = a.kvz + (long)r * 2 * cw;   // [kv (cw) | z (cw)]
-  const float* z = kv + cw;
-  const float* ape = a.ape + (long)phase * cw;
+  const int nt = a.tokens;
+  // deferred projections (tokens > 1): they exist only on the step that completes their group (the others wrote
+  // nothing); a group never spans two windows (tokens divides m), so no slot is read before it is written
+  if (nt > 1 && (p + 1) % nt != 0) return;
   float* skv = a.skv + (long)r * a.state_b;     // [slots, cw]
   float* ssc = a.ssc + (long)r * a.state_b;
-  // After the write, thread c pools and shifts only columns c and w + c of every slot, so the
-  // threads never touch each other's columns until the finishing norm.
-  for (int c = threadIdx.x; c < cw; c += blockDim.x) {
-    skv[(long)slot * cw + c] = kv[c];
-    ssc[(long)slot * cw + c] = z[c] + ape[c];
+  // Value e = i * cw + c is column c of token p - nt + 1 + i: kvz row r * nt + i = [kv (cw) | z (cw)].
+  // With deferred projections this one-block step runs beside wq_b's weight stream, where each dependent L2 round
+  // trip is long (the loops one value at a time: 21-28 us for the CSA compressor's completing step, H200, session
+  // 38): every loop below issues its loads together (WU values, or a column's slots) before it uses or stores any.
+  constexpr int WU = 8;
+  const int total = nt * cw;
+  const float* kvz = a.kvz + (long)r * nt * 2 * cw;
+  const int ph0 = (int)(p % m) - nt + 1;  // phase of the first token (>= 0: the group ends at p, inside its window)
+  const int off = a.overlap ? m : 0;
+  for (int e0 = threadIdx.x; e0 < total; e0 += WU * blockDim.x) {
+    float kv[WU], z[WU];
+#pragma unroll
+    for (int u = 0; u < WU; ++u) {
+      const int e = e0 + u * blockDim.x, i = e / cw, c = e - i * cw;
+      if (e < total) {
+        kv[u] = kvz[(long)i * 2 * cw + c];
+        z[u] = kvz[(long)i * 2 * cw + cw + c] + a.ape[(long)(ph0 + i) * cw + c];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < WU; ++u) {
+      const int e = e0 + u * blockDim.x, i = e / cw, c = e - i * cw;
+      if (e < total) {
+        skv[(long)(ph0 + i + off) * cw + c] = kv[u];
+        ssc[(long)(ph0 + i + off) * cw + c] = z[u];
+      }
+    }
   }
-  __syncthreads();  // when blockDim > w, column w + c was written by another thread
+  // After the write, thread c pools and shifts only columns c and w + c of every slot; another thread wrote them.
+  __syncthreads();
   if ((p + 1) % m != 0) return;  // entry incomplete: invisible to every reader until it completes
+  constexpr int PS = 16;  // slots a column's pool holds in registers (CSA: 2m = 8); longer windows (HCA) loop
+  const int nslots = a.overlap ? 2 * m : m;
   for (int c = threadIdx.x; c < w; c += blockDim.x) {
     // one softmax over the window's slots (2m when overlapped: previous window's lower half, then
     // this window's upper half), max first, then sum exp * kv, like torch's softmax then (kv * p).sum
-    const int nslots = a.overlap ? 2 * m : m;
-    float mx = -INFINITY;
-    for (int j = 0; j < nslots; ++j) {
-      const int col = (a.overlap && j >= m) ? w + c : c;
-      mx = fmaxf(mx, ssc[(long)j * cw + col]);
-    }
-    float den = 0.f, num = 0.f;
-    for (int j = 0; j < nslots; ++j) {
-      const int col = (a.overlap && j >= m) ? w + c : c;
-      const float e = expf(ssc[(long)j * cw + col] - mx);
-      den += e;
-      num += skv[(long)j * cw + col] * e;
+    auto col = [&](int j) { return (long)j * cw + ((a.overlap && j >= m) ? w + c : c); };
+    float mx = -INFINITY, den = 0.f, num = 0.f;
+    if (nslots <= PS) {
+      float sv[PS], kv[PS];
+#pragma unroll
+      for (int j = 0; j < PS; ++j)
+        if (j < nslots) sv[j] = ssc[col(j)], kv[j] = skv[col(j)];
+#pragma unroll
+      for (int j = 0; j < PS; ++j)
+        if (j < nslots) mx = fmaxf(mx, sv[j]);
+#pragma unroll
+      for (int j = 0; j < PS; ++j)
+        if (j < nslots) {
+          const float e = expf(sv[j] - mx);
+          den += e;
+          num += kv[j] * e;
+        }
+    } else {
+      for (int j = 0; j < nslots; ++j) mx = fmaxf(mx, ssc[col(j)]);
+      for (int j = 0; j < nslots; ++j) {
+        const float e = expf(ssc[col(j)] - mx);
+        den += e;
+        num += skv[col(j)] * e;
+      }
     }
     pv[c] = bf16r(num / den);
     if (a.overlap) {  // window complete: current slots become the previous window (both column halves)
-      for (int j = 0; j < m; ++j) {
-        skv[(long)j * cw + c] = skv[(long)(m + j) * cw + c];
-        skv[(long)j * cw + w + c] = skv[(long)(m + j) * cw + w + c];
-        ssc[(long)j * cw + c] = ssc[(long)(m + j) * cw + c];
-        ssc[(long)j * cw + w + c] = ssc[(long)(m + j) * cw + w + c];
+      for (int j0 = 0; j0 < m; j0 += WU) {
+        float k0[WU], k1[WU], s0[WU], s1[WU];
+#pragma unroll
+        for (int u = 0; u < WU; ++u) {
+          const long src = (long)(m + j0 + u) * cw + c;
+          if (j0 + u < m) k0[u] = skv[src], k1[u] = skv[src + w], s0[u] = ssc[src], s1[u] = ssc[src + w];
+        }
+#pragma unroll
+        for (int u = 0; u < WU; ++u) {
+          const long dst = (long)(j0 + u) * cw + c;
+          if (j0 + u < m) skv[dst] = k0[u], skv[dst + w] = k1[u], ssc[dst] = s0[u], ssc[dst + w] = s1[u];
+        }
       }
     }
   }
@@ -267,7 +312,8 @@ cudaError_t launch_kv_store(const void* kv, const void* weight, bool w_f32, cons
 }
 
 cudaError_t launch_compress_step(const CompressArgs& a, int N, cudaStream_t st) {
-  if (N < 1 || a.m < 1 || a.w < 1 || a.R % 2 || a.R > a.w || a.w * 4 > 48 * 1024) return cudaErrorInvalidValue;
+  if (N < 1 || a.m < 1 || a.w < 1 || a.tokens < 1 || a.m % a.tokens || a.R % 2 || a.R > a.w || a.w * 4 > 48 * 1024)
+    return cudaErrorInvalidValue;
   return ds4_pdl::launch(compress_step_kernel, dim3(N), dim3(GLUE_THREADS), a.w * sizeof(float), st, a);
 }
 

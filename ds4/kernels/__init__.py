@@ -20,8 +20,8 @@ import torch
 
 from ds4.kernels.ops import (AR_CHUNK, AR_FOLD_ROWS, AR_MAX_WORLD, ARGMAX_MAX_ROWS, InKernelRoute,  # noqa: F401
                              all_reduce_ll, all_reduce_ll_fold,
-                             argmax, gemv, gemv_fold, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok, join_programmatic,
-                             l2_prefetch,
+                             argmax, gemv, gemv_deferred, gemv_fold, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok,
+                             join_programmatic, l2_prefetch,
                              moe_down, moe_ffn, moe_ffn_ok, moe_gate_up, moe_route_ok, router)  # (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,5 +113,5 @@ def unavailable_reason() -> str | None:
     return extension_reason("ds4", build_dir() / f"{EXT_NAME}.so", load)
 
 
-__all__ = ["load", "unavailable_reason", "is_loaded", "build_dir", "gemv", "moe_gate_up", "moe_down", "moe_ffn",
-           "router", "argmax", "l2_prefetch", "all_reduce_ll", "all_reduce_ll_fold"]
+__all__ = ["load", "unavailable_reason", "is_loaded", "build_dir", "gemv", "gemv_deferred", "moe_gate_up", "moe_down",
+           "moe_ffn", "router", "argmax", "l2_prefetch", "all_reduce_ll", "all_reduce_ll_fold"]

@@ -11,6 +11,11 @@ def _gemv(x, w, scale, fmt, groups=1, kernel=0, out_f32=False):
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if out_f32 else torch.bfloat16)
 
 
+@register_fake("ds4::gemv_deferred")
+def _gemv_deferred(x, ring, w, pos):
+    return x.new_empty((ring.shape[0], w.shape[0]), dtype=torch.float32)
+
+
 @register_fake("ds4::gemv_rmsnorm")
 def _gemv_rmsnorm(x, w, scale, fmt, norm_weight, eps, skip_pos=None, skip_ratio=1, skip_k=0, skip_rows=0):
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)

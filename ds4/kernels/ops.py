@@ -69,6 +69,22 @@ def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm
     return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps), pos, int(ratio), int(k), int(rows))
 
 
+def gemv_deferred(x: Tensor, ring: Tensor, weight: Tensor, pos: Tensor) -> Tensor:
+    """The compressors' BF16 projection at decode, formed once per `every` = ring.shape[0] tokens.
+
+    x bf16 [1, K] (this step's token), ring bf16 [every, K] (in place), weight bf16 [O, K], pos int64 [1] (device).
+    With p = pos[0] (read on the device): where (p + 1) % every != 0, x is copied to ring[p % every] and the returned
+    fp32 [every, O] is not written; else it is [ring[0 .. every - 2]; x] @ weight^T (positions p - every + 1 .. p),
+    one weight read for the `every` tokens. 2 <= every <= 8; K a multiple of 8."""
+    every, K = ring.shape[0] if ring.dim() == 2 else 0, weight.shape[-1]
+    if not (2 <= every <= 8 and K % 8 == 0 and x.shape == (1, K) and ring.shape == (every, K) and weight.dim() == 2
+            and pos.numel() == 1):
+        raise ValueError(f"gemv_deferred: need x [1, K], ring [every, K] with 2 <= every <= 8, weight [O, K], "
+                         f"K % 8 == 0 and one position (got x {tuple(x.shape)}, ring {tuple(ring.shape)}, weight "
+                         f"{tuple(weight.shape)}, pos {tuple(pos.shape)})")
+    return _ops().gemv_deferred(x.contiguous(), ring, weight.contiguous(), pos.reshape(1).contiguous())
+
+
 def gemv_rmsnorm_ok(fmt: str, rows: int, cols: int) -> bool:
     """Whether gemv_rmsnorm serves an [rows, cols] weight of `fmt` (host-only; reads DS4_MMA like gemv's auto)."""
     return fmt in ("fp8", "fp4") and bool(_ops().gemv_rmsnorm_ok(FMT[fmt], rows, cols))

@@ -213,11 +213,18 @@ def kv_store(win: Tensor, kv: Tensor, weight: Tensor, pos: Tensor, freqs: Tensor
 
 
 def compress_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tensor, skv: Tensor, ssc: Tensor,
-                  cache: Tensor, m: int, overlap: bool, eps: float, fp8_nope: bool) -> None:
-    """Compressor decode step in place on skv / ssc (f32 [B, slots, cw]) and cache (bf16 [B, T, w])."""
+                  cache: Tensor, m: int, overlap: bool, eps: float, fp8_nope: bool, tokens: int = 1) -> None:
+    """Compressor decode step in place on skv / ssc (f32 [B, slots, cw]) and cache (bf16 [B, T, w]).
+
+    tokens > 1 (the deferred projection, ds4.kernels.gemv_deferred): kvz [B * tokens, 2 cw] holds the projections
+    of positions pos - tokens + 1 .. pos, present only where (pos + 1) % tokens == 0 (decided on the device); the
+    step writes them all there and does nothing elsewhere. tokens must divide m (a group never spans two windows)."""
+    if not (tokens >= 1 and m >= 1 and m % tokens == 0 and kvz.dim() == 2 and kvz.shape[0] == cache.shape[0] * tokens):
+        raise ValueError(f"compress_step: tokens ({tokens}) must divide m ({m}) and kvz must have rows * tokens rows "
+                         f"(got {tuple(kvz.shape)} for {cache.shape[0]} rows)")
     _ops().compress_step(kvz.contiguous(), ape.float().contiguous(), norm.contiguous(), pos.contiguous(),
                          freqs.float().contiguous(), skv, ssc, cache, int(m), bool(overlap), float(eps),
-                         bool(fp8_nope))
+                         bool(fp8_nope), int(tokens))
 
 
 __all__ = ["load", "unavailable_reason", "build_dir", "hc_pre", "hc_head", "hc_post", "hc_post_pre", "sparse_attn",

@@ -100,5 +100,5 @@ def _kv_store(win, kv, weight, pos, freqs, eps, fp8_nope):
 
 
 @register_fake("ds4_attn::compress_step")
-def _compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, fp8_nope):
+def _compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, fp8_nope, tokens=1):
     return None

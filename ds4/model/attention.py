@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ds4.model.args import CSA, HCA, SWA, ModelArgs
-from ds4.model.compressor import Compressor, finish_entry
+from ds4.model.compressor import DEFER_TOKENS, Compressor, defer_tokens, finish_entry
 from ds4.model.indexer import Indexer
 from ds4.model.rope import inv_freq, rope_heads
 from ds4.model.weights_module import WeightsModule, weight_format
@@ -43,6 +43,10 @@ class Attention(WeightsModule):
         # m tokens), the selection reads no score, so the index query may be zeros (RowSkip) and the fused GEMV
         # skips its rows (False: the ablation, bench token noqskip)
         self.skip_index_query = True
+        # batch-1 decode: the compressors project their tokens n at a time (ds4.model.compressor, deferred
+        # projection; n the largest divisor of the ratio up to this, 4 at V4's ratios): a ring of x in the state
+        # (0: the per-token projection, the ablation; bench tokens nodefer, deferN; read by alloc_state)
+        self.defer_compress = DEFER_TOKENS
 
     def load(self, t: Mapping[str, Tensor], p: str) -> None:
         fmt = weight_format(t[f"{p}.wq_a.weight"])
@@ -88,6 +92,12 @@ class Attention(WeightsModule):
             st["ikv"] = torch.zeros(batch, -(-max_seq_len // self.m), d, dtype=dtype, device=device)
             st["icomp_kv"] = torch.zeros(batch, 2 * self.m, 2 * d, device=device)
             st["icomp_score"] = torch.full((batch, 2 * self.m, 2 * d), float("-inf"), device=device)
+        # the deferred projection's rings (one per compressor: each branch writes its own); batch 1 only, where the
+        # fused kernels take it (one row per launch), so a batched decode keeps the per-token projection
+        n = defer_tokens(self.m, self.defer_compress) if self.compressor is not None else 1
+        if batch == 1 and n >= 2:
+            for name in ("comp", "icomp") if self.indexer is not None else ("comp",):
+                st[f"{name}_x"] = torch.zeros(batch, n, a.dim, dtype=dtype, device=device)
         return st
 
     def prefetch_q(self, h: Tensor) -> bool:
@@ -294,8 +304,9 @@ class Attention(WeightsModule):
 
 
 def _state(st: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    return {"kv": st[f"{prefix}_kv"], "score": st[f"{prefix}_score"]}
+    """A compressor's decode state: kv, score, and the deferred projection's ring x where allocated."""
+    return {k: st[f"{prefix}_{k}"] for k in ("kv", "score", "x") if f"{prefix}_{k}" in st}
 
 
 def _row_state(st: dict[str, Tensor], prefix: str, row: int) -> dict[str, Tensor]:
-    return {"kv": st[f"{prefix}_kv"][row], "score": st[f"{prefix}_score"][row]}
+    return {k: v[row] for k, v in _state(st, prefix).items()}

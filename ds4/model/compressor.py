@@ -12,6 +12,12 @@ attention-implementation op (`ops.attn.compress_step`); `decode_step` below is i
 form: it recomputes the in-progress entry and writes it to cache slot pos//m on every step (it
 stays invisible until its window completes, so no host-side branch is needed). Kernels may write
 the entry only on the completing step: nothing reads an entry before it is visible.
+
+Deferred projection (batch-1 decode, `ops.attn.compress_deferred`): nothing reads a token's slots before its
+window completes, so the projection of n tokens (n divides m; 4 at V4's ratios) can wait for the last of them.
+Each step puts x into a ring [n, dim]; the step with (pos + 1) % n == 0 projects the ring's n tokens at once (one
+read of the BF16 weights for n tokens: the CSA compressors' 21 MB per step, the HCA compressor's 8.4 MB, become a
+quarter) and writes their slots; n divides m, so a window's last position is such a step. Same slots, same entries.
 """
 from __future__ import annotations
 
@@ -25,6 +31,15 @@ from ds4.model.norm import rms_norm
 from ds4.model.rope import apply_rope, rotations
 from ds4.model.weights_module import WeightsModule
 from ds4.quant import act_quant_sim, fp4_act_quant_sim, hadamard
+
+
+DEFER_TOKENS = 4  # the default most tokens per deferred projection (Attention.defer_compress)
+
+
+def defer_tokens(ratio: int, most: int) -> int:
+    """Tokens per deferred projection of a compressor of this ratio: the largest divisor of the ratio <= most
+    (a window's last position must end a group); below 2: no deferral."""
+    return max(d for d in range(1, max(most, 1) + 1) if ratio % d == 0)
 
 
 class Compressor(WeightsModule):
@@ -59,8 +74,13 @@ class Compressor(WeightsModule):
 
     # ---- prefill: one sequence, positions 0..S-1 ---------------------------------------------
     def prefill(self, x: Tensor, freqs: Tensor, qat: bool, state: dict[str, Tensor]) -> Tensor:
-        """x [S, dim] -> entries [S//m, w]; fills state['kv'], state['score'] ([slots, coff*w]) for decode."""
+        """x [S, dim] -> entries [S//m, w]; fills state['kv'], state['score'] ([slots, coff*w]) for decode, and
+        the deferred projection's ring state['x'] [n, dim] where present (ring[p % n] = x[p] for the tokens after
+        the last multiple of n: the decode step that completes their group projects them again)."""
         m, w, S = self.m, self.w, x.shape[0]
+        if "x" in state:
+            tail = S % state["x"].shape[0]
+            state["x"][:tail] = x[S - tail:]
         kv, z = self.project(x)
         z = z + self.ape[torch.arange(S, device=x.device) % m]
         n, cut = S // m, (S // m) * m
@@ -90,7 +110,14 @@ class Compressor(WeightsModule):
     def decode(self, x: Tensor, pos: Tensor, freqs: Tensor, qat: bool, state: dict[str, Tensor],
                cache: Tensor, attn) -> None:
         """x [B, dim]; `attn.compress_project` is the merged projection, `attn.compress_step` writes the token
-        into the state and the entry into cache[b, pos//m] (see `decode_step`)."""
+        into the state and the entry into cache[b, pos//m] (see `decode_step`). With a ring in the state
+        (state['x'] [B, n, dim], allocated for batch-1 decode) the projection is deferred: `attn.compress_deferred`
+        (see `decode_step_deferred`)."""
+        if "x" in state:
+            attn.compress_deferred(x, state["x"], self.wkv_gate, self.ape, self.norm, pos, freqs, state["kv"],
+                                   state["score"], cache, self.m, self.overlap, self.args.norm_eps,
+                                   self.quant if qat else None)
+            return
         kvz = attn.compress_project(x, self.wkv_gate)
         attn.compress_step(kvz, self.ape, self.norm, pos, freqs, state["kv"], state["score"], cache, self.m,
                            self.overlap, self.args.norm_eps, self.quant if qat else None)
@@ -128,21 +155,56 @@ def decode_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tens
     skv / ssc [B, coff*m, cw] fp32; cache [B, T, w]. Writes the token's slot, pools the (possibly
     in-progress) entry into cache[b, pos//m], and for the overlapped compressor moves the current
     slots to "previous" when the window completes."""
-    B, w = kvz.shape[0], cache.shape[-1]
-    rows = torch.arange(B, device=kvz.device)
+    rows = torch.arange(kvz.shape[0], device=kvz.device)
     kv, z = kvz.chunk(2, -1)
     z = z + ape[pos % m]
     slot = pos % m + (m if overlap else 0)
     skv[rows, slot] = kv
     ssc[rows, slot] = z
+    _pool_step(norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
+
+
+def decode_step_deferred(x: Tensor, ring: Tensor, w: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tensor,
+                         skv: Tensor, ssc: Tensor, cache: Tensor, m: int, overlap: bool, eps: float,
+                         quant: str | None) -> None:
+    """Plain-torch compressor decode step with the projection deferred (module docstring).
+
+    x [B, dim] this step's token; ring [B, n, dim] (n divides m) the tokens since the last multiple of n; w the
+    merged [wkv; wgate] rows. Every step: ring[b, pos % n] = x. Where (pos + 1) % n == 0 (on the device): the
+    slots of positions pos - n + 1 .. pos from one projection of the ring; elsewhere the slots are unchanged.
+    Then the pooling of `decode_step` (the in-progress entry, and the window's shift where it completes)."""
+    B, n = ring.shape[:2]
+    rows = torch.arange(B, device=x.device)
+    ring[rows, pos % n] = x
+    kv, z = project_f32(ring, w).chunk(2, -1)                          # [B, n, cw]
+    phase = (pos[:, None] + torch.arange(1 - n, 1, device=x.device)) % m  # [B, n]: positions pos - n + 1 .. pos
+    slot, r = phase + (m if overlap else 0), rows[:, None]
+    due = ((pos + 1) % n == 0).view(B, 1, 1)
+    skv[r, slot] = torch.where(due, kv, skv[r, slot])
+    ssc[r, slot] = torch.where(due, z + ape[phase], ssc[r, slot])
+    # the entry only where its window completes (as the kernel writes it): between, a window's slots may all be
+    # unwritten (-inf scores, a NaN pool), and an attention over masked entries may still multiply their values
+    _pool_step(norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant, complete_only=True)
+
+
+def _pool_step(norm: Tensor, pos: Tensor, freqs: Tensor, skv: Tensor, ssc: Tensor, cache: Tensor, m: int,
+               overlap: bool, eps: float, quant: str | None, complete_only: bool = False) -> None:
+    """The pooling half of a decode step: the (possibly in-progress; complete_only: only a completed) entry into
+    cache[b, pos//m], and for the overlapped compressor the current slots moved to "previous" where the window
+    completes."""
+    B, w = pos.shape[0], cache.shape[-1]
+    rows = torch.arange(B, device=pos.device)
+    done = ((pos + 1) % m == 0).view(B, 1, 1)
     if overlap:
         kvw = torch.cat((skv[:, :m, :w], skv[:, m:, w:]), 1)          # [B, 2m, w]
         zw = torch.cat((ssc[:, :m, :w], ssc[:, m:, w:]), 1)
     else:
         kvw, zw = skv, ssc
     pooled = (kvw * zw.softmax(1)).sum(1)                             # [B, w]
-    cache[rows, pos // m] = finish_entry(pooled.to(cache.dtype), norm, eps, (pos // m) * m, freqs, quant)
+    entry = finish_entry(pooled.to(cache.dtype), norm, eps, (pos // m) * m, freqs, quant)
+    if complete_only:
+        entry = torch.where(done[:, 0], entry, cache[rows, pos // m])
+    cache[rows, pos // m] = entry
     if overlap:  # window complete: current slots become the previous window
-        done = ((pos + 1) % m == 0).view(B, 1, 1)
         skv[:, :m] = torch.where(done, skv[:, m:], skv[:, :m])
         ssc[:, :m] = torch.where(done, ssc[:, m:], ssc[:, :m])

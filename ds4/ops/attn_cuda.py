@@ -126,6 +126,21 @@ class FusedCudaAttention:
             return self._ref.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
         kernels_attn.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant == "fp8")
 
+    def compress_deferred(self, x: Tensor, ring: Tensor, w: Tensor, ape: Tensor, norm: Tensor, pos: Tensor,
+                          freqs: Tensor, skv: Tensor, ssc: Tensor, cache: Tensor, m: int, overlap: bool, eps: float,
+                          quant: str | None) -> None:
+        # one row: two launches, both deciding on the device. The GEMV either copies x into the ring and exits
+        # (no weight read) or, on the step that completes the ring, projects its n tokens; the step then writes
+        # their slots (and, where the window completes, the entry) or does nothing.
+        n = ring.shape[1]
+        if not (_cuda_bf16(x, ring, w, cache) and x.shape[0] == 1 and 2 <= n <= 8 and m % n == 0
+                and x.shape[1] % 8 == 0 and quant in (None, "fp8")):
+            return self._ref.compress_deferred(x, ring, w, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps,
+                                               quant)
+        kvz = kernels.gemv_deferred(x, ring[0], w, pos)
+        kernels_attn.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant == "fp8",
+                                   tokens=n)
+
     def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool,
                  fold=None) -> Tensor:
         return self._ref.out_proj(o, wo_a, wo_b, groups, linear, act_quant, fold)  # the FP8 GEMVs come from `linear`

@@ -82,6 +82,13 @@ class TorchAttention:
         """The compressor decode step (ds4.model.compressor.decode_step)."""
         compressor.decode_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
 
+    def compress_deferred(self, x: Tensor, ring: Tensor, w: Tensor, ape: Tensor, norm: Tensor, pos: Tensor,
+                          freqs: Tensor, skv: Tensor, ssc: Tensor, cache: Tensor, m: int, overlap: bool, eps: float,
+                          quant: str | None) -> None:
+        """The compressor decode step with its projection deferred to every n-th token (ring [B, n, dim];
+        ds4.model.compressor.decode_step_deferred)."""
+        compressor.decode_step_deferred(x, ring, w, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
+
     # ---- output projection -----------------------------------------------------------------------
     def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool,
                  fold=None) -> Tensor:
