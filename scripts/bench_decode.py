@@ -3,10 +3,10 @@
     python scripts/bench_decode.py --layers 4,12 --variants ref,kernels,kernels+graph
     torchrun --nproc-per-node 2 scripts/bench_decode.py --layers 43 --variants kernels+graph,kernels+graph+bf16
 
-Per variant: TPOT median/p90 (CUDA events per decode step, after warm-up), decode and end-to-end
+Per variant: TPOT median/p90/mean (CUDA events per decode step, after warm-up), decode and end-to-end
 tok/s, bytes/token per GPU from the actual tensors, achieved GB/s and the ratio to the copy
 bandwidth measured in this process, peak memory per GPU, CUDA-graph warm-up/capture time. With
-two --layers values the per-layer time is the TPOT slope. Writes JSON (rank 0) to --out. --experts ep,tp
+two --layers values the per-layer time is the TPOT slope (and the mean's, printed beside it since session 38). Writes JSON (rank 0) to --out. --experts ep,tp
 loads the weights once per routed-expert layout over the ranks (parallel.experts, default tp) and names the
 rows of a layout other than tp VARIANT@LAYOUT (session 16's run 3 printed the opposite: its suffix was @tp).
 --shared replicate,tp does the same for the shared expert's layout (parallel.shared_expert; rows of tp named
@@ -73,8 +73,8 @@ attention-combine kernels, to time what each costs the step; xcombine: a launch 
 writes zeros in its place, with noride only), noidxskip (DS4_INDEXER_SKIP=0: the indexer's scores kernel also
 scores rows whose visible entries the top-k takes all of, as before session 37; the same indices), noqskip
 (Attention.skip_index_query off: the merged wq_b + indexer wq_b GEMV also computes the index queries there),
-nodefer (Attention.defer_compress = 0: the compressors project every token, as before session 38, instead of
-four tokens at once on every fourth step), deferN (up to N tokens per projection: the largest divisor of the ratio),
+deferN (Attention.defer_compress = N: the compressors project up to N tokens at once, the largest divisor of the
+ratio, on every N-th step, instead of every token at its own step; session 38, opt-in),
 preN / dpreN (DS4_PREFETCH / DS4_PREFETCH_DOWN=N: the tensor-core GEMVs / the MoE down kernels load only N weight
 rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
@@ -96,7 +96,6 @@ import torch
 from ds4 import dist as ddist
 from ds4.model.args import preset
 from ds4.model.attention import Attention
-from ds4.model.compressor import DEFER_TOKENS
 from ds4.model.transformer import Transformer
 from ds4.ops import prefetch, side_stream
 from ds4.ops.base import MoEWeights, QWeight
@@ -281,9 +280,9 @@ def attention_options(model, toks: set[str]) -> None:
             mod.head_weights_branch = "hwin" not in toks
             # noqskip: the merged GEMV computes the index queries also where the selection takes every visible entry
             mod.skip_index_query = "noqskip" not in toks
-            # nodefer: the compressors project every token; deferN: up to N tokens per projection (read when the
-            # Generator allocates the state)
-            mod.defer_compress = 0 if "nodefer" in toks else _number_token(toks, "defer", DEFER_TOKENS)
+            # deferN: the compressors' projection deferred, up to N tokens at once (read when the Generator
+            # allocates the state); none: every token's at its own step
+            mod.defer_compress = _number_token(toks, "defer", 0)
 
 
 def run_variant(model, name, prompt, new_tokens, bw, world):
@@ -365,7 +364,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     gbs = bpt / (f["tpot_ms"] / 1e3) / 1e9
     return {
         "variant": name, "impls": ops.chosen, "runtime": runtime, "tpot_ms": f["tpot_ms"],
-        "tpot_p90_ms": f["tpot_ms_p90"], "decode_tok_s": f["decode_tok_s"], "e2e_tok_s": f["e2e_tok_s"],
+        "tpot_p90_ms": f["tpot_ms_p90"], "tpot_mean_ms": f["tpot_mean_ms"], "decode_tok_s": f["decode_tok_s"],
+        "e2e_tok_s": f["e2e_tok_s"],
         "ttft_ms": f["ttft_ms"], "bytes_per_token": bpt, "achieved_gb_s": gbs, "bw_ratio": gbs / bw,
         "peak_mem_gib": torch.cuda.max_memory_allocated(model.device) / 2**30 if cuda else 0.0,
         "warmup_s": warm, "graph_capture_s": f.get("graph_capture_s"), "graph_pool_mib": f.get("graph_pool_mib"),
@@ -427,21 +427,26 @@ def main():
     if e.rank == 0:
         gpu = torch.cuda.get_device_name(dev) if kind == "cuda" else "cpu"
         print(f"\n{gpu} x{e.world}, copy bandwidth {bw:.0f} GB/s")
-        print(f"{'layers':>6} {'variant':<24}{'TPOT ms':>9}{'p90':>8}{'tok/s':>8}{'e2e':>7}{'GB/tok':>8}{'GB/s':>7}{'bw%':>6}{'memGiB':>8}")
+        print(f"{'layers':>6} {'variant':<24}{'TPOT ms':>9}{'p90':>8}{'mean':>8}{'tok/s':>8}{'e2e':>7}{'GB/tok':>8}"
+              f"{'GB/s':>7}{'bw%':>6}{'memGiB':>8}")
         for r in rows:
             if "error" in r:
                 print(f"{r['n_layers']:>6} {r['variant']:<24} {r['error'][:90]}")
                 continue
-            print(f"{r['n_layers']:>6} {r['variant']:<24}{r['tpot_ms']:>9.3f}{r['tpot_p90_ms']:>8.3f}{r['decode_tok_s']:>8.1f}"
-                  f"{r['e2e_tok_s']:>7.1f}{r['bytes_per_token'] / 1e9:>8.3f}{r['achieved_gb_s']:>7.0f}"
+            print(f"{r['n_layers']:>6} {r['variant']:<24}{r['tpot_ms']:>9.3f}{r['tpot_p90_ms']:>8.3f}"
+                  f"{r['tpot_mean_ms']:>8.3f}{r['decode_tok_s']:>8.1f}{r['e2e_tok_s']:>7.1f}"
+                  f"{r['bytes_per_token'] / 1e9:>8.3f}{r['achieved_gb_s']:>7.0f}"
                   f"{100 * r['bw_ratio']:>6.1f}{r['peak_mem_gib']:>8.1f}")
         ns = sorted({r["n_layers"] for r in rows})
         if len(ns) == 2:
             for v in dict.fromkeys(r["variant"] for r in rows):  # in order, with the layout suffix
-                t = {r["n_layers"]: r["tpot_ms"] for r in rows if r["variant"] == v and "tpot_ms" in r}
+                t = {r["n_layers"]: r for r in rows if r["variant"] == v and "tpot_ms" in r}
                 if len(t) == 2:
                     bad = any(r.get("degenerate") for r in rows if r["variant"] == v)
-                    print(f"per-layer {v}: {1e3 * (t[ns[1]] - t[ns[0]]) / (ns[1] - ns[0]):.1f} us/layer"
+                    # the median's slope (the TPOT of BENCHMARKING.md), and the mean's (throughput, where steps differ)
+                    med, mean = ((t[ns[1]][k] - t[ns[0]][k]) * 1e3 / (ns[1] - ns[0])
+                                 for k in ("tpot_ms", "tpot_mean_ms"))
+                    print(f"per-layer {v}: {med:.1f} us/layer (mean: {mean:.1f})"
                           + ("  [DEGENERATE TOKENS: a NaN state? not comparable]" if bad else ""))
         if a.out:
             json.dump({"gpu": gpu, "world": e.world, "copy_gb_s": bw, "rows": rows},

@@ -90,10 +90,10 @@ def test_decode_matches_prefill(numerics, gemm_act_quant, tol, monkeypatch):
 
 
 def test_deferred_compressor_projection_matches_per_token():
-    """Batch-1 decode projects the compressors' tokens four at a time (a ring of x in the state; the step that
-    completes a group writes their slots): the same logits as the per-token projection (Attention.defer_compress
-    = 0), from prefills that leave the ring empty, partly filled, or nearly full, over steps that complete CSA
-    (ratio 4) and HCA (ratio 16) windows. And the state really holds the rings only where deferral is on."""
+    """With Attention.defer_compress = 4, batch-1 decode projects the compressors' tokens four at a time (a ring of x
+    in the state; the step that completes a group writes their slots): the same logits as the per-token projection
+    (the default, 0), from prefills that leave the ring empty, partly filled, or nearly full, over steps that complete
+    CSA (ratio 4) and HCA (ratio 16) windows. And the state really holds the rings only where deferral is on."""
     from ds4.model.attention import Attention
     a = tiny()
     m = build(a, seed=5)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ds4.model.args import CSA, HCA, SWA, ModelArgs
-from ds4.model.compressor import DEFER_TOKENS, Compressor, defer_tokens, finish_entry
+from ds4.model.compressor import Compressor, defer_tokens, finish_entry
 from ds4.model.indexer import Indexer
 from ds4.model.rope import inv_freq, rope_heads
 from ds4.model.weights_module import WeightsModule, weight_format
@@ -43,10 +43,12 @@ class Attention(WeightsModule):
         # m tokens), the selection reads no score, so the index query may be zeros (RowSkip) and the fused GEMV
         # skips its rows (False: the ablation, bench token noqskip)
         self.skip_index_query = True
-        # batch-1 decode: the compressors project their tokens n at a time (ds4.model.compressor, deferred
-        # projection; n the largest divisor of the ratio up to this, 4 at V4's ratios): a ring of x in the state
-        # (0: the per-token projection, the ablation; bench tokens nodefer, deferN; read by alloc_state)
-        self.defer_compress = DEFER_TOKENS
+        # opt-in, batch-1 decode: the compressors project their tokens up to this many at a time (ds4.model.compressor,
+        # deferred projection; n the largest divisor of the ratio up to it): a ring of x in the state (read by
+        # alloc_state; bench token deferN). 0, the default: every token projected at its own step. Not the default:
+        # the median step gained 3.3 us per layer, but the mean was not measured, and the p90 suggests that every
+        # n-th step loses about what the other steps gain (experiments/decode_session38_h200.md).
+        self.defer_compress = 0
 
     def load(self, t: Mapping[str, Tensor], p: str) -> None:
         fmt = weight_format(t[f"{p}.wq_a.weight"])

@@ -13,7 +13,7 @@ form: it recomputes the in-progress entry and writes it to cache slot pos//m on 
 stays invisible until its window completes, so no host-side branch is needed). Kernels may write
 the entry only on the completing step: nothing reads an entry before it is visible.
 
-Deferred projection (batch-1 decode, `ops.attn.compress_deferred`): nothing reads a token's slots before its
+Deferred projection (opt-in, batch-1 decode, `ops.attn.compress_deferred`): nothing reads a token's slots before its
 window completes, so the projection of n tokens (n divides m; 4 at V4's ratios) can wait for the last of them.
 Each step puts x into a ring [n, dim]; the step with (pos + 1) % n == 0 projects the ring's n tokens at once (one
 read of the BF16 weights for n tokens: the CSA compressors' 21 MB per step, the HCA compressor's 8.4 MB, become a
@@ -31,9 +31,6 @@ from ds4.model.norm import rms_norm
 from ds4.model.rope import apply_rope, rotations
 from ds4.model.weights_module import WeightsModule
 from ds4.quant import act_quant_sim, fp4_act_quant_sim, hadamard
-
-
-DEFER_TOKENS = 4  # the default most tokens per deferred projection (Attention.defer_compress)
 
 
 def defer_tokens(ratio: int, most: int) -> int:
@@ -111,8 +108,8 @@ class Compressor(WeightsModule):
                cache: Tensor, attn) -> None:
         """x [B, dim]; `attn.compress_project` is the merged projection, `attn.compress_step` writes the token
         into the state and the entry into cache[b, pos//m] (see `decode_step`). With a ring in the state
-        (state['x'] [B, n, dim], allocated for batch-1 decode) the projection is deferred: `attn.compress_deferred`
-        (see `decode_step_deferred`)."""
+        (state['x'] [B, n, dim], allocated for batch-1 decode where Attention.defer_compress asks) the projection
+        is deferred: `attn.compress_deferred` (see `decode_step_deferred`)."""
         if "x" in state:
             attn.compress_deferred(x, state["x"], self.wkv_gate, self.ape, self.norm, pos, freqs, state["kv"],
                                    state["score"], cache, self.m, self.overlap, self.args.norm_eps,
