@@ -6,7 +6,8 @@
 Per variant: TPOT median/p90/mean (CUDA events per decode step, after warm-up), decode and end-to-end
 tok/s, bytes/token per GPU from the actual tensors, achieved GB/s and the ratio to the copy
 bandwidth measured in this process, peak memory per GPU, CUDA-graph warm-up/capture time. With
-two --layers values the per-layer time is the TPOT slope (and the mean's, printed beside it since session 38). Writes JSON (rank 0) to --out. --experts ep,tp
+two --layers values the per-layer time is the TPOT slope (and the mean's, printed beside it since session 38).
+Writes JSON (rank 0) to --out. --experts ep,tp
 loads the weights once per routed-expert layout over the ranks (parallel.experts, default tp) and names the
 rows of a layout other than tp VARIANT@LAYOUT (session 16's run 3 printed the opposite: its suffix was @tp).
 --shared replicate,tp does the same for the shared expert's layout (parallel.shared_expert; rows of tp named

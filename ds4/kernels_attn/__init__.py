@@ -228,4 +228,5 @@ def compress_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Te
 
 
 __all__ = ["load", "unavailable_reason", "build_dir", "hc_pre", "hc_head", "hc_post", "hc_post_pre", "sparse_attn",
-           "indexer_scores", "indexer_select", "sparse_decode", "rms_norm", "head_rope", "kv_store", "compress_step", "topk"]
+           "indexer_scores", "indexer_select", "sparse_decode", "rms_norm", "head_rope", "kv_store", "compress_step",
+           "topk"]

@@ -131,10 +131,11 @@ class FusedCudaAttention:
                           quant: str | None) -> None:
         # one row: two launches, both deciding on the device. The GEMV either copies x into the ring and exits
         # (no weight read) or, on the step that completes the ring, projects its n tokens; the step then writes
-        # their slots (and, where the window completes, the entry) or does nothing.
+        # their slots (and, where the window completes, the entry) or does nothing. (A ring whose n does not divide
+        # m is an error, raised by compress_step, not a fallback.)
         n = ring.shape[1]
-        if not (_cuda_bf16(x, ring, w, cache) and x.shape[0] == 1 and 2 <= n <= 8 and m % n == 0
-                and x.shape[1] % 8 == 0 and quant in (None, "fp8")):
+        if not (_cuda_bf16(x, ring, w, cache) and x.shape[0] == 1 and 2 <= n <= 8 and x.shape[1] % 8 == 0
+                and quant in (None, "fp8")):
             return self._ref.compress_deferred(x, ring, w, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps,
                                                quant)
         kvz = kernels.gemv_deferred(x, ring[0], w, pos)
