@@ -87,10 +87,13 @@ def test_kv_store_ring_write(fp8, pos):
 # ---------------------------------------------------------------------------------------- compressor
 @pytest.mark.parametrize("m,w,overlap,quant", [(4, 512, True, None), (4, 512, True, "fp8"), (4, 128, True, None),
                                                (4, 128, True, "fp4"), (128, 512, False, None),
-                                               (128, 512, False, "fp8"), (16, 128, False, None)])
+                                               (128, 512, False, "fp8"), (16, 128, False, None),
+                                               (4, 1024, True, None), (4, 100, True, None)])
 def test_compress_step_over_many_boundaries(m, w, overlap, quant):
     """Rows at different phases step through > 2 windows: the state must match bit for bit, every
-    visible cache entry within tolerance (the kernel writes an entry only when it completes)."""
+    visible cache entry within tolerance (the kernel writes an entry only when it completes). The shapes take
+    two of the kernel's three forms: the window in registers (m = 4, a thread per column, idle lanes at w = 100;
+    m = 8 is the deferred test's) and the column loop (m 16 and 128; w 1024: two columns per thread)."""
     g = gen(m * w + overlap)
     B, T = 3, 40
     cw, slots = (2 if overlap else 1) * w, (2 if overlap else 1) * m

@@ -181,6 +181,31 @@ def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch)
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("defer", [0, 4], ids=["per_token", "deferred"])
+def test_batch1_graph_matches_eager(defer):
+    """Batch-1 decode, 1000 steps of tiny (250 CSA windows, 60 HCA ones), every fused kernel: the captured graph
+    gives the eager tokens, with each token's compressor projection at its own step, and deferred to groups of 4
+    (Attention.defer_compress: rings in the state; the projections and steps in the compressor branches)."""
+    impls = Impls(**_FUSED)
+    try:
+        build_ops(impls, DEV)
+    except ImplUnavailable as e:
+        pytest.skip(str(e))
+    args = tiny()
+    w = random_weights(args, seed=3, device=DEV, include_mtp=False)
+    outs = []
+    for runtime in ("eager", "cuda_graph"):
+        m = _model(args, w, impls)
+        for blk in m.layers:
+            blk.attn.defer_compress = defer
+        g = Generator(m, 1, 1100, runtime=runtime)
+        rings = sum(k.endswith("_x") for st in g.state.layers for k in st)
+        assert rings == (6 if defer else 0)  # 2 CSA x (comp, icomp), 2 HCA
+        outs.append(g.generate([[5, 6, 7, 8, 9, 10, 11]], 1000, stop_at_eos=False).tokens[0])
+    first = next((i for i, (a, b) in enumerate(zip(*outs)) if a != b), None)
+    assert first is None, f"graph and eager tokens part at step {first} of {len(outs[0])}"
+
+
 @pytest.mark.parametrize("mode", ["1", "2"])
 def test_moe_ffn_graph_matches_eager_on_small(mode, small_weights, monkeypatch):
     """The one-launch FFN (DS4_MOE_FFN=1; tiny's dims are below its run widths, small's are not) captured in the

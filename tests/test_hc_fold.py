@@ -22,8 +22,9 @@ def _fill(fold: HcFold, y: torch.Tensor) -> None:
 
 
 def _folding_ops(ref_ops, made: list[str], started: bool):
-    """started: the shared expert "starts" early (as on a captured step's side stream) and routed() forms the block
-    output; else (eager steps) shared(add=) does."""
+    """started: the shared expert "starts" before routing (as moe=fp4_topk's shared_up for a decode row, on a captured
+    step's side stream or in line) and routed() forms the block output; else (an implementation whose shared_up starts
+    nothing) shared(add=) does."""
     class FoldingHC(TorchHC):
         def fold(self, res, post, comb, fn):
             if res.shape[0] != 1:  # one decode row, as the CUDA implementation

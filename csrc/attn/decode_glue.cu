@@ -10,7 +10,8 @@
 //                        RoPE at the entry's first position, (qat) FP8 nope, write cache[pos // m], and
 //                        for the overlapped CSA compressor move the current slots to "previous".
 //                        With deferred projections (tokens > 1) it writes the group's tokens on the step
-//                        that completes the group, and does nothing on the others.
+//                        that completes the group, and does nothing on the others. A thread per column;
+//                        what does not need the projection is loaded before the PDL wait (see the kernel).
 // Positions are int64 device tensors; angles are fp32 pos * f as torch.polar's, with accurate
 // sincosf (no fast-math anywhere). Values are rounded to bf16 where the reference rounds.
 #include <cuda_fp8.h>
@@ -52,21 +53,35 @@ __device__ __forceinline__ float fp8_roundtrip(float x, float s) {
   return __half2float(__half(hr)) * s;
 }
 
-// Finish one cache / window entry held in shared memory (v[0..w), fp32 values of bf16 numbers):
-// y = bf16(rms_norm(v) * weight); RoPE the last R dims at `position`; (fp8_nope) FP8-simulate dims
-// [0, w-R) in blocks of 64; write bf16 to dst. Whole block; v is overwritten.
-__device__ void finish_entry(float* v, int w, const void* weight, bool w_f32, float eps, long position,
-                             const float* freqs, int R, bool fp8_nope, __nv_bfloat16* dst, float* red) {
+// The constants of finish_entry, formed before the PDL wait (weights, and positions: see compress_step_kernel):
+// wt[c] = the norm weight as fp32, trig[2i], trig[2i + 1] = cos, sin of position * freqs[i] (the last R dims). The
+// block's later __syncthreads (finish_entry's block_sum) publishes them. Off the chain after the wait, where each
+// dependent load is an L2 round trip (long beside a weight stream).
+__device__ void prep_entry(float* wt, float* trig, int w, const void* weight, bool w_f32, long position,
+                           const float* freqs, int R) {
+  for (int c = threadIdx.x; c < w; c += blockDim.x) wt[c] = wload(weight, w_f32, c);
+  const float fpos = (float)position;
+  for (int i = threadIdx.x; i < R / 2; i += blockDim.x) {
+    float sn, cs;
+    sincosf(fpos * freqs[i], &sn, &cs);
+    trig[2 * i] = cs;
+    trig[2 * i + 1] = sn;
+  }
+}
+
+// Finish one cache / window entry held in shared memory (v[0..w), fp32 values of bf16 numbers), with wt / trig
+// from prep_entry: y = bf16(rms_norm(v) * weight); RoPE the last R dims; (fp8_nope) FP8-simulate dims [0, w-R) in
+// blocks of 64; write bf16 to dst. Whole block; v is overwritten.
+__device__ void finish_entry(float* v, int w, const float* wt, const float* trig, float eps, int R, bool fp8_nope,
+                             __nv_bfloat16* dst, float* red) {
   float ss = 0.f;
   for (int c = threadIdx.x; c < w; c += blockDim.x) ss += v[c] * v[c];
   const float r = rsqrtf(block_sum(ss, red) / (float)w + eps);
-  for (int c = threadIdx.x; c < w; c += blockDim.x) v[c] = bf16r(v[c] * r * wload(weight, w_f32, c));
+  for (int c = threadIdx.x; c < w; c += blockDim.x) v[c] = bf16r(v[c] * r * wt[c]);
   __syncthreads();
-  const float fpos = (float)position;
   for (int i = threadIdx.x; i < R / 2; i += blockDim.x) {
     const int j = w - R + 2 * i;
-    float sn, cs;
-    sincosf(fpos * freqs[i], &sn, &cs);
+    const float cs = trig[2 * i], sn = trig[2 * i + 1];
     const float a = v[j], b = v[j + 1];
     v[j] = bf16r(a * cs - b * sn);
     v[j + 1] = bf16r(a * sn + b * cs);
@@ -176,109 +191,185 @@ __global__ void __launch_bounds__(GLUE_THREADS) kv_store_kernel(const __nv_bfloa
                                                                 const float* __restrict__ freqs, int D, int R,
                                                                 float eps, bool fp8_nope, __nv_bfloat16* win,
                                                                 long win_b, int W) {
-  ds4_pdl::begin();
-  extern __shared__ float ev[];  // [D]
+  extern __shared__ float ev[];  // [D] entry, [D] norm weight, [R] RoPE cos / sin
   __shared__ float red[GLUE_WARPS];
   const int r = blockIdx.x;
-  const long p = pos[r];
+  const long p = pos[r];  // before the wait, as compress_step_kernel's
+  prep_entry(ev + D, ev + 2 * D, D, weight, w_f32, p, freqs, R);
+  ds4_pdl::begin();
   for (int c = threadIdx.x; c < D; c += blockDim.x) ev[c] = __bfloat162float(kv[(long)r * D + c]);
   __syncthreads();
-  finish_entry(ev, D, weight, w_f32, eps, p, freqs, R, fp8_nope, win + r * win_b + (p % W) * D, red);
+  finish_entry(ev, D, ev + D, ev + 2 * D, eps, R, fp8_nope, win + r * win_b + (p % W) * D, red);
 }
 
-__global__ void __launch_bounds__(GLUE_THREADS) compress_step_kernel(CompressArgs a) {
-  ds4_pdl::begin();
-  extern __shared__ float pv[];  // [w] pooled entry
-  __shared__ float red[GLUE_WARPS];
+// compress_step_kernel: thread c owns column c of the entry (and, overlapped, state column w + c: the projection's
+// second half), for every slot, so it reads only state it wrote itself (no block barrier before the pool). Where a
+// window fits in registers (m <= CS_M, w <= COMPRESS_THREADS) every load that does not need the projection is issued
+// before the PDL wait: the state slots this step does not write (written by an earlier step's launch), ape, the norm
+// weight, the RoPE angles and the position (written at the decode step's start, as gemv_deferred_kernel reads it;
+// each kernel waits for its predecessor before it lets its successor launch, so everything before has completed).
+// After the wait only the projection's values are loaded: one round of loads, where the former form (256 threads
+// striding the values, a barrier, the pool reading the state back) took several dependent L2 round trips beside
+// wq_b's weight stream (14-17 us for a deferred step of 4 tokens, 3.4-3.7 us for one token: H200, sessions 37-38).
+// Longer windows (HCA) and wider entries loop over columns after the wait.
+// CS_M (4 or 8): the register form for windows of at most CS_M slots (m <= CS_M, w <= COMPRESS_THREADS: launch
+// picks it); 0: the loop. A kernel per form, so the short windows' registers are not the longer ones'.
+constexpr int COMPRESS_THREADS = 512;
+
+template <int CS_M>
+__global__ void __launch_bounds__(COMPRESS_THREADS) compress_step_kernel(CompressArgs a) {
+  extern __shared__ float pv[];  // [w] pooled entry, [w] norm weight, [R] RoPE cos / sin
+  __shared__ float red[32];
   const int r = blockIdx.x;
-  const long p = a.pos[r];
-  const int m = a.m, w = a.w, cw = a.overlap ? 2 * w : w;   // cw: state / projection width
+  const long p = a.pos[r];  // before the wait (above)
+  const int m = a.m, w = a.w, cw = a.overlap ? 2 * w : w;  // cw: state / projection width
   const int nt = a.tokens;
   // deferred projections (tokens > 1): they exist only on the step that completes their group (the others wrote
   // nothing); a group never spans two windows (tokens divides m), so no slot is read before it is written
-  if (nt > 1 && (p + 1) % nt != 0) return;
-  float* skv = a.skv + (long)r * a.state_b;     // [slots, cw]
-  float* ssc = a.ssc + (long)r * a.state_b;
-  // Value e = i * cw + c is column c of token p - nt + 1 + i: kvz row r * nt + i = [kv (cw) | z (cw)].
-  // With deferred projections this one-block step runs beside wq_b's weight stream, where each dependent L2 round
-  // trip is long (the loops one value at a time: 21-28 us for the CSA compressor's completing step, H200, session
-  // 38): every loop below issues its loads together (WU values, or a column's slots) before it uses or stores any.
-  constexpr int WU = 8;
-  const int total = nt * cw;
-  const float* kvz = a.kvz + (long)r * nt * 2 * cw;
-  const int ph0 = (int)(p % m) - nt + 1;  // phase of the first token (>= 0: the group ends at p, inside its window)
-  const int off = a.overlap ? m : 0;
-  for (int e0 = threadIdx.x; e0 < total; e0 += WU * blockDim.x) {
-    float kv[WU], z[WU];
-#pragma unroll
-    for (int u = 0; u < WU; ++u) {
-      const int e = e0 + u * blockDim.x, i = e / cw, c = e - i * cw;
-      if (e < total) {
-        kv[u] = kvz[(long)i * 2 * cw + c];
-        z[u] = kvz[(long)i * 2 * cw + cw + c] + a.ape[(long)(ph0 + i) * cw + c];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < WU; ++u) {
-      const int e = e0 + u * blockDim.x, i = e / cw, c = e - i * cw;
-      if (e < total) {
-        skv[(long)(ph0 + i + off) * cw + c] = kv[u];
-        ssc[(long)(ph0 + i + off) * cw + c] = z[u];
-      }
-    }
+  if (nt > 1 && (p + 1) % nt != 0) {
+    ds4_pdl::begin();
+    return;
   }
-  // After the write, thread c pools and shifts only columns c and w + c of every slot; another thread wrote them.
-  __syncthreads();
-  if ((p + 1) % m != 0) return;  // entry incomplete: invisible to every reader until it completes
-  constexpr int PS = 16;  // slots a column's pool holds in registers (CSA: 2m = 8); longer windows (HCA) loop
-  const int nslots = a.overlap ? 2 * m : m;
-  for (int c = threadIdx.x; c < w; c += blockDim.x) {
-    // one softmax over the window's slots (2m when overlapped: previous window's lower half, then
-    // this window's upper half), max first, then sum exp * kv, like torch's softmax then (kv * p).sum
-    auto col = [&](int j) { return (long)j * cw + ((a.overlap && j >= m) ? w + c : c); };
-    float mx = -INFINITY, den = 0.f, num = 0.f;
-    if (nslots <= PS) {
-      float sv[PS], kv[PS];
+  const bool complete = (p + 1) % m == 0;  // else the entry stays invisible to every reader until it completes
+  float* skv = a.skv + (long)r * a.state_b;  // [slots, cw]
+  float* ssc = a.ssc + (long)r * a.state_b;
+  // Token i (position p - nt + 1 + i, phase ph0 + i) is kvz row r * nt + i = [kv (cw) | z (cw)]; its state slot is
+  // off + ph0 + i. ph0 >= 0: the group ends at p, inside its window.
+  const float* kvz = a.kvz + (long)r * nt * 2 * cw;
+  const int ph0 = (int)(p % m) - nt + 1;
+  const int off = a.overlap ? m : 0;
+  float* wt = pv + w;
+  float* trig = wt + w;
+  if (complete) prep_entry(wt, trig, w, a.norm, a.norm_f32, (p / m) * m, a.freqs, a.R);
+  // the pool: one softmax over the window's slots (2m when overlapped: the previous window's lower half, then this
+  // window's upper half), max first, then sum exp * kv, like torch's softmax then (kv * p).sum
+  if constexpr (CS_M > 0) {
+    const int c = threadIdx.x;
+    const bool on = c < w;
+    // slot j of this window: a = column c, b = column w + c (overlapped); prev = the previous window, column c
+    float akv[CS_M], asc[CS_M], bkv[CS_M], bsc[CS_M], pkv[CS_M], psc[CS_M];
 #pragma unroll
-      for (int j = 0; j < PS; ++j)
-        if (j < nslots) sv[j] = ssc[col(j)], kv[j] = skv[col(j)];
+    for (int j = 0; j < CS_M; ++j) {
+      if (!on || j >= m) continue;
+      const long s = (long)(off + j) * cw + c;
+      if (j >= ph0 && j < ph0 + nt) {  // a token of this step: its ape now, its projection after the wait
+        asc[j] = a.ape[(long)j * cw + c];
+        if (a.overlap) bsc[j] = a.ape[(long)j * cw + w + c];
+      } else if (complete) {
+        akv[j] = skv[s], asc[j] = ssc[s];
+        if (a.overlap) bkv[j] = skv[s + w], bsc[j] = ssc[s + w];
+      }
+      if (complete && a.overlap) pkv[j] = skv[(long)j * cw + c], psc[j] = ssc[(long)j * cw + c];
+    }
+    ds4_pdl::begin();
 #pragma unroll
-      for (int j = 0; j < PS; ++j)
-        if (j < nslots) mx = fmaxf(mx, sv[j]);
+    for (int j = 0; j < CS_M; ++j) {
+      if (!on || j < ph0 || j >= ph0 + nt) continue;
+      const float* t = kvz + (long)(j - ph0) * 2 * cw;
+      akv[j] = t[c], asc[j] = t[cw + c] + asc[j];
+      if (a.overlap) bkv[j] = t[w + c], bsc[j] = t[cw + w + c] + bsc[j];
+    }
 #pragma unroll
-      for (int j = 0; j < PS; ++j)
-        if (j < nslots) {
-          const float e = expf(sv[j] - mx);
+    for (int j = 0; j < CS_M; ++j) {
+      if (!on || j < ph0 || j >= ph0 + nt) continue;
+      const long s = (long)(off + j) * cw + c;
+      skv[s] = akv[j], ssc[s] = asc[j];
+      if (a.overlap) skv[s + w] = bkv[j], ssc[s + w] = bsc[j];
+    }
+    if (!complete) return;
+    if (on) {
+      float mx = -INFINITY, den = 0.f, num = 0.f;
+#pragma unroll
+      for (int j = 0; j < CS_M; ++j)
+        if (j < m) mx = a.overlap ? fmaxf(mx, psc[j]) : fmaxf(mx, asc[j]);
+      if (a.overlap) {
+#pragma unroll
+        for (int j = 0; j < CS_M; ++j)
+          if (j < m) mx = fmaxf(mx, bsc[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < CS_M; ++j)
+        if (j < m) {
+          const float e = expf((a.overlap ? psc[j] : asc[j]) - mx);
           den += e;
-          num += kv[j] * e;
+          num += (a.overlap ? pkv[j] : akv[j]) * e;
         }
-    } else {
+      if (a.overlap) {
+#pragma unroll
+        for (int j = 0; j < CS_M; ++j)
+          if (j < m) {
+            const float e = expf(bsc[j] - mx);
+            den += e;
+            num += bkv[j] * e;
+          }
+      }
+      pv[c] = bf16r(num / den);
+      if (a.overlap) {  // window complete: this window's slots become the previous window (both column halves)
+#pragma unroll
+        for (int j = 0; j < CS_M; ++j)
+          if (j < m) {
+            const long d = (long)j * cw + c;
+            skv[d] = akv[j], skv[d + w] = bkv[j], ssc[d] = asc[j], ssc[d + w] = bsc[j];
+          }
+      }
+    }
+  } else {
+    ds4_pdl::begin();
+    constexpr int WU = 8;  // a loop's loads issued together before any is used
+    for (int c = threadIdx.x; c < w; c += blockDim.x) {
+      for (int i0 = 0; i0 < nt; i0 += WU) {
+        float k0[WU], z0[WU], k1[WU], z1[WU];
+#pragma unroll
+        for (int u = 0; u < WU; ++u) {
+          const int i = i0 + u;
+          if (i >= nt) continue;
+          const float* t = kvz + (long)i * 2 * cw;
+          const float* ap = a.ape + (long)(ph0 + i) * cw;
+          k0[u] = t[c], z0[u] = t[cw + c] + ap[c];
+          if (a.overlap) k1[u] = t[w + c], z1[u] = t[cw + w + c] + ap[w + c];
+        }
+#pragma unroll
+        for (int u = 0; u < WU; ++u) {
+          const int i = i0 + u;
+          if (i >= nt) continue;
+          const long s = (long)(off + ph0 + i) * cw + c;
+          skv[s] = k0[u], ssc[s] = z0[u];
+          if (a.overlap) skv[s + w] = k1[u], ssc[s + w] = z1[u];
+        }
+      }
+      if (!complete) continue;
+      const int nslots = a.overlap ? 2 * m : m;
+      auto col = [&](int j) { return (long)j * cw + ((a.overlap && j >= m) ? w + c : c); };
+      float mx = -INFINITY, den = 0.f, num = 0.f;
+#pragma unroll WU
       for (int j = 0; j < nslots; ++j) mx = fmaxf(mx, ssc[col(j)]);
+#pragma unroll WU
       for (int j = 0; j < nslots; ++j) {
         const float e = expf(ssc[col(j)] - mx);
         den += e;
         num += skv[col(j)] * e;
       }
-    }
-    pv[c] = bf16r(num / den);
-    if (a.overlap) {  // window complete: current slots become the previous window (both column halves)
-      for (int j0 = 0; j0 < m; j0 += WU) {
-        float k0[WU], k1[WU], s0[WU], s1[WU];
+      pv[c] = bf16r(num / den);
+      if (a.overlap) {
+        for (int j0 = 0; j0 < m; j0 += WU) {
+          float k0[WU], k1[WU], s0[WU], s1[WU];
 #pragma unroll
-        for (int u = 0; u < WU; ++u) {
-          const long src = (long)(m + j0 + u) * cw + c;
-          if (j0 + u < m) k0[u] = skv[src], k1[u] = skv[src + w], s0[u] = ssc[src], s1[u] = ssc[src + w];
-        }
+          for (int u = 0; u < WU; ++u) {
+            const long src = (long)(m + j0 + u) * cw + c;
+            if (j0 + u < m) k0[u] = skv[src], k1[u] = skv[src + w], s0[u] = ssc[src], s1[u] = ssc[src + w];
+          }
 #pragma unroll
-        for (int u = 0; u < WU; ++u) {
-          const long dst = (long)(j0 + u) * cw + c;
-          if (j0 + u < m) skv[dst] = k0[u], skv[dst + w] = k1[u], ssc[dst] = s0[u], ssc[dst + w] = s1[u];
+          for (int u = 0; u < WU; ++u) {
+            const long d = (long)(j0 + u) * cw + c;
+            if (j0 + u < m) skv[d] = k0[u], skv[d + w] = k1[u], ssc[d] = s0[u], ssc[d + w] = s1[u];
+          }
         }
       }
     }
+    if (!complete) return;
   }
   __syncthreads();
-  finish_entry(pv, w, a.norm, a.norm_f32, a.eps, (p / m) * m, a.freqs, a.R, a.fp8_nope,
+  finish_entry(pv, w, wt, trig, a.eps, a.R, a.fp8_nope,
                static_cast<__nv_bfloat16*>(a.cache) + r * a.cache_b + (p / m) * w, red);
 }
 
@@ -305,16 +396,21 @@ cudaError_t launch_head_rope(const void* x, const int64_t* pos, const float* fre
 cudaError_t launch_kv_store(const void* kv, const void* weight, bool w_f32, const int64_t* pos, const float* freqs,
                             int N, int D, int R, float eps, bool fp8_nope, void* win, long win_b, int W,
                             cudaStream_t st) {
-  if (N < 1 || R % 2 || R > D || W < 1 || D * 4 > 48 * 1024) return cudaErrorInvalidValue;
-  return ds4_pdl::launch(kv_store_kernel, dim3(N), dim3(GLUE_THREADS), D * sizeof(float), st,
+  if (N < 1 || R % 2 || R > D || W < 1 || (2 * D + R) * 4 > 48 * 1024) return cudaErrorInvalidValue;
+  return ds4_pdl::launch(kv_store_kernel, dim3(N), dim3(GLUE_THREADS), (2 * D + R) * sizeof(float), st,
                          static_cast<const __nv_bfloat16*>(kv), weight, w_f32, pos, freqs, D, R, eps, fp8_nope,
                          static_cast<__nv_bfloat16*>(win), win_b, W);
 }
 
 cudaError_t launch_compress_step(const CompressArgs& a, int N, cudaStream_t st) {
-  if (N < 1 || a.m < 1 || a.w < 1 || a.tokens < 1 || a.m % a.tokens || a.R % 2 || a.R > a.w || a.w * 4 > 48 * 1024)
+  if (N < 1 || a.m < 1 || a.w < 1 || a.tokens < 1 || a.m % a.tokens || a.R % 2 || a.R > a.w ||
+      (2 * a.w + a.R) * 4 > 48 * 1024)
     return cudaErrorInvalidValue;
-  return ds4_pdl::launch(compress_step_kernel, dim3(N), dim3(GLUE_THREADS), a.w * sizeof(float), st, a);
+  const int threads = a.w < COMPRESS_THREADS ? (a.w + 31) / 32 * 32 : COMPRESS_THREADS;  // a column per thread
+  const bool regs = a.w <= COMPRESS_THREADS;
+  auto kern = regs && a.m <= 4 ? compress_step_kernel<4> : regs && a.m <= 8 ? compress_step_kernel<8>
+                                                                           : compress_step_kernel<0>;
+  return ds4_pdl::launch(kern, dim3(N), dim3(threads), (2 * a.w + a.R) * sizeof(float), st, a);
 }
 
 }  // namespace ds4_attn

@@ -13,8 +13,9 @@ moe=fp4_topk
           the shared expert leaves the critical path (H200, 1 GPU, 4 -> 12 layers: 146.0 -> 137.0 us per
           layer against in line; session 6 ran only its gate+up there: 143.0). Its bf16 output is added
           by the routed down kernel's epilogue with one rank (routed(shared=)), or after the all-reduce
-          in one elementwise launch (shared(up=)): the same sum and rounding either way. Eager steps keep
-          it in line: there the fork and join would only add host work to a host-bound step.
+          in one elementwise launch (shared(up=)): the same sum and rounding either way. Eager steps run
+          the same launches in line (a fork and join would only add host work to a host-bound step), so
+          they form the block output, and the hc fold, with the same kernels as a captured step.
           DS4_SHARED_OVERLAP=0 in the environment keeps it in line in graphs too (the ablation);
           DS4_SHARED_FORK=late forks it after the router instead (overlapping only the routed experts;
           measured slower: H200, 1 GPU, 142.1 against 131.5 us per layer).
@@ -313,9 +314,13 @@ class Fp4TopkMoE:
             return None
         # The side stream waits for everything before it (x is ready, and any kernel still reading an
         # output of an earlier call is ordered before the next allocation on the side stream).
+        # In line (eager steps, DS4_SHARED_OVERLAP=0) the same two launches run before the router, so the block
+        # output is formed by the same kernel as in a captured step: the routed down's epilogue, which also forms
+        # the hc fold where it can. (Eager steps used to add the routed sum in the shared down's epilogue instead:
+        # the same sum and rounding, but where only the routed down folds — tiny's FP8 shared expert on the FMA
+        # kernels — the next site's partials were summed in another order, and batch-1 graph and eager tokens
+        # parted after 152 steps: H200, session 40.)
         side = side_stream.fork(x.device, "DS4_SHARED_OVERLAP")
-        if side is None:
-            return None
         with side_stream.Branch(side, x.device) as branch:
             out = self._shared_down(x, self._shared_h(x, mw, act_quant), mw, act_quant, None)
         return SharedUp(out, branch)
