@@ -185,7 +185,9 @@ def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch)
 def test_batch1_graph_matches_eager(defer):
     """Batch-1 decode, 1000 steps of tiny (250 CSA windows, 60 HCA ones), every fused kernel: the captured graph
     gives the eager tokens, with each token's compressor projection at its own step, and deferred to groups of 4
-    (Attention.defer_compress: rings in the state; the projections and steps in the compressor branches)."""
+    (Attention.defer_compress: rings in the state; the projections and steps in the compressor branches). Batch 1
+    is where the hc fold (the default) runs: before session 40 an eager step formed the FFN's block output in the
+    shared expert's down kernel, which does not fold at tiny's shapes, and the tokens parted at step 152."""
     impls = Impls(**_FUSED)
     try:
         build_ops(impls, DEV)
