@@ -138,6 +138,16 @@ def _record_folds(hc) -> list:
 _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
 
 
+def _tiny_weights_for(impls: Impls, seed: int):
+    """(tiny's args, its random weights on the GPU); skips the test where these implementations cannot be built."""
+    try:
+        build_ops(impls, DEV)
+    except ImplUnavailable as e:
+        pytest.skip(str(e))
+    args = tiny()
+    return args, random_weights(args, seed=seed, device=DEV, include_mtp=False)
+
+
 @pytest.mark.parametrize("impls,graph_env,env", [
     pytest.param(Impls(), {}, {}, id="torch"),
     pytest.param(Impls(linear="gemv_cuda", moe="fp4_topk"), {}, {}, id="kernels"),
@@ -162,12 +172,7 @@ def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch)
     compressor phases, so the step replays each of its graphs (one per phase: {}, {4}, {4, 16})."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    try:
-        build_ops(impls, DEV)
-    except ImplUnavailable as e:
-        pytest.skip(str(e))
-    args = tiny()
-    w = random_weights(args, seed=2, device=DEV, include_mtp=False)
+    args, w = _tiny_weights_for(impls, seed=2)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]]
     if env.get("DS4_HC_FOLD") == "1":
         prompts = prompts[:1]  # the hc fold takes one decode row
@@ -189,12 +194,7 @@ def test_batch1_graph_matches_eager(defer):
     is where the hc fold (the default) runs: before session 40 an eager step formed the FFN's block output in the
     shared expert's down kernel, which does not fold at tiny's shapes, and the tokens parted at step 152."""
     impls = Impls(**_FUSED)
-    try:
-        build_ops(impls, DEV)
-    except ImplUnavailable as e:
-        pytest.skip(str(e))
-    args = tiny()
-    w = random_weights(args, seed=3, device=DEV, include_mtp=False)
+    args, w = _tiny_weights_for(impls, seed=3)
     outs = []
     for runtime in ("eager", "cuda_graph"):
         m = _model(args, w, impls)
