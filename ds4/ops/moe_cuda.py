@@ -295,19 +295,13 @@ class Fp4TopkMoE:
         return kernels.moe_gate_up(_bf16(xq), None, None, w1.weight, w1.scale, w3.weight, w3.scale, w1.fmt, 0, 1,
                                    mw.swiglu_limit)
 
-    def _shared_down(self, x: Tensor, h: Tensor, mw: MoEWeights, act_quant: bool, add: Tensor | None,
-                     fold: HcFold | None = None) -> Tensor:
+    def _shared_down(self, x: Tensor, h: Tensor, mw: MoEWeights, act_quant: bool, add: Tensor | None) -> Tensor:
         w2 = mw.shared_w2
         if act_quant and w2.fmt != "bf16":
             h = _act_quant_sim(h)
-        # with `add`: bf16(add + bf16(shared)) in the down kernel's epilogue (the reference's rounding), which also
-        # forms the hc fold when it can (one row: the block output)
+        # with `add`: bf16(add + bf16(shared)) in the down kernel's epilogue (the reference's rounding)
         add = None if add is None else add.float().contiguous()
-        fold = fold if add is not None and _down_folds(fold, x, w2.fmt, w2.weight.shape[-2], h.shape[-1], 1) else None
-        y = kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, add, False, fold=fold)
-        if fold is not None:
-            fold.fused = True
-        return y
+        return kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, add, False)
 
     def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> SharedUp | None:
         if not (x.is_cuda and 1 <= x.shape[0] <= PREFILL_TOKENS):
@@ -327,6 +321,9 @@ class Fp4TopkMoE:
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
                up: SharedUp | None = None, fold: HcFold | None = None) -> Tensor:
+        # never folds: a decode row's shared expert is started by shared_up (in line or on a side stream), and
+        # routed(shared=) forms that row's block output and fold; what comes here forms no fold (fold.fused stays
+        # False and the caller runs the next site's pre)
         n = x.shape[0]
         if n == 0 or n > CHUNKED_TOKENS:
             return self._reference().shared(x, mw, act_quant, add)
@@ -336,7 +333,7 @@ class Fp4TopkMoE:
                               for i in range(0, n, PREFILL_TOKENS)])
         if up is not None:
             return up.out if add is None else add_shared(add, up)
-        return self._shared_down(x, self._shared_h(x, mw, act_quant), mw, act_quant, add, fold).to(x.dtype)
+        return self._shared_down(x, self._shared_h(x, mw, act_quant), mw, act_quant, add).to(x.dtype)
 
 
 class _LayerCache:
