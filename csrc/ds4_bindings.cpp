@@ -17,11 +17,13 @@
 
 namespace {
 
-constexpr int64_t FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3, FMT_FP4T = 4;
+constexpr int64_t FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3, FMT_FP4T = 4, FMT_FP8T = 5;
 // fp4p: MXFP4 with permuted words (ds4_common.cuh fp4p_regs; the routed experts' layout after
 // ds4.quant.formats.pack_fp4_mma): the same shapes and scales as fp4.
 // fp4t: fp4p words in the tensor-core kernels' fragment order (ds4.quant.tile_fp4_mma; one-token MoE kernels only).
+// fp8t: fp8 bytes in the same fragment order (ds4.quant.tile_fp8_mma; the dense GEMVs only).
 bool is_fp4(int64_t fmt) { return fmt == FMT_FP4 || fmt == FMT_FP4P || fmt == FMT_FP4T; }
+bool is_fp8(int64_t fmt) { return fmt == FMT_FP8 || fmt == FMT_FP8T; }
 
 void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "ds4: ", name, " must be a CUDA tensor");
@@ -57,7 +59,7 @@ const void* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ?
 // per row and 32 values; bf16: none).
 int64_t dense_scale_ld(const std::optional<at::Tensor>& scale, int64_t fmt, int64_t O, int64_t K, const char* op) {
   const int64_t s_ld = scale_ld(scale, fmt, "w");
-  if (fmt == FMT_FP8) TORCH_CHECK(scale->size(0) == (O + 127) / 128 && s_ld == (K + 127) / 128, op, ": fp8 scale shape");
+  if (is_fp8(fmt)) TORCH_CHECK(scale->size(0) == (O + 127) / 128 && s_ld == (K + 127) / 128, op, ": fp8 scale shape");
   if (fmt == FMT_FP4) TORCH_CHECK(scale->size(0) == O && s_ld == K / 32, op, ": fp4 scale shape");
   return s_ld;
 }
@@ -105,7 +107,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   const int64_t O = w.size(0), K = logical_in(w, fmt), N = x.size(0);
   TORCH_CHECK(groups >= 1 && O % groups == 0, "ds4.gemv: rows must split into groups");
   TORCH_CHECK(x.size(1) == K * groups, "ds4.gemv: x has ", x.size(1), " columns, expected ", K * groups);
-  const int64_t vals = fmt == FMT_BF16 ? 8 : (fmt == FMT_FP8 ? 16 : 32);
+  const int64_t vals = fmt == FMT_BF16 ? 8 : (is_fp8(fmt) ? 16 : 32);
   TORCH_CHECK(K % vals == 0, "ds4.gemv: in_features must be a multiple of ", vals);
   const int64_t s_ld = dense_scale_ld(scale, fmt, O, K, "ds4.gemv");
   c10::cuda::CUDAGuard guard(x.device());

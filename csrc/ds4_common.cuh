@@ -25,13 +25,19 @@ namespace ds4 {
 // FMT_FP4T: FMT_FP4P words placed in MmaStream's fragment order (ds4.quant.tile_fp4_mma, run width 2): the
 // routed experts' layout that the one-token tensor-core MoE kernels read in 512-B warp loads (mma_dot.cuh);
 // the FMA MoE kernels (several tokens) find their chunks with chunk_ptr.
-enum Fmt : int { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3, FMT_FP4T = 4 };
-constexpr int FP4T_W = 2;  // the run width FMT_FP4T is laid out for (ds4.quant.formats.TILE_W)
+// FMT_FP8T: FP8 bytes placed in the same fragment order (ds4.quant.tile_fp8_mma): the dense projections' layout
+// under linear=gemv_cuda where the shapes allow (DS4_FP8_TILE); the FMA GEMV finds its chunks with chunk_ptr.
+enum Fmt : int { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3, FMT_FP4T = 4, FMT_FP8T = 5 };
+constexpr int FP4T_W = 2;  // the run width the tiled layouts are laid out for (ds4.quant.formats.TILE_W)
 
 // Any MXFP4 layout (same row bytes, scales, values per chunk).
 __host__ __device__ constexpr bool fmt_fp4(int f) { return f == FMT_FP4 || f == FMT_FP4P || f == FMT_FP4T; }
 // The permuted-word layouts (fp4p_regs decodes them).
 __host__ __device__ constexpr bool fmt_fp4p(int f) { return f == FMT_FP4P || f == FMT_FP4T; }
+// Either FP8 layout (same bytes per value, 128 x 128 scale blocks).
+__host__ __device__ constexpr bool fmt_fp8(int f) { return f == FMT_FP8 || f == FMT_FP8T; }
+// The layouts in MmaStream's fragment order (whole 16-row tiles, run width FP4T_W).
+__host__ __device__ constexpr bool fmt_tiled(int f) { return f == FMT_FP4T || f == FMT_FP8T; }
 
 // values per 16-byte chunk
 template <int FMT> struct FmtInfo;
@@ -40,6 +46,7 @@ template <> struct FmtInfo<FMT_FP8>  { static constexpr int VALS = 16; };
 template <> struct FmtInfo<FMT_FP4>  { static constexpr int VALS = 32; };
 template <> struct FmtInfo<FMT_FP4P> { static constexpr int VALS = 32; };
 template <> struct FmtInfo<FMT_FP4T> { static constexpr int VALS = 32; };
+template <> struct FmtInfo<FMT_FP8T> { static constexpr int VALS = 16; };
 
 __host__ __device__ constexpr float pow2f(int e) {
   // exact powers of two in the normal fp32 range (compile-time friendly)
@@ -54,6 +61,7 @@ template <> __device__ __forceinline__ float post_factor<FMT_FP8>()  { return 1.
 template <> __device__ __forceinline__ float post_factor<FMT_FP4>()  { return 7.737125245533627e25f; }   // 2^86
 template <> __device__ __forceinline__ float post_factor<FMT_FP4P>() { return 7.737125245533627e25f; }   // 2^86
 template <> __device__ __forceinline__ float post_factor<FMT_FP4T>() { return 7.737125245533627e25f; }   // 2^86
+template <> __device__ __forceinline__ float post_factor<FMT_FP8T>() { return 1.2089258196146292e24f; }  // 2^80
 
 __device__ __forceinline__ float e8m0_to_f32(uint32_t b) {
   return __uint_as_float(b ? (b << 23) : 0x00400000u);
@@ -157,20 +165,21 @@ template <> struct Dec<FMT_FP4P> {
 };
 
 template <> struct Dec<FMT_FP4T> : Dec<FMT_FP4P> {};  // the same words, placed elsewhere (chunk_ptr)
+template <> struct Dec<FMT_FP8T> : Dec<FMT_FP8> {};    // the same bytes, placed elsewhere (chunk_ptr)
 
 // Row byte length and scale byte of chunk c of row r.
 template <int FMT> __host__ __device__ __forceinline__ long row_bytes(int K) {
-  return FMT == FMT_BF16 ? 2L * K : (FMT == FMT_FP8 ? (long)K : (long)K / 2);
+  return FMT == FMT_BF16 ? 2L * K : (fmt_fp8(FMT) ? (long)K : (long)K / 2);
 }
 
 // The 16-B chunk c of row r of a matrix at W with rb bytes per row, as the row-at-a-time (FMA) kernels read
-// it. FMT_FP4T: row r = 16 tile + 8 half + g lies in its tile's block (16 rb bytes from 16 tile rb) and its
-// fp4p chunk c = (4 round + t) FP4T_W + w at ((round FP4T_W + w) 2 + half) 512 + (4 g + t) 16 inside it
-// (MmaStream's fragment order, ds4.quant.tile_fp4_mma); the whole matrix is tiles and rounds (the launchers
-// check). The scales keep their row-major place.
+// it. FMT_FP4T / FMT_FP8T: row r = 16 tile + 8 half + g lies in its tile's block (16 rb bytes from 16 tile rb)
+// and its chunk c = (4 round + t) FP4T_W + w at ((round FP4T_W + w) 2 + half) 512 + (4 g + t) 16 inside it
+// (MmaStream's fragment order, ds4.quant.tile_fp4_mma / tile_fp8_mma); the whole matrix is tiles and rounds (the
+// launchers check). The scales keep their row-major place.
 template <int FMT>
 __device__ __forceinline__ const uint8_t* chunk_ptr(const uint8_t* W, int r, long rb, int c) {
-  if constexpr (FMT == FMT_FP4T) {
+  if constexpr (fmt_tiled(FMT)) {
     const int w = c % FP4T_W, t = (c / FP4T_W) & 3, round = c / (4 * FP4T_W);
     return W + (long)(r >> 4) * 16 * rb + (((round * FP4T_W + w) * 2 + ((r >> 3) & 1)) * 32 + (r & 7) * 4 + t) * 16L;
   } else {
@@ -180,7 +189,7 @@ __device__ __forceinline__ const uint8_t* chunk_ptr(const uint8_t* W, int r, lon
 template <int FMT>
 __device__ __forceinline__ float chunk_scale(const uint8_t* __restrict__ S, int r, int c, int s_ld) {
   if (FMT == FMT_BF16) return 1.0f;
-  if (FMT == FMT_FP8) return e8m0_to_f32(__ldg(S + (long)(r >> 7) * s_ld + (c >> 3)));
+  if (fmt_fp8(FMT)) return e8m0_to_f32(__ldg(S + (long)(r >> 7) * s_ld + (c >> 3)));
   return e8m0_to_f32(__ldg(S + (long)r * s_ld + c));
 }
 

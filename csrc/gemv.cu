@@ -58,7 +58,8 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
       if (c < nch) {
 #pragma unroll
         for (int j = 0; j < R; ++j) {
-          wv[u][j] = ld_stream16(wr[j] + (long)c * 16);
+          if constexpr (fmt_tiled(FMT)) wv[u][j] = ld_stream16(chunk_ptr<FMT>(W, rr[j], rb, c));
+          else wv[u][j] = ld_stream16(wr[j] + (long)c * 16);
           sc[u][j] = chunk_scale<FMT>(S, rr[j], c, s_ld);
         }
       }
@@ -304,7 +305,7 @@ bool mma_auto(int fmt, int K, int O) {
   if (fmt_fp4(fmt) || (env && std::strcmp(env, "all") == 0)) return true;
   // DS4_MMA=k2048: the rule before wq_b moved (FP8 rows of K >= 2048 only), for the ablation
   const bool wide_only = env && std::strcmp(env, "k2048") == 0;
-  return fmt == FMT_FP8 && (K >= 2048 || (!wide_only && K >= 1024 && O >= 16384));
+  return fmt_fp8(fmt) && (K >= 2048 || (!wide_only && K >= 1024 && O >= 16384));
 }
 
 template <int FMT>
@@ -312,7 +313,7 @@ static long gemv_smem(int nt, int K) { return (long)nt * Smem<FMT>::row_floats(K
 
 int gemv_max_tokens(int fmt, int K) {
   const long per = fmt == FMT_BF16 ? gemv_smem<FMT_BF16>(1, K)
-                 : fmt == FMT_FP8 ? gemv_smem<FMT_FP8>(1, K) : gemv_smem<FMT_FP4>(1, K);
+                 : fmt_fp8(fmt) ? gemv_smem<FMT_FP8>(1, K) : gemv_smem<FMT_FP4>(1, K);
   long n = SMEM_CAP / (per > 0 ? per : 1);
   return (int)(n > 8 ? 8 : n);
 }
@@ -345,30 +346,51 @@ static cudaError_t gemv_nt(int n_tok, const void* x, long x_ld, const void* W, c
 #undef DS4_GO
 }
 
+// Host: f(fmt, cw, u) (std::integral_constant each) for a dense one-token tensor-core product: FP8 / FP4 at
+// mma_width's run width, FP8T at its laid-out one (with_tiled_shape), at `depth`.
+template <typename F>
+static cudaError_t with_dense_mma(int fmt, int K, int depth, F f) {
+  using std::integral_constant;
+  if (fmt == FMT_FP8T)
+    return with_tiled_shape(depth, [&](auto cw, auto u) { return f(integral_constant<int, FMT_FP8T>{}, cw, u); });
+  return with_mma_shape(mma_width(fmt, K, mma_max_width()), depth, [&](auto cw, auto u) {
+    return fmt == FMT_FP8 ? f(integral_constant<int, FMT_FP8>{}, cw, u) : f(integral_constant<int, FMT_FP4>{}, cw, u);
+  });
+}
+
+// FMT_FP8T: whole 16-row tiles and rounds (ds4.quant.fp8t_ok: tile_fp8_mma makes no others)
+static bool dense_layout_ok(int fmt, int O, int K) {
+  return fmt != FMT_FP8T || (O % 16 == 0 && K % (4 * 16 * FP4T_W) == 0);
+}
+
 cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok, const void* W, const void* S,
                         int s_ld, void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
                         cudaStream_t st) {
   // FMT_FP4P / FMT_FP4T are the routed experts' layouts (moe.cu); dense weights keep the stored one
-  if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1 || fmt_fp4p(fmt)) return cudaErrorInvalidValue;
+  if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1 || fmt_fp4p(fmt) || !dense_layout_ok(fmt, O, K))
+    return cudaErrorInvalidValue;
   // tensor cores: one token, whole rounds, 16-row tiles inside groups, a tile's activations (two
   // groups' when grouped) in shared memory
   const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K) && (group_rows <= 0 || group_rows % 16 == 0) &&
                       4L * mma_part_floats(1) + 2L * K * (group_rows > 0 ? 2 : 1) <= SMEM_CAP;
   if (kernel == KERNEL_MMA && !mma_ok) return cudaErrorInvalidValue;
   if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt, K, O))) {
-    return with_mma_shape(mma_width(fmt, K, mma_max_width()), mma_depth(K, group_rows > 0), [&](auto cw, auto u) {
-      constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
-      return fmt == FMT_FP8 ? gemv_mma_go<FMT_FP8, U, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st)
-                            : gemv_mma_go<FMT_FP4, U, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+    return with_dense_mma(fmt, K, mma_depth(K, group_rows > 0), [&](auto f, auto cw, auto u) {
+      constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
+      return gemv_mma_go<F, U, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
     });
   }
   if (group_rows > 0 && group_rows % (GEMV_WARPS * 2) != 0) return cudaErrorInvalidValue;
   // FP8, one token, K <= 4096: 4 rows per warp x 2 chunks per row in flight instead of 2 x 4 (H200 phase
   // probe, scripts/probe_phases.cu: wq_b 15.2 -> 14.4 us, grouped wo_a 15.7 -> 14.2; wo_b at K = 8192
   // 17.5 -> 17.6, so it keeps 2 x 4)
-  if (fmt == FMT_FP8 && n_tok == 1 && K <= 4096 && (group_rows <= 0 || group_rows % (GEMV_WARPS * 4) == 0))
-    return gemv_go<FMT_FP8, 1, 4>(x, x_ld, n_tok, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
+  if (fmt_fp8(fmt) && n_tok == 1 && K <= 4096 && (group_rows <= 0 || group_rows % (GEMV_WARPS * 4) == 0))
+    return fmt == FMT_FP8T
+               ? gemv_go<FMT_FP8T, 1, 4>(x, x_ld, n_tok, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st)
+               : gemv_go<FMT_FP8, 1, 4>(x, x_ld, n_tok, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   if (fmt == FMT_FP8) return gemv_nt<FMT_FP8, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
+  if (fmt == FMT_FP8T)
+    return gemv_nt<FMT_FP8T, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   if (fmt == FMT_FP4) return gemv_nt<FMT_FP4, 2>(n_tok, x, x_ld, W, S, s_ld, out, out_f32, out_ld, O, K, group_rows, st);
   // BF16, one token, few rows (the router's 256 x 4096 gate): one row per warp, so the rows spread over twice
   // the blocks (32 instead of 16 for the gate), and 16 chunks in flight, so a 4096-wide row is all requested
@@ -479,7 +501,7 @@ cudaError_t launch_gemv_deferred(const void* x, void* ring, int every, const int
 // indexer's wq_b (8192 x 1024) alone is faster on the FMA kernel, but fused it saves the rms_norm launch
 // before it on the indexer's chain (DS4_MMA=0 / k2048 still keep the norm apart).
 bool gemv_rmsnorm_ok(int fmt, int O, int K) {
-  return (fmt == FMT_FP8 || fmt == FMT_FP4) && O >= 1 && K >= 8 && K % 8 == 0 &&
+  return (fmt_fp8(fmt) || fmt == FMT_FP4) && dense_layout_ok(fmt, O, K) && O >= 1 && K >= 8 && K % 8 == 0 &&
          K <= 8 * MMA_STREAM_THREADS * RMS_VPT && mma_shape_ok(fmt, K) && 4L * mma_part_floats(1) + 2L * K <= SMEM_CAP &&
          mma_auto(fmt, K, 1 << 30);
 }
@@ -490,11 +512,9 @@ cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const voi
   if (!gemv_rmsnorm_ok(fmt, O, K) || nw == nullptr) return cudaErrorInvalidValue;
   if (skip.pos != nullptr && (skip.ratio < 1 || skip.k < 1 || skip.rows < 16 || skip.rows % 16 || skip.rows >= O))
     return cudaErrorInvalidValue;
-  return with_mma_shape(mma_width(fmt, K, mma_max_width()), mma_depth(K, false), [&](auto cw, auto u) {
-    constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
-    return fmt == FMT_FP8
-               ? gemv_mma_go<FMT_FP8, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps, {}, skip)
-               : gemv_mma_go<FMT_FP4, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps, {}, skip);
+  return with_dense_mma(fmt, K, mma_depth(K, false), [&](auto f, auto cw, auto u) {
+    constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
+    return gemv_mma_go<F, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps, {}, skip);
   });
 }
 
@@ -505,7 +525,8 @@ bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) {
   // at one tile per block (the launchers halve their tiles per block until the buffers fit)
   const long fold = 4L * hc_fold_smem_floats(1, n, (2 + n) * n);
   if (kind == 0)
-    return (fmt == FMT_FP8 || fmt == FMT_FP4) && mma_shape_ok(fmt, cols) && mma_auto(fmt, cols, rows) &&
+    return (fmt_fp8(fmt) || fmt == FMT_FP4) && dense_layout_ok(fmt, rows, cols) && mma_shape_ok(fmt, cols) &&
+           mma_auto(fmt, cols, rows) &&
            4L * mma_part_floats(1) + 2L * cols + fold <= SMEM_CAP;
   return kind == 1 && moe_down_fold_ok(fmt, topk, rows, cols, fold);
 }
@@ -513,11 +534,9 @@ bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) {
 cudaError_t launch_gemv_fold(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, int O, int K,
                              const HcFold& fold, cudaStream_t st) {
   if (!hc_fold_ok(0, fmt, O, K, 1, fold.n) || fold.mix != (2 + fold.n) * fold.n) return cudaErrorInvalidValue;
-  return with_mma_shape(mma_width(fmt, K, mma_max_width()), mma_depth(K, false), [&](auto cw, auto u) {
-    constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
-    return fmt == FMT_FP8
-               ? gemv_mma_go<FMT_FP8, U, CW, false, true>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr, false, 0.f, fold)
-               : gemv_mma_go<FMT_FP4, U, CW, false, true>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr, false, 0.f, fold);
+  return with_dense_mma(fmt, K, mma_depth(K, false), [&](auto f, auto cw, auto u) {
+    constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
+    return gemv_mma_go<F, U, CW, false, true>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr, false, 0.f, fold);
   });
 }
 

@@ -45,6 +45,7 @@ template <> struct Mma<FMT_FP4> {
 };
 template <> struct Mma<FMT_FP4P> : Mma<FMT_FP4> {};
 template <> struct Mma<FMT_FP4T> : Mma<FMT_FP4> {};
+template <> struct Mma<FMT_FP8T> : Mma<FMT_FP8> {};
 
 // E4M3 bytes at bits 15..8 and 31..24 -> bf16x2 (x 2^-120)
 __device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint32_t q) {
@@ -82,6 +83,11 @@ __device__ __forceinline__ void mma_chunk<FMT_FP8>(const uint4& wg, const uint4&
     mma_16816(d, fp8x2_to_bf16x2(qa[w] << 8), fp8x2_to_bf16x2(qb[w] << 8), fp8x2_to_bf16x2(qa[w]),
               fp8x2_to_bf16x2(qb[w]), b0, b1);
   }
+}
+
+template <>
+__device__ __forceinline__ void mma_chunk<FMT_FP8T>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
+  mma_chunk<FMT_FP8>(wg, wg8, xb, d);  // the same bytes per lane: only where they are stored differs
 }
 
 // The 4 A-fragment registers of one word of 8 E2M1 values: register i = (n_i, n_{i+4}) as bf16x2 (x 2^-126).
@@ -132,7 +138,7 @@ __device__ __forceinline__ void mma_chunk<FMT_FP4T>(const uint4& wg, const uint4
 template <int FMT>
 __device__ __forceinline__ void mma_round_chunk(const uint4& wg, const uint4& wg8, const uint4* src, int w, bool has_b,
                                                 float (&d)[4]) {
-  constexpr int NB = FMT == FMT_FP8 ? 2 : 4;  // uint4 of B per chunk
+  constexpr int NB = fmt_fp8(FMT) ? 2 : 4;  // uint4 of B per chunk
   uint4 xb[NB];
 #pragma unroll
   for (int j = 0; j < NB; ++j) xb[j] = has_b ? src[w * NB + j] : make_uint4(0u, 0u, 0u, 0u);
@@ -151,7 +157,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t a) {
 template <int FMT>
 __device__ __forceinline__ void mma_round_chunk_sa(const uint4& wg, const uint4& wg8, uint32_t sa, int w,
                                                    float (&d)[4]) {
-  constexpr int NB = FMT == FMT_FP8 ? 2 : 4;  // uint4 of B per chunk
+  constexpr int NB = fmt_fp8(FMT) ? 2 : 4;  // uint4 of B per chunk
   uint4 xb[NB];
 #pragma unroll
   for (int j = 0; j < NB; ++j) xb[j] = lds128(sa + 16u * (w * NB + j));
@@ -169,7 +175,7 @@ __device__ __forceinline__ uint4 mma_stage_vec(const uint4& in4) {
     v[2 * q] = __float_as_uint(__uint_as_float(in[q] << 16) * MMA_XS) >> 16;
     v[2 * q + 1] = __float_as_uint(__uint_as_float(in[q] & 0xffff0000u) * MMA_XS) >> 16;
   }
-  if (FMT == FMT_FP8)  // [0 2 1 3 | 4 6 5 7]
+  if (fmt_fp8(FMT))  // [0 2 1 3 | 4 6 5 7]
     return make_uint4(v[0] | v[2] << 16, v[1] | v[3] << 16, v[4] | v[6] << 16, v[5] | v[7] << 16);
   return make_uint4(v[0] | v[4] << 16, v[1] | v[5] << 16, v[2] | v[6] << 16, v[3] | v[7] << 16);  // [0 4 1 5 2 6 3 7]
 }
@@ -244,14 +250,14 @@ __device__ __forceinline__ uint4* mma_zero_b() {
 // activations and column 1 the second's, and C columns 0 / 1 are scaled by the two blocks.
 // Per-round bookkeeping is kept to a few instructions (row and scale pointers are recomputed only when
 // the segment changes; a slot's activation offset, tile and last-round flag share one register).
-// FMT_FP4T (tiled): a tile's rows lie where they lie in the row-major layout (16 rows x rowb bytes from
+// FMT_FP4T / FMT_FP8T (tiled): a tile's rows lie where they lie in the row-major layout (16 rows x rowb bytes from
 // row0 * rowb), but inside it the 16-B chunk of (round r, chunk w, row half h, lane) sits at
 // ((r W + w) 2 + h) 512 + lane 16: each load of a warp reads 512 contiguous bytes (W must be FP4T_W).
 template <int FMT, int U, int W, typename TileFn>
 struct MmaStream {
   static constexpr int SC = fmt_fp4(FMT) ? W : 1;  // scale registers per slot
-  static constexpr bool TILED = FMT == FMT_FP4T;
-  static_assert(!TILED || W == FP4T_W, "FMT_FP4T is laid out for run width FP4T_W");
+  static constexpr bool TILED = fmt_tiled(FMT);
+  static_assert(!TILED || W == FP4T_W, "FMT_FP4T / FMT_FP8T are laid out for run width FP4T_W");
   TileFn tile;
   const __nv_bfloat16* xbase;
   int nseg, nr, s_ld, n;  // n = rounds of this warp
@@ -289,7 +295,7 @@ struct MmaStream {
       pa = p.W + (long)ra * rowb + t * W * 16;
       pb = p.W + (long)rb8 * rowb + t * W * 16;
     }
-    if (FMT == FMT_FP8) {
+    if (fmt_fp8(FMT)) {
       psa = psb = p.S + (long)(p.row0 >> 7) * s_ld;
     } else {  // lane t needs columns 2(t&1), 2(t&1)+1: chunks 4 W r + 2 (t&1) W + [0, 2 W) of both rows
       psa = p.S + (long)ra * s_ld + 2 * (t & 1) * W;
@@ -319,7 +325,7 @@ struct MmaStream {
         wb[k][w] = ld_stream16(pb + lr * 64 * W + 16 * w);
       }
     }
-    if (FMT == FMT_FP8) {
+    if (fmt_fp8(FMT)) {
       if (W == 4) sc[k][0] = __ldg(psa + 2 * lr) | (uint32_t)__ldg(psa + 2 * lr + 1) << 8;
       else sc[k][0] = __ldg(psa + ((W * lr) >> 1));
     } else if (W == 1) {  // row g in the low half, row g+8 in the high half
@@ -382,7 +388,7 @@ struct MmaStream {
         if (i0 + k < n) {
           const uint32_t m = meta[k];
           const uint32_t sa = bsel + ((m & bmask) << 1);
-          if (FMT == FMT_FP8) {  // one accumulator over the W MMAs, then the block scale(s)
+          if (fmt_fp8(FMT)) {  // one accumulator over the W MMAs, then the block scale(s)
             float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int w = 0; w < W; ++w) mma_round_chunk_sa<FMT>(wa[k][w], wb[k][w], sa, w, d);
@@ -478,6 +484,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 template <int FMT, int W, typename TileFn>
 struct MmaSmemStream {
   static_assert(W == 1 || W == 2, "the shared-memory stream reads runs of 1 or 2 chunks per lane");
+  static_assert(!fmt_tiled(FMT), "the shared-memory stream reads row-major rows (with_tiled_shape never asks it)");
   static constexpr int RB = mma_smem_row_bytes<W>(), SB = mma_smem_stage_bytes<FMT, W>();
   TileFn tile;   // (local tile, segment) -> MmaTile; its xs are the activations the segment multiplies
   uint8_t* buf;  // MMA_SMEM_STAGES stage buffers (16-byte aligned)
@@ -569,7 +576,7 @@ struct MmaSmemStream {
                                                           t * W * Mma<FMT>::VALS);
         const uint8_t* ra = b + g * RB + warp * 64 * W + t * 16 * W;
         const uint8_t* rb8 = ra + 8 * RB;
-        if (FMT == FMT_FP8) {
+        if (fmt_fp8(FMT)) {
           float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
           for (int w = 0; w < W; ++w)
@@ -643,6 +650,7 @@ __device__ __forceinline__ float mma_part_sum(const float* part, int tl, int r) 
 // Whether the MMA path takes a 1-token product of a K-wide row (FP8 / FP4 only).
 __host__ __device__ inline bool mma_shape_ok(int fmt, int K) {
   if (fmt == FMT_FP8) return K % (4 * 16) == 0;
+  if (fmt == FMT_FP8T) return K % (4 * 16 * FP4T_W) == 0;  // whole rounds at the laid-out run width
   if (fmt_fp4(fmt)) return K % (4 * 32) == 0;
   return false;
 }
@@ -650,7 +658,7 @@ __host__ __device__ inline bool mma_shape_ok(int fmt, int K) {
 // Chunks per lane per round for a K-wide row: the largest of 4, 2, 1 that is <= `most` and divides the
 // row into whole rounds (values per chunk: 16 FP8, 32 FP4).
 inline int mma_width(int fmt, int K, int most) {
-  const int vals = fmt == FMT_FP8 ? 16 : 32;
+  const int vals = fmt_fp8(fmt) ? 16 : 32;
   for (int w = 4; w > 1; w /= 2)
     if (w <= most && K % (4 * w * vals) == 0) return w;
   return 1;
@@ -693,6 +701,17 @@ inline cudaError_t with_mma_shape(int w, int depth, F f) {
   if (depth >= 8) return f(integral_constant<int, 1>{}, integral_constant<int, 8>{});
   if (depth >= 4) return f(integral_constant<int, 1>{}, integral_constant<int, 4>{});
   return f(integral_constant<int, 1>{}, integral_constant<int, 2>{});
+}
+
+// Host: with_mma_shape's call for the tiled layouts (FMT_FP4T / FMT_FP8T): their run width FP4T_W and the register
+// stream at depth 8, 4 or 2 (the shared-memory stream reads rows contiguously, so a depth-0 request takes 2).
+template <typename F>
+inline cudaError_t with_tiled_shape(int depth, F f) {
+  using std::integral_constant;
+  using CW = integral_constant<int, FP4T_W>;
+  if (depth >= 8) return f(CW{}, integral_constant<int, 8 / FP4T_W>{});
+  if (depth >= 4) return f(CW{}, integral_constant<int, 4 / FP4T_W>{});
+  return f(CW{}, integral_constant<int, 2 / FP4T_W>{});
 }
 
 }  // namespace ds4

@@ -500,19 +500,10 @@ static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStre
 }
 
 // FMT_FP4T (ds4_common.cuh): whole 16-row tiles and rounds in both matrices. The tensor-core kernels take it
-// at the layout's run width FP4T_W on the register stream (depth 8 / 4 / 2; the shared-memory stream reads
-// rows contiguously, so depth 0 takes 2); the FMA kernels through chunk_ptr.
+// at the layout's run width FP4T_W on the register stream (with_tiled_shape); the FMA kernels through chunk_ptr.
 static bool fp4t_shape_ok(const MoEArgs& a) {
   constexpr int ROUND = 4 * FP4T_W * 32;  // values of a row one round covers
   return a.dim % 16 == 0 && a.inter % 16 == 0 && a.dim % ROUND == 0 && a.inter % ROUND == 0;
-}
-
-template <typename F>
-static cudaError_t with_fp4t_shape(int depth, F f) {
-  using std::integral_constant;
-  if (depth >= 8) return f(integral_constant<int, 8 / FP4T_W>{});
-  if (depth >= 4) return f(integral_constant<int, 4 / FP4T_W>{});
-  return f(integral_constant<int, 2 / FP4T_W>{});
 }
 
 // A per-kernel depth knob (`name`, read at every launch) where set, else the per-shape rule for rows of K.
@@ -549,7 +540,7 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStr
   if (mma < 0 || (a.route_logits && (!moe_route_ok(a) || !a.ids_out || !a.rw_out))) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4T && mma) {
     if (!fp4t_shape_ok(a)) return cudaErrorInvalidValue;
-    return with_fp4t_shape(gate_up_depth(a), [&](auto u) {
+    return with_tiled_shape(gate_up_depth(a), [&](auto, auto u) {
       return gate_up_mma_go<FMT_FP4T, decltype(u)::value, FP4T_W>(a, x, h, st);
     });
   }
@@ -606,7 +597,7 @@ static cudaError_t down_mma(const MoEArgs& a, const void* h, const void* add, vo
                             const HcFold& fold) {
   if (a.fmt == FMT_FP4T) {
     if (!fp4t_shape_ok(a)) return cudaErrorInvalidValue;
-    return with_fp4t_shape(down_depth(a), [&](auto u) {
+    return with_tiled_shape(down_depth(a), [&](auto, auto u) {
       return down_mma_go<FMT_FP4T, decltype(u)::value, FP4T_W, F32, FOLD>(a, h, add, out, st, fold);
     });
   }

@@ -31,7 +31,9 @@ default), smem
 its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k
 inside the routed kernels instead of its own launch), notile (DS4_FP4_TILE=0: the routed experts in the fp4p
 layout instead of the default fp4t (the fp4p words in the tensor-core kernels' fragment order)), tile (DS4_FP4_TILE=1:
-fp4t required), nopack (the routed experts in the checkpoint's FP4
+fp4t required), notile8 (DS4_FP8_TILE=0: the dense FP8 projections in the stored layout instead of
+linear=gemv_cuda's default fp8t (the same fragment order)), tile8 (DS4_FP8_TILE=1: fp8t required), nopack (the
+routed experts in the checkpoint's FP4
 layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), noidxm (CSA layers: the indexer's
 query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), hwin (CSA layers
 with the merged query: the indexer's head weights after the indexer compressor's step in its branch, not in
@@ -51,7 +53,8 @@ next GEMV's weights in captured steps at the default sites; measured slower, off
 (those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), nohcr (DS4_HC_ROUTER=0: without
 the router fold, the library default since session 25 — the FFN's hc launch also forms the router's logits, so
 the router GEMV launch leaves the step), hcq (DS4_HC_QKV=1: the projection fold, opt-in — the attention site's
-hc finish also forms wq_a + wkv's rows, so their GEMV launch leaves the step; measured no faster in session 27),
+hc finish also forms wq_a + wkv's rows, so their GEMV launch leaves the step; measured no faster in session 27;
+with the FP8 projections in the stored layout, as notile8),
 pj (DS4_PJOIN=moe: the shared expert's branch joins the routed down kernel by programmatic edges, so that kernel
 may launch and start its weight loads before the shared down drains; ds4.ops.side_stream.Branch.join),
 late (DS4_LATE_COMPRESS=1: a captured graph per compressor phase, where layers whose window does not end at the
@@ -299,6 +302,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_FP4_PACK"] = "0" if "nopack" in toks else "1"
     # fp4t by default where the shapes allow; notile: fp4p (configure re-lays fp4p <-> fp4t)
     os.environ["DS4_FP4_TILE"] = "0" if "notile" in toks else ("1" if "tile" in toks else "auto")
+    # the dense FP8 projections: fp8t by default where the shapes allow (linear=gemv_cuda's prepare, at configure);
+    # notile8: the stored fp8 layout, which the projection fold (hcq: its hc kernel reads fp8 rows) also needs
+    os.environ["DS4_FP8_TILE"] = "0" if toks & {"notile8", "hcq"} else ("1" if "tile8" in toks else "auto")
     if "nopack" in toks:
         stored_fp4_layout(model)
     model.configure(ops=ops, comm=comm)

@@ -16,7 +16,9 @@ DS4_MMA_DEPTH (16-B chunks per lane and row in flight; fewer buy more resident w
 shared-memory stream, DS4_MMA_LOAD=smem), from --mma. The routed-MoE rows named "moe fp4" run the experts
 in the fp4t layout moe=fp4_topk uses by default (ds4.quant.tile_fp4_mma: fp4p words in the tensor-core
 kernels' fragment order, run width 2 whatever DS4_MMA_W says), "moe fp4p" rows in the fp4p word layout
-(ds4.quant.pack_fp4_mma, DS4_FP4_TILE=0) and "[stored layout]" rows in the checkpoint's.
+(ds4.quant.pack_fp4_mma, DS4_FP4_TILE=0) and "[stored layout]" rows in the checkpoint's. The dense FP8 rows named
+"fp8t" run the projections in the layout linear=gemv_cuda gives them by default (ds4.quant.tile_fp8_mma: the same
+fragment order, run width 2), the "fp8" rows in the stored one (DS4_FP8_TILE=0; the [fma] / [mma] rows too).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4 import kernels  # noqa: E402
 from ds4.ops.base import QWeight  # noqa: E402
-from ds4.quant import pack_fp4_mma, tile_fp4_mma  # noqa: E402
+from ds4.quant import pack_fp4_mma, tile_fp4_mma, tile_fp8_mma  # noqa: E402
 
 DEV = torch.device("cuda")
 L2_ROTATE_BYTES = 400 << 20
@@ -143,13 +145,15 @@ def main() -> int:
                      "meets_75pct": gbs >= 0.75 * bw})
         print(f"  {name:<34} {us:8.2f} us  {gbs:7.0f} GB/s  {100 * gbs / bw:5.1f}%", flush=True)
 
-    def gemv_case(name, o, i, groups=1, kernel="auto", target=None):
+    def gemv_case(name, o, i, groups=1, kernel="auto", target=None, fmt="fp8"):
         one = rand_fp8(o, i, g)
         bts = nbytes(*one) + n * i * groups * 2 + n * o * 2
         sets = max(2, min(64, math.ceil(L2_ROTATE_BYTES / bts)))
         ws = [one] + [rand_fp8(o, i, g) for _ in range(sets - 1)]
+        if fmt == "fp8t":
+            ws = [(tile_fp8_mma(w), s) for w, s in ws]
         x = torch.randn(n, i * groups, device=DEV).to(torch.bfloat16)
-        fns = [(lambda w=w, s=s: kernels.gemv(x, w, s, "fp8", groups=groups, kernel=kernel)) for w, s in ws]
+        fns = [(lambda w=w, s=s: kernels.gemv(x, w, s, fmt, groups=groups, kernel=kernel)) for w, s in ws]
         record(name, bts, fns, target)
         del ws
 
@@ -173,7 +177,11 @@ def main() -> int:
         for v in ("DS4_MMA_W", "DS4_MMA_DEPTH", "DS4_MMA_LOAD"):
             os.environ.pop(v, None)
 
-    # FP8 dense projections (V4-Flash)
+    # FP8 dense projections (V4-Flash): linear=gemv_cuda's default fp8t layout, then the stored one
+    gemv_case("fp8t wq_a+wkv 1536x4096", 1536, 4096, fmt="fp8t")
+    gemv_case("fp8t wq_b 32768x1024", 32768, 1024, target=10.5, fmt="fp8t")
+    gemv_case("fp8t wo_a 8x(1024x4096) grouped", 8192, 4096, groups=8, fmt="fp8t")
+    gemv_case("fp8t wo_b 4096x8192", 4096, 8192, fmt="fp8t")
     for kern, tag in variants():
         gemv_case("fp8 wq_a+wkv 1536x4096" + tag, 1536, 4096, kernel=kern)
         gemv_case("fp8 wq_b 32768x1024" + tag, 32768, 1024, kernel=kern, target=10.5)

@@ -50,7 +50,9 @@ def _options():
                      pytest.param(combos[-1], {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="all-fused,DS4_HC_FOLD=1,MMA=all"),
                      # with the projection fold (opt-in: the attention site's finish also forms wq_a + wkv's rows
                      # wherever a fold was formed)
-                     pytest.param(combos[-1], {"DS4_HC_FOLD": "1", "DS4_MMA": "all", "DS4_HC_QKV": "1"},
+                     # (its hc kernel reads the stored fp8 rows: DS4_FP8_TILE=0)
+                     pytest.param(combos[-1], {"DS4_HC_FOLD": "1", "DS4_MMA": "all", "DS4_HC_QKV": "1",
+                                               "DS4_FP8_TILE": "0"},
                                   id="all-fused,DS4_HC_FOLD=1,MMA=all,DS4_HC_QKV=1"),
                      # the routed experts in fp4p (small's take the default fp4t layout in the other rows)
                      pytest.param(combos[-1], {"DS4_FP4_TILE": "0"}, id="all-fused,DS4_FP4_TILE=0"),
@@ -160,7 +162,7 @@ def _tiny_weights_for(impls: Impls, seed: int):
     # the hc fold in both runtimes, at both sites (DS4_MMA=all: tiny's wo_b on the tensor cores); one row
     pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"}, id="fused-hc_fold"),
     # the same with the projection fold (opt-in: the attention site's finish forms wq_a + wkv's rows)
-    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all", "DS4_HC_QKV": "1"},
+    pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all", "DS4_HC_QKV": "1", "DS4_FP8_TILE": "0"},
                  id="fused-hc_fold-proj_fold"),
     # the shared expert's branch joined to the routed down by programmatic edges (opt-in; graph only)
     pytest.param(Impls(**_FUSED), {"DS4_PJOIN": "all"}, {}, id="fused-programmatic_join"),
@@ -206,6 +208,33 @@ def test_batch1_graph_matches_eager(defer):
         outs.append(g.generate([[5, 6, 7, 8, 9, 10, 11]], 1000, stop_at_eos=False).tokens[0])
     first = next((i for i, (a, b) in enumerate(zip(*outs)) if a != b), None)
     assert first is None, f"graph and eager tokens part at step {first} of {len(outs[0])}"
+
+
+def test_fp8t_layout_decodes_as_fp8(monkeypatch):
+    """linear=gemv_cuda lays tiny's dense FP8 projections out as fp8t at load (DS4_FP8_TILE unset: auto), the merged
+    weights' row views in the same storage and format, the indexer reading its rows of the merged wq_bi; a graph decode
+    of 300 steps gives the tokens of the stored layout (DS4_FP8_TILE=0), whose kernels form the same bits. Configuring
+    the loaded model again re-lays the same storage (the bench's notile8)."""
+    impls = Impls(**_FUSED)
+    args, w = _tiny_weights_for(impls, seed=5)
+    outs = []
+    for mode in ("auto", "0"):
+        monkeypatch.setenv("DS4_FP8_TILE", mode)
+        m = _model(args, w, impls)
+        fmt = "fp8t" if mode == "auto" else "fp8"
+        for blk in m.layers:
+            a = blk.attn
+            parts = [a.wqkv_a, a.wq_a, a.wkv, a.wq_b, a.wo_a, a.wo_b] + ([a.wq_bi, a.idx_wq_b] if a.wq_bi else [])
+            assert {q.fmt for q in parts} == {fmt}
+            assert a.wq_a.weight.data_ptr() == a.wqkv_a.weight.data_ptr()
+            if a.indexer is not None:
+                assert a.indexer.wq_b is a.idx_wq_b
+        outs.append(Generator(m, 1, 400, runtime="cuda_graph").generate([[5, 6, 7, 8, 9]], 300,
+                                                                         stop_at_eos=False).tokens[0])
+    assert outs[0] == outs[1]
+    monkeypatch.setenv("DS4_FP8_TILE", "auto")
+    m.configure(ops=build_ops(impls, DEV))
+    assert m.layers[0].attn.wo_b.fmt == "fp8t"
 
 
 @pytest.mark.parametrize("mode", ["1", "2"])

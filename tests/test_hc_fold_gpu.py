@@ -16,6 +16,7 @@ kernels = require_extension("ds4.kernels")  # skips this module without CUDA
 kernels_attn = require_extension("ds4.kernels_attn")
 
 from ds4.ops.base import HcFold  # noqa: E402
+from ds4.quant import tile_fp8_mma  # noqa: E402
 from test_kernels_gpu import make_experts, rand_fp4_weight, rand_fp8_weight, rand_x, seed_of  # noqa: E402
 
 STREAMS = {"default": {}, "depth2": {"DS4_MMA_DEPTH": "2"}, "depth8": {"DS4_MMA_DEPTH": "8"},
@@ -56,12 +57,16 @@ def _check_fold(y, fold, scale, base, norm):
 
 @pytest.mark.parametrize("stream", list(STREAMS))
 @pytest.mark.parametrize("fmt,D,K,n", [("fp8", 4096, 8192, 4), ("fp8", 256, 2048, 2), ("fp4", 1024, 512, 1),
-                                       ("fp8", 4096, 2048, 4), ("fp4", 4096, 8192, 4)])
+                                       ("fp8", 4096, 2048, 4), ("fp4", 4096, 8192, 4), ("fp8t", 4096, 8192, 4)])
 def test_gemv_fold(fmt, D, K, n, stream, monkeypatch):
+    """fp8t (linear=gemv_cuda's default layout of wo_b): its register stream at every depth (a depth-0 request takes
+    depth 2's)."""
     for k, v in STREAMS[stream].items():
         monkeypatch.setenv(k, v)
     g = gen(seed_of(fmt, D, K, n, stream))
-    w, s = (rand_fp8_weight if fmt == "fp8" else rand_fp4_weight)(D, K, g)
+    w, s = (rand_fp4_weight if fmt == "fp4" else rand_fp8_weight)(D, K, g)
+    if fmt == "fp8t":
+        w = tile_fp8_mma(w)
     x = rand_x(1, K, g)
     fold, scale, base, norm = _site(n, D, g)
     assert kernels.hc_fold_ok("gemv", fmt, D, K, 1, n)

@@ -71,6 +71,8 @@ def test_unknown_kernel_choice_fails_before_any_launch(call):
 
 @pytest.mark.parametrize("call,fmt,why", [("gemv", "fp4p", "MoE kernels only"), ("gemv_rmsnorm", "fp4p", "MoE kernels only"),
                                           ("gemv", "fp4t", "MoE kernels only"),
+                                          ("moe_gate_up", "fp8t", "dense GEMVs only"),
+                                          ("moe_down", "fp8t", "dense GEMVs only"),
                                           ("moe_gate_up", "fp6", "must be one of"), ("moe_down", "int4", "must be one of")])
 def test_unknown_or_misplaced_format_fails_before_any_launch(call, fmt, why):
     # dense GEMVs take the stored formats; fp4p (the routed experts' permuted words) only the MoE kernels

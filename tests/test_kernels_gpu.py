@@ -18,7 +18,7 @@ kernels = require_extension("ds4.kernels")  # skips this module without CUDA
 
 from ds4.ops import prefetch  # noqa: E402
 from ds4.ops.base import MoEWeights, QWeight  # noqa: E402
-from ds4.quant import dequant_fp4, dequant_fp8, fp4t_ok, pack_fp4_mma, tile_fp4_mma  # noqa: E402
+from ds4.quant import dequant_fp4, dequant_fp8, fp4t_ok, pack_fp4_mma, tile_fp4_mma, tile_fp8_mma  # noqa: E402
 
 
 def seed_of(*parts) -> int:
@@ -264,6 +264,100 @@ def test_linear_impl_and_grouped():
     wg, sg = rand_fp8_weight(8 * 128, 512, g)
     refg = torch.einsum("ngi,gri->ngr", xg.float(), dequant_fp8(wg, sg).view(8, 128, 512))
     assert rel(lin.grouped(xg, QWeight("fp8", wg, sg), 8), refg) <= TOL
+
+
+# fp8t (linear=gemv_cuda's layout of the dense FP8 projections): the same bytes in the tensor-core stream's fragment
+# order, so the one-token kernel (run width 2, any depth) reads the same fragments in the same order as from the stored
+# layout at run width 2, and the FMA kernels find each chunk by its address: every output equals fp8's bit for bit.
+FP8T_SHAPES = [(1536, 4096), (32768, 1024), (4096, 8192), (8192, 1024), (208, 384), (16, 128)]
+
+
+@pytest.mark.parametrize("o,i", FP8T_SHAPES)
+@pytest.mark.parametrize("n,kernel,depth", [(1, "auto", None), (1, "mma", "8"), (1, "mma", "4"), (1, "mma", "2"),
+                                            (1, "fma", None), (2, "auto", None), (3, "auto", None), (8, "auto", None)])
+def test_gemv_fp8t_equals_fp8(o, i, n, kernel, depth, monkeypatch):
+    monkeypatch.delenv("DS4_MMA_W", raising=False)  # fp8's default run width (2), fp8t's laid-out one
+    monkeypatch.delenv("DS4_MMA_LOAD", raising=False)
+    if depth is None:
+        monkeypatch.delenv("DS4_MMA_DEPTH", raising=False)
+    else:
+        monkeypatch.setenv("DS4_MMA_DEPTH", depth)
+    g = gen(seed_of("fp8t", o, i, n, kernel, depth))
+    w, s = rand_fp8_weight(o, i, g)
+    x = rand_x(n, i, g)
+    wt = tile_fp8_mma(w)
+    assert not torch.equal(wt.view(torch.uint8), w.view(torch.uint8))  # really re-laid
+    poison()
+    y = kernels.gemv(x, wt, s, "fp8t", kernel=kernel)
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) outputs"
+    assert torch.equal(y, kernels.gemv(x, w, s, "fp8", kernel=kernel))
+    assert rel(y, x.float() @ dequant_fp8(w, s, torch.float32).t()) <= TOL
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_gemv_fp8t_grouped_wo_a(n):
+    """wo_a's 8 groups of 1024 rows: the groups are whole tiles of the tiled matrix."""
+    g = gen(seed_of("fp8t_wo_a", n))
+    w, s = rand_fp8_weight(8192, 4096, g)
+    x = rand_x(n, 8 * 4096, g)
+    poison()
+    y = kernels.gemv(x, tile_fp8_mma(w), s, "fp8t", groups=8)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y, kernels.gemv(x, w, s, "fp8", groups=8))
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_gemv_rmsnorm_fp8t_equals_fp8(skip):
+    """The merged wq_b + indexer wq_b (CSA, 32768 + 8192 rows), q_norm in the staging, with and without the index
+    query's rows skipped."""
+    g = gen(seed_of("fp8t_norm", skip))
+    w, s = rand_fp8_weight(40960, 1024, g)
+    x, nw = rand_x(1, 1024, g), (1 + 0.1 * torch.randn(1024, device=DEV, generator=g)).to(torch.bfloat16)
+    sk = (torch.tensor([40], device=DEV), 4, 512, 32768) if skip else None
+    assert kernels.gemv_rmsnorm_ok("fp8t", 40960, 1024)
+    poison()
+    y = kernels.gemv_rmsnorm(x, tile_fp8_mma(w), s, "fp8t", nw, 1e-6, sk)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y, kernels.gemv_rmsnorm(x, w, s, "fp8", nw, 1e-6, sk))
+
+
+def test_fp8t_refused_where_it_cannot_be_laid_out():
+    g = gen(11)
+    w, s = rand_fp8_weight(200, 272, g)  # neither whole tiles nor whole rounds
+    with pytest.raises(ValueError, match="fp8t"):
+        kernels.gemv(rand_x(1, 272, g), w, s, "fp8t")
+    assert not kernels.gemv_rmsnorm_ok("fp8t", 200, 272)
+    (w1, s1, w3, s3, w2, s2), _ = make_experts(4, 256, 128, g, "fp8")
+    with pytest.raises(ValueError, match="dense GEMVs only"):  # the MoE kernels read fp8 (the shared expert)
+        kernels.moe_gate_up(rand_x(1, 256, g), None, None, w1, s1, w3, s3, "fp8t")
+
+
+@pytest.mark.parametrize("mode", ["auto", "0", "1"])
+def test_linear_prepare_lays_fp8t_out(mode, monkeypatch):
+    """GemvCudaLinear.prepare (at load and configure): fp8 <-> fp8t as DS4_FP8_TILE says, in a new tensor (the given
+    one keeps its bytes: the loader hands the model the caller's tensors); the products equal fp8's bit for bit, and
+    QWeight.dequant reads either layout."""
+    from ds4.ops.linear_cuda import GemvCudaLinear
+    monkeypatch.setenv("DS4_FP8_TILE", mode)
+    lin = GemvCudaLinear()
+    g = gen(seed_of("prepare", mode))
+    w, s = rand_fp8_weight(1024, 4096, g)
+    stored, x = w.clone(), rand_x(1, 4096, g)
+    q = lin.prepare(QWeight("fp8", w, s), "w")
+    assert q.fmt == ("fp8" if mode == "0" else "fp8t") and (q.weight is w) == (mode == "0")
+    assert torch.equal(w.view(torch.uint8), stored.view(torch.uint8))
+    assert torch.equal(q.dequant(), dequant_fp8(stored, s))
+    assert torch.equal(lin(x, q), kernels.gemv(x, stored, s, "fp8"))
+    monkeypatch.setenv("DS4_FP8_TILE", "0")  # and back (a model configured again)
+    back = lin.prepare(q, "w")
+    assert back.fmt == "fp8" and torch.equal(back.weight.view(torch.uint8), stored.view(torch.uint8))
+    odd = QWeight("fp8", *rand_fp8_weight(200, 272, g))
+    monkeypatch.setenv("DS4_FP8_TILE", mode)
+    if mode == "1":
+        with pytest.raises(ValueError, match="DS4_FP8_TILE=1"):
+            lin.prepare(odd, "odd")
+    else:
+        assert lin.prepare(odd, "odd").fmt == "fp8"
 
 
 # ------------------------------------------------------------------------------------------ MoE
@@ -888,10 +982,12 @@ def test_fp4_topk_impl_end_to_end(n, kroute, monkeypatch):
     yb = impl.shared(x, mw, add=y)
     assert yb.dtype == x.dtype and rel(yb, DequantMoE().shared(x, mw, add=y)) <= TOL
     assert rel(yb, (y + ys.float()).to(x.dtype)) <= TOL
-    # captured in a CUDA graph, the shared expert runs on a side stream before routing (shared_up) and
-    # its output is added after the (here absent) reduction in one launch, or by the routed down kernel's
-    # epilogue (one rank): the same bits either way; eager steps keep it in line (shared_up returns None)
-    assert impl.shared_up(x, mw) is None
+    # the shared expert starts before routing (shared_up): on a side stream in a captured step, in line in an eager
+    # one (since session 40, so that both form the block output in the same kernel), with the same bits as shared();
+    # its output is added after the (here absent) reduction in one launch, or by the routed down kernel's epilogue
+    # (one rank): the same bits either way
+    up0 = impl.shared_up(x, mw)
+    assert up0 is not None and torch.equal(up0.out, ys)
     # the add after a reduction (fp32, or bf16 under reduce=bf16) = the down kernel's fused add, bit for bit
     from ds4.ops import side_stream
     from ds4.ops.moe_cuda import SharedUp, add_shared

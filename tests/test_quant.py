@@ -245,6 +245,28 @@ def test_fp4t_relayout_in_place_by_chunks(chunk_bytes):
         tile_fp4_mma(torch.zeros(32, 2 * 64 * TILE_W, dtype=torch.int8)[:, :64 * TILE_W])
 
 
+def test_fp8t_is_fp4ts_byte_order_on_fp8_rows():
+    """fp8t (ds4.quant.tile_fp8_mma, linear=gemv_cuda's dense FP8 layout): the same permutation of 16-byte chunks as
+    fp4t, applied to E4M3 rows (one byte a value), in place and back; QWeight("fp8t") dequantises like fp8."""
+    from ds4.ops.base import QWeight
+    from ds4.quant import dequant_fp8, fp8t_ok, tile_fp4_mma, tile_fp8_mma, untile_fp8_mma
+    g = torch.Generator().manual_seed(13)
+    b = torch.randint(0, 256, (48, 384), generator=g, dtype=torch.uint8)
+    w = torch.where((b & 0x7F) == 0x7F, b - 1, b).view(torch.float8_e4m3fn)
+    s = torch.randint(118, 130, (1, 3), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    t = tile_fp8_mma(w)
+    assert t.dtype == torch.float8_e4m3fn and t.shape == w.shape
+    exact(t.view(torch.uint8), tile_fp4_mma(w.view(torch.uint8)))
+    exact(untile_fp8_mma(t).view(torch.uint8), w.view(torch.uint8))
+    inplace = w.clone()
+    assert tile_fp8_mma(inplace, out=inplace).data_ptr() == inplace.data_ptr()
+    exact(inplace.view(torch.uint8), t.view(torch.uint8))
+    a, q = QWeight("fp8", w, s), QWeight("fp8t", t, s)
+    assert q.in_features == a.in_features == 384 and q.out_features == 48
+    exact(q.dequant(), dequant_fp8(w, s))
+    assert fp8t_ok(48, 384) and not fp8t_ok(40, 384) and not fp8t_ok(48, 320)
+
+
 def test_qweight_fp4t_dequantises_like_fp4():
     from ds4.ops.base import QWeight
     from ds4.quant import tile_fp4_mma

@@ -2,7 +2,8 @@
 
 fmt codes: "bf16" -> 0, "fp8" -> 1 (E4M3 + E8M0 128x128), "fp4" -> 2 (E2M1 pairs + E8M0 per 32),
 "fp4p" -> 3 (fp4 with the permuted words of ds4.quant.pack_fp4_mma; the MoE kernels only), "fp4t" -> 4
-(fp4p in the tensor-core kernels' fragment order, ds4.quant.tile_fp4_mma; the MoE kernels only).
+(fp4p in the tensor-core kernels' fragment order, ds4.quant.tile_fp4_mma; the MoE kernels only), "fp8t" -> 5
+(fp8 in that fragment order, ds4.quant.tile_fp8_mma; the dense GEMVs only).
 All kernels take BF16 activations and accumulate in fp32; they handle 1..8 tokens per launch and
 loop over token chunks beyond that (callers send prefill-sized batches elsewhere).
 """
@@ -13,9 +14,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ds4.quant.formats import fp4t_ok
+from ds4.quant.formats import fp4t_ok, fp8t_ok
 
-FMT = {"bf16": 0, "fp8": 1, "fp4": 2, "fp4p": 3, "fp4t": 4}
+FMT = {"bf16": 0, "fp8": 1, "fp4": 2, "fp4p": 3, "fp4t": 4, "fp8t": 5}
+DENSE = ("bf16", "fp8", "fp8t", "fp4")  # the dense GEMVs' formats (fp8t: those GEMVs only)
 # "auto": tensor-core kernels for one-token FP4 products and one-token FP8 products with K >= 2048 or
 # with K >= 1024 and >= 16384 rows (csrc/ds4_launch.h; DS4_MMA=0 / all / k2048 overrides), FMA kernels
 # otherwise; "fma" / "mma" force one (an "mma" request it cannot serve raises).
@@ -23,12 +25,21 @@ KERNEL = {"auto": 0, "fma": 1, "mma": 2}
 
 
 def _fmt(fmt: str, dense: bool = False) -> int:
-    """The kernels' fmt code; fp4p / fp4t (the routed experts' layouts) only for the MoE kernels."""
-    allowed = ("bf16", "fp8", "fp4") if dense else tuple(FMT)
+    """The kernels' fmt code; fp4p / fp4t (the routed experts' layouts) only for the MoE kernels, fp8t (the dense
+    projections' tiled layout) only for the dense GEMVs."""
+    allowed = DENSE if dense else tuple(f for f in FMT if f != "fp8t")
     if fmt not in allowed:
-        why = f" ({fmt} is the routed experts' layout: the MoE kernels only)" if fmt in ("fp4p", "fp4t") else ""
+        why = (f" ({fmt} is the routed experts' layout: the MoE kernels only)" if fmt in ("fp4p", "fp4t") else
+               " (fp8t is the dense projections' layout: the dense GEMVs only)" if fmt == "fp8t" else "")
         raise ValueError(f"ds4.kernels: fmt must be one of {list(allowed)}, got {fmt!r}{why}")
     return FMT[fmt]
+
+
+def _fp8t_check(fmt: str, w: Tensor) -> None:
+    """fp8t matrices are whole 16-row tiles and rounds (ds4.quant.fp8t_ok; tile_fp8_mma makes no others)."""
+    if fmt == "fp8t" and not (w.dim() == 2 and fp8t_ok(w.shape[0], w.shape[1])):
+        raise ValueError(f"ds4.kernels: an fp8t weight must be whole 16-row tiles and rounds (ds4.quant.fp8t_ok); "
+                         f"got {tuple(w.shape)}")
 
 
 def _kernel(name: str) -> int:
@@ -49,6 +60,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, groups: int 
 
     x bf16 contiguous; weight [O, I] (fp8/bf16) or [O, I/2] (fp4) as stored; scale E8M0."""
     k, f = _kernel(kernel), _fmt(fmt, dense=True)
+    _fp8t_check(fmt, weight)
     return _ops().gemv(x, weight, scale, f, groups, k, out_f32)
 
 
@@ -60,6 +72,7 @@ def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm
     skip = (pos int64 [1], ratio, k, rows): where (pos + 1) // ratio <= k (decided on the device), y[:, rows:] is
     zeros instead of its products and the whole grid computes y[:, :rows] (rows % 16 == 0)."""
     f = _fmt(fmt, dense=True)
+    _fp8t_check(fmt, weight)
     if skip is None:
         return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps))
     pos, ratio, k, rows = skip
@@ -87,7 +100,7 @@ def gemv_deferred(x: Tensor, ring: Tensor, weight: Tensor, pos: Tensor) -> Tenso
 
 def gemv_rmsnorm_ok(fmt: str, rows: int, cols: int) -> bool:
     """Whether gemv_rmsnorm serves an [rows, cols] weight of `fmt` (host-only; reads DS4_MMA like gemv's auto)."""
-    return fmt in ("fp8", "fp4") and bool(_ops().gemv_rmsnorm_ok(FMT[fmt], rows, cols))
+    return fmt in ("fp8", "fp8t", "fp4") and bool(_ops().gemv_rmsnorm_ok(FMT[fmt], rows, cols))
 
 
 def gemv_fold(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, fold) -> Tensor:
@@ -113,7 +126,7 @@ def hc_fold_ok(kind: str, fmt: str, rows: int, cols: int, topk: int = 1, n: int 
     """Whether a launch can fold the next mHC site's partials (host-only; reads DS4_MMA like gemv's auto):
     kind "gemv" (an [rows, cols] weight) or "moe_down" (dim = rows, inter = cols, topk)."""
     kinds = {"gemv": 0, "moe_down": 1}
-    if fmt not in FMT or (kind == "gemv" and fmt not in ("fp8", "fp4")):
+    if fmt not in FMT or (kind == "gemv" and fmt not in ("fp8", "fp8t", "fp4")):
         return False
     return bool(_ops().hc_fold_ok(kinds[kind], FMT[fmt], rows, cols, topk, n))
 

@@ -79,6 +79,45 @@ class Attention(WeightsModule):
             self.compressor.load(t, f"{p}.compressor")
         if self.indexer is not None:
             self.indexer.load(t, f"{p}.indexer", wq_b=self.idx_wq_b if self.wq_bi is not None else None)
+        self.prepare_weights()
+
+    def prepare_weights(self) -> None:
+        """Let the linear implementation lay out the projections its own way (linear=gemv_cuda: the dense FP8 ones
+        as fp8t, each a new tensor that replaces the buffer); every other reader dequantises through QWeight, which
+        knows the layout. A merged weight is laid out whole and its row views (whole 16-row tiles of it) re-made in
+        its format."""
+        ops = getattr(self, "ops", None)
+        prepare = getattr(ops.linear, "prepare", None) if ops is not None else None
+        if prepare is None or not hasattr(self, "wo_b"):  # (configure() may run before load)
+            return
+
+        def lay(attr: str) -> QWeight:
+            q = getattr(self, attr)
+            new = prepare(q, attr)
+            if new.weight is not q.weight:
+                self.register_buffer(f"{attr}_weight", new.weight, persistent=False)  # the old: the caller's, or freed
+            setattr(self, attr, new)
+            return new
+
+        def views(merged: QWeight, parts: list[str]) -> None:  # the parts' rows of the new bytes; scales as they were
+            r0 = 0
+            for part in parts:
+                w = getattr(self, part)
+                setattr(self, part, QWeight(merged.fmt, merged.weight[r0:r0 + w.out_features], w.scale))
+                r0 += w.out_features
+
+        if self.wqkv_a is not None:
+            views(lay("wqkv_a"), ["wq_a", "wkv"])
+        else:
+            for attr in ("wq_a", "wkv"):
+                lay(attr)
+        if self.wq_bi is not None:
+            views(lay("wq_bi"), ["wq_b", "idx_wq_b"])
+            self.indexer.wq_b = self.idx_wq_b
+        else:
+            lay("wq_b")
+        for attr in ("wo_a", "wo_b"):
+            lay(attr)
 
     # ---- state --------------------------------------------------------------------------
     def alloc_state(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> dict[str, Tensor]:
@@ -111,8 +150,9 @@ class Attention(WeightsModule):
     # ---- pieces shared by prefill and decode ----------------------------------------------
     def fold_proj(self) -> QWeight | None:
         """The weight the hc finish before this attention may multiply x by (hc.fold_pre's projection fold): the
-        merged FP8 wq_a + wkv when linear=gemv_cuda does the projections and no activation quantization is
-        simulated; else None (the projection stays this attention's GEMV)."""
+        merged FP8 wq_a + wkv in the stored layout (not fp8t: DS4_FP8_TILE=0) when linear=gemv_cuda does the
+        projections and no activation quantization is simulated; else None (the projection stays this attention's
+        GEMV)."""
         ok = self.wqkv_a is not None and self.wqkv_a.fmt == "fp8" and not self.qat
         return self.wqkv_a if ok and self.ops.linear.name == "gemv_cuda" else None
 

@@ -81,6 +81,8 @@ class QWeight:
                 routed experts' layout under moe=fp4_topk (its kernels decode it in fewer instructions)
     fmt "fp4t": fp4p words in the tensor-core kernels' fragment order (ds4.quant.tile_fp4_mma): moe=fp4_topk's
                 default layout of the routed experts where the shapes allow (its kernels only)
+    fmt "fp8t": fp8 bytes in the same fragment order (ds4.quant.tile_fp8_mma), same shapes and scales:
+                linear=gemv_cuda's layout of the dense FP8 projections where the shapes allow (its GEMVs only)
     fmt "bf16": weight bfloat16 or float32 [..., O, I], scale None
     A leading dim, when present, stacks experts: [E, O, ...].
     """
@@ -97,9 +99,11 @@ class QWeight:
         return self.weight.shape[-1] * (2 if self.fmt in ("fp4", "fp4p", "fp4t") else 1)
 
     def dequant(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        from ds4.quant import dequant_fp4, dequant_fp8, unpack_fp4_mma, untile_fp4_mma
+        from ds4.quant import dequant_fp4, dequant_fp8, unpack_fp4_mma, untile_fp4_mma, untile_fp8_mma
         if self.fmt == "fp8":
             return dequant_fp8(self.weight, self.scale, dtype)
+        if self.fmt == "fp8t":
+            return dequant_fp8(untile_fp8_mma(self.weight.contiguous()), self.scale, dtype)
         if self.fmt == "fp4":
             return dequant_fp4(self.weight, self.scale, dtype)
         if self.fmt == "fp4p":

@@ -71,7 +71,9 @@ def _router_fold_ok(x: Tensor, res: Tensor, norm: Tensor | None, gate: Tensor) -
 
 
 def _proj_fold_on() -> bool:
-    """The projection fold is on with DS4_HC_QKV=1 only (read per call, for the ablation: bench token hcq)."""
+    """The projection fold is on with DS4_HC_QKV=1 only (read per call, for the ablation: bench token hcq). Its kernel
+    reads the stored fp8 rows, so it applies with DS4_FP8_TILE=0 (linear=gemv_cuda lays them out as fp8t by default;
+    Attention.fold_proj then offers none)."""
     return os.environ.get("DS4_HC_QKV", "0") == "1"
 
 

@@ -7,11 +7,20 @@ Prefill (more tokens) and BF16 weights: dequantise + torch matmul (cuBLAS) — p
 implementation, chosen by shape only, never by tensor values.
 qat (act_quant=True): the activation is FP8-simulated per 128 channels (ds4.quant.act_quant_sim,
 extra torch ops) before the same kernel, as the reference does.
+Layout: `prepare` (at load, and when a loaded model is configured with this implementation) places the dense FP8
+projections' bytes in the tensor-core GEMV's fragment order (fmt "fp8t", ds4.quant.tile_fp8_mma) where
+the shapes allow, so that every warp load of the one-token GEMV reads 512 contiguous bytes instead of 128-byte runs
+of 8 rows (a read-only probe of the two patterns: 3867 against 3585 GB/s on an H200,
+experiments/decode_session6_h200.md; the decode step: 105.9 / 105.5 against 107.3 / 107.1 us per layer,
+experiments/decode_session41_h200.md). DS4_FP8_TILE=0 keeps (or restores) the stored layout; =1 requires fp8t and
+fails at load where a weight cannot be laid out. The FMA GEMV (several tokens, short rows) finds its chunks in
+either layout; prefill dequantises through QWeight, which knows both.
 prefetch: while a decode graph is captured and DS4_L2_PREFETCH names sites (opt-in: measured slower), a
 side-stream L2 prefetch of weights a later GEMV reads (ds4.ops.prefetch: the sites and the figures).
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -21,15 +30,25 @@ from torch import Tensor
 from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops.base import HcFold, QWeight
+from ds4.quant import fp8t_ok, tile_fp8_mma, untile_fp8_mma
 
 PREFILL_TOKENS = 16
+
+
+def fp8_tile_mode() -> str:
+    """DS4_FP8_TILE: "0" (the stored fp8 layout), "1" (fp8t required) or "auto" (fp8t where the shapes allow; the
+    default where it is unset or empty)."""
+    v = os.environ.get("DS4_FP8_TILE") or "auto"
+    if v not in ("auto", "0", "1"):
+        raise ValueError(f"DS4_FP8_TILE must be 0, 1 or unset (auto), got {v!r}")
+    return v
 
 
 class GemvCudaLinear:
     name = "gemv_cuda"
 
     def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False, fold: HcFold | None = None) -> Tensor:
-        if act_quant and w.fmt in ("fp8", "fp4"):
+        if act_quant and w.fmt in ("fp8", "fp8t", "fp4"):
             from ds4.quant import act_quant_sim
             x = act_quant_sim(x, 128)
         lead, n_in = x.shape[:-1], x.shape[-1]
@@ -46,8 +65,29 @@ class GemvCudaLinear:
     @staticmethod
     def _folds(x2: Tensor, w: QWeight, fold: HcFold) -> bool:
         """One bf16 row onto the fold's D = out_features, a weight gemv_fold takes (shapes only)."""
-        return (x2.is_cuda and x2.shape[0] == 1 and w.fmt in ("fp8", "fp4") and fold.out.shape[-1] == w.out_features
+        return (x2.is_cuda and x2.shape[0] == 1 and w.fmt in ("fp8", "fp8t", "fp4")
+                and fold.out.shape[-1] == w.out_features
                 and kernels.hc_fold_ok("gemv", w.fmt, w.out_features, w.in_features, 1, fold.out.shape[-2]))
+
+    @staticmethod
+    def prepare(w: QWeight, name: str = "weight") -> QWeight:
+        """At load: a CUDA FP8 weight in the layout DS4_FP8_TILE asks for (fp8 <-> fp8t, so one loaded model can be
+        configured either way); anything else as it is. A re-laid weight is a new tensor, never w's bytes changed in
+        place: the loader hands the model the caller's tensors without a copy (Transformer.load_weights), and they
+        must keep their meaning; the caller replaces its buffer (one weight's bytes in flight at a time). Row views
+        of a merged weight (whole 16-row tiles of it) are re-made by the caller in the returned format."""
+        if w.fmt not in ("fp8", "fp8t") or not w.weight.is_cuda:
+            return w
+        mode = fp8_tile_mode()
+        can = w.weight.dim() == 2 and w.weight.is_contiguous() and fp8t_ok(*w.weight.shape)
+        if mode == "1" and not can:
+            raise ValueError(f"DS4_FP8_TILE=1: linear=gemv_cuda cannot lay {name} {tuple(w.weight.shape)} out as fp8t "
+                             "(it needs whole 16-row tiles and rows of a multiple of 128 values, contiguous); "
+                             "DS4_FP8_TILE=auto keeps such weights in fp8")
+        tile = can and mode != "0"
+        if w.fmt == ("fp8t" if tile else "fp8"):
+            return w
+        return QWeight("fp8t" if tile else "fp8", (tile_fp8_mma if tile else untile_fp8_mma)(w.weight), w.scale)
 
     def grouped(self, x: Tensor, w: QWeight, groups: int) -> Tensor:
         """Block-diagonal projection (wo_a): x [N, G, I], w [G*R, I] -> [N, G, R], one launch."""

@@ -303,6 +303,27 @@ def untile_fp4_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 <<
     return _relay_tiles(w, out, (nr, TILE_W, 2, 8, 4, 16), (3, 4, 1, 5, 2, 6), chunk_bytes)
 
 
+# The fp8t layout (linear=gemv_cuda's default for the dense FP8 projections where the shapes allow; DS4_FP8_TILE=0
+# keeps fp8): the stored E4M3 bytes placed by the same permutation as fp4t. MmaStream reads 16-byte chunks whatever
+# they hold, so FP8 rows (one byte a value, K bytes a row) tile exactly as FP4 rows do; the E8M0 128 x 128 scales
+# keep their place.
+def fp8t_ok(rows: int, cols: int) -> bool:
+    """Whether an FP8 [rows, cols] matrix can be laid out as fp8t (whole 16-row tiles and rounds)."""
+    return fp4t_ok(rows, cols)
+
+
+def tile_fp8_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 << 26) -> Tensor:
+    """fp8 (float8_e4m3fn) [..., O, I] -> the fp8t layout (same shape, dtype and scales); `out=w` converts in place."""
+    u8 = tile_fp4_mma(w.view(torch.uint8), None if out is None else out.view(torch.uint8), chunk_bytes)
+    return u8.view(w.dtype)
+
+
+def untile_fp8_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 << 26) -> Tensor:
+    """The inverse of tile_fp8_mma: fp8t bytes -> the stored fp8 layout; `out=w` converts in place."""
+    u8 = untile_fp4_mma(w.view(torch.uint8), None if out is None else out.view(torch.uint8), chunk_bytes)
+    return u8.view(w.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # block dequantisation
 # ----------------------------------------------------------------------------------------------
