@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ds4.quant.formats import fp4t_ok, fp8t_ok
+from ds4.quant.formats import fp4t_ok
 
 FMT = {"bf16": 0, "fp8": 1, "fp4": 2, "fp4p": 3, "fp4t": 4, "fp8t": 5}
 DENSE = ("bf16", "fp8", "fp8t", "fp4")  # the dense GEMVs' formats (fp8t: those GEMVs only)
@@ -35,13 +35,6 @@ def _fmt(fmt: str, dense: bool = False) -> int:
     return FMT[fmt]
 
 
-def _fp8t_check(fmt: str, w: Tensor) -> None:
-    """fp8t matrices are whole 16-row tiles and rounds (ds4.quant.fp8t_ok; tile_fp8_mma makes no others)."""
-    if fmt == "fp8t" and not (w.dim() == 2 and fp8t_ok(w.shape[0], w.shape[1])):
-        raise ValueError(f"ds4.kernels: an fp8t weight must be whole 16-row tiles and rounds (ds4.quant.fp8t_ok); "
-                         f"got {tuple(w.shape)}")
-
-
 def _kernel(name: str) -> int:
     if name not in KERNEL:
         raise ValueError(f"ds4.kernels: kernel must be one of {sorted(KERNEL)}, got {name!r}")
@@ -60,7 +53,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, groups: int 
 
     x bf16 contiguous; weight [O, I] (fp8/bf16) or [O, I/2] (fp4) as stored; scale E8M0."""
     k, f = _kernel(kernel), _fmt(fmt, dense=True)
-    _fp8t_check(fmt, weight)
+    _tiled_check(fmt, weight)
     return _ops().gemv(x, weight, scale, f, groups, k, out_f32)
 
 
@@ -72,7 +65,7 @@ def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm
     skip = (pos int64 [1], ratio, k, rows): where (pos + 1) // ratio <= k (decided on the device), y[:, rows:] is
     zeros instead of its products and the whole grid computes y[:, :rows] (rows % 16 == 0)."""
     f = _fmt(fmt, dense=True)
-    _fp8t_check(fmt, weight)
+    _tiled_check(fmt, weight)
     if skip is None:
         return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps))
     pos, ratio, k, rows = skip
@@ -141,11 +134,11 @@ class InKernelRoute(NamedTuple):
     route_scale: float
 
 
-def _fp4t_check(fmt: str, *ws: Tensor) -> None:
-    """fp4t matrices are whole 16-row tiles and rounds (ds4.quant.fp4t_ok; tile_fp4_mma makes no others): any
-    other shape is refused here, before the op."""
-    if fmt == "fp4t" and not all(fp4t_ok(w.shape[-2], w.shape[-1]) for w in ws):
-        raise ValueError(f"ds4.kernels: fp4t experts must be whole 16-row tiles and rounds (ds4.quant.fp4t_ok); "
+def _tiled_check(fmt: str, *ws: Tensor) -> None:
+    """fp4t / fp8t matrices are whole 16-row tiles and rounds of their row bytes (ds4.quant.fp4t_ok / fp8t_ok, the
+    same rule; tile_fp4_mma / tile_fp8_mma make no others): any other shape is refused here, before the op."""
+    if fmt in ("fp4t", "fp8t") and not all(fp4t_ok(w.shape[-2], w.shape[-1]) for w in ws):
+        raise ValueError(f"ds4.kernels: {fmt} matrices must be whole 16-row tiles and rounds (ds4.quant.{fmt}_ok); "
                          f"got {[tuple(w.shape) for w in ws]}")
 
 
@@ -162,7 +155,7 @@ def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tenso
     if n_local is None:
         n_local = w1.shape[0] if w1.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
-    _fp4t_check(fmt, w1, w3)
+    _tiled_check(fmt, w1, w3)
     r = route or InKernelRoute(None, None, None, None, 1.0)
     return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, f, expert_offset, n_local, limit, k,
                               r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale))
@@ -181,7 +174,7 @@ def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | 
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
-    _fp4t_check(fmt, w2)
+    _tiled_check(fmt, w2)
     r = route or InKernelRoute(None, None, None, None, 1.0)
     if fold is not None and (out_f32 or h.shape[0] != topk or fold.out.shape[-1] != w2.shape[-2] or not hc_fold_ok(
             "moe_down", fmt, w2.shape[-2], h.shape[-1], topk, fold.out.shape[-2])):

@@ -99,12 +99,8 @@ class Attention(WeightsModule):
             setattr(self, attr, new)
             return new
 
-        def views(merged: QWeight, parts: list[str]) -> None:  # the parts' rows of the new bytes; scales as they were
-            r0 = 0
-            for part in parts:
-                w = getattr(self, part)
-                setattr(self, part, QWeight(merged.fmt, merged.weight[r0:r0 + w.out_features], w.scale))
-                r0 += w.out_features
+        def views(merged: QWeight, parts: list[str]) -> None:  # the parts again, as rows of the new bytes
+            self.set_row_views(merged, parts, [getattr(self, part).out_features for part in parts])
 
         if self.wqkv_a is not None:
             views(lay("wqkv_a"), ["wq_a", "wkv"])

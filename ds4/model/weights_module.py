@@ -54,13 +54,20 @@ class WeightsModule(nn.Module):
             self.register_buffer(f"{attr}_scale", s, persistent=False)
         q = QWeight(fmt, w, s)
         setattr(self, attr, q)
-        r0 = 0
-        for part, wi in zip(parts, ws):
-            r1 = r0 + wi.shape[0]
-            srows = slice(r0 // 128, r1 // 128) if fmt == "fp8" else slice(r0, r1)
-            setattr(self, part, QWeight(fmt, w[r0:r1], None if s is None else s[srows]))
-            r0 = r1
+        self.set_row_views(q, parts, [wi.shape[0] for wi in ws])
         return q
+
+    def set_row_views(self, merged: QWeight, parts: list[str], rows: list[int]) -> None:
+        """Attributes `parts` as consecutive row slices of `merged` (rows[i] rows each) in its format, with their
+        scale rows (128-row blocks for fp8 / fp8t, whose parts start on block boundaries)."""
+        blocked = merged.fmt in ("fp8", "fp8t")
+        r0 = 0
+        for part, n in zip(parts, rows):
+            r1 = r0 + n
+            srows = slice(r0 // 128, r1 // 128) if blocked else slice(r0, r1)
+            setattr(self, part, QWeight(merged.fmt, merged.weight[r0:r1],
+                                        None if merged.scale is None else merged.scale[srows]))
+            r0 = r1
 
     def take_stacked(self, attr: str, tensors: Mapping[str, Tensor], names: list[str], fmt: str) -> QWeight:
         """Stack per-expert linear layers into one [E, ...] QWeight (one copy at load time, same bytes)."""
