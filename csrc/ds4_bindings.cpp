@@ -343,7 +343,7 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
     const int64_t s_ld = scale_ld(s1, fmt, "w1");
     if (fmt != FMT_BF16) {
       TORCH_CHECK(s3.has_value() && s3->sizes() == s1->sizes(), "ds4.moe_gate_up: s1/s3 shapes");
-      if (fmt == FMT_FP8) TORCH_CHECK(s_ld == (dim + 127) / 128 && s1->size(-2) == (inter + 127) / 128, "fp8 scale shape");
+      if (is_fp8(fmt)) TORCH_CHECK(s_ld == (dim + 127) / 128 && s1->size(-2) == (inter + 127) / 128, "fp8 scale shape");
       if (is_fp4(fmt)) TORCH_CHECK(s_ld == dim / 32 && s1->size(-2) == inter, "fp4 scale shape");
       check_cuda(*s3, "s3");
     }
@@ -423,7 +423,7 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
   a.add_bf16 = add.has_value() && add->scalar_type() == at::kBFloat16;
   if (!ptrs.has_value()) {
     const int64_t s_ld = scale_ld(s2, fmt, "w2");
-    if (fmt == FMT_FP8) TORCH_CHECK(s_ld == (inter + 127) / 128 && s2->size(-2) == (dim + 127) / 128, "fp8 scale shape");
+    if (is_fp8(fmt)) TORCH_CHECK(s_ld == (inter + 127) / 128 && s2->size(-2) == (dim + 127) / 128, "fp8 scale shape");
     if (is_fp4(fmt)) TORCH_CHECK(s_ld == inter / 32 && s2->size(-2) == dim, "fp4 scale shape");
     a.W2 = w2.data_ptr();
     a.S2 = opt_ptr(s2);

@@ -26,7 +26,8 @@ namespace ds4 {
 // routed experts' layout that the one-token tensor-core MoE kernels read in 512-B warp loads (mma_dot.cuh);
 // the FMA MoE kernels (several tokens) find their chunks with chunk_ptr.
 // FMT_FP8T: FP8 bytes placed in the same fragment order (ds4.quant.tile_fp8_mma): the dense projections' layout
-// under linear=gemv_cuda where the shapes allow (DS4_FP8_TILE); the FMA GEMV finds its chunks with chunk_ptr.
+// under linear=gemv_cuda and the shared expert's under moe=fp4_topk where the shapes allow (DS4_FP8_TILE,
+// DS4_SHARED_TILE); the FMA GEMV and MoE kernels find their chunks with chunk_ptr.
 enum Fmt : int { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3, FMT_FP4T = 4, FMT_FP8T = 5 };
 constexpr int FP4T_W = 2;  // the run width the tiled layouts are laid out for (ds4.quant.formats.TILE_W)
 

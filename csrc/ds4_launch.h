@@ -29,7 +29,7 @@ int mma_max_width();
 // per-group rows): DS4_MMA_DEPTH = 8, 4, 2 for all, else the per-shape default (gemv.cu), whose 8
 // DS4_LONG_ROW_DEPTH replaces; 0 with DS4_MMA_LOAD=smem (mma_dot.cuh).
 int mma_depth(int K, bool grouped);
-// The same with long_rows (8, 4, 2; 0: none) in place of the rule's 8 (the routed gate+up's own rule, moe.cu).
+// The same with long_rows (8, 4, 2; 0: none) in place of the rule's 8 (the routed gate+up's own rule, moe_mma.cu).
 int mma_depth_for(int K, bool grouped, int long_rows);
 int env_depth(const char* name);  // a depth variable: 8, 4, 2, or 0 where unset or empty
 // Weight rounds per warp the tensor-core GEMVs (down = false) / the MoE down kernels (down = true) load before
@@ -136,7 +136,7 @@ bool moe_route_ok(const MoEArgs& a);
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, dim]*/,
                                void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st);
 // out[t, :] = (add ? add[t, :] : 0) + sum over the local (token, slot) pairs of h[t*topk+j] @ w2[e]^T
-// (add fp32, or bf16 with a.add_bf16; the rounding order is down_store's in moe.cu). The one-token
+// (add fp32, or bf16 with a.add_bf16; the rounding order is down_store's in moe_dev.cuh). The one-token
 // tensor-core kernel reads ids (or routes from route_logits) before its PDL wait: they must not be
 // written by the launch right before (in the decode step they come from the router, before the
 // gate+up launch). fold (hc_fold_ok(1, ...); bf16 out): the epilogue also forms the hc fold's streams and partials.

@@ -241,7 +241,7 @@ int env_depth(const char* name) {
   return d >= 8 ? 8 : d >= 4 ? 4 : 2;
 }
 // DS4_LONG_ROW_DEPTH (bench token lrdN) replaces the rule's 8 alone: wq_a + wkv, wo_b and the shared expert's
-// gate+up at V4's shapes, not the routed gate+up (gate_up_depth in moe.cu). An ablation: the routed gate+up gained
+// gate+up at V4's shapes, not the routed gate+up (gate_up_depth in moe_mma.cu). An ablation: the routed gate+up gained
 // from depth 4 once session 33 had made a round cheaper; these at 4 did not (lrd4, 110.3 / 109.9 against 109.6 /
 // 109.3 us per layer, H200, experiments/decode_session34_h200.md).
 int mma_depth_for(int K, bool grouped, int long_rows) {
@@ -518,7 +518,7 @@ cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const voi
   });
 }
 
-bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, long fold_smem);  // moe.cu
+bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, long fold_smem);  // moe_mma.cu
 
 bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) {
   if (!(n == 1 || n == 2 || n == 4) || rows < 16 || rows % 16 != 0) return false;

@@ -1,5 +1,6 @@
-// Device helpers of the MoE kernels shared by moe.cu (gate+up / down launches) and moe_ffn.cu (the whole
-// one-token FFN in one launch): expert weight bases, the limited SwiGLU, a block's slots of its token.
+// Device helpers of the MoE kernels shared by moe.cu / moe_mma.cu (gate+up / down launches: FMA and tensor-core
+// kernels) and moe_ffn.cu (the whole one-token FFN in one launch): expert weight bases, the limited SwiGLU, a block's
+// slots of its token, the down projections' store; and the two MoE files' interface.
 #pragma once
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
@@ -108,5 +109,41 @@ __device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x
                               weight(pl));
   }
 }
+
+// out[o] of a down projection v:
+//   fp32 add: fp32 out = add + v (accumulation); bf16 out = bf16(add + bf16(v)), the reference's order
+//     when the shared expert's output (v, rounded to bf16) is added to the fp32 routed sum (add);
+//   bf16 add (a.add_bf16: the shared expert's output, already rounded): out = add + v, v the fp32 routed
+//     sum — the same sum, for when the shared expert ran first.
+// Returns the value as stored.
+template <bool OUT_F32>
+__device__ __forceinline__ float down_store(void* out, long o, const void* add, bool add_bf16, float v) {
+  float y = v;
+  if (add != nullptr)
+    y = add_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(add)[o]) + v
+                 : static_cast<const float*>(add)[o] + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v)));
+  if (OUT_F32) {
+    reinterpret_cast<float*>(out)[o] = y;
+    return y;
+  }
+  const __nv_bfloat16 b = __float2bfloat16(y);
+  reinterpret_cast<__nv_bfloat16*>(out)[o] = b;
+  return __bfloat162float(b);
+}
+
+// FMT_FP4T / FMT_FP8T (ds4_common.cuh; the routed experts' and the shared expert's tiled layouts): whole 16-row
+// tiles and rounds in both matrices. The tensor-core kernels take them at the layout's run width FP4T_W on the
+// register stream (with_tiled_shape); the FMA kernels through chunk_ptr.
+inline bool moe_tiled_shape_ok(const MoEArgs& a) {
+  const int round = 4 * FP4T_W * (fmt_fp8(a.fmt) ? 16 : 32);  // values of a row one round covers
+  return a.dim % 16 == 0 && a.inter % 16 == 0 && a.dim % round == 0 && a.inter % round == 0;
+}
+
+// The tensor-core half of launch_moe_gate_up / launch_moe_down (moe_mma.cu). moe_use_mma: 0 = the FMA kernels,
+// 1 = the tensor-core ones, -1 = an explicit tensor-core request (a.kernel) that does not apply.
+int moe_use_mma(const MoEArgs& a);
+cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st);
+cudaError_t launch_moe_down_mma(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
+                                cudaStream_t st, const HcFold* fold);
 
 }  // namespace ds4

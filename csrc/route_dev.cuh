@@ -1,5 +1,5 @@
 // The router's tail for one token on one warp (spec §6.1), shared by the fused router (router.cu) and
-// the one-token MoE kernels that route for themselves (moe.cu, MoEArgs::route_logits): scores =
+// the one-token MoE kernels that route for themselves (moe_mma.cu, MoEArgs::route_logits): scores =
 // sqrt(softplus(logits)) (torch's threshold 20); learned layers: top-k of score + bias, ties to the
 // lower expert id; hash layers: tid2eid[token]; weights = scores[ids] / (their sum in selection order)
 // * route_scale. The same arithmetic and selection as router_topk_kernel, so every path picks the

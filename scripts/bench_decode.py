@@ -31,8 +31,9 @@ default), smem
 its own launch before wq_b instead of inside wq_b's GEMV), kroute (DS4_ROUTE_IN_MOE=1: the router's top-k
 inside the routed kernels instead of its own launch), notile (DS4_FP4_TILE=0: the routed experts in the fp4p
 layout instead of the default fp4t (the fp4p words in the tensor-core kernels' fragment order)), tile (DS4_FP4_TILE=1:
-fp4t required), notile8 (DS4_FP8_TILE=0: the dense FP8 projections in the stored layout instead of
-linear=gemv_cuda's default fp8t (the same fragment order)), tile8 (DS4_FP8_TILE=1: fp8t required), nopack (the
+fp4t required), notile8 (DS4_FP8_TILE=0: the dense FP8 projections and the shared expert in the stored layout
+instead of the default fp8t (the same fragment order)), tile8 (DS4_FP8_TILE=1: fp8t required), shnotile8
+(DS4_SHARED_TILE=0: the shared expert alone in the stored fp8 layout), nopack (the
 routed experts in the checkpoint's FP4
 layout instead of moe=fp4_topk's fp4p word layout, as DS4_FP4_PACK=0), noidxm (CSA layers: the indexer's
 query from its own GEMV in a side branch, not from the merged wq_b + indexer wq_b GEMV), hwin (CSA layers
@@ -305,6 +306,10 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # the dense FP8 projections: fp8t by default where the shapes allow (linear=gemv_cuda's prepare, at configure);
     # notile8: the stored fp8 layout, which the projection fold (hcq: its hc kernel reads fp8 rows) also needs
     os.environ["DS4_FP8_TILE"] = "0" if toks & {"notile8", "hcq"} else ("1" if "tile8" in toks else "auto")
+    # the shared expert: as DS4_FP8_TILE unless shnotile8 (moe=fp4_topk's prepare, at configure; it keeps fp8 under
+    # DS4_MOE_FFN, whose one launch reads fp8 rows, so that is set before configure)
+    _set_or_unset("DS4_SHARED_TILE", "0" if "shnotile8" in toks else None)
+    os.environ["DS4_MOE_FFN"] = "2" if "ffn2" in toks else ("1" if "ffn" in toks else "0")
     if "nopack" in toks:
         stored_fp4_layout(model)
     model.configure(ops=ops, comm=comm)
@@ -339,7 +344,6 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
     os.environ["DS4_AR_FOLD_SPREAD"] = "0" if "arfpack" in toks else "1"
-    os.environ["DS4_MOE_FFN"] = "2" if "ffn2" in toks else ("1" if "ffn" in toks else "0")
     os.environ["DS4_FFN_SH_DOWN"] = "reg" if "ffnreg" in toks else "smem"
     os.environ["DS4_SIDE_PRIORITY"] = "high" if "sprio" in toks else "default"
     # shwNN: the side-stream shared expert's launches take NN % of a resident wave (DS4_SHARED_WAVE)

@@ -16,9 +16,10 @@ DS4_MMA_DEPTH (16-B chunks per lane and row in flight; fewer buy more resident w
 shared-memory stream, DS4_MMA_LOAD=smem), from --mma. The routed-MoE rows named "moe fp4" run the experts
 in the fp4t layout moe=fp4_topk uses by default (ds4.quant.tile_fp4_mma: fp4p words in the tensor-core
 kernels' fragment order, run width 2 whatever DS4_MMA_W says), "moe fp4p" rows in the fp4p word layout
-(ds4.quant.pack_fp4_mma, DS4_FP4_TILE=0) and "[stored layout]" rows in the checkpoint's. The dense FP8 rows named
-"fp8t" run the projections in the layout linear=gemv_cuda gives them by default (ds4.quant.tile_fp8_mma: the same
-fragment order, run width 2), the "fp8" rows in the stored one (DS4_FP8_TILE=0; the [fma] / [mma] rows too).
+(ds4.quant.pack_fp4_mma, DS4_FP4_TILE=0) and "[stored layout]" rows in the checkpoint's. The dense FP8 and shared
+expert rows named "fp8t" run the weights in the layout linear=gemv_cuda and moe=fp4_topk give them by default
+(ds4.quant.tile_fp8_mma: the same fragment order, run width 2), the "fp8" rows in the stored one (DS4_FP8_TILE=0; the
+dense [fma] / [mma] rows too).
 """
 from __future__ import annotations
 
@@ -239,14 +240,14 @@ def main() -> int:
         a2, b2 = rand_fp8(dim, inter, g)
         return a1, b1, a3, b3, a2, b2
 
-    def shared_h(p, kern="auto"):  # the shared expert's gate+up launch
-        return kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], "fp8", 0, 1, 10.0, kernel=kern)
+    def shared_h(p, kern="auto", fmt="fp8"):  # the shared expert's gate+up launch
+        return kernels.moe_gate_up(x, None, None, p[0], p[1], p[2], p[3], fmt, 0, 1, 10.0, kernel=kern)
 
-    def shared_down(p, h, kern="auto"):  # ... and its down launch
-        return kernels.moe_down(h, None, 1, p[4], p[5], "fp8", 0, 1, None, False, kernel=kern)
+    def shared_down(p, h, kern="auto", fmt="fp8"):  # ... and its down launch
+        return kernels.moe_down(h, None, 1, p[4], p[5], fmt, 0, 1, None, False, kernel=kern)
 
-    def shared(p, kern):
-        return shared_down(p, shared_h(p, kern), kern)
+    def shared(p, kern, fmt="fp8"):
+        return shared_down(p, shared_h(p, kern, fmt), kern, fmt)
 
     if n == 1:  # the whole FFN (routed top-6 + the shared expert): the step's four launches, in line, against one
         ssets = [shared_set() for _ in range(16)]
@@ -272,19 +273,22 @@ def main() -> int:
     del p1, p3, p2
     del hs
 
-    # shared expert FP8 (2 launches), rotating weight copies
+    # shared expert FP8 (2 launches), rotating weight copies: in moe=fp4_topk's default fp8t layout
+    # (ds4.quant.tile_fp8_mma, as the dense projections), then in the stored one
     sets = [shared_set() for _ in range(16)]
     bts = nbytes(*sets[0]) + n * dim * 2 * 2
-    for kern, tag in variants():
-        record("shared expert fp8 (2 launches)" + tag, bts,
-               [(lambda p=p, kern=kern: shared(p, kern)) for p in sets], target_us=8.0)
-    # its two launches alone, and its gate+up's bytes as one dense GEMV (4096 x 4096: 256 row tiles, where the
-    # gate+up pairs its gate and up tiles: 128 blocks at V4's inter)
-    record("shared gate+up fp8 (1 launch)", nbytes(*sets[0][:4]) + n * dim * 2 + n * inter * 2,
-           [(lambda p=p: shared_h(p)) for p in sets])
-    record("shared down fp8 (1 launch)", nbytes(*sets[0][4:]) + n * inter * 2 + n * dim * 2,
-           [(lambda p=p, h=shared_h(p): shared_down(p, h)) for p in sets])
-    del sets
+    tsets = [tuple(tile_fp8_mma(t) if i % 2 == 0 else t for i, t in enumerate(p)) for p in sets]
+    for fmt, ps in (("fp8t", tsets), ("fp8", sets)):
+        for kern, tag in variants():
+            record(f"shared expert {fmt} (2 launches)" + tag, bts,
+                   [(lambda p=p, kern=kern: shared(p, kern, fmt)) for p in ps], target_us=8.0)
+        # its two launches alone (the gate+up's bytes as one dense GEMV below: 4096 x 4096, 256 row tiles, where the
+        # gate+up pairs its gate and up tiles: 128 blocks at V4's inter)
+        record(f"shared gate+up {fmt} (1 launch)", nbytes(*ps[0][:4]) + n * dim * 2 + n * inter * 2,
+               [(lambda p=p: shared_h(p, "auto", fmt)) for p in ps])
+        record(f"shared down {fmt} (1 launch)", nbytes(*ps[0][4:]) + n * inter * 2 + n * dim * 2,
+               [(lambda p=p, h=shared_h(p, "auto", fmt): shared_down(p, h, "auto", fmt)) for p in ps])
+    del sets, tsets
     gemv_case("fp8 gemv 4096x4096 (shared w1+w3 bytes)", 2 * inter, dim)
 
     # router (learned): bf16 gate GEMV + top-k kernel

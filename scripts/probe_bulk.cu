@@ -19,7 +19,8 @@
 // Every variant's y is checked against the library's register-stream kernel (gemv_mma_kernel<FMT_FP4T>)
 // on the same bytes; times are means over back-to-back launches, weights rotated through more than the L2.
 #include "../csrc/gemv.cu"
-#include "../csrc/moe.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
+#include "../csrc/moe.cu"
+#include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
 #include "probe_util.cuh"
 
 #include <cmath>

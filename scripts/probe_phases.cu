@@ -12,7 +12,8 @@
 #include "../csrc/attn/indexer.cu"
 #include "../csrc/attn/sparse_attn.cu"
 #include "../csrc/gemv.cu"
-#include "../csrc/moe.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
+#include "../csrc/moe.cu"
+#include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
 #include "probe_util.cuh"
 
 #include <algorithm>

@@ -211,10 +211,11 @@ def test_batch1_graph_matches_eager(defer):
 
 
 def test_fp8t_layout_decodes_as_fp8(monkeypatch):
-    """linear=gemv_cuda lays tiny's dense FP8 projections out as fp8t at load (DS4_FP8_TILE unset: auto), the merged
-    weights' row views in the same storage and format, the indexer reading its rows of the merged wq_bi; a graph decode
-    of 300 steps gives the tokens of the stored layout (DS4_FP8_TILE=0), whose kernels form the same bits. Configuring
-    the loaded model again re-lays the same storage (the bench's notile8)."""
+    """linear=gemv_cuda lays tiny's dense FP8 projections out as fp8t at load (DS4_FP8_TILE unset: auto), and
+    moe=fp4_topk its shared experts; the merged weights' row views in the same storage and format, the indexer reading
+    its rows of the merged wq_bi; a graph decode of 300 steps gives the tokens of the stored layout (DS4_FP8_TILE=0),
+    whose kernels form the same bits. Configuring the loaded model again re-lays the same storage (the bench's
+    notile8)."""
     impls = Impls(**_FUSED)
     args, w = _tiny_weights_for(impls, seed=5)
     outs = []
@@ -229,12 +230,15 @@ def test_fp8t_layout_decodes_as_fp8(monkeypatch):
             assert a.wq_a.weight.data_ptr() == a.wqkv_a.weight.data_ptr()
             if a.indexer is not None:
                 assert a.indexer.wq_b is a.idx_wq_b
+            f = blk.ffn  # the shared expert (moe=fp4_topk's prepare), its buffers the laid-out tensors
+            assert {f.shared_w1.fmt, f.shared_w2.fmt, f.shared_w3.fmt, f.mw.shared_w2.fmt} == {fmt}
+            assert f.shared_w2_weight is f.shared_w2.weight is f.mw.shared_w2.weight
         outs.append(Generator(m, 1, 400, runtime="cuda_graph").generate([[5, 6, 7, 8, 9]], 300,
                                                                          stop_at_eos=False).tokens[0])
     assert outs[0] == outs[1]
     monkeypatch.setenv("DS4_FP8_TILE", "auto")
     m.configure(ops=build_ops(impls, DEV))
-    assert m.layers[0].attn.wo_b.fmt == "fp8t"
+    assert m.layers[0].attn.wo_b.fmt == m.layers[0].ffn.shared_w1.fmt == "fp8t"
 
 
 @pytest.mark.parametrize("mode", ["1", "2"])

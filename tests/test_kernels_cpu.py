@@ -71,8 +71,6 @@ def test_unknown_kernel_choice_fails_before_any_launch(call):
 
 @pytest.mark.parametrize("call,fmt,why", [("gemv", "fp4p", "MoE kernels only"), ("gemv_rmsnorm", "fp4p", "MoE kernels only"),
                                           ("gemv", "fp4t", "MoE kernels only"),
-                                          ("moe_gate_up", "fp8t", "dense GEMVs only"),
-                                          ("moe_down", "fp8t", "dense GEMVs only"),
                                           ("moe_gate_up", "fp6", "must be one of"), ("moe_down", "int4", "must be one of")])
 def test_unknown_or_misplaced_format_fails_before_any_launch(call, fmt, why):
     # dense GEMVs take the stored formats; fp4p (the routed experts' permuted words) only the MoE kernels
@@ -97,7 +95,7 @@ def test_cuda_impls_construct_without_extension():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("folder,archs,expected", [
-    ("", ("80",), {"gemv.cu", "moe.cu", "moe_ffn.cu", "router.cu", "argmax.cu", "prefetch.cu",
+    ("", ("80",), {"gemv.cu", "moe.cu", "moe_mma.cu", "moe_ffn.cu", "router.cu", "argmax.cu", "prefetch.cu",
                    "allreduce.cu", "capture.cu"}),  # GEMV / MoE ext.
     ("attn", ("80", "90"), {"hc.cu", "sparse_attn.cu", "indexer.cu", "decode_glue.cu", "topk.cu"}),  # ds4_attn
 ])
@@ -118,18 +116,19 @@ def test_csrc_compiles(folder, archs, expected, tmp_path):
     assert not failed, failed
 
 
+@pytest.mark.parametrize("fmt", ["fp4t", "fp8t"])
 @pytest.mark.parametrize("shape", [(4, 16, 64), (4, 8, 128), (4, 24, 256)])
-def test_fp4t_bad_shapes_refused_before_any_launch(shape):
-    """fp4t matrices are whole 16-row tiles and rounds of 128 bytes; any other shape is refused in Python, before
-    the op (these tensors are on the CPU: reaching the op would fail differently)."""
-    n, k = 2, shape[-1] * 2
+def test_tiled_bad_shapes_refused_before_any_launch(shape, fmt):
+    """fp4t / fp8t matrices are whole 16-row tiles and rounds of 128 bytes; any other shape is refused in Python,
+    before the op (these tensors are on the CPU: reaching the op would fail differently)."""
+    n, k = 2, shape[-1] * (2 if fmt == "fp4t" else 1)
     x = torch.zeros(n, k, dtype=torch.bfloat16)
     w = torch.zeros(*shape, dtype=torch.int8)
     ids = torch.zeros(n, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="whole 16-row tiles"):
-        kernels.moe_gate_up(x, ids, None, w, None, w, None, "fp4t")
+        kernels.moe_gate_up(x, ids, None, w, None, w, None, fmt)
     with pytest.raises(ValueError, match="whole 16-row tiles"):
-        kernels.moe_down(torch.zeros(2 * n, k, dtype=torch.bfloat16), ids, 2, w, None, "fp4t")
+        kernels.moe_down(torch.zeros(2 * n, k, dtype=torch.bfloat16), ids, 2, w, None, fmt)
 
 
 def test_moe_ffn_gating_without_cuda(monkeypatch):

@@ -327,9 +327,8 @@ def test_fp8t_refused_where_it_cannot_be_laid_out():
     with pytest.raises(ValueError, match="fp8t"):
         kernels.gemv(rand_x(1, 272, g), w, s, "fp8t")
     assert not kernels.gemv_rmsnorm_ok("fp8t", 200, 272)
-    (w1, s1, w3, s3, w2, s2), _ = make_experts(4, 256, 128, g, "fp8")
-    with pytest.raises(ValueError, match="dense GEMVs only"):  # the MoE kernels read fp8 (the shared expert)
-        kernels.moe_gate_up(rand_x(1, 256, g), None, None, w1, s1, w3, s3, "fp8t")
+    with pytest.raises(ValueError, match="whole 16-row tiles"):  # the MoE kernels (the shared expert) alike
+        kernels.moe_gate_up(rand_x(1, 272, g), None, None, w, s, w, s, "fp8t")
 
 
 @pytest.mark.parametrize("mode", ["auto", "0", "1"])
@@ -748,6 +747,102 @@ def test_shared_expert_fp8(n, wave, inter, monkeypatch):
         assert torch.equal(y, kernels.moe_down(hm, None, 1, w2, s2, "fp8", 0, 1, None, False, kernel="mma"))
 
 
+# fp8t for the shared expert (moe=fp4_topk's prepare, as linear=gemv_cuda's dense projections): the MoE kernels read the
+# tiled bytes at the layout's run width (the one-token tensor-core kernels, every depth) or find each chunk by address
+# (the FMA kernels, several tokens): the same fragments in the same order as fp8 at run width 2, so the same bits.
+@pytest.mark.parametrize("n,kernel,depth", [(1, "auto", None), (1, "mma", "8"), (1, "mma", "4"), (1, "mma", "2"),
+                                            (1, "fma", None), (2, "auto", None), (3, "auto", None), (8, "auto", None)])
+@pytest.mark.parametrize("dim,inter", [(4096, 2048), (4096, 1024), (512, 256), (128, 128)])
+def test_shared_expert_fp8t_equals_fp8(n, kernel, depth, dim, inter, monkeypatch):
+    for name in ("DS4_MMA_W", "DS4_MMA_LOAD", "DS4_SHARED_DEPTH", "DS4_DOWN_DEPTH", "DS4_LONG_ROW_DEPTH"):
+        monkeypatch.delenv(name, raising=False)
+    if depth is None:
+        monkeypatch.delenv("DS4_MMA_DEPTH", raising=False)
+    else:
+        monkeypatch.setenv("DS4_MMA_DEPTH", depth)
+    g = gen(seed_of("shared_fp8t", n, kernel, depth, dim, inter))
+    (w1, s1), (w3, s3), (w2, s2) = (rand_fp8_weight(o, i, g) for o, i in ((inter, dim), (inter, dim), (dim, inter)))
+    t1, t3, t2 = (tile_fp8_mma(w) for w in (w1, w3, w2))
+    assert not torch.equal(t1.view(torch.uint8), w1.view(torch.uint8))  # really re-laid
+    x = rand_x(n, dim, g)
+    add_b = rand_x(n, dim, g)
+    add_f = torch.randn(n, dim, device=DEV, generator=g)
+    poison()
+    h = kernels.moe_gate_up(x, None, None, t1, s1, t3, s3, "fp8t", 0, 1, 10.0, kernel=kernel)
+    assert torch.isfinite(h).all(), "unwritten (NaN-poisoned) outputs"
+    assert torch.equal(h, kernels.moe_gate_up(x, None, None, w1, s1, w3, s3, "fp8", 0, 1, 10.0, kernel=kernel))
+    for add, out_f32 in ((None, False), (add_b, False), (add_f, False), (add_f, True)):
+        poison()
+        y = kernels.moe_down(h, None, 1, t2, s2, "fp8t", 0, 1, add, out_f32, kernel=kernel)
+        assert torch.isfinite(y).all()
+        assert torch.equal(y, kernels.moe_down(h, None, 1, w2, s2, "fp8", 0, 1, add, out_f32, kernel=kernel))
+    d1, d3, d2 = dequant_fp8(w1, s1), dequant_fp8(w3, s3), dequant_fp8(w2, s2)
+    a = torch.nn.functional.silu((x.float() @ d1.t()).clamp(max=10.0)) * (x.float() @ d3.t()).clamp(-10, 10)
+    y = kernels.moe_down(h, None, 1, t2, s2, "fp8t", 0, 1, None, False, kernel=kernel)
+    assert rel(y, a.to(torch.bfloat16).float() @ d2.t()) <= TOL
+
+
+@pytest.mark.parametrize("case", ["one_token", "boundary_and_nonlocal", "dup_in_token", "eight_tokens"])
+def test_routed_fp8t_equals_fp8(case):
+    """The kernels take fp8t for routed slots too (no V4 layer stores FP8 routed experts): repeated, boundary and
+    non-local ids give fp8's bits."""
+    n, ids = MOE_CASES[case]
+    g = gen(seed_of("routed_fp8t", case))
+    if ids is None:
+        ids = torch.randint(32, 48, (n, 6), device=DEV, generator=g)
+    else:
+        ids = torch.tensor(ids, device=DEV)
+    (w1, s1, w3, s3, w2, s2), _ = make_experts(16, 1024, 512, g, "fp8")
+    t1, t3, t2 = (tile_fp8_mma(w) for w in (w1, w3, w2))
+    weights = torch.rand(n, 6, device=DEV, generator=g) + 0.1
+    x = rand_x(n, 1024, g)
+    h8 = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, "fp8", 32, 16, 10.0)
+    poison()
+    h = kernels.moe_gate_up(x, ids, weights, t1, s1, t3, s3, "fp8t", 32, 16, 10.0)
+    local = ((ids >= 32) & (ids < 48)).reshape(-1)  # the h rows of non-local slots are left unwritten
+    assert torch.isfinite(h[local]).all() and torch.equal(h[local], h8[local])
+    h[~local] = 0
+    poison()
+    y = kernels.moe_down(h, ids, 6, t2, s2, "fp8t", 32, 16, None, True)
+    assert torch.isfinite(y).all() and torch.equal(y, kernels.moe_down(h, ids, 6, w2, s2, "fp8", 32, 16, None, True))
+
+
+@pytest.mark.parametrize("env,want", [({}, "fp8t"), ({"DS4_FP8_TILE": "0"}, "fp8"), ({"DS4_SHARED_TILE": "0"}, "fp8"),
+                                      ({"DS4_FP8_TILE": "0", "DS4_SHARED_TILE": "1"}, "fp8t"),
+                                      ({"DS4_MOE_FFN": "1"}, "fp8"), ({"DS4_MOE_FFN": "2", "DS4_FP8_TILE": "1"}, None)])
+def test_moe_prepare_lays_shared_fp8t(env, want, monkeypatch):
+    """moe=fp4_topk's prepare (at load and configure) lays the shared expert out as fp8t by DS4_SHARED_TILE, else
+    DS4_FP8_TILE, in new tensors (the caller's keep their bytes), fp8 under DS4_MOE_FFN (its one launch reads fp8),
+    where an explicit fp8t request is refused; the shared expert's output keeps fp8's bits, one token and three."""
+    from ds4.ops.moe_cuda import Fp4TopkMoE
+    for name in ("DS4_FP8_TILE", "DS4_SHARED_TILE", "DS4_MOE_FFN", "DS4_FP4_TILE", "DS4_FP4_PACK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    g = gen(seed_of("moe_prepare", sorted(env.items())))
+    mw, _ = _moe_weights(g)
+    stored = {n: getattr(mw, n).weight.clone() for n in ("shared_w1", "shared_w2", "shared_w3")}
+    moe = Fp4TopkMoE()
+    if want is None:
+        with pytest.raises(ValueError, match="DS4_MOE_FFN"):
+            moe.prepare(mw)
+        return
+    out = moe.prepare(mw)
+    assert out.w1.fmt == "fp4t"
+    for name, w in stored.items():
+        q = getattr(out, name)
+        assert q.fmt == want and (q.weight is getattr(mw, name).weight) == (want == "fp8")
+        assert torch.equal(getattr(mw, name).weight.view(torch.uint8), w.view(torch.uint8))
+        assert torch.equal(q.dequant(), dequant_fp8(w, q.scale))
+    for n in (1, 3):
+        x = rand_x(n, 512, g)
+        assert torch.equal(moe.shared(x, out), moe.shared(x, mw))
+    monkeypatch.setenv("DS4_SHARED_TILE", "0")  # configured again: back to the stored layout
+    back = moe.prepare(out)
+    assert all(getattr(back, n).fmt == "fp8" and torch.equal(getattr(back, n).weight.view(torch.uint8),
+                                                             w.view(torch.uint8)) for n, w in stored.items())
+
+
 def _moe_weights(g, e_local=16, offset=32, dim=512, inter=256, n_experts=64, hash_layer=False):
     (w1, s1, w3, s3, w2, s2), dq = make_experts(e_local, dim, inter, g)
     sw1, ss1 = rand_fp8_weight(inter, dim, g)
@@ -921,6 +1016,7 @@ def test_fp4_topk_prepare_packs_in_place(n, monkeypatch):
     g = gen(1300 + n)
     mw, _ = _moe_weights(g, offset=0, e_local=64, n_experts=64)
     impl = Fp4TopkMoE()
+    monkeypatch.setenv("DS4_SHARED_TILE", "0")  # the routed experts' layouts alone (the shared expert's: below)
     monkeypatch.setenv("DS4_FP4_PACK", "0")
     assert impl.prepare(mw) is mw
     monkeypatch.delenv("DS4_FP4_PACK")

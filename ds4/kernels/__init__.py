@@ -26,8 +26,8 @@ from ds4.kernels.ops import (AR_CHUNK, AR_FOLD_ROWS, AR_MAX_WORLD, ARGMAX_MAX_RO
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
-SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "moe_ffn.cu", "router.cu", "argmax.cu", "prefetch.cu",
-           "allreduce.cu", "capture.cu")
+SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "moe_mma.cu", "moe_ffn.cu", "router.cu", "argmax.cu",
+           "prefetch.cu", "allreduce.cu", "capture.cu")
 EXT_NAME = "ds4_ext"
 DEFAULT_ARCHS = "8.0;9.0"
 

@@ -3,7 +3,7 @@
 fmt codes: "bf16" -> 0, "fp8" -> 1 (E4M3 + E8M0 128x128), "fp4" -> 2 (E2M1 pairs + E8M0 per 32),
 "fp4p" -> 3 (fp4 with the permuted words of ds4.quant.pack_fp4_mma; the MoE kernels only), "fp4t" -> 4
 (fp4p in the tensor-core kernels' fragment order, ds4.quant.tile_fp4_mma; the MoE kernels only), "fp8t" -> 5
-(fp8 in that fragment order, ds4.quant.tile_fp8_mma; the dense GEMVs only).
+(fp8 in that fragment order, ds4.quant.tile_fp8_mma: the dense GEMVs and the MoE kernels, the shared expert's).
 All kernels take BF16 activations and accumulate in fp32; they handle 1..8 tokens per launch and
 loop over token chunks beyond that (callers send prefill-sized batches elsewhere).
 """
@@ -17,7 +17,7 @@ from torch import Tensor
 from ds4.quant.formats import fp4t_ok
 
 FMT = {"bf16": 0, "fp8": 1, "fp4": 2, "fp4p": 3, "fp4t": 4, "fp8t": 5}
-DENSE = ("bf16", "fp8", "fp8t", "fp4")  # the dense GEMVs' formats (fp8t: those GEMVs only)
+DENSE = ("bf16", "fp8", "fp8t", "fp4")  # the dense GEMVs' formats (the MoE kernels take every format)
 # "auto": tensor-core kernels for one-token FP4 products and one-token FP8 products with K >= 2048 or
 # with K >= 1024 and >= 16384 rows (csrc/ds4_launch.h; DS4_MMA=0 / all / k2048 overrides), FMA kernels
 # otherwise; "fma" / "mma" force one (an "mma" request it cannot serve raises).
@@ -25,12 +25,10 @@ KERNEL = {"auto": 0, "fma": 1, "mma": 2}
 
 
 def _fmt(fmt: str, dense: bool = False) -> int:
-    """The kernels' fmt code; fp4p / fp4t (the routed experts' layouts) only for the MoE kernels, fp8t (the dense
-    projections' tiled layout) only for the dense GEMVs."""
-    allowed = DENSE if dense else tuple(f for f in FMT if f != "fp8t")
+    """The kernels' fmt code; fp4p / fp4t (the routed experts' layouts) only for the MoE kernels."""
+    allowed = DENSE if dense else tuple(FMT)
     if fmt not in allowed:
-        why = (f" ({fmt} is the routed experts' layout: the MoE kernels only)" if fmt in ("fp4p", "fp4t") else
-               " (fp8t is the dense projections' layout: the dense GEMVs only)" if fmt == "fp8t" else "")
+        why = f" ({fmt} is the routed experts' layout: the MoE kernels only)" if fmt in ("fp4p", "fp4t") else ""
         raise ValueError(f"ds4.kernels: fmt must be one of {list(allowed)}, got {fmt!r}{why}")
     return FMT[fmt]
 

@@ -92,12 +92,7 @@ class Attention(WeightsModule):
             return
 
         def lay(attr: str) -> QWeight:
-            q = getattr(self, attr)
-            new = prepare(q, attr)
-            if new.weight is not q.weight:
-                self.register_buffer(f"{attr}_weight", new.weight, persistent=False)  # the old: the caller's, or freed
-            setattr(self, attr, new)
-            return new
+            return self.refile_linear(attr, prepare(getattr(self, attr), attr))
 
         def views(merged: QWeight, parts: list[str]) -> None:  # the parts again, as rows of the new bytes
             self.set_row_views(merged, parts, [getattr(self, part).out_features for part in parts])

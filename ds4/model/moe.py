@@ -54,13 +54,14 @@ class MoE(WeightsModule):
         self.prepare_weights()
 
     def prepare_weights(self) -> None:
-        """Let the MoE implementation lay out the routed experts its own way (moe=fp4_topk: the fp4p
-        word layout, in place); every other reader dequantises through QWeight, which knows the layout."""
+        """Let the MoE implementation lay out the experts its own way (moe=fp4_topk: the routed experts as fp4t in
+        place, the shared expert as fp8t in new tensors, which replace the buffers); every other reader
+        dequantises through QWeight, which knows the layout."""
         prepare = getattr(self.ops.moe, "prepare", None)
         if prepare is not None and hasattr(self, "mw"):  # (configure() may run before load)
             self.mw = prepare(self.mw)
-            for name in ("w1", "w2", "w3"):  # the attributes describe the same (possibly re-laid) bytes
-                setattr(self, name, getattr(self.mw, name))
+            for name in ("w1", "w2", "w3", "shared_w1", "shared_w2", "shared_w3"):
+                self.refile_linear(name, getattr(self.mw, name))  # the attributes describe the laid-out bytes
 
     @property
     def gate(self) -> Tensor:

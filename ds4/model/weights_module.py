@@ -57,6 +57,14 @@ class WeightsModule(nn.Module):
         self.set_row_views(q, parts, [wi.shape[0] for wi in ws])
         return q
 
+    def refile_linear(self, attr: str, q: QWeight) -> QWeight:
+        """Attribute `attr` as q, its weight buffer replaced where q holds a new tensor (an implementation's re-laid
+        copy, ds4.ops.linear_cuda.lay_fp8; the old one is the caller's, or freed)."""
+        if getattr(self, f"{attr}_weight") is not q.weight:
+            self.register_buffer(f"{attr}_weight", q.weight, persistent=False)
+        setattr(self, attr, q)
+        return q
+
     def set_row_views(self, merged: QWeight, parts: list[str], rows: list[int]) -> None:
         """Attributes `parts` as consecutive row slices of `merged` (rows[i] rows each) in its format, with their
         scale rows (128-row blocks for fp8 / fp8t, whose parts start on block boundaries)."""

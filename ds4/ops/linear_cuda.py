@@ -35,13 +35,29 @@ from ds4.quant import fp8t_ok, tile_fp8_mma, untile_fp8_mma
 PREFILL_TOKENS = 16
 
 
-def fp8_tile_mode() -> str:
-    """DS4_FP8_TILE: "0" (the stored fp8 layout), "1" (fp8t required) or "auto" (fp8t where the shapes allow; the
-    default where it is unset or empty)."""
-    v = os.environ.get("DS4_FP8_TILE") or "auto"
+def fp8_tile_mode(knob: str = "DS4_FP8_TILE") -> str:
+    """DS4_FP8_TILE (or another knob of the same values): "0" (the stored fp8 layout), "1" (fp8t required) or "auto"
+    (fp8t where the shapes allow; the default where it is unset or empty)."""
+    v = os.environ.get(knob) or "auto"
     if v not in ("auto", "0", "1"):
-        raise ValueError(f"DS4_FP8_TILE must be 0, 1 or unset (auto), got {v!r}")
+        raise ValueError(f"{knob} must be 0, 1 or unset (auto), got {v!r}")
     return v
+
+
+def lay_fp8(w: QWeight, mode: str, knob: str, who: str) -> QWeight:
+    """w in the layout `mode` asks for ("0": fp8, "1": fp8t required, "auto": fp8t where the shape allows) if it is a
+    CUDA FP8 weight, else w itself; a re-laid weight is a new tensor (see GemvCudaLinear.prepare). knob and who name
+    the setting and the weight in the error of a "1" that cannot be served."""
+    if w.fmt not in ("fp8", "fp8t") or not w.weight.is_cuda:
+        return w
+    can = w.weight.dim() == 2 and w.weight.is_contiguous() and fp8t_ok(*w.weight.shape)
+    if mode == "1" and not can:
+        raise ValueError(f"{knob}=1: {who} {tuple(w.weight.shape)} out as fp8t (it needs whole 16-row tiles and "
+                         f"rows of a multiple of 128 values, contiguous); {knob}=auto keeps such weights in fp8")
+    tile = can and mode != "0"
+    if w.fmt == ("fp8t" if tile else "fp8"):
+        return w
+    return QWeight("fp8t" if tile else "fp8", (tile_fp8_mma if tile else untile_fp8_mma)(w.weight), w.scale)
 
 
 class GemvCudaLinear:
@@ -76,18 +92,7 @@ class GemvCudaLinear:
         place: the loader hands the model the caller's tensors without a copy (Transformer.load_weights), and they
         must keep their meaning; the caller replaces its buffer (one weight's bytes in flight at a time). Row views
         of a merged weight (whole 16-row tiles of it) are re-made by the caller in the returned format."""
-        if w.fmt not in ("fp8", "fp8t") or not w.weight.is_cuda:
-            return w
-        mode = fp8_tile_mode()
-        can = w.weight.dim() == 2 and w.weight.is_contiguous() and fp8t_ok(*w.weight.shape)
-        if mode == "1" and not can:
-            raise ValueError(f"DS4_FP8_TILE=1: linear=gemv_cuda cannot lay {name} {tuple(w.weight.shape)} out as fp8t "
-                             "(it needs whole 16-row tiles and rows of a multiple of 128 values, contiguous); "
-                             "DS4_FP8_TILE=auto keeps such weights in fp8")
-        tile = can and mode != "0"
-        if w.fmt == ("fp8t" if tile else "fp8"):
-            return w
-        return QWeight("fp8t" if tile else "fp8", (tile_fp8_mma if tile else untile_fp8_mma)(w.weight), w.scale)
+        return lay_fp8(w, fp8_tile_mode(), "DS4_FP8_TILE", f"linear=gemv_cuda cannot lay {name}")
 
     def grouped(self, x: Tensor, w: QWeight, groups: int) -> Tensor:
         """Block-diagonal projection (wo_a): x [N, G, I], w [G*R, I] -> [N, G, R], one launch."""

@@ -30,7 +30,8 @@ moe=fp4_topk
           expert, gate+up and down, in one launch (kernels.moe_ffn, csrc/moe_ffn.cu: one resident wave, a grid
           barrier between the phases, the down weights loaded before it) instead of the four launches above,
           with the same block output (to fp32 summation order) and the hc fold. Needs the routed experts in fp4t
-          and the shared expert in fp8 (moe_ffn_ok); other calls keep the launches above. Faster than the four
+          and the shared expert in fp8 (moe_ffn_ok; prepare keeps it fp8 when DS4_MOE_FFN is set at load or
+          configure); other calls keep the launches above. Faster than the four
           launches alone, slower in the decode step, where those overlap the router (H200, 1 GPU: 139.1 against
           126.7 us per layer; experiments/decode_session20_h200.md).
           DS4_MOE_FFN=2: the same, except that the shared expert's gate+up stays a launch of its own (in a captured
@@ -49,6 +50,9 @@ moe=fp4_topk
           against 127.9 us per layer (experiments/decode_session15_h200.md, run 2). DS4_FP4_TILE=0 keeps fp4p;
           DS4_FP4_TILE=1 requires fp4t and fails at load where it cannot be laid out (shapes,
           moe=bf16_cache).
+          The shared expert's FP8 matrices take fp8t the same way (the dense projections' layout under
+          linear=gemv_cuda, ds4.quant.tile_fp8_mma) where the shapes allow: DS4_SHARED_TILE (0 / 1 / auto) where
+          set, else DS4_FP8_TILE, says which; fp8 under DS4_MOE_FFN.
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
   chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
   shape only.
@@ -74,6 +78,7 @@ from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops import side_stream
 from ds4.ops.base import HcFold, MoEWeights, QWeight
+from ds4.ops.linear_cuda import fp8_tile_mode, lay_fp8
 from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
@@ -124,7 +129,12 @@ class Fp4TopkMoE:
         return DequantMoE()
 
     def prepare(self, mw: MoEWeights) -> MoEWeights:
-        """At load: CUDA FP4 routed experts -> the fp4t layout where it can lay them out, fp4p elsewhere, in
+        """At load (and configure): the routed experts' and the shared expert's layouts (_prepare_routed,
+        _prepare_shared)."""
+        return self._prepare_shared(self._prepare_routed(mw))
+
+    def _prepare_routed(self, mw: MoEWeights) -> MoEWeights:
+        """CUDA FP4 routed experts -> the fp4t layout where it can lay them out, fp4p elsewhere, in
         place (DS4_FP4_PACK=0 keeps the stored layout; DS4_FP4_TILE=0 takes fp4p, =1 requires fp4t). fp4p <->
         fp4t both ways in the same storage, so one loaded model can be configured with either."""
         if mw.w1.fmt not in ("fp4", "fp4p", "fp4t") or not mw.w1.weight.is_cuda:
@@ -154,6 +164,24 @@ class Fp4TopkMoE:
             elif q.fmt != "fp4t" and tile:
                 tile_fp4_mma(w, out=w)
             out[name] = QWeight("fp4t" if tile else "fp4p", w, q.scale)
+        return dataclasses.replace(mw, **out)
+
+    def _prepare_shared(self, mw: MoEWeights) -> MoEWeights:
+        """The shared expert's CUDA FP8 matrices in fp8t (the dense projections' fragment order under
+        linear=gemv_cuda) where the shapes allow, each a new tensor (ds4.ops.linear_cuda.lay_fp8; the caller files
+        it). DS4_SHARED_TILE (0 / 1 / auto) where set, else DS4_FP8_TILE, says which. Kept fp8 under
+        DS4_MOE_FFN=1 / 2 (moe_ffn reads fp8 rows)."""
+        knob = "DS4_SHARED_TILE" if os.environ.get("DS4_SHARED_TILE") else "DS4_FP8_TILE"
+        mode = fp8_tile_mode(knob)
+        if os.environ.get("DS4_MOE_FFN") in ("1", "2"):
+            if mode == "1":
+                raise ValueError(f"{knob}=1 asks for the shared expert in fp8t, but DS4_MOE_FFN's one-launch FFN reads "
+                                 f"fp8 rows: unset one of them")
+            mode = "0"
+        out = {name: lay_fp8(getattr(mw, name), mode, knob, f"moe={self.name} cannot lay the shared expert's {name}")
+               for name in ("shared_w1", "shared_w2", "shared_w3")}
+        if all(out[name] is getattr(mw, name) for name in out):
+            return mw
         return dataclasses.replace(mw, **out)
 
     # Whether a captured decode step may leave the router's tail to the routed kernels (off in subclasses

@@ -1,0 +1,287 @@
+// The one-token tensor-core MoE launches (mma_dot.cuh's MmaStream): the kernels `auto` takes for one token
+// (ds4_launch.h), which moe.cu's launch_moe_gate_up / launch_moe_down call where moe_use_mma says so —
+//   gate+up: a resident wave of blocks streaming the (w1, w3) 16-row tile pairs of all local slots, split evenly;
+//   down: output row tiles of `dim`, each summing the local slots as segments; with the hc fold in its epilogue
+//     where asked.
+// A translation unit apart from moe.cu's FMA kernels because its template instances (formats x depths x
+// outputs) are most of the MoE code's compile time: the build and CI's sm_80 compile run the two in parallel.
+#include "ds4_common.cuh"
+#include "ds4_launch.h"
+#include "hc_fold.cuh"
+#include "mma_dot.cuh"
+#include "moe_dev.cuh"
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace ds4 {
+
+constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
+
+// The (w1, w3) row pairs of all local slots, 16 rows each: pair p = u * RT + rt (local slot u,
+// row tile rt of `inter`). Block b streams pairs [b * ppb, (b + 1) * ppb) as local tiles 2 pl (w1) and
+// 2 pl + 1 (w3) (ppb: the pairs split evenly over the grid, from the device's count of local slots).
+// Epilogue: h[slot, row] = swiglu(gate, up) * route weight.
+template <int FMT, int U, int W>
+__global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
+moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
+  ds4_pdl::begin();  // expert ids, route weights (or the router's logits) and x come from the previous kernels
+  extern __shared__ float4 smem4[];
+  float* part = reinterpret_cast<float*>(smem4);
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(MMA_STREAM_MAX_TILES));
+  __shared__ const uint8_t* s_tw[MMA_STREAM_MAX_TILES];
+  __shared__ const uint8_t* s_ts[MMA_STREAM_MAX_TILES];
+  __shared__ int s_row0[MMA_STREAM_MAX_TILES], s_slot[MMA_STREAM_MAX_TILES / 2];
+  __shared__ int s_ids[32];
+  __shared__ float s_rw[32];
+  moe_slots(a, part, s_ids, s_rw, true);  // part is free until mma_part_zero below
+  const unsigned m = moe_local_slots(a, s_ids);
+  const int RT = (a.inter + 15) / 16, total = __popc(m) * RT;
+  const int ppb = (total + gridDim.x - 1) / gridDim.x;
+  const int p0 = blockIdx.x * ppb, np = min(ppb, total - p0);
+  if (np <= 0) return;  // block-uniform
+  routed_pair_tiles<FMT>(a, m, s_ids, p0, np, RT, s_tw, s_ts, s_row0, s_slot);
+  __syncthreads();
+  auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], a.inter}; };
+  auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),
+                                  a.s13_ld, reinterpret_cast<uint8_t*>(xs + a.dim));
+  st.prefetch();
+  gate_up_pairs<FMT>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
+                     [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; });
+}
+
+// Row tiles of `dim`, each the sum over the local slots (segments) of their w2 rows times h; block b
+// streams tiles [b * tpb, (b + 1) * tpb).
+// The expert ids are read, and the first weight rounds loaded, before the PDL wait: in the decode step
+// the ids come from the router, two launches back (the gate+up kernel in between waits for the router
+// before it lets this kernel launch), so they are final here; only h and add come from the kernel right
+// before. Contract (ds4_launch.h): a down launch's ids are not written by the launch just before it.
+// FOLD (bf16 out, one token): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its
+// buffers after the stream's in shared memory; at most 2 blocks per SM (128 registers: the epilogue spilled
+// at depth 2's 64, and V4's 256 down tiles fill 2 blocks per SM either way).
+template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false>
+__global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, W>()))
+moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
+                    void* __restrict__ out, int tpb, const HcFold fold, int pre) {
+  extern __shared__ float4 smem4[];
+  float* part = reinterpret_cast<float*>(smem4);
+  __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
+  __shared__ const uint8_t* s_w[32];
+  __shared__ const uint8_t* s_s[32];
+  __shared__ int s_slot[32], s_ids[32];
+  __shared__ float s_rw[32];
+  moe_slots(a, reinterpret_cast<float*>(hs), s_ids, s_rw, false);  // hs is free until the staging below
+  const unsigned m = moe_local_slots(a, s_ids);
+  const int nU = __popc(m);
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x < 32 && ((m >> lane) & 1u)) {
+    const int u = __popc(m & ((1u << lane) - 1u));
+    const int e = s_ids[lane] - a.expert_offset;
+    expert_base<FMT>(a, e, 2, s_w[u], s_s[u]);
+    s_slot[u] = lane;
+  }
+  __syncthreads();
+  const int t0 = blockIdx.x * tpb, nt = min(tpb, (a.dim + 15) / 16 - t0);
+  auto tile = [=](int tl, int u) { return MmaTile{s_w[u], s_s[u], hs + (long)u * a.inter, (t0 + tl) * 16, a.dim}; };
+  auto st = mma_stream<FMT, U, W>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
+                                  a.s2_ld, reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter));
+  const int pre_rounds = pre < 0 ? (1 << 30) : pre;  // mma_prefetch_rounds
+  st.prefetch(pre_rounds);
+  // the fold's buffers after the stream's (recomputed where used: nothing of the fold stays live in registers
+  // across the stream)
+  [[maybe_unused]] auto fs = [&] {
+    return hc_fold_smem(reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter) +
+                                                 mma_stream_smem<FMT, U, W>()), tpb, fold.n, fold.mix);
+  };
+  if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, a.dim);  // a weight: before the wait
+  ds4_pdl::begin();  // h and add come from the previous kernels
+  st.prefetch_rest(pre_rounds);
+  if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, a.dim);
+  stage_mma_rows<FMT>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
+  mma_part_zero(part, nt);
+  __syncthreads();
+  st.run(part);
+  __syncthreads();
+  for (int i = threadIdx.x; i < nt * 16; i += blockDim.x) {
+    const int r = t0 * 16 + i;
+    if (r < a.dim) {
+      const float y = down_store<OUT_F32>(out, r, add, a.add_bf16, mma_part_sum(part, i >> 4, i & 15));
+      if constexpr (FOLD) fs().ys[i] = y;
+    }
+  }
+  if constexpr (FOLD) hc_fold_epilogue(fold, fs(), t0, nt, a.dim);
+}
+
+static bool moe_mma_ok(const MoEArgs& a) {
+  if ((!fmt_fp8(a.fmt) && !fmt_fp4(a.fmt)) || a.ptrs || a.n_tok != 1 || a.topk > 32) return false;
+  if (!mma_shape_ok(a.fmt, a.dim) || !mma_shape_ok(a.fmt, a.inter)) return false;
+  const long part = 4L * mma_part_floats(MMA_STREAM_MAX_TILES);
+  return part + 2L * a.dim <= MOE_MMA_SMEM_CAP && part + 2L * a.topk * a.inter <= MOE_MMA_SMEM_CAP;
+}
+
+// 0: use the FMA kernels; 1: use the MMA kernels; -1: an explicit MMA request that does not apply
+int moe_use_mma(const MoEArgs& a) {
+  const bool ok = moe_mma_ok(a);
+  if (a.kernel == KERNEL_MMA) return ok ? 1 : -1;
+  // FP8 (the shared expert): rows of K = dim (gate+up) and inter (down) decide by the shorter, except that a
+  // shared expert sliced over the ranks (parallel.shared_expert=tp: inter 1024 at tp=2) stays on the tensor
+  // cores: on the FMA kernels the shorter rows chose it sat on the tp=2 step's critical path; DS4_MMA=all
+  // (it and the other short FP8 rows on tensor cores) took 0.14 ms per token off, this rule alone as much
+  // (experiments/decode_session18_h200.md)
+  const int k_rule = fmt_fp8(a.fmt) && a.inter >= 1024 ? a.dim : std::min(a.dim, a.inter);
+  return a.kernel == KERNEL_AUTO && ok && mma_auto(a.fmt, k_rule, a.dim) ? 1 : 0;
+}
+
+bool moe_route_ok(const MoEArgs& a) {
+  // scratch: 2 n_experts floats in the gate+up kernel's partial sums (mma_part_floats(MAX_TILES)) and
+  // in the down kernel's staged h (topk x inter bf16)
+  return moe_use_mma(a) == 1 && a.n_tok == 1 && a.topk <= ROUTER_MAX_K && a.topk <= a.n_experts &&
+         a.n_experts >= 1 && 2L * a.n_experts <= mma_part_floats(MMA_STREAM_MAX_TILES) &&
+         4L * a.n_experts <= (long)a.topk * a.inter;
+}
+
+// Host: the blocks a tensor-core MoE launch may take out of one resident wave `wave` (default all of it).
+// The shared expert (ids == nullptr) takes DS4_SHARED_WAVE percent of it (read at every launch, for the
+// ablation): in the decode step it runs on a side stream beside the router's small kernels, and a whole
+// wave of its blocks (2 per SM at depth 8 fill the register file) leaves them no slot until its blocks
+// exit (experiments/decode_session8_h200.md). The routed experts' gate+up (ids or routing given) takes
+// DS4_ROUTED_WAVE percent: at 50 it leaves each SM the registers of one block of the down kernel, whose
+// blocks can then be resident under PDL while it runs (their prologue and first weight loads done when it
+// ends) instead of only once its blocks exit; the routed down keeps the whole wave. Measured slower (H200:
+// 130.1 against 127.1 us per layer at 50, experiments/decode_session16_h200.md), so an opt-in.
+static int moe_wave(const MoEArgs& a, int wave, bool gate_up) {
+  const bool routed = a.ids != nullptr || a.route_logits != nullptr;
+  if (routed && !gate_up) return wave;
+  const char* env = std::getenv(routed ? "DS4_ROUTED_WAVE" : "DS4_SHARED_WAVE");
+  const int pct = env ? std::atoi(env) : 100;
+  if (pct <= 0 || pct >= 100) return wave;
+  return std::max(1, wave * pct / 100);
+}
+
+template <int FMT, int U, int W>
+static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
+  const long smem = 4L * mma_part_floats(MMA_STREAM_MAX_TILES) + 2L * a.dim + mma_stream_smem<FMT, U, W>();
+  if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
+    if (smem > MOE_MMA_SMEM_CAP) return gate_up_mma_go<FMT, 8 / W, W>(a, x, h, st);
+  }
+  auto kern = moe_gate_up_mma_kernel<FMT, U, W>;
+  cudaError_t e = set_smem(kern, smem);
+  if (e != cudaSuccess) return e;
+  // pairs for the most local slots (topk); at most MMA_STREAM_MAX_TILES / 2 per block
+  const int pairs = a.topk * ((a.inter + 15) / 16);
+  int grid = std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem), true), pairs);
+  const int floor_grid = (pairs + MMA_STREAM_MAX_TILES / 2 - 1) / (MMA_STREAM_MAX_TILES / 2);
+  if (grid < floor_grid) grid = floor_grid;
+  if ((e = launch_spacer_before('u', st)) != cudaSuccess) return e;
+  return ds4_pdl::launch(kern, dim3(grid), dim3(MMA_STREAM_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
+                         reinterpret_cast<__nv_bfloat16*>(h));
+}
+
+template <int FMT, int U, int W, bool F32, bool FOLD = false>
+static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
+                               const HcFold& fold = HcFold{}) {
+  const int T = (a.dim + 15) / 16;
+  auto kern = moe_down_mma_kernel<FMT, U, W, F32, FOLD>;
+  auto smem_for = [&](int tpb) {
+    return 4L * mma_part_floats(tpb) + 2L * a.topk * a.inter + mma_stream_smem<FMT, U, W>() +
+           (FOLD ? 4L * hc_fold_smem_floats(tpb, fold.n, fold.mix) : 0L);
+  };
+  if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
+    if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32, FOLD>(a, h, add, out, st, fold);
+  }
+  cudaError_t e = set_smem(kern, smem_for(1));
+  if (e != cudaSuccess) return e;
+  int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem_for(1)), false), T));
+  while (FOLD && tpb > 1 && smem_for(tpb) > MOE_MMA_SMEM_CAP) tpb /= 2;
+  const long smem = smem_for(tpb);
+  if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
+  if ((e = launch_spacer_before('d', st)) != cudaSuccess) return e;
+  return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(MMA_STREAM_THREADS), smem, st, a,
+                         reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb, fold, mma_prefetch_rounds(true));
+}
+
+// A per-kernel depth knob (`name`, read at every launch) where set, else the per-shape rule for rows of K.
+static int depth_knob_or_rule(const char* name, int K) {
+  if (const int d = env_depth(name)) return d;
+  return mma_depth(K, false);
+}
+
+// The routed experts' gate+up depth: DS4_ROUTED_DEPTH (8 / 4 / 2; read at every launch, for the ablation: bench
+// tokens rdN) sets it there alone. Without it: depth 4 where the per-shape rule (mma_depth) says 8 and no global
+// DS4_MMA_DEPTH is set, else that rule. The dense GEMVs keep mma_depth, the downs down_depth; the shared expert's
+// gate+up takes DS4_SHARED_DEPTH (bench token shdN; for the ablation) where set, else mma_depth (the per-shape
+// rule's 8 at V4's dim, or DS4_LONG_ROW_DEPTH's replacement of it).
+// Why a rule of its own: the FP4 arithmetic alone ran faster at depth 2 than at 8 (scripts/probe_bulk.cu,
+// experiments/decode_session22_h200.md). Session 23 measured depth 4 within the step's noise of 8 (0.0-1.3 us per
+// layer below it, experiments/decode_session23_h200.md); once session 33 had cut the stream's per-round ALU work
+// (MmaStream: shared-memory B addresses, scale conversion) depth 4 came out 2.0 / 1.8 us per layer below 8 in two
+// same-process pairs (H200, experiments/decode_session33_h200.md), so it is the default since.
+static int gate_up_depth(const MoEArgs& a) {
+  const bool routed = a.ids != nullptr || a.route_logits != nullptr;
+  if (!routed) return depth_knob_or_rule("DS4_SHARED_DEPTH", a.dim);
+  if (const int d = env_depth("DS4_ROUTED_DEPTH")) return d;
+  return mma_depth_for(a.dim, false, 4);  // 4 where the rule says 8 (DS4_LONG_ROW_DEPTH does not apply here)
+}
+
+// The down kernels' depth (routed and shared experts): DS4_DOWN_DEPTH (8 / 4 / 2; bench token dnN) sets it there
+// alone, else the per-shape rule (2 at V4's inter of 2048). Measured on session 33's cheaper rounds, 4 and 8 were
+// no faster (dn4 109.3 / 109.6, dn8 113.9 / 113.9 against 109.6 / 109.3 us per layer, H200,
+// experiments/decode_session34_h200.md).
+static int down_depth(const MoEArgs& a) { return depth_knob_or_rule("DS4_DOWN_DEPTH", a.inter); }
+
+cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
+  if (fmt_tiled(a.fmt)) {
+    if (!moe_tiled_shape_ok(a)) return cudaErrorInvalidValue;
+    return with_tiled_shape(gate_up_depth(a), [&](auto, auto u) {
+      constexpr int U = decltype(u)::value;
+      return a.fmt == FMT_FP8T ? gate_up_mma_go<FMT_FP8T, U, FP4T_W>(a, x, h, st)
+                               : gate_up_mma_go<FMT_FP4T, U, FP4T_W>(a, x, h, st);
+    });
+  }
+  return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), gate_up_depth(a), [&](auto cw, auto u) {
+    constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
+    if (a.fmt == FMT_FP8) return gate_up_mma_go<FMT_FP8, U, CW>(a, x, h, st);
+    return a.fmt == FMT_FP4P ? gate_up_mma_go<FMT_FP4P, U, CW>(a, x, h, st)
+                             : gate_up_mma_go<FMT_FP4, U, CW>(a, x, h, st);
+  });
+}
+
+bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, long fold_smem) {
+  MoEArgs a;
+  a.fmt = fmt;
+  a.topk = topk;
+  a.dim = dim;
+  a.inter = inter;
+  return topk >= 1 && moe_use_mma(a) == 1 &&
+         4L * mma_part_floats(1) + 2L * topk * inter + fold_smem <= MOE_MMA_SMEM_CAP;
+}
+
+// The one-token tensor-core down launch of a.fmt (the tiled layouts at their own run width), fp32 or bf16 out,
+// with or without the hc fold.
+template <bool F32, bool FOLD>
+static cudaError_t down_mma(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
+                            const HcFold& fold) {
+  if (fmt_tiled(a.fmt)) {
+    if (!moe_tiled_shape_ok(a)) return cudaErrorInvalidValue;
+    return with_tiled_shape(down_depth(a), [&](auto, auto u) {
+      constexpr int U = decltype(u)::value;
+      return a.fmt == FMT_FP8T ? down_mma_go<FMT_FP8T, U, FP4T_W, F32, FOLD>(a, h, add, out, st, fold)
+                               : down_mma_go<FMT_FP4T, U, FP4T_W, F32, FOLD>(a, h, add, out, st, fold);
+    });
+  }
+  return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), down_depth(a), [&](auto cw, auto u) {
+    constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
+    if (a.fmt == FMT_FP8) return down_mma_go<FMT_FP8, U, CW, F32, FOLD>(a, h, add, out, st, fold);
+    if (a.fmt == FMT_FP4P) return down_mma_go<FMT_FP4P, U, CW, F32, FOLD>(a, h, add, out, st, fold);
+    return down_mma_go<FMT_FP4, U, CW, F32, FOLD>(a, h, add, out, st, fold);
+  });
+}
+
+cudaError_t launch_moe_down_mma(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
+                                cudaStream_t st, const HcFold* fold) {
+  if (fold != nullptr) return down_mma<false, true>(a, h, add, out, st, *fold);
+  return out_f32 ? down_mma<true, false>(a, h, add, out, st, HcFold{})
+                 : down_mma<false, false>(a, h, add, out, st, HcFold{});
+}
+
+}  // namespace ds4
