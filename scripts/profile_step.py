@@ -67,7 +67,8 @@ def main() -> None:
                          "set there after the prompt (cache contents are the prompt's and zeros: the work per "
                          "step - indexer over every entry, top-k, HCA over all entries - is that of the context)")
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--timeline", action="store_true", help="also print one replay's critical path (ds4.timeline)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print one replay's critical path (ds4.timeline), and with --long-context one there too")
     ap.add_argument("--phases", type=int, default=0,
                     help="also time this many single replays (CUDA events) and print the mean step by position mod 4 "
                          "(the compressors' deferred projections run at positions 3 mod 4) and the replay of the "
@@ -136,11 +137,14 @@ def main() -> None:
                 tok = step(tok)
             print("the critical path of a step at a position 3 mod 4:")
             due_timeline = step_timeline(step, tok, a.layers)
-    long_us = None
+    long_us = long_timeline = None
     if a.long_context:
         gen.state.pos[0] = a.long_context
         gen.host_pos[0] = a.long_context
         long_us = wall_per_step()
+        if a.timeline:  # where the long context's extra time sits on the critical path
+            print(f"the critical path of a step at position ~{gen.host_pos[0]}:")
+            long_timeline = step_timeline(step, tok, a.layers)
     rows = sorted(((k, v[0] / a.replays, v[1] / a.replays) for k, v in per.items()), key=lambda r: -r[1])
     busy = sum(r[1] for r in rows)
     launches = sum(r[2] for r in rows)
@@ -159,7 +163,8 @@ def main() -> None:
                    "context": a.context, "wall_us": wall_us, "kernel_us": busy, "kernels": launches,
                    "long_context": a.long_context, "long_context_wall_us": long_us, "world": e.world,
                    "rows": [{"kernel": k, "us_per_step": us, "calls_per_step": n} for k, us, n in rows],
-                   "timeline": timeline, "phase_us": phase_us, "timeline_pos3": due_timeline},
+                   "timeline": timeline, "phase_us": phase_us, "timeline_pos3": due_timeline,
+                   "timeline_long_context": long_timeline},
                   open(a.out, "w"), indent=1)
     if e.world > 1:
         torch.distributed.destroy_process_group()
