@@ -402,6 +402,27 @@ def test_topk_selects_the_largest(B, T, k):
         assert torch.equal(s[b, ids].sort().values, s[b].topk(k).values.sort().values)
 
 
+@pytest.mark.parametrize("T,k,levels", [(16384, 512, 1), (16384, 512, 3), (5000, 64, 2), (32768, 1000, 1),
+                                        (700, 64, 40)])
+def test_topk_ties_take_the_lowest_indices(T, k, levels):
+    """Rows of few distinct values (levels 1: every score equal, as the zero scores of unwritten cache entries that
+    the long-context profile reads): long runs of one histogram bin, counted by warp-aggregated atomics. The selection
+    is every entry above the k-th largest value and, of those equal to it, the lowest indices; a decode row (pos,
+    ratio) whose entries are all visible selects the same."""
+    g = gen(T + k + levels)
+    s = torch.randint(0, levels, (2, T), device=DEV, generator=g).float() - 1.0
+    s[1] *= 0.5
+    poison()
+    got = FusedCudaIndexer().topk(s, k)
+    pos = torch.full((2,), 4 * T - 1, device=DEV)
+    assert torch.equal(FusedCudaIndexer().topk(s, k, pos, 4), got)
+    for b in range(2):
+        kth = s[b].topk(k).values.min()
+        above = (s[b] > kth).nonzero().flatten()
+        want = torch.cat([above, (s[b] == kth).nonzero().flatten()[:k - above.numel()]])
+        assert torch.equal(got[b].sort().values, want.sort().values), b
+
+
 @pytest.mark.parametrize("ratio,positions", [(4, [3, 63, 2047, 2051, 9000]), (4, [65535, 100]), (1, [0, 511, 700])])
 def test_topk_with_decode_positions(ratio, positions):
     """Decode rows (pos, ratio): entries t >= (pos+1)//ratio are -inf. The kernel reads only the first

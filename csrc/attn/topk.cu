@@ -9,7 +9,10 @@
 // them so), so only the first max(n_vis, k) entries are read: the selection is the same (ties at -inf go
 // lowest index first either way), and with n_vis <= k it is simply 0 .. k-1, written without a pass.
 // (H200, T = 16384 entries allocated at context 64: 25.7 us per call scanning all of them, most of it
-// shared-memory atomics of the equal -inf keys on one histogram bin in every pass.)
+// shared-memory atomics of the equal -inf keys on one histogram bin in every pass.) The histogram's atomics are
+// aggregated per warp and bin (__match_any_sync), so rows of equal keys no longer serialise: at position 65536 with
+// the profile's zero-filled caches (16384 equal scores) a call was charged 36-40 us on the step's critical path
+// before (experiments/decode_session42_h200.md).
 // The output order is not sorted (attention does not depend on it). torch.topk on one row ran as
 // one ~85 us block-sized sort at T = 16K entries; this reads the row once.
 #include "attn_common.cuh"
@@ -80,9 +83,16 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += TOPK_THREADS) hist[b] = 0;
     __syncthreads();
+    // warp-aggregated: the lanes of a warp whose keys fall in one bin add their count with one atomic (a row of
+    // equal keys, e.g. the zero scores of unwritten cache entries, otherwise serialises every key of the row on
+    // one shared-memory address in every pass)
 #pragma unroll
-    for (int p = 0; p < P; ++p)
-      if (i0 + p < n && (key[p] & mask) == prefix) atomicAdd(&hist[(key[p] >> shift) & 0xFF], 1);
+    for (int p = 0; p < P; ++p) {
+      const bool in = i0 + p < n && (key[p] & mask) == prefix;
+      const uint32_t bin = (key[p] >> shift) & 0xFF;
+      const unsigned peers = __match_any_sync(0xffffffffu, in ? bin : 0x100u);  // 0x100: no bin (not counted)
+      if (in && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+    }
     __syncthreads();
     if (threadIdx.x < 32) {  // bins from the top: lane l owns bins 255-8l .. 248-8l
       const int lane = threadIdx.x;
