@@ -406,9 +406,9 @@ def test_topk_selects_the_largest(B, T, k):
                                         (700, 64, 40)])
 def test_topk_ties_take_the_lowest_indices(T, k, levels):
     """Rows of few distinct values (levels 1: every score equal, as the zero scores of unwritten cache entries that
-    the long-context profile reads): long runs of one histogram bin, counted by warp-aggregated atomics. The selection
-    is every entry above the k-th largest value and, of those equal to it, the lowest indices; a decode row (pos,
-    ratio) whose entries are all visible selects the same."""
+    the long-context profile reads): every key of a run in one histogram bin. The selection is every entry above the
+    k-th largest value and, of those equal to it, the lowest indices; a decode row (pos, ratio) whose entries are all
+    visible selects the same."""
     g = gen(T + k + levels)
     s = torch.randint(0, levels, (2, T), device=DEV, generator=g).float() - 1.0
     s[1] *= 0.5

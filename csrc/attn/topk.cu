@@ -9,10 +9,7 @@
 // them so), so only the first max(n_vis, k) entries are read: the selection is the same (ties at -inf go
 // lowest index first either way), and with n_vis <= k it is simply 0 .. k-1, written without a pass.
 // (H200, T = 16384 entries allocated at context 64: 25.7 us per call scanning all of them, most of it
-// shared-memory atomics of the equal -inf keys on one histogram bin in every pass.) Each thread adds a run of its
-// keys that fall in one bin with one atomic, so rows of equal keys no longer serialise key by key, and the entries
-// that take part are spread over all threads (pe per thread, not P). At position 65536 the call was charged 36-40 us
-// on the step's critical path (experiments/decode_session42_h200.md, scripts/probe_topk.cu).
+// shared-memory atomics of the equal -inf keys on one histogram bin in every pass.)
 // The output order is not sorted (attention does not depend on it). torch.topk on one row ran as
 // one ~85 us block-sized sort at T = 16K entries; this reads the row once.
 #include "attn_common.cuh"
@@ -72,13 +69,10 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
     for (int i = threadIdx.x; i < k; i += TOPK_THREADS) dst[i] = i;
     return;
   }
-  // blocked layout over the entries that take part: thread t holds entries t pe .. t pe + pe - 1 (pe <= P), so
-  // every thread of the block has work when n is well below the capacity P x TOPK_THREADS
-  const int pe = (n + TOPK_THREADS - 1) / TOPK_THREADS;
-  const int i0 = threadIdx.x * pe;
+  const int i0 = threadIdx.x * P;
   uint32_t key[P];
 #pragma unroll
-  for (int p = 0; p < P; ++p) key[p] = p < pe && i0 + p < n ? order_key(row[i0 + p]) : 0u;  // others: never counted
+  for (int p = 0; p < P; ++p) key[p] = i0 + p < n ? order_key(row[i0 + p]) : 0u;  // entries >= n: never counted
 
   uint32_t prefix = 0, mask = 0;
   int need = k;  // how many of the keys matching `prefix` on `mask` are still to be taken
@@ -86,23 +80,9 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += TOPK_THREADS) hist[b] = 0;
     __syncthreads();
-    // a thread's keys are consecutive entries: a run of them in one bin is added with one atomic (a row of equal
-    // keys, e.g. the zero scores of unwritten cache entries, otherwise serialises every key of the row on one
-    // shared-memory address in every pass)
-    int run_bin = 0, run_n = 0;
 #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      if (p < pe && i0 + p < n && (key[p] & mask) == prefix) {
-        const int bin = (key[p] >> shift) & 0xFF;
-        if (run_n && bin != run_bin) {
-          atomicAdd(&hist[run_bin], run_n);
-          run_n = 0;
-        }
-        run_bin = bin;
-        ++run_n;
-      }
-    }
-    if (run_n) atomicAdd(&hist[run_bin], run_n);
+    for (int p = 0; p < P; ++p)
+      if (i0 + p < n && (key[p] & mask) == prefix) atomicAdd(&hist[(key[p] >> shift) & 0xFF], 1);
     __syncthreads();
     if (threadIdx.x < 32) {  // bins from the top: lane l owns bins 255-8l .. 248-8l
       const int lane = threadIdx.x;
@@ -137,16 +117,15 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
   int n_gt = 0, n_eq = 0;
 #pragma unroll
   for (int p = 0; p < P; ++p) {
-    const bool in = p < pe && i0 + p < n;
-    n_gt += in && key[p] > prefix;
-    n_eq += in && key[p] == prefix;
+    n_gt += i0 + p < n && key[p] > prefix;
+    n_eq += i0 + p < n && key[p] == prefix;
   }
   int tot_gt = 0, tot_eq = 0;
   int o_gt = block_excl_scan(n_gt, warp_sums, &tot_gt);
   int o_eq = block_excl_scan(n_eq, warp_sums, &tot_eq);
 #pragma unroll
   for (int p = 0; p < P; ++p) {
-    if (p >= pe || i0 + p >= n) break;
+    if (i0 + p >= n) break;
     if (key[p] > prefix) {
       dst[o_gt++] = i0 + p;
     } else if (key[p] == prefix) {
