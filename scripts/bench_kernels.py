@@ -281,13 +281,13 @@ def main() -> int:
     for fmt, ps in (("fp8t", tsets), ("fp8", sets)):
         for kern, tag in variants():
             record(f"shared expert {fmt} (2 launches)" + tag, bts,
-                   [(lambda p=p, kern=kern: shared(p, kern, fmt)) for p in ps], target_us=8.0)
+                   [(lambda p=p, kern=kern, fmt=fmt: shared(p, kern, fmt)) for p in ps], target_us=8.0)
         # its two launches alone (the gate+up's bytes as one dense GEMV below: 4096 x 4096, 256 row tiles, where the
         # gate+up pairs its gate and up tiles: 128 blocks at V4's inter)
         record(f"shared gate+up {fmt} (1 launch)", nbytes(*ps[0][:4]) + n * dim * 2 + n * inter * 2,
-               [(lambda p=p: shared_h(p, "auto", fmt)) for p in ps])
+               [(lambda p=p, fmt=fmt: shared_h(p, "auto", fmt)) for p in ps])
         record(f"shared down {fmt} (1 launch)", nbytes(*ps[0][4:]) + n * inter * 2 + n * dim * 2,
-               [(lambda p=p, h=shared_h(p, "auto", fmt): shared_down(p, h, "auto", fmt)) for p in ps])
+               [(lambda p=p, h=shared_h(p, "auto", fmt), fmt=fmt: shared_down(p, h, "auto", fmt)) for p in ps])
     del sets, tsets
     gemv_case("fp8 gemv 4096x4096 (shared w1+w3 bytes)", 2 * inter, dim)
 
