@@ -21,7 +21,7 @@ constexpr int64_t FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3, FMT_FP4T
 // fp4p: MXFP4 with permuted words (ds4_common.cuh fp4p_regs; the routed experts' layout after
 // ds4.quant.formats.pack_fp4_mma): the same shapes and scales as fp4.
 // fp4t: fp4p words in the tensor-core kernels' fragment order (ds4.quant.tile_fp4_mma; one-token MoE kernels only).
-// fp8t: fp8 bytes in the same fragment order (ds4.quant.tile_fp8_mma; the dense GEMVs only).
+// fp8t: fp8 bytes in the same fragment order (ds4.quant.tile_fp8_mma; the dense GEMVs and the MoE kernels).
 bool is_fp4(int64_t fmt) { return fmt == FMT_FP4 || fmt == FMT_FP4P || fmt == FMT_FP4T; }
 bool is_fp8(int64_t fmt) { return fmt == FMT_FP8 || fmt == FMT_FP8T; }
 

@@ -39,6 +39,12 @@ __host__ __device__ constexpr bool fmt_fp4p(int f) { return f == FMT_FP4P || f =
 __host__ __device__ constexpr bool fmt_fp8(int f) { return f == FMT_FP8 || f == FMT_FP8T; }
 // The layouts in MmaStream's fragment order (whole 16-row tiles, run width FP4T_W).
 __host__ __device__ constexpr bool fmt_tiled(int f) { return f == FMT_FP4T || f == FMT_FP8T; }
+// Whether a matrix of `rows` rows of K values can be in layout `fmt`: the tiled layouts are whole 16-row tiles and
+// whole rounds of 4 FP4T_W chunks per row (ds4.quant.fp4t_ok / fp8t_ok: tile_fp4_mma / tile_fp8_mma make no others);
+// the others any shape.
+__host__ __device__ constexpr bool layout_shape_ok(int fmt, int rows, int K) {
+  return !fmt_tiled(fmt) || (rows % 16 == 0 && K % (4 * FP4T_W * (fmt_fp8(fmt) ? 16 : 32)) == 0);
+}
 
 // values per 16-byte chunk
 template <int FMT> struct FmtInfo;

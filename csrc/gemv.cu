@@ -358,16 +358,11 @@ static cudaError_t with_dense_mma(int fmt, int K, int depth, F f) {
   });
 }
 
-// FMT_FP8T: whole 16-row tiles and rounds (ds4.quant.fp8t_ok: tile_fp8_mma makes no others)
-static bool dense_layout_ok(int fmt, int O, int K) {
-  return fmt != FMT_FP8T || (O % 16 == 0 && K % (4 * 16 * FP4T_W) == 0);
-}
-
 cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok, const void* W, const void* S,
                         int s_ld, void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
                         cudaStream_t st) {
   // FMT_FP4P / FMT_FP4T are the routed experts' layouts (moe.cu); dense weights keep the stored one
-  if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1 || fmt_fp4p(fmt) || !dense_layout_ok(fmt, O, K))
+  if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1 || fmt_fp4p(fmt) || !layout_shape_ok(fmt, O, K))
     return cudaErrorInvalidValue;
   // tensor cores: one token, whole rounds, 16-row tiles inside groups, a tile's activations (two
   // groups' when grouped) in shared memory
@@ -501,7 +496,7 @@ cudaError_t launch_gemv_deferred(const void* x, void* ring, int every, const int
 // indexer's wq_b (8192 x 1024) alone is faster on the FMA kernel, but fused it saves the rms_norm launch
 // before it on the indexer's chain (DS4_MMA=0 / k2048 still keep the norm apart).
 bool gemv_rmsnorm_ok(int fmt, int O, int K) {
-  return (fmt_fp8(fmt) || fmt == FMT_FP4) && dense_layout_ok(fmt, O, K) && O >= 1 && K >= 8 && K % 8 == 0 &&
+  return (fmt_fp8(fmt) || fmt == FMT_FP4) && layout_shape_ok(fmt, O, K) && O >= 1 && K >= 8 && K % 8 == 0 &&
          K <= 8 * MMA_STREAM_THREADS * RMS_VPT && mma_shape_ok(fmt, K) && 4L * mma_part_floats(1) + 2L * K <= SMEM_CAP &&
          mma_auto(fmt, K, 1 << 30);
 }
@@ -525,7 +520,7 @@ bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) {
   // at one tile per block (the launchers halve their tiles per block until the buffers fit)
   const long fold = 4L * hc_fold_smem_floats(1, n, (2 + n) * n);
   if (kind == 0)
-    return (fmt_fp8(fmt) || fmt == FMT_FP4) && dense_layout_ok(fmt, rows, cols) && mma_shape_ok(fmt, cols) &&
+    return (fmt_fp8(fmt) || fmt == FMT_FP4) && layout_shape_ok(fmt, rows, cols) && mma_shape_ok(fmt, cols) &&
            mma_auto(fmt, cols, rows) &&
            4L * mma_part_floats(1) + 2L * cols + fold <= SMEM_CAP;
   return kind == 1 && moe_down_fold_ok(fmt, topk, rows, cols, fold);

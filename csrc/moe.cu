@@ -295,7 +295,7 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStr
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && (!moe_route_ok(a) || !a.ids_out || !a.rw_out))) return cudaErrorInvalidValue;
   if (mma) return launch_moe_gate_up_mma(a, x, h, st);
-  if (!moe_shape_ok(a) || (fmt_tiled(a.fmt) && !moe_tiled_shape_ok(a))) return cudaErrorInvalidValue;
+  if (!moe_shape_ok(a) || !moe_layout_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return gate_up_nt<FMT_FP4>(a, x, h, st);
   if (a.fmt == FMT_FP4P) return gate_up_nt<FMT_FP4P>(a, x, h, st);
   if (a.fmt == FMT_FP4T) return gate_up_nt<FMT_FP4T>(a, x, h, st);
@@ -341,7 +341,7 @@ cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, vo
     return launch_moe_down_mma(a, h, add, out, false, st, fold);
   }
   if (mma) return launch_moe_down_mma(a, h, add, out, out_f32, st, nullptr);
-  if (!moe_shape_ok(a) || (fmt_tiled(a.fmt) && !moe_tiled_shape_ok(a))) return cudaErrorInvalidValue;
+  if (!moe_shape_ok(a) || !moe_layout_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return down_nt<FMT_FP4>(a, h, add, out, out_f32, st);
   if (a.fmt == FMT_FP4P) return down_nt<FMT_FP4P>(a, h, add, out, out_f32, st);
   if (a.fmt == FMT_FP4T) return down_nt<FMT_FP4T>(a, h, add, out, out_f32, st);

@@ -131,12 +131,11 @@ __device__ __forceinline__ float down_store(void* out, long o, const void* add, 
   return __bfloat162float(b);
 }
 
-// FMT_FP4T / FMT_FP8T (ds4_common.cuh; the routed experts' and the shared expert's tiled layouts): whole 16-row
-// tiles and rounds in both matrices. The tensor-core kernels take them at the layout's run width FP4T_W on the
-// register stream (with_tiled_shape); the FMA kernels through chunk_ptr.
-inline bool moe_tiled_shape_ok(const MoEArgs& a) {
-  const int round = 4 * FP4T_W * (fmt_fp8(a.fmt) ? 16 : 32);  // values of a row one round covers
-  return a.dim % 16 == 0 && a.inter % 16 == 0 && a.dim % round == 0 && a.inter % round == 0;
+// Both matrices of an expert ([inter, dim] w1 / w3, [dim, inter] w2) in layout a.fmt (layout_shape_ok). FMT_FP4T /
+// FMT_FP8T (the routed experts' and the shared expert's tiled layouts): the tensor-core kernels take them at the
+// layout's run width FP4T_W on the register stream (with_tiled_shape); the FMA kernels through chunk_ptr.
+inline bool moe_layout_ok(const MoEArgs& a) {
+  return layout_shape_ok(a.fmt, a.inter, a.dim) && layout_shape_ok(a.fmt, a.dim, a.inter);
 }
 
 // The tensor-core half of launch_moe_gate_up / launch_moe_down (moe_mma.cu). moe_use_mma: 0 = the FMA kernels,

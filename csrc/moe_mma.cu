@@ -231,7 +231,7 @@ static int down_depth(const MoEArgs& a) { return depth_knob_or_rule("DS4_DOWN_DE
 
 cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   if (fmt_tiled(a.fmt)) {
-    if (!moe_tiled_shape_ok(a)) return cudaErrorInvalidValue;
+    if (!moe_layout_ok(a)) return cudaErrorInvalidValue;
     return with_tiled_shape(gate_up_depth(a), [&](auto, auto u) {
       constexpr int U = decltype(u)::value;
       return a.fmt == FMT_FP8T ? gate_up_mma_go<FMT_FP8T, U, FP4T_W>(a, x, h, st)
@@ -262,7 +262,7 @@ template <bool F32, bool FOLD>
 static cudaError_t down_mma(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
                             const HcFold& fold) {
   if (fmt_tiled(a.fmt)) {
-    if (!moe_tiled_shape_ok(a)) return cudaErrorInvalidValue;
+    if (!moe_layout_ok(a)) return cudaErrorInvalidValue;
     return with_tiled_shape(down_depth(a), [&](auto, auto u) {
       constexpr int U = decltype(u)::value;
       return a.fmt == FMT_FP8T ? down_mma_go<FMT_FP8T, U, FP4T_W, F32, FOLD>(a, h, add, out, st, fold)

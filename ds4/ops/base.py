@@ -82,7 +82,8 @@ class QWeight:
     fmt "fp4t": fp4p words in the tensor-core kernels' fragment order (ds4.quant.tile_fp4_mma): moe=fp4_topk's
                 default layout of the routed experts where the shapes allow (its kernels only)
     fmt "fp8t": fp8 bytes in the same fragment order (ds4.quant.tile_fp8_mma), same shapes and scales:
-                linear=gemv_cuda's layout of the dense FP8 projections where the shapes allow (its GEMVs only)
+                linear=gemv_cuda's layout of the dense FP8 projections and moe=fp4_topk's of the shared expert where
+                the shapes allow (their CUDA kernels only)
     fmt "bf16": weight bfloat16 or float32 [..., O, I], scale None
     A leading dim, when present, stacks experts: [E, O, ...].
     """

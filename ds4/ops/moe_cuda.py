@@ -323,7 +323,7 @@ class Fp4TopkMoE:
         return kernels.moe_gate_up(_bf16(xq), None, None, w1.weight, w1.scale, w3.weight, w3.scale, w1.fmt, 0, 1,
                                    mw.swiglu_limit)
 
-    def _shared_down(self, x: Tensor, h: Tensor, mw: MoEWeights, act_quant: bool, add: Tensor | None) -> Tensor:
+    def _shared_down(self, h: Tensor, mw: MoEWeights, act_quant: bool, add: Tensor | None) -> Tensor:
         w2 = mw.shared_w2
         if act_quant and w2.fmt != "bf16":
             h = _act_quant_sim(h)
@@ -344,7 +344,7 @@ class Fp4TopkMoE:
         # parted after 152 steps: H200, session 40.)
         side = side_stream.fork(x.device, "DS4_SHARED_OVERLAP")
         with side_stream.Branch(side, x.device) as branch:
-            out = self._shared_down(x, self._shared_h(x, mw, act_quant), mw, act_quant, None)
+            out = self._shared_down(self._shared_h(x, mw, act_quant), mw, act_quant, None)
         return SharedUp(out, branch)
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
@@ -361,7 +361,7 @@ class Fp4TopkMoE:
                               for i in range(0, n, PREFILL_TOKENS)])
         if up is not None:
             return up.out if add is None else add_shared(add, up)
-        return self._shared_down(x, self._shared_h(x, mw, act_quant), mw, act_quant, add).to(x.dtype)
+        return self._shared_down(self._shared_h(x, mw, act_quant), mw, act_quant, add).to(x.dtype)
 
 
 class _LayerCache:

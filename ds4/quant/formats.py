@@ -303,10 +303,10 @@ def untile_fp4_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 <<
     return _relay_tiles(w, out, (nr, TILE_W, 2, 8, 4, 16), (3, 4, 1, 5, 2, 6), chunk_bytes)
 
 
-# The fp8t layout (linear=gemv_cuda's default for the dense FP8 projections where the shapes allow; DS4_FP8_TILE=0
-# keeps fp8): the stored E4M3 bytes placed by the same permutation as fp4t. MmaStream reads 16-byte chunks whatever
-# they hold, so FP8 rows (one byte a value, K bytes a row) tile exactly as FP4 rows do; the E8M0 128 x 128 scales
-# keep their place.
+# The fp8t layout (linear=gemv_cuda's default for the dense FP8 projections and moe=fp4_topk's for the shared
+# expert where the shapes allow; DS4_FP8_TILE=0 keeps fp8): the stored E4M3 bytes placed by the same permutation as
+# fp4t. MmaStream reads 16-byte chunks whatever they hold, so FP8 rows (one byte a value, K bytes a row) tile exactly
+# as FP4 rows do; the E8M0 128 x 128 scales keep their place.
 def fp8t_ok(rows: int, cols: int) -> bool:
     """Whether an FP8 [rows, cols] matrix can be laid out as fp8t (whole 16-row tiles and rounds)."""
     return fp4t_ok(rows, cols)
