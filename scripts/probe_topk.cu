@@ -3,50 +3,81 @@
 //
 // Why: at position 65536 the step's critical path charged the top-k 36-40 us per CSA layer
 // (experiments/decode_session42_h200.md), with the profile's zero cache entries (every score equal) and with random
-// ones alike. Rows: T entries allocated (16384: a 65536-token cache; 16423: the profile's, just over it, so the
-// kernel's P = 32 form; 32768), all visible (pos = 4 T - 1, ratio 4), k = 512; scores zeros, uniform random, or three
-// levels. Each figure is the mean of 200 launches on one stream (no PDL), in us. Session 42 (H200): the kernel's time
-// follows the entries per thread (about 15 us at 16 per thread, 30 at 32 with half the threads idle), not the ties.
+// ones alike. Rows (k = 512): T = 16384 entries allocated and visible (a 65536-token cache); T = 16423 with 16384
+// visible (the profile's allocation at position 65536, entries past them -inf as the indexer writes them); T = 32768
+// all visible. Scores zeros, uniform random, or three levels. Each figure is the mean of 200 launches on one stream
+// (no PDL), in us; each selection is checked against the host's (the k largest, ties lowest index first).
+// Session 42 (H200): the kernel's time followed the entries per thread (about 15 us at 16 per thread, 30 at 32 with
+// half the threads idle), not the ties; session 43 spread the visible entries over all threads
+// (experiments/decode_session43_h200.md, experiments/s43_attempts/probe_topk_variants.sh for the variants).
 //   nvcc -std=c++17 -O3 -arch=sm_90 -I. -Icsrc/attn -Icsrc -DTOPK_SRC='"csrc/attn/topk.cu"' scripts/probe_topk.cu \
 //     -o /tmp/probe_topk && /tmp/probe_topk
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "probe_util.cuh"
 #include TOPK_SRC
 
+// The kernel's selection on the host: the k largest by the kernel's key order (float order, -0 below +0), ties
+// lowest index first; sorted ids.
+static uint32_t host_key(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+static std::vector<int64_t> host_topk(const std::vector<float>& v, int n, int k) {
+  std::vector<int64_t> id(n);
+  for (int i = 0; i < n; ++i) id[i] = i;
+  std::stable_sort(id.begin(), id.end(), [&](int64_t a, int64_t b) { return host_key(v[a]) > host_key(v[b]); });
+  id.resize(k);
+  std::sort(id.begin(), id.end());
+  return id;
+}
+
 int main() {
   const int k = 512;
-  const int sizes[] = {16384, 16423, 32768};
+  // (entries allocated, visible): a 65536-token cache; the profile's allocation at position 65536 (P = 32 form,
+  // 16384 visible); 32768 all visible
+  const int sizes[][2] = {{16384, 16384}, {16423, 16384}, {32768, 32768}};
   const char* kinds[] = {"zeros", "random", "3 levels"};
-  std::printf("%-8s %-9s %10s\n", "T", "scores", "us/call");
-  for (int T : sizes) {
+  std::printf("%-8s %-8s %-9s %10s\n", "T", "visible", "scores", "us/call");
+  int bad = 0;
+  for (const auto& sz : sizes) {
+    const int T = sz[0], n = sz[1];
     std::vector<float> h(T);
     float* d;
     int64_t *pos, *out;
     CK(cudaMalloc(&d, T * sizeof(float)));
     CK(cudaMalloc(&pos, sizeof(int64_t)));
     CK(cudaMalloc(&out, k * sizeof(int64_t)));
-    const int64_t p = 4L * T - 1;
+    const int64_t p = 4L * n;  // (p + 1) / 4 = n visible
     CK(cudaMemcpy(pos, &p, sizeof(p), cudaMemcpyHostToDevice));
     for (int kind = 0; kind < 3; ++kind) {
       std::uniform_real_distribution<float> u(-1.f, 1.f);
       std::uniform_int_distribution<int> lv(0, 2);
-      for (auto& v : h) v = kind == 0 ? 0.f : (kind == 1 ? u(rng) : (float)lv(rng));
+      for (int i = 0; i < T; ++i)
+        h[i] = i >= n ? -INFINITY : (kind == 0 ? 0.f : (kind == 1 ? u(rng) : (float)lv(rng)));
       CK(cudaMemcpy(d, h.data(), T * sizeof(float), cudaMemcpyHostToDevice));
       const float us = time_us([&](int) { CK(ds4_attn::launch_topk(d, 1, T, k, pos, 4, out, 0)); }, 200);
       std::vector<int64_t> ids(k);
       CK(cudaMemcpy(ids.data(), out, k * sizeof(int64_t), cudaMemcpyDeviceToHost));
-      long sum = 0;  // a check that the launches selected something: zeros select 0 .. k - 1
+      long sum = 0;  // zeros select 0 .. k - 1
       for (int64_t i : ids) sum += i;
-      std::printf("%-8d %-9s %10.2f   (sum of ids %ld)\n", T, kinds[kind], us, sum);
+      std::sort(ids.begin(), ids.end());
+      const bool ok = ids == host_topk(h, n, k);
+      bad += !ok;
+      std::printf("%-8d %-8d %-9s %10.2f   (sum of ids %ld, %s)\n", T, n, kinds[kind], us, sum,
+                  ok ? "equal to the host's" : "DIFFERS from the host's");
     }
     CK(cudaFree(d));
     CK(cudaFree(pos));
     CK(cudaFree(out));
   }
-  return 0;
+  return bad ? 1 : 0;
 }

@@ -416,19 +416,32 @@ def test_topk_ties_take_the_lowest_indices(T, k, levels):
     got = FusedCudaIndexer().topk(s, k)
     pos = torch.full((2,), 4 * T - 1, device=DEV)
     assert torch.equal(FusedCudaIndexer().topk(s, k, pos, 4), got)
+
+    def want(row):
+        kth = row.topk(k).values.min()
+        above = (row > kth).nonzero().flatten()
+        return torch.cat([above, (row == kth).nonzero().flatten()[:k - above.numel()]]).sort().values
+
     for b in range(2):
-        kth = s[b].topk(k).values.min()
-        above = (s[b] > kth).nonzero().flatten()
-        want = torch.cat([above, (s[b] == kth).nonzero().flatten()[:k - above.numel()]])
-        assert torch.equal(got[b].sort().values, want.sort().values), b
+        assert torch.equal(got[b].sort().values, want(s[b])), b
+    # a decode row that sees only the first n entries (the kernel spreads those n over its threads; the rest are
+    # never read, whatever they hold)
+    n = T - 39
+    part = FusedCudaIndexer().topk(s, k, torch.full((2,), 4 * n, device=DEV), 4)
+    for b in range(2):
+        assert torch.equal(part[b].sort().values, want(s[b, :n])), b
 
 
-@pytest.mark.parametrize("ratio,positions", [(4, [3, 63, 2047, 2051, 9000]), (4, [65535, 100]), (1, [0, 511, 700])])
-def test_topk_with_decode_positions(ratio, positions):
+@pytest.mark.parametrize("T,ratio,positions", [
+    (16384, 4, [3, 63, 2047, 2051, 9000]), (16384, 4, [65535, 100]), (16384, 1, [0, 511, 700]),
+    (16423, 4, [65536, 40000, 4100]),   # the long-context profile's allocation: the P = 32 form, 16384 visible
+    (32768, 4, [131071, 70001, 65539]),
+])
+def test_topk_with_decode_positions(T, ratio, positions):
     """Decode rows (pos, ratio): entries t >= (pos+1)//ratio are -inf. The kernel reads only the first
     max(n_vis, k) of them and must give exactly the selection of the full scan: 0..k-1 when n_vis <= k,
     else the top-k of the visible entries (same values as torch.topk, all indices visible)."""
-    T, k = 16384, 512
+    k = 512
     B = len(positions)
     g = gen(T + ratio)
     s = randn(B, T, g=g)

@@ -1,5 +1,6 @@
 // Top-k indices of each row of fp32 scores [B, T] (the indexer's selection, spec §5.5), one block of
-// TOPK_THREADS per row with the row held in registers (P values per thread, blocked layout):
+// TOPK_THREADS per row with the row's n visible entries held in registers, spread over all the threads
+// (pe = ceil(n / TOPK_THREADS) consecutive entries per thread, at most P: the form chosen by T):
 //   1. keys: the float bits mapped to unsigned so that unsigned order = float order (-inf lowest);
 //   2. radix select, 4 passes of 8 bits from the top: a shared 256-bin histogram of the keys that
 //      match the digits found so far, one warp finds the bin holding the k-th largest key;
@@ -69,10 +70,16 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
     for (int i = threadIdx.x; i < k; i += TOPK_THREADS) dst[i] = i;
     return;
   }
-  const int i0 = threadIdx.x * P;
+  // The entries per thread follow n, not T: with P (chosen by T) per thread, n just over a power of two
+  // (T = 16423 at the long-context profile's position 65536, n = 16384) left half the threads with 32 entries
+  // and half with none, about twice the time of 16 each (H200: 32.0 against 15.5 us per call,
+  // experiments/decode_session42_h200.md).
+  const int pe = (n + TOPK_THREADS - 1) / TOPK_THREADS;  // <= P: n <= T <= P * TOPK_THREADS
+  const int i0 = threadIdx.x * pe;
+  const int cnt = max(0, min(pe, n - i0));  // this thread's entries: i0 .. i0 + cnt - 1
   uint32_t key[P];
 #pragma unroll
-  for (int p = 0; p < P; ++p) key[p] = i0 + p < n ? order_key(row[i0 + p]) : 0u;  // entries >= n: never counted
+  for (int p = 0; p < P; ++p) key[p] = p < cnt ? order_key(row[i0 + p]) : 0u;  // slots >= cnt: never counted
 
   uint32_t prefix = 0, mask = 0;
   int need = k;  // how many of the keys matching `prefix` on `mask` are still to be taken
@@ -82,7 +89,7 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
     __syncthreads();
 #pragma unroll
     for (int p = 0; p < P; ++p)
-      if (i0 + p < n && (key[p] & mask) == prefix) atomicAdd(&hist[(key[p] >> shift) & 0xFF], 1);
+      if (p < cnt && (key[p] & mask) == prefix) atomicAdd(&hist[(key[p] >> shift) & 0xFF], 1);
     __syncthreads();
     if (threadIdx.x < 32) {  // bins from the top: lane l owns bins 255-8l .. 248-8l
       const int lane = threadIdx.x;
@@ -117,15 +124,15 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
   int n_gt = 0, n_eq = 0;
 #pragma unroll
   for (int p = 0; p < P; ++p) {
-    n_gt += i0 + p < n && key[p] > prefix;
-    n_eq += i0 + p < n && key[p] == prefix;
+    n_gt += p < cnt && key[p] > prefix;
+    n_eq += p < cnt && key[p] == prefix;
   }
   int tot_gt = 0, tot_eq = 0;
   int o_gt = block_excl_scan(n_gt, warp_sums, &tot_gt);
   int o_eq = block_excl_scan(n_eq, warp_sums, &tot_eq);
 #pragma unroll
   for (int p = 0; p < P; ++p) {
-    if (i0 + p >= n) break;
+    if (p >= cnt) break;
     if (key[p] > prefix) {
       dst[o_gt++] = i0 + p;
     } else if (key[p] == prefix) {
