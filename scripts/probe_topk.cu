@@ -8,7 +8,7 @@
 // all visible. Scores zeros, uniform random, or three levels. Each figure is the mean of 200 launches on one stream
 // (no PDL), in us; each selection is checked against the host's (the k largest, ties lowest index first).
 // Session 42 (H200): the kernel's time followed the entries per thread (about 15 us at 16 per thread, 30 at 32 with
-// half the threads idle), not the ties; session 43 spread the visible entries over all threads
+// half the threads idle), not the ties; session 43 spread the visible entries over all threads, then strided them
 // (experiments/decode_session43_h200.md, experiments/s43_attempts/probe_topk_variants.sh for the variants).
 //   nvcc -std=c++17 -O3 -arch=sm_90 -I. -Icsrc/attn -Icsrc -DTOPK_SRC='"csrc/attn/topk.cu"' scripts/probe_topk.cu \
 //     -o /tmp/probe_topk && /tmp/probe_topk
