@@ -137,15 +137,21 @@ def main() -> None:
                 tok = step(tok)
             print("the critical path of a step at a position 3 mod 4:")
             due_timeline = step_timeline(step, tok, a.layers)
+    def at_long_context(entries: str):
+        """(wall us, critical path or None) of a step at position a.long_context; entries names the cache's."""
+        gen.state.pos[0] = a.long_context
+        gen.host_pos[0] = a.long_context
+        wall = wall_per_step()
+        path = None
+        if a.timeline:  # where the long context's extra time sits on the critical path
+            print(f"the critical path of a step at position ~{gen.host_pos[0]} ({entries} cache entries):")
+            path = step_timeline(step, tok, a.layers)
+        return wall, path
+
     long_us = long_timeline = None
     long_random = {}
     if a.long_context:
-        gen.state.pos[0] = a.long_context
-        gen.host_pos[0] = a.long_context
-        long_us = wall_per_step()
-        if a.timeline:  # where the long context's extra time sits on the critical path
-            print(f"the critical path of a step at position ~{gen.host_pos[0]} (zero cache entries):")
-            long_timeline = step_timeline(step, tok, a.layers)
+        long_us, long_timeline = at_long_context("zero")
         # The entries past the prompt are zeros, so every index score there ties (a top-k's worst case, not a
         # real context's): the same position again with the compressed caches (attention's and the indexer's)
         # filled with random values
@@ -154,12 +160,8 @@ def main() -> None:
             for name in ("ckv", "ikv"):
                 if name in st:
                     st[name].normal_()
-        gen.state.pos[0] = a.long_context
-        gen.host_pos[0] = a.long_context
-        long_random["wall_us"] = wall_per_step()
-        if a.timeline:
-            print(f"the critical path of a step at position ~{gen.host_pos[0]} (random cache entries):")
-            long_random["timeline"] = step_timeline(step, tok, a.layers)
+        r_wall, r_path = at_long_context("random")
+        long_random = {"wall_us": r_wall, "timeline": r_path}
     rows = sorted(((k, v[0] / a.replays, v[1] / a.replays) for k, v in per.items()), key=lambda r: -r[1])
     busy = sum(r[1] for r in rows)
     launches = sum(r[2] for r in rows)
