@@ -6,7 +6,7 @@ enough input sets to exceed the L2), the fewest bytes it must move (inputs once,
 and % of the device-to-device copy bandwidth measured in this process; the torch reference timed the
 same way. Prints a table; --out writes JSON.
 
-    python scripts/bench_attn.py [--out bench.json] [--quick]
+    python scripts/bench_attn.py [--out bench.json] [--quick] [--only topk]
 """
 from __future__ import annotations
 
@@ -152,6 +152,16 @@ def cases(quick: bool):
                  torch.randn(B, T, 128, device=DEV, generator=gg).to(BF16)) for _ in range(n_sets(nbytes, 16))]
         out.append((name, nbytes, lambda q, w, k: K.indexer_scores(q, w, k, False),
                     lambda q, w, k: ref_ix.scores(q, w, k, False), sets))
+
+    # the indexer's top-512 over T = context / 4 scores (one block per row up to 32768 entries, then the wide form)
+    tk_cfgs = [("topk 64K ctx B=1", 1, 16384), ("topk 128K ctx B=1", 1, 32768), ("topk 256K ctx B=1", 1, 65536),
+               ("topk 1M ctx B=1", 1, 262144), ("topk 1M ctx B=4", 4, 262144)]
+    if quick:
+        tk_cfgs = tk_cfgs[:1] + tk_cfgs[3:4]
+    for name, B, T in tk_cfgs:
+        nbytes = B * (T * 4 + 512 * 8)
+        sets = [(torch.randn(B, T, device=DEV, generator=gg),) for _ in range(n_sets(nbytes, 16))]
+        out.append((name, nbytes, lambda s: K.topk(s, 512), lambda s: ref_ix.topk(s, 512), sets))
     return out
 
 
@@ -160,6 +170,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-ref", action="store_true", help="skip timing the torch references")
+    ap.add_argument("--only", default=None, help="time only the ops whose name contains this text, e.g. 'topk'")
     args = ap.parse_args()
     from ds4 import kernels_attn
     t0 = time.time()
@@ -172,6 +183,8 @@ def main() -> int:
     bw = copy_bandwidth()
     rows = []
     for name, nbytes, fn, ref, sets in cases(args.quick):
+        if args.only and args.only not in name:
+            continue
         us, mode = time_graph(fn, sets)
         ref_us = None
         if not args.no_ref:

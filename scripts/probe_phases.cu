@@ -132,14 +132,15 @@ static void probe_sparse(int pos) {
   a.B = 1, a.S = 1, a.H = H, a.D = D, a.K = W, a.P = P;
   a.scale = 0.044f;
   a.pos = dpos, a.sel_idx = dsel, a.ratio = ratio;
-  const int nsplit = (W + P + ds4_attn::SP_KC - 1) / ds4_attn::SP_KC;
+  const int nsplit = ds4_attn::sparse_nsplit(W + P);
   float *opart, *ml;
   CK(cudaMalloc(&opart, sizeof(float) * nsplit * H * D));
   CK(cudaMalloc(&ml, sizeof(float) * nsplit * H * 2));
   const size_t smem = ds4_attn::sparse_smem(D);
-  CK(cudaFuncSetAttribute(ds4_attn::sparse_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  auto chunk = [&](int) {
-    ds4_attn::sparse_chunk_kernel<<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml);
+  CK(cudaFuncSetAttribute(ds4_attn::sparse_chunk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  auto chunk = [&](int) {  // D = 512: the kernel form whose output slices stay in registers
+    ds4_attn::sparse_chunk_kernel<true>
+        <<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml);
   };
   char name[64];
   std::snprintf(name, sizeof name, "sparse_chunk pos %d (%d splits)", pos, nsplit);

@@ -219,15 +219,18 @@ def test_merged_wo_bf16_output_projection():
 
 
 def test_decode_skips_refuse_bad_arguments_before_any_kernel():
-    """indexer_select, gemv_rmsnorm's skip, gemv_deferred and compress_step's tokens check their arguments in Python
-    (a ValueError, no extension needed): a binding's own check that formats numbers crashed the process on the GPU
-    in session 37."""
+    """indexer_select, topk, gemv_rmsnorm's skip, gemv_deferred and compress_step's tokens check their arguments in
+    Python (a ValueError, no extension needed): a binding's own check that formats numbers crashed the process on the
+    GPU in sessions 37 and 44."""
     from ds4 import kernels, kernels_attn
     q, w, keys = torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 4), torch.zeros(1, 8, 16)
     with pytest.raises(ValueError, match="1 <= k <= T"):
         kernels_attn.indexer_select(q, w, keys, 9, torch.zeros(1, dtype=torch.long), 4)
     with pytest.raises(ValueError, match=r"q \[B, 1, H, d\]"):
         kernels_attn.indexer_select(q[:, :, 0], w, keys, 4, torch.zeros(1, dtype=torch.long), 4)
+    for scores, k in ((torch.zeros(2, 8), 9), (torch.zeros(2, 8), 0), (torch.zeros(8), 4)):  # topk (session 44)
+        with pytest.raises(ValueError, match="1 <= k <= T"):
+            kernels_attn.topk(scores, k)
     x, wt, nw = torch.zeros(1, 64), torch.zeros(64, 64, dtype=torch.uint8), torch.ones(64)
     for ratio, k, rows in ((0, 4, 32), (4, 0, 32), (4, 4, 24), (4, 4, 64), (4, 4, 0)):
         with pytest.raises(ValueError, match="a multiple of 16"):

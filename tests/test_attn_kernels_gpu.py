@@ -289,6 +289,21 @@ def test_sparse_odd_shapes(B, H, D, K, P):
     check_attn(q, kv, valid, sel, sv, sink, D ** -0.5)
 
 
+@pytest.mark.parametrize("cap", ["1", "3"])
+@pytest.mark.parametrize("B,H,D,K,P", [(1, 16, 256, 128, 64), (3, 20, 128, 7, 3), (2, 64, 512, 33, 31),
+                                       (1, 72, 192, 100, 40), (2, 64, 512, 128, 512), (1, 64, 512, 2176, 0)])
+def test_sparse_blocks_merge_several_chunks(monkeypatch, cap, B, H, D, K, P):
+    """DS4_SPARSE_MAX_SPLITS caps the splits, so each block takes several 32-key chunks and merges them (running max;
+    in registers at D = 512, through its own partial-output slot at other D), the first chunk all masked so a later
+    one starts the block's rows: against the torch twin."""
+    monkeypatch.setenv("DS4_SPARSE_MAX_SPLITS", cap)
+    g = gen(B * 11 + H + D + K + P + int(cap))
+    q, kv, valid, sel, sv, sink = attn_case(B, H, D, K, P, g, p_valid=0.5)
+    if K > 32:
+        valid[..., :32] = False
+    check_attn(q, kv, valid, sel, sv, sink, D ** -0.5)
+
+
 def test_sparse_all_masked_row_gives_zero_and_sink_only():
     g = gen(40)
     q, kv, valid, sel, sv, sink = attn_case(2, 64, 512, 128, 64, g)
@@ -323,7 +338,8 @@ def test_fused_attention_class_decode_and_prefill():
 
 # -------------------------------------------------------------------------------------------- indexer
 @pytest.mark.parametrize("B,H,d,T", [(1, 64, 128, 16384 + 37), (4, 64, 128, 2048), (2, 16, 128, 1000),
-                                     (3, 20, 64, 5), (1, 64, 128, 1), (1, 8, 32, 300)])
+                                     (3, 20, 64, 5), (1, 64, 128, 1), (1, 8, 32, 300),
+                                     (1, 64, 128, 70000 + 5), (16, 64, 128, 4096)])  # blocks looping over chunks
 @pytest.mark.parametrize("bf16", [False, True])
 def test_indexer_scores(B, H, d, T, bf16):
     g = gen(B * 13 + H + d + T + bf16)

@@ -237,11 +237,14 @@ def test_decode_attention_takes_the_sinkhorn_along(kind, n):
     assert rel(comb, sinkhorn(logits, 20, EPS)) <= 1e-5
 
 
+@pytest.mark.parametrize("cap", [None, "2"])
 @pytest.mark.parametrize("pos", [(700, 200_000), (0, 127), (3000 * 128 - 1,)])
-def test_decode_attention_combine_over_many_splits(pos):
+def test_decode_attention_combine_over_many_splits(monkeypatch, pos, cap):
     """The combine gathers the splits' (max, sum) pairs at once and reads the partial outputs of the valid
-    splits only: HCA with 3000 entries (98 splits), from nearly all of them invalid to all valid, against the
-    torch twin."""
+    splits only: HCA with 3000 entries (98 chunks of 32 keys in 64 splits, or 2 with DS4_SPARSE_MAX_SPLITS), from
+    nearly all of them invalid to all valid, against the torch twin."""
+    if cap:
+        monkeypatch.setenv("DS4_SPARSE_MAX_SPLITS", cap)
     g = gen(77 + len(pos))
     B, H, D, W = len(pos), 64, 512, 128
     q = randn(B, H, D, g=g, dtype=BF16)
@@ -283,14 +286,16 @@ def test_xcombine_diagnostic_zeroes_the_output(monkeypatch):
     assert torch.isfinite(full).all() and rel(full, ref) <= TOL
 
 
+@pytest.mark.parametrize("T,pos", [(5000, (2, 801, 30000)),   # 0, 200 and all 5000 entries visible
+                                   (70000, (4 * 70000 - 1, 160010))])  # blocks looping over chunks: all, 40002
 @pytest.mark.parametrize("bf16", [False, True])
-def test_indexer_scores_mask_invisible_entries(bf16):
-    g = gen(11 + bf16)
-    B, H, d, T = 3, 64, 128, 5000
+def test_indexer_scores_mask_invisible_entries(T, pos, bf16):
+    g = gen(11 + bf16 + T)
+    B, H, d = len(pos), 64, 128
     q = randn(B, 1, H, d, g=g, dtype=BF16)
     w = randn(B, 1, H, g=g)
     keys = randn(B, T, d, g=g, dtype=BF16)
-    p = positions(2, 801, 30000)  # 0, 200 and all 5000 entries visible
+    p = positions(*pos)
     poison()
     got = FusedCudaIndexer().scores(q, w, keys, bf16, p, 4)
     ref = TorchIndexer().scores(q, w, keys, bf16, p, 4)
@@ -318,17 +323,17 @@ def test_indexer_scores_bf16_head_weights_with_scale(bf16):
     assert torch.equal(torch.isinf(got), torch.isinf(ref)) and rel(got[fin], ref[fin]) <= TOL
 
 
-@pytest.mark.parametrize("B", [1, 3])
-def test_indexer_scores_apply_the_query_rope(B):
+@pytest.mark.parametrize("B,T", [(1, 4000), (3, 4000), (2, 70000)])  # 70000: a block stages q once for its chunks
+def test_indexer_scores_apply_the_query_rope(B, T):
     """Decode: q from the indexer's wq_b before its RoPE, rotated by the scores kernel as it stages q — the
     same scores as head_rope (norm off) followed by the kernel, and the twin's within TOL."""
     g = gen(41 + B)
-    H, d, T = 64, 128, 4000
+    H, d = 64, 128
     f = freqs(4)  # a CSA layer's (YaRN)
     q = randn(B, 1, H, d, g=g, dtype=BF16, scale=2.0)
     w = randn(B, 1, H, g=g, dtype=BF16)
     keys = randn(B, T, d, g=g, dtype=BF16)
-    p = positions(*[3000 + 7777 * i for i in range(B)])
+    p = positions(*[3000 + 7777 * i for i in range(B)] if T == 4000 else (4 * T - 1, 4 * 30000 + 5))
     c = 128 ** -0.5 * 64 ** -0.5
     poison()
     got = FusedCudaIndexer().scores(q, w, keys, False, p, 4, c, f)
@@ -384,7 +389,8 @@ def test_indexer_head_weights(rows):
     assert got.dtype == BF16 and got.shape == (rows, 64) and rel(got, ref) <= TOL
 
 
-@pytest.mark.parametrize("B,T,k", [(1, 16400, 512), (3, 5000, 512), (2, 700, 64), (1, 32768, 1000), (2, 513, 512)])
+@pytest.mark.parametrize("B,T,k", [(1, 16400, 512), (3, 5000, 512), (2, 700, 64), (1, 32768, 1000), (2, 513, 512),
+                                   (1, 40000, 512), (3, 65536, 2048), (1, 262144, 512)])   # the wide form
 def test_topk_selects_the_largest(B, T, k):
     """The indexer's selection: k distinct indices whose values are torch.topk's values (as a multiset),
     with rows full of -inf (invisible entries) and rows of heavy ties."""
@@ -403,7 +409,7 @@ def test_topk_selects_the_largest(B, T, k):
 
 
 @pytest.mark.parametrize("T,k,levels", [(16384, 512, 1), (16384, 512, 3), (5000, 64, 2), (32768, 1000, 1),
-                                        (700, 64, 40)])
+                                        (700, 64, 40), (65536, 512, 1), (65536, 512, 3), (100000, 1000, 2)])
 def test_topk_ties_take_the_lowest_indices(T, k, levels):
     """Rows of few distinct values (levels 1: every score equal, as the zero scores of unwritten cache entries that
     the long-context profile reads): every key of a run in one histogram bin. The selection is every entry above the
@@ -436,6 +442,7 @@ def test_topk_ties_take_the_lowest_indices(T, k, levels):
     (16384, 4, [3, 63, 2047, 2051, 9000]), (16384, 4, [65535, 100]), (16384, 1, [0, 511, 700]),
     (16423, 4, [65536, 40000, 4100]),   # the long-context profile's allocation: the P = 32 form, 16384 visible
     (32768, 4, [131071, 70001, 65539]),
+    (262144, 4, [1048575, 20003]), (262144, 4, [500001, 40000, 2047]),  # wide: 32, 1, 16, 2 blocks; n <= k
 ])
 def test_topk_with_decode_positions(T, ratio, positions):
     """Decode rows (pos, ratio): entries t >= (pos+1)//ratio are -inf. The kernel reads only the first
@@ -459,6 +466,59 @@ def test_topk_with_decode_positions(T, ratio, positions):
         else:
             assert bool((got[b] < n).all()) and got[b].unique().numel() == k
             assert torch.equal(s[b, got[b]].sort().values, s[b].topk(k).values.sort().values)
+
+
+def test_topk_wide_scratch_is_left_clean():
+    """The wide form's global scratch (histograms, counts, barrier) is per row and zeroed by each launch: launches of
+    other shapes and rows between two identical ones change nothing, and each row equals its one-row selection."""
+    from ds4 import kernels_attn
+    g = gen(7)
+    a = randn(3, 90000, g=g)
+    a[1] = torch.round(a[1] * 2) / 2  # ties
+    b = randn(1, 40000, g=g)
+    first = kernels_attn.topk(a, 512)
+    for _ in range(3):
+        kernels_attn.topk(b, 300)
+        kernels_attn.topk(a[2:], 700)
+    assert torch.equal(kernels_attn.topk(a, 512), first)
+    for r in range(3):
+        assert torch.equal(kernels_attn.topk(a[r:r + 1], 512)[0], first[r])
+
+
+def test_topk_ok_and_its_error():
+    """topk_ok: rows past 32768 entries need one block per 8192 entries of every row at once, at most one per SM;
+    a shape it refuses is a clear error from the wrapper, and the fused indexer then takes torch.topk (same values)."""
+    from ds4 import kernels_attn
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert kernels_attn.topk_ok(16, 32768) and kernels_attn.topk_ok(1, 524288) == (64 <= sms)
+    assert not kernels_attn.topk_ok(1, 524289) and not kernels_attn.topk_ok(17, 40000)
+    rows = sms // 64 + 1  # 64 blocks per row at 524288 entries: more than the SMs
+    assert not kernels_attn.topk_ok(rows, 524288) and kernels_attn.topk_ok(sms // 64, 524288)
+    s = randn(rows, 524288, g=gen(9))
+    with pytest.raises(ValueError, match="topk_ok"):
+        kernels_attn.topk(s, 512)
+    got = FusedCudaIndexer().topk(s, 512)
+    assert torch.equal(s.gather(1, got).sort(-1).values, s.topk(512).values.sort(-1).values)
+
+
+def test_indexer_select_long_rows():
+    """The decode selection over more than 32768 compressed entries (a context past 128K tokens): the fused op (scores
+    kernel, then the wide top-k) selects what the scores op and torch.topk select."""
+    g = gen(61)
+    B, H, d, T, k = 2, 64, 128, 40000, 512
+    f = freqs(4)
+    q = randn(B, 1, H, d, g=g, dtype=BF16)
+    w = randn(B, 1, H, g=g, dtype=BF16)
+    keys = randn(B, T, d, g=g, dtype=BF16)
+    p = positions(4 * T - 1, 4 * 20000 + 2)  # all visible; 20000 visible
+    c = 128 ** -0.5 * 64 ** -0.5
+    fused = FusedCudaIndexer()
+    poison()
+    got = fused.select(q, w, keys, k, p, 4, False, c, f)
+    sc = fused.scores(q, w, keys, False, p, 4, c, f)[:, 0]
+    for r, n in enumerate((T, 20000)):
+        assert bool((got[r] < n).all()) and got[r].unique().numel() == k
+        assert torch.equal(sc[r, got[r]].sort().values, sc[r, :n].topk(k).values.sort().values)
 
 
 @pytest.mark.parametrize("N,n,D,dtype,wdtype", [

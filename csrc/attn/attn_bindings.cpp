@@ -398,8 +398,7 @@ at::Tensor sparse_attn(const at::Tensor& q, const at::Tensor& kv, const at::Tens
   c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({B, S, H, D}, q.options());
   if (B * S == 0) return out;
-  const int64_t kc = ds4_attn::sparse_keys_per_block();
-  const int64_t nsplit = std::max<int64_t>(1, (K + a.P + kc - 1) / kc);
+  const int64_t nsplit = ds4_attn::sparse_nsplit((int)(K + a.P));
   auto opart = at::empty({B * S, nsplit, H, D}, q.options().dtype(at::kFloat));
   auto ml = at::empty({B * S, nsplit, H, 2}, q.options().dtype(at::kFloat));
   check_launch(ds4_attn::launch_sparse_attn(a, (int)nsplit, opart.data_ptr<float>(), ml.data_ptr<float>(),
@@ -548,8 +547,7 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& win, const at::T
   c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({B, H, D}, q.options());
   if (B == 0) return out;
-  const int64_t kc = ds4_attn::sparse_keys_per_block();
-  const int64_t nsplit = std::max<int64_t>(1, (a.K + a.P + kc - 1) / kc);
+  const int64_t nsplit = ds4_attn::sparse_nsplit(a.K + a.P);
   auto opart = at::empty({B, nsplit, H, D}, q.options().dtype(at::kFloat));
   auto ml = at::empty({B, nsplit, H, 2}, q.options().dtype(at::kFloat));
   check_launch(ds4_attn::launch_sparse_attn(a, (int)nsplit, opart.data_ptr<float>(), ml.data_ptr<float>(),
@@ -563,16 +561,19 @@ at::Tensor topk_indices(const at::Tensor& scores, int64_t k, const std::optional
   check_f32(scores, "scores");
   TORCH_CHECK(scores.dim() == 2, "ds4_attn.topk: scores must be [B, T]");
   const int64_t B = scores.size(0), T = scores.size(1);
-  TORCH_CHECK(k >= 1 && k <= T && T <= ds4_attn::topk_max_len(), "ds4_attn.topk: need 1 <= k <= T <= ",
-              ds4_attn::topk_max_len(), " (k=", k, ", T=", T, ")");
+  // String-only messages: a TORCH_CHECK that formats integers crashed the process instead of raising (sessions 24
+  // and 37; session 44's first form of the check below). ds4.kernels_attn.topk raises ValueError with the numbers.
+  TORCH_CHECK(k >= 1 && k <= T && T <= ds4_attn::topk_max_len(), "ds4_attn.topk: need 1 <= k <= T <= topk_max_len");
   TORCH_CHECK(ratio >= 1, "ds4_attn.topk: ratio must be >= 1");
+  c10::cuda::CUDAGuard guard(scores.device());
+  TORCH_CHECK(B == 0 || ds4_attn::topk_ok((int)B, (int)T),
+              "ds4_attn.topk: the rows' blocks do not fit on this GPU at once (topk_ok)");
   const int64_t* p = nullptr;
   if (pos.has_value()) {
     TORCH_CHECK(pos->is_cuda() && pos->scalar_type() == at::kLong && pos->numel() == B && pos->is_contiguous(),
                 "ds4_attn.topk: pos must be a contiguous int64 CUDA tensor [B]");
     p = pos->data_ptr<int64_t>();
   }
-  c10::cuda::CUDAGuard guard(scores.device());
   auto out = at::empty({B, k}, scores.options().dtype(at::kLong));
   if (B == 0) return out;
   check_launch(ds4_attn::launch_topk(scores.data_ptr<float>(), (int)B, (int)T, (int)k, p, (int)ratio,
@@ -580,6 +581,11 @@ at::Tensor topk_indices(const at::Tensor& scores, int64_t k, const std::optional
                                      c10::cuda::getCurrentCUDAStream().stream()),
                "topk");
   return out;
+}
+
+// Whether topk takes B rows of T entries on the current device (topk_ok).
+bool topk_ok_host(int64_t B, int64_t T) {
+  return B >= 1 && T >= 1 && T <= ds4_attn::topk_max_len() && ds4_attn::topk_ok((int)B, (int)T);
 }
 
 // ---- decode glue -------------------------------------------------------------------------------------
@@ -709,6 +715,7 @@ TORCH_LIBRARY(ds4_attn, m) {
         "-> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("topk(Tensor scores, int k, Tensor? pos=None, int ratio=1) -> Tensor");
+  m.def("topk_ok(int B, int T) -> bool", &topk_ok_host);
   m.def("head_rope(Tensor x, Tensor pos, Tensor freqs, bool norm, float eps) -> Tensor");
   m.def("kv_store(Tensor(a!) win, Tensor kv, Tensor weight, Tensor pos, Tensor freqs, float eps, bool fp8_nope) -> ()");
   m.def("compress_step(Tensor kvz, Tensor ape, Tensor norm, Tensor pos, Tensor freqs, Tensor(a!) skv, "

@@ -9,6 +9,15 @@
 
 namespace ds4_attn {
 
+// The current device's SM count (cached per device; 0 if it cannot be read).
+inline int attn_sm_count() {
+  static int count[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (count[dev] == 0) cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev);
+  return count[dev];
+}
+
 // ---- mHC (spec §4) -------------------------------------------------------------------------------
 // Partials of mix = fn . vec(h) and of sum(vec(h)^2) for each token, K = hc*D split over nsplit
 // blocks: part [N, mix + 1, nsplit] fp32 (entry mix = sum of squares). h is bf16 (h_f32 = false)
@@ -90,7 +99,7 @@ struct SparseArgs {
   bool q_prep = false;
   float qnorm_eps = 0.f;
 };
-int sparse_keys_per_block();
+int sparse_nsplit(int keys);  // the splits (blocks per head tile) launch_sparse_attn takes for a row of keys
 // workspace: opart fp32 [B*S, nsplit, H, D], ml fp32 [B*S, nsplit, H, 2]; out bf16 [B, S, H, D].
 // ride (decode mode only, comb [B, n, n]): the combine launch also finishes each row's mHC Sinkhorn in place.
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st,
@@ -112,12 +121,19 @@ cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, flo
 
 // ---- top-k (topk.cu) ------------------------------------------------------------------------------
 // out[b, :k] = indices of the k largest of scores[b, :T] (fp32, contiguous rows), unsorted; ties at the
-// k-th value are taken lowest index first. One block per row; T <= topk_max_len().
+// k-th value are taken lowest index first. One block per row up to 32768 entries; longer rows (the wide form, up to
+// topk_max_len()) spread over up to 64 blocks of 8192 entries that meet at grid barriers, where topk_ok(B, T) says
+// they fit at once (B <= 16 rows, B x blocks <= the SM count); one wide launch at a time per device.
 // pos (optional, int64 [B]): entries t >= (pos[b] + 1) / ratio are -inf and only the first
 // max((pos[b] + 1) / ratio, k) entries are read (same result).
 int topk_max_len();
+bool topk_ok(int B, int T);
 cudaError_t launch_topk(const float* scores, int B, int T, int k, const int64_t* pos, int ratio, int64_t* out,
                         cudaStream_t st);
+// The wide form at any T it takes (topk_wide_ok: B x ceil(T / 8192) blocks fit), e.g. below 32768 entries (the probe).
+bool topk_wide_ok(int B, int T);
+cudaError_t launch_topk_wide(const float* scores, int B, int T, int k, const int64_t* pos, int ratio, int64_t* out,
+                             cudaStream_t st);
 
 // ---- decode glue (decode_glue.cu) -----------------------------------------------------------------
 // Positions: int64 [N] device tensors. freqs: fp32 [R/2] RoPE frequencies of the layer. Weights of the

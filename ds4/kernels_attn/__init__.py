@@ -20,7 +20,8 @@ from torch import Tensor
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc" / "attn"
 SOURCES = ("attn_bindings.cpp", "hc.cu", "sparse_attn.cu", "indexer.cu", "decode_glue.cu", "topk.cu")
-TOPK_MAX_LEN = 32768  # topk.cu: one block of 1024 threads, at most 32 values each
+TOPK_MAX_LEN = 524288  # topk.cu: one block per row up to 32768 entries, then up to 64 blocks of 8192 (topk_ok)
+ONE_BLOCK_TOPK_LEN = 32768  # topk.cu's TOPK_ONE_BLOCK_LEN
 EXT_NAME = "ds4_attn_ext"
 
 
@@ -189,10 +190,25 @@ def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_i
                                 *(ride.args() if ride is not None else (None, 0, 0.0)))
 
 
+def topk_ok(rows: int, T: int) -> bool:
+    """Whether topk takes `rows` rows of T entries on the current device: up to 32768 entries one block per row;
+    longer rows (up to TOPK_MAX_LEN) one block per 8192 entries, all rows' blocks resident at once (at most 16 rows
+    and one block per SM). DS4_TOPK_WIDE=0 (read per call; the ablation of session 44's wide form) says no past 32768
+    entries, so the fused indexer takes torch.topk there as before."""
+    if os.environ.get("DS4_TOPK_WIDE") == "0" and T > ONE_BLOCK_TOPK_LEN:
+        return False
+    return 1 <= T <= TOPK_MAX_LEN and rows >= 1 and bool(_ops().topk_ok(int(rows), int(T)))
+
+
 def topk(scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
     """fp32 scores [B, T] -> int64 [B, k]: indices of the k largest per row (unsorted; ties lowest index first).
     pos (int64 [B], decode): entries t >= (pos+1)//ratio must be -inf; then only the first
     max((pos+1)//ratio, k) are read (the same selection, without scanning the unwritten tail)."""
+    rows, T = (scores.shape[0], scores.shape[1]) if scores.dim() == 2 else (0, 0)
+    if scores.dim() != 2 or not 1 <= k <= T or (rows and not topk_ok(rows, T)):
+        raise ValueError(f"topk: need scores [B, T] and 1 <= k <= T, with B rows of T entries that topk_ok takes "
+                         f"(up to {ONE_BLOCK_TOPK_LEN} entries any rows; up to {TOPK_MAX_LEN}, one block per 8192 "
+                         f"entries of every row resident at once) (scores {tuple(scores.shape)}, k={k})")
     return _ops().topk(scores.float().contiguous(), int(k), pos, int(ratio))
 
 
@@ -229,4 +245,4 @@ def compress_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Te
 
 __all__ = ["load", "unavailable_reason", "build_dir", "hc_pre", "hc_head", "hc_post", "hc_post_pre", "sparse_attn",
            "indexer_scores", "indexer_select", "sparse_decode", "rms_norm", "head_rope", "kv_store", "compress_step",
-           "topk"]
+           "topk", "topk_ok"]

@@ -29,11 +29,13 @@ works on a long cache), all heads per block on BF16 tensor cores, ReLU-weighted 
 weights' scale (w_scale) and, given rope_freqs, the query's RoPE applied inside (the decode step hands it
 weights_proj's bf16 output and the unrotated query). bf16=True reproduces the reference's BF16
 einsum/ReLU/product. Prefill-sized calls, fp32 q / keys and index dims not a multiple of 16 call
-TorchIndexer.scores (part of this implementation). head_weights: decode rows on the BF16 GEMV kernel.
-Top-k is a one-block-per-row radix select (ds4_attn topk, rows up to 32768 entries; longer rows use
-torch.topk). FusedCudaIndexer.select (the decode selection) runs both as one op: while a row has at most k
-visible entries (contexts below k * ratio tokens) its top-k selects all of them unread, and the scores
-kernel skips the row.
+TorchIndexer.scores (part of this implementation). On a long cache each block loops over several chunks of keys,
+staging q once. head_weights: decode rows on the BF16 GEMV kernel.
+Top-k is a radix select (ds4_attn topk): one block per row up to 32768 entries, longer rows (contexts past 128K
+tokens at ratio 4, up to TOPK_MAX_LEN entries) one block per 8192 entries meeting at grid barriers, where
+kernels_attn.topk_ok says the rows' blocks fit on the GPU at once (else torch.topk). FusedCudaIndexer.select
+(the decode selection) runs both as one op: while a row has at most k visible entries (contexts below
+k * ratio tokens) its top-k selects all of them unread, and the scores kernel skips the row.
 """
 from __future__ import annotations
 
@@ -209,7 +211,8 @@ class FusedCudaIndexer:
         return kernels_attn.head_rope(q, positions, freqs, False, 0.0)
 
     def topk(self, scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
-        if not (scores.is_cuda and scores.dim() == 2 and k <= scores.shape[-1] <= kernels_attn.TOPK_MAX_LEN):
+        if not (scores.is_cuda and scores.dim() == 2 and k <= scores.shape[-1]
+                and kernels_attn.topk_ok(scores.shape[0], scores.shape[-1])):
             return self._ref.topk(scores, k, pos, ratio)
         return kernels_attn.topk(scores, k, pos, ratio)
 
@@ -237,7 +240,8 @@ class FusedCudaIndexer:
         # the scores and top-k kernels in one op (their contract lets the scores skip rows the top-k will not
         # read); where either kernel does not take the inputs, scores() then topk() as separate steps
         use = (q.is_cuda and q.dtype == BF16 and keys.dtype == BF16 and q.shape[-1] % 16 == 0 and q.shape[1] == 1
-               and q.shape[0] <= INDEXER_MAX_ROWS and k <= keys.shape[1] <= kernels_attn.TOPK_MAX_LEN
+               and q.shape[0] <= INDEXER_MAX_ROWS and k <= keys.shape[1]
+               and kernels_attn.topk_ok(q.shape[0], keys.shape[1])
                and (rope_freqs is None or 2 * rope_freqs.numel() <= min(q.shape[-1], INDEXER_MAX_ROPE)))
         if not use:
             return self.topk(self.scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs)[:, 0], k, pos, ratio)
