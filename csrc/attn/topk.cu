@@ -106,6 +106,60 @@ __device__ __forceinline__ void take_ties(const uint32_t (&key)[S], int cnt, uin
   }
 }
 
+// The entries of a row that take part (k <= n <= T): all T, or at a decode position the first max(visible, k); with
+// n == k the selection is 0 .. k - 1, which the caller writes without a pass (topk_first_k).
+__device__ __forceinline__ int topk_entries(int T, int k, const int64_t* __restrict__ pos, int r, int ratio) {
+  return pos != nullptr ? (int)min((long)T, max((long)k, (pos[r] + 1) / ratio)) : T;
+}
+__device__ __forceinline__ void topk_first_k(int64_t* __restrict__ dst, int k) {
+  for (int i = threadIdx.x; i < k; i += TOPK_THREADS) dst[i] = i;
+}
+
+// A radix pass's histogram of this block's keys that match prefix on mask, digit (key >> shift) & (nb - 1), into
+// sm.hist (barriers before and after).
+template <int S>
+__device__ __forceinline__ void block_hist(const uint32_t (&key)[S], int cnt, uint32_t prefix, uint32_t mask,
+                                           int shift, int nb, TopkSmem& sm) {
+  for (int b = threadIdx.x; b < nb; b += TOPK_THREADS) sm.hist[b] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int p = 0; p < S; ++p)
+    if (p < cnt && (key[p] & mask) == prefix) atomicAdd(&sm.hist[(key[p] >> shift) & (uint32_t)(nb - 1)], 1);
+  __syncthreads();
+}
+
+// The block's keys above the threshold key prefix and equal to it: one scan for both counts, (equal) + (greater <<
+// 16); at most 32768 equal and fewer than k <= 32768 greater in a block, so the sums stay below 2^31 and the low field
+// never carries. Returns the thread's exclusive offsets packed the same way; *both = the block's totals.
+template <int S>
+__device__ __forceinline__ int count_selected(const uint32_t (&key)[S], int cnt, uint32_t prefix, TopkSmem& sm,
+                                              int* both) {
+  int n_gt = 0, n_eq = 0;
+#pragma unroll
+  for (int p = 0; p < S; ++p) {
+    n_gt += p < cnt && key[p] > prefix;
+    n_eq += p < cnt && key[p] == prefix;
+  }
+  return block_excl_scan(n_eq + (n_gt << 16), sm.warp_sums, both);
+}
+
+// Writes the thread's keys above the threshold at dst[o_gt ...] and, with all_eq (every key equal to it is taken: no
+// index order needed), its equal ones at dst[o_eq ...]; slot p is entry base + 1024 p + t.
+template <int S>
+__device__ __forceinline__ void write_selected(const uint32_t (&key)[S], int cnt, uint32_t prefix, int base, int o_gt,
+                                               int o_eq, bool all_eq, int64_t* __restrict__ dst) {
+#pragma unroll
+  for (int p = 0; p < S; ++p) {
+    if (p >= cnt) break;
+    const int e = base + p * TOPK_THREADS + (int)threadIdx.x;
+    if (key[p] > prefix) {
+      dst[o_gt++] = e;
+    } else if (all_eq && key[p] == prefix) {
+      dst[o_eq++] = e;
+    }
+  }
+}
+
 // One row's selection with S slots per thread (S * TOPK_THREADS >= n).
 template <int S>
 __device__ __forceinline__ void topk_row(const float* __restrict__ row, int n, int k, int64_t* __restrict__ dst,
@@ -122,40 +176,17 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ row, int n, i
   for (int pass = 0; pass < 3; ++pass) {
     const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
     const int nb = pass == 2 ? TOPK_BINS / 2 : TOPK_BINS;  // 2^11, 2^11, 2^10 bins
-    for (int b = t; b < nb; b += TOPK_THREADS) sm.hist[b] = 0;
-    __syncthreads();
-#pragma unroll
-    for (int p = 0; p < S; ++p)
-      if (p < cnt && (key[p] & mask) == prefix) atomicAdd(&sm.hist[(key[p] >> shift) & (uint32_t)(nb - 1)], 1);
-    __syncthreads();
+    block_hist<S>(key, cnt, prefix, mask, shift, nb, sm);
     const int hi = topk_bin_hi(nb);
     pick_digit(sm.hist[hi], nb > TOPK_THREADS ? sm.hist[hi - 1] : 0, hi, shift, prefix, need, sm);
     mask |= (uint32_t)(nb - 1) << shift;
   }
   // prefix = the k-th largest key; `need` keys equal to it are taken (lowest indices first)
-  int n_gt = 0, n_eq = 0;
-#pragma unroll
-  for (int p = 0; p < S; ++p) {
-    n_gt += p < cnt && key[p] > prefix;
-    n_eq += p < cnt && key[p] == prefix;
-  }
-  // one scan for both counts: (equal) + (greater << 16); at most 32768 equal (n <= 32768) and fewer than k <= 32768
-  // greater, so the sums stay below 2^31 and the low field never carries
   int both = 0;
-  const int o_both = block_excl_scan(n_eq + (n_gt << 16), sm.warp_sums, &both);
-  const int tot_gt = both >> 16, tot_eq = both & 0xFFFF;
-  int o_gt = o_both >> 16, o_eq = o_both & 0xFFFF;
-  const bool all_eq = tot_eq == need;  // every key equal to the threshold is taken: no index order needed
-#pragma unroll
-  for (int p = 0; p < S; ++p) {
-    if (p >= cnt) break;
-    const int e = p * TOPK_THREADS + t;
-    if (key[p] > prefix) {
-      dst[o_gt++] = e;
-    } else if (all_eq && key[p] == prefix) {
-      dst[tot_gt + o_eq++] = e;
-    }
-  }
+  const int o_both = count_selected<S>(key, cnt, prefix, sm, &both);
+  const int tot_gt = both >> 16;
+  const bool all_eq = (both & 0xFFFF) == need;
+  write_selected<S>(key, cnt, prefix, 0, o_both >> 16, tot_gt + (o_both & 0xFFFF), all_eq, dst);
   if (!all_eq) take_ties<S>(key, cnt, prefix, need, 0, 0, dst + tot_gt, sm);  // more equal keys than needed
 }
 
@@ -168,12 +199,8 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_kernel(const float* __restr
   const int r = blockIdx.x;
   const float* row = scores + (long)r * T;
   int64_t* dst = out + (long)r * k;
-  int n = T;  // entries that take part (k <= n <= T)
-  if (pos != nullptr) n = (int)min((long)T, max((long)k, (pos[r] + 1) / ratio));
-  if (n == k) {
-    for (int i = threadIdx.x; i < k; i += TOPK_THREADS) dst[i] = i;
-    return;
-  }
+  const int n = topk_entries(T, k, pos, r, ratio);
+  if (n == k) return topk_first_k(dst, k);
   const int slots = (n + TOPK_THREADS - 1) / TOPK_THREADS;  // <= P: n <= T <= P * TOPK_THREADS
   if (slots <= 4) {
     topk_row<4>(row, n, k, dst, sm);
@@ -249,12 +276,7 @@ __device__ __forceinline__ void topk_wide_row(const float* __restrict__ row, int
   for (int pass = 0; pass < 3; ++pass) {
     const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
     const int nb = pass == 2 ? TOPK_BINS / 2 : TOPK_BINS;
-    for (int i = t; i < nb; i += TOPK_THREADS) sm.hist[i] = 0;
-    __syncthreads();
-#pragma unroll
-    for (int p = 0; p < S; ++p)
-      if (p < cnt && (key[p] & mask) == prefix) atomicAdd(&sm.hist[(key[p] >> shift) & (uint32_t)(nb - 1)], 1);
-    __syncthreads();
+    block_hist<S>(key, cnt, prefix, mask, shift, nb, sm);
     int* ghp = gh + pass * TOPK_BINS;
     for (int i = t; i < nb; i += TOPK_THREADS)
       if (const int c = sm.hist[i]) atomicAdd(&ghp[i], c);
@@ -263,14 +285,8 @@ __device__ __forceinline__ void topk_wide_row(const float* __restrict__ row, int
     pick_digit(__ldcg(&ghp[hi]), nb > TOPK_THREADS ? __ldcg(&ghp[hi - 1]) : 0, hi, shift, prefix, need, sm);
     mask |= (uint32_t)(nb - 1) << shift;
   }
-  int n_gt = 0, n_eq = 0;
-#pragma unroll
-  for (int p = 0; p < S; ++p) {
-    n_gt += p < cnt && key[p] > prefix;
-    n_eq += p < cnt && key[p] == prefix;
-  }
-  int both = 0;  // packed as in topk_row: a block holds at most 8192 keys
-  const int o_both = block_excl_scan(n_eq + (n_gt << 16), sm.warp_sums, &both);
+  int both = 0;  // a block holds at most 8192 keys
+  const int o_both = count_selected<S>(key, cnt, prefix, sm, &both);
   if (t == 0) g_topk_cnt[r][b] = make_int2(both >> 16, both & 0xFFFF);
   topk_row_barrier(bar, g);
   // every read of the histograms came before this barrier: zero them for the next launch
@@ -293,18 +309,9 @@ __device__ __forceinline__ void topk_wide_row(const float* __restrict__ row, int
   }
   __syncthreads();
   const int tot_gt = sm.total[0], eq0 = sm.before[1];
-  int o_gt = sm.before[0] + (o_both >> 16), o_eq = eq0 + (o_both & 0xFFFF);
-  const bool all_eq = sm.total[1] == need;  // every key equal to the threshold is taken: no index order needed
-#pragma unroll
-  for (int p = 0; p < S; ++p) {
-    if (p >= cnt) break;
-    const int e = base + p * TOPK_THREADS + t;
-    if (key[p] > prefix) {
-      dst[o_gt++] = e;
-    } else if (all_eq && key[p] == prefix) {
-      dst[tot_gt + o_eq++] = e;
-    }
-  }
+  const bool all_eq = sm.total[1] == need;
+  write_selected<S>(key, cnt, prefix, base, sm.before[0] + (o_both >> 16), tot_gt + eq0 + (o_both & 0xFFFF), all_eq,
+                    dst);
   // more equal keys than needed: this block's, ranked after the blocks' before it (eq0), lowest indices first
   if (!all_eq) take_ties<S>(key, cnt, prefix, need, eq0, base, dst + tot_gt, sm);
 }
@@ -318,11 +325,9 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_wide_kernel(const float* __
   const int r = blockIdx.y;
   const float* row = scores + (long)r * T;
   int64_t* dst = out + (long)r * k;
-  int n = T;
-  if (pos != nullptr) n = (int)min((long)T, max((long)k, (pos[r] + 1) / ratio));
+  const int n = topk_entries(T, k, pos, r, ratio);
   if (n == k) {
-    if (blockIdx.x == 0)
-      for (int i = threadIdx.x; i < k; i += TOPK_THREADS) dst[i] = i;
+    if (blockIdx.x == 0) topk_first_k(dst, k);
     return;
   }
   const int g = (n + TOPK_THREADS * S - 1) / (TOPK_THREADS * S);  // blocks that take part (<= gridDim.x)
