@@ -26,6 +26,7 @@
 //    at the k-slots of lane t = n (lane (n, n)), so C column n = the partial of lane n's chunk, which
 //    is scaled before accumulation.
 #pragma once
+#include "cp_async.cuh"
 #include "ds4_common.cuh"
 
 #include <type_traits>
@@ -456,29 +457,6 @@ template <int FMT, int W> __host__ __device__ constexpr int mma_smem_stage_bytes
 // Host: the dynamic shared memory a kernel adds for the stream (U == 0; plus 16 for alignment).
 template <int FMT, int U, int W> __host__ __device__ constexpr long mma_stream_smem() {
   return U == 0 ? (long)MMA_SMEM_STAGES * mma_smem_stage_bytes<FMT, W>() + 16 : 0;
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
 }
 
 template <int FMT, int W, typename TileFn>

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../cp_async.cuh"
 #include "../pdl.cuh"
 
 namespace ds4_attn {
@@ -49,18 +50,9 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }
-// Groups: the copies issued since the last commit form one group; wait_group<N> waits until at most N of this
-// thread's groups are still in flight (groups complete in commit order).
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-template <int N> __device__ __forceinline__ void cp_async_wait_group() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
+// Copy groups (commit, wait until at most N are in flight): the wrappers the ds4 extension's streams use.
+using ds4::cp_async_commit;
+using ds4::cp_async_wait;
 
 // A fragment of a 16 x 16 tile of a row-major bf16 matrix (row stride ld elements); rows >= nrows are 0.
 // GLOBAL: base is read-only global memory (loaded through the non-coherent path); else any memory

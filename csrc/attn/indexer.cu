@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     const int next = ch + gridDim.x;
     if (next < nvis) issue(next, kbuf(i + 1));  // into the buffer the previous chunk left (barrier below)
     cp_async_commit();                                 // (an empty group at the last chunk)
-    cp_async_wait_group<1>();                          // this chunk's keys (and q) landed
+    cp_async_wait<1>();                          // this chunk's keys (and q) landed
     __syncthreads();
     DS4_MARK(4);
     if (rope_freqs)

@@ -197,7 +197,7 @@ def topk_ok(rows: int, T: int) -> bool:
     entries, so the fused indexer takes torch.topk there as before."""
     if os.environ.get("DS4_TOPK_WIDE") == "0" and T > ONE_BLOCK_TOPK_LEN:
         return False
-    return 1 <= T <= TOPK_MAX_LEN and rows >= 1 and bool(_ops().topk_ok(int(rows), int(T)))
+    return bool(_ops().topk_ok(int(rows), int(T)))  # (rows >= 1 and 1 <= T <= TOPK_MAX_LEN checked there too)
 
 
 def topk(scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
