@@ -172,7 +172,34 @@ template <> struct Dec<FMT_FP4P> {
 };
 
 template <> struct Dec<FMT_FP4T> : Dec<FMT_FP4P> {};  // the same words, placed elsewhere (chunk_ptr)
-template <> struct Dec<FMT_FP8T> : Dec<FMT_FP8> {};    // the same bytes, placed elsewhere (chunk_ptr)
+
+// The FMT_FP8T word layout (ds4.quant.formats.tile_fp8_mma writes it): besides the chunk placement (chunk_ptr), the
+// 32 bits of each word of 4 E4M3 bytes b0..b3 are permuted so that register 0 of the tensor-core A fragment pairs
+// b0 (low bf16) with b2 and register 1 pairs b1 with b3, both as s 0000eeee mmm0000 (the true value x 2^-120, the
+// placement of fp8x2_to_bf16x2 in mma_dot.cuh):
+//   r0 = q & 0x87F087F0, r1 = ((q << 4) & 0x80F080F0) | ((q >> 4) & 0x07000700)
+// 3 LOP3 and one shift on the ALU pipe (the left shift drops no kept bit: an IMAD.SHL on the FMA pipe) where the
+// stored byte order takes 4 LOP3 and 2 shifts per word. Why: the FP4 tensor-core kernels are bound by the ALU pipe
+// (experiments/decode_session22_h200.md), and the FP8 decode took about as many ALU instructions per byte. No layout
+// has 2 LOP3 per word: register 1's bits cannot be one shifted copy of what register 0 leaves (runs of 7 kept bits
+// against runs of 4). H200, same machine, against the stored byte order: the FP8 GEMVs 1-3 % faster alone, the step
+// 103.9 / 103.7 against 104.8 / 104.8 us per layer (experiments/decode_session45_h200.md).
+__device__ __forceinline__ void fp8p_regs(uint32_t q, uint32_t (&r)[2]) {
+  r[0] = q & 0x87F087F0u;
+  r[1] = ((q << 4) & 0x80F080F0u) | ((q >> 4) & 0x07000700u);
+}
+template <> struct Dec<FMT_FP8T> {
+  static constexpr int PER_WORD = 4;
+  __device__ __forceinline__ static void word(uint32_t q, float* v) {
+    // the bf16 halves as the top of an fp32: the same fp32 as Dec<FMT_FP8> (bit 31 = s, bits 26..20 = eeee mmm)
+    uint32_t r[2];
+    fp8p_regs(q, r);
+    v[0] = __uint_as_float(r[0] << 16);
+    v[1] = __uint_as_float(r[1] << 16);
+    v[2] = __uint_as_float(r[0] & 0xffff0000u);
+    v[3] = __uint_as_float(r[1] & 0xffff0000u);
+  }
+};
 
 // Row byte length and scale byte of chunk c of row r.
 template <int FMT> __host__ __device__ __forceinline__ long row_bytes(int K) {

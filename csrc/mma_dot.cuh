@@ -86,9 +86,19 @@ __device__ __forceinline__ void mma_chunk<FMT_FP8>(const uint4& wg, const uint4&
   }
 }
 
+// FMT_FP8T: the same values per lane as FMT_FP8 (its chunks placed elsewhere), each word's bits permuted so that
+// fp8p_regs (ds4_common.cuh) gives the registers (b0, b2) and (b1, b3) directly; the same staged B.
 template <>
 __device__ __forceinline__ void mma_chunk<FMT_FP8T>(const uint4& wg, const uint4& wg8, const uint4* xb, float (&d)[4]) {
-  mma_chunk<FMT_FP8>(wg, wg8, xb, d);  // the same bytes per lane: only where they are stored differs
+  const uint32_t qa[4] = {wg.x, wg.y, wg.z, wg.w}, qb[4] = {wg8.x, wg8.y, wg8.z, wg8.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint4 b = xb[w >> 1];
+    uint32_t ra[2], rb[2];
+    fp8p_regs(qa[w], ra);
+    fp8p_regs(qb[w], rb);
+    mma_16816(d, ra[0], rb[0], ra[1], rb[1], (w & 1) ? b.z : b.x, (w & 1) ? b.w : b.y);
+  }
 }
 
 // The 4 A-fragment registers of one word of 8 E2M1 values: register i = (n_i, n_{i+4}) as bf16x2 (x 2^-126).

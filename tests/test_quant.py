@@ -245,22 +245,36 @@ def test_fp4t_relayout_in_place_by_chunks(chunk_bytes):
         tile_fp4_mma(torch.zeros(32, 2 * 64 * TILE_W, dtype=torch.int8)[:, :64 * TILE_W])
 
 
-def test_fp8t_is_fp4ts_byte_order_on_fp8_rows():
-    """fp8t (ds4.quant.tile_fp8_mma, linear=gemv_cuda's dense FP8 layout): the same permutation of 16-byte chunks as
-    fp4t, applied to E4M3 rows (one byte a value), in place and back; QWeight("fp8t") dequantises like fp8."""
+def test_fp8t_is_fp4ts_chunk_order_with_the_kernels_word_bits():
+    """fp8t (ds4.quant.tile_fp8_mma, linear=gemv_cuda's dense FP8 layout): the 16-byte chunks of E4M3 rows (one byte a
+    value) in fp4t's order, each 4-byte word's bits then permuted so that csrc/ds4_common.cuh's fp8p_regs (written out
+    here in pure Python) gives the A-fragment pairs (b0, b2) and (b1, b3) as bf16 of the E4M3 value x 2^-120, every
+    byte value in every position; in place and back; QWeight("fp8t") dequantises like fp8."""
     from ds4.ops.base import QWeight
-    from ds4.quant import dequant_fp8, fp8t_ok, tile_fp4_mma, tile_fp8_mma, untile_fp8_mma
+    from ds4.quant import dequant_fp8, fp8_e4m3_decode, fp8t_ok, tile_fp4_mma, tile_fp8_mma, untile_fp8_mma
     g = torch.Generator().manual_seed(13)
     b = torch.randint(0, 256, (48, 384), generator=g, dtype=torch.uint8)
-    w = torch.where((b & 0x7F) == 0x7F, b - 1, b).view(torch.float8_e4m3fn)
+    b[:16, :256] = torch.arange(256, dtype=torch.uint8)  # every byte value in every word position
+    b[16, :4] = 0xFF  # all ones: every bit must land once
+    w = torch.where((b & 0x7F) == 0x7F, b - 1, b).view(torch.float8_e4m3fn)  # no NaN codes
     s = torch.randint(118, 130, (1, 3), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     t = tile_fp8_mma(w)
     assert t.dtype == torch.float8_e4m3fn and t.shape == w.shape
-    exact(t.view(torch.uint8), tile_fp4_mma(w.view(torch.uint8)))
+    value = fp8_e4m3_decode(torch.arange(256, dtype=torch.uint8)).tolist()
+    chunks = tile_fp4_mma(w.view(torch.uint8))  # the bytes in fp8t's order, before the word bits are permuted
+    for q, qn in zip(t.view(torch.int32).flatten().tolist(), chunks.view(torch.int32).flatten().tolist()):
+        q, qn = q & 0xFFFFFFFF, qn & 0xFFFFFFFF
+        r0 = q & 0x87F087F0
+        r1 = ((q << 4) & 0x80F080F0) | ((q >> 4) & 0x07000700)
+        for half, byte in ((r0, 0), (r0 >> 16, 2), (r1, 1), (r1 >> 16, 3)):
+            want = value[(qn >> (8 * byte)) & 0xFF]
+            assert _bf16_bits_value(half) * 2.0 ** 120 == want, (hex(q), hex(qn), byte)
     exact(untile_fp8_mma(t).view(torch.uint8), w.view(torch.uint8))
     inplace = w.clone()
     assert tile_fp8_mma(inplace, out=inplace).data_ptr() == inplace.data_ptr()
     exact(inplace.view(torch.uint8), t.view(torch.uint8))
+    assert untile_fp8_mma(inplace, out=inplace, chunk_bytes=3 * 16 * 128).data_ptr() == inplace.data_ptr()
+    exact(inplace.view(torch.uint8), w.view(torch.uint8))
     a, q = QWeight("fp8", w, s), QWeight("fp8t", t, s)
     assert q.in_features == a.in_features == 384 and q.out_features == 48
     exact(q.dequant(), dequant_fp8(w, s))

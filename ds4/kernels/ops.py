@@ -3,7 +3,8 @@
 fmt codes: "bf16" -> 0, "fp8" -> 1 (E4M3 + E8M0 128x128), "fp4" -> 2 (E2M1 pairs + E8M0 per 32),
 "fp4p" -> 3 (fp4 with the permuted words of ds4.quant.pack_fp4_mma; the MoE kernels only), "fp4t" -> 4
 (fp4p in the tensor-core kernels' fragment order, ds4.quant.tile_fp4_mma; the MoE kernels only), "fp8t" -> 5
-(fp8 in that fragment order, ds4.quant.tile_fp8_mma: the dense GEMVs and the MoE kernels, the shared expert's).
+(fp8 in that fragment order with permuted words, ds4.quant.tile_fp8_mma: the dense GEMVs and the MoE kernels, the
+shared expert's).
 All kernels take BF16 activations and accumulate in fp32; they handle 1..8 tokens per launch and
 loop over token chunks beyond that (callers send prefill-sized batches elsewhere).
 """

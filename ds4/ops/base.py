@@ -81,7 +81,8 @@ class QWeight:
                 routed experts' layout under moe=fp4_topk (its kernels decode it in fewer instructions)
     fmt "fp4t": fp4p words in the tensor-core kernels' fragment order (ds4.quant.tile_fp4_mma): moe=fp4_topk's
                 default layout of the routed experts where the shapes allow (its kernels only)
-    fmt "fp8t": fp8 bytes in the same fragment order (ds4.quant.tile_fp8_mma), same shapes and scales:
+    fmt "fp8t": fp8 bytes in the same fragment order, the bits of each 4-byte word permuted for the kernels' decode
+                (ds4.quant.tile_fp8_mma), same shapes and scales:
                 linear=gemv_cuda's layout of the dense FP8 projections and moe=fp4_topk's of the shared expert where
                 the shapes allow (their CUDA kernels only)
     fmt "bf16": weight bfloat16 or float32 [..., O, I], scale None

@@ -305,8 +305,34 @@ def untile_fp4_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 <<
 
 # The fp8t layout (linear=gemv_cuda's default for the dense FP8 projections and moe=fp4_topk's for the shared
 # expert where the shapes allow; DS4_FP8_TILE=0 keeps fp8): the stored E4M3 bytes placed by the same permutation as
-# fp4t. MmaStream reads 16-byte chunks whatever they hold, so FP8 rows (one byte a value, K bytes a row) tile exactly
-# as FP4 rows do; the E8M0 128 x 128 scales keep their place.
+# fp4t, and the 32 bits of each 4-byte word then permuted (_FP8_MMA_SRC). MmaStream reads 16-byte chunks whatever
+# they hold, so FP8 rows (one byte a value, K bytes a row) tile exactly as FP4 rows do, and a chunk's words stay
+# whole, so the two permutations commute; the E8M0 128 x 128 scales keep their place.
+def _fp8_mma_sources() -> list[int]:
+    """src[j] = the bit of a stored word (E4M3 bytes b0..b3, byte k = bits 8k..8k+7) that bit j of the fp8t word
+    holds.
+
+    Written from the device decode (fp8p_regs, csrc/ds4_common.cuh): r0 = q & 0x87F087F0 holds (b0, b2) and
+    r1 = ((q << 4) & 0x80F080F0) | ((q >> 4) & 0x07000700) holds (b1, b3), each bf16 half as s 0000eeee mmm0000
+    (half bit 15 = byte bit 7, half bits 10..4 = byte bits 6..0): the A-fragment registers the stored byte order
+    gives with two shifts and two masks each (fp8x2_to_bf16x2, csrc/mma_dot.cuh). Output bit p of a piece shifted
+    left by s reads fp8t bit p - s."""
+    groups = [[(0, 0x87F087F0)], [(4, 0x80F080F0), (-4, 0x07000700)]]
+    src = [-1] * 32
+    for i, pieces in enumerate(groups):
+        for shift, mask in pieces:
+            for p in range(32):
+                if mask >> p & 1:
+                    byte = i + (2 if p >= 16 else 0)
+                    src[p - shift] = 8 * byte + (7 if p % 16 == 15 else p % 16 - 4)
+    assert sorted(src) == list(range(32)), src  # a permutation
+    return src
+
+
+_FP8_MMA_SRC = _fp8_mma_sources()
+_FP8_MMA_INV = [_FP8_MMA_SRC.index(b) for b in range(32)]
+
+
 def fp8t_ok(rows: int, cols: int) -> bool:
     """Whether an FP8 [rows, cols] matrix can be laid out as fp8t (whole 16-row tiles and rounds)."""
     return fp4t_ok(rows, cols)
@@ -315,13 +341,15 @@ def fp8t_ok(rows: int, cols: int) -> bool:
 def tile_fp8_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 << 26) -> Tensor:
     """fp8 (float8_e4m3fn) [..., O, I] -> the fp8t layout (same shape, dtype and scales); `out=w` converts in place."""
     u8 = tile_fp4_mma(w.view(torch.uint8), None if out is None else out.view(torch.uint8), chunk_bytes)
-    return u8.view(w.dtype)
+    return _permute_word_bits(u8, _FP8_MMA_SRC, u8, max(1, chunk_bytes // 4)).view(w.dtype)
 
 
 def untile_fp8_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 << 26) -> Tensor:
     """The inverse of tile_fp8_mma: fp8t bytes -> the stored fp8 layout; `out=w` converts in place."""
-    u8 = untile_fp4_mma(w.view(torch.uint8), None if out is None else out.view(torch.uint8), chunk_bytes)
-    return u8.view(w.dtype)
+    # the words' bits first, into out (or a new tensor), whose tiles are then undone in place
+    u8 = _permute_word_bits(w.view(torch.uint8), _FP8_MMA_INV, None if out is None else out.view(torch.uint8),
+                            max(1, chunk_bytes // 4))
+    return untile_fp4_mma(u8, u8, chunk_bytes).view(w.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
