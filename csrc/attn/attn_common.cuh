@@ -22,41 +22,6 @@ __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// ldmatrix (sm_75+): four 8 x 8 bf16 matrices from shared memory in one warp instruction. Lane i gives the address of
-// row i % 8 of matrix i / 8 (16-byte aligned rows of 8 values); r[j] = matrix j's fragment: lane (g, c) holds row g,
-// columns 2c, 2c+1 (ldsm_x4), or with the transpose rows 2c, 2c+1 of column g (ldsm_x4_t) - so a matrix whose rows
-// are a product's n index and columns its k index gives an mma16816 B register (b0: k 0..7, b1: k 8..15), and the
-// transpose does it for rows k, columns n. Where the kernels took their fragments with 32-bit (and 16-bit) loads,
-// one ldmatrix replaces 8 (32) of them. DS4_ATTN_LDS (A/B build switch): the loads as before.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
-  const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const uint16_t* p) {
-  const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-// The B registers (b0, b1) of n-tiles nt and nt + 1 of a product whose B^T rows (n) lie in shared memory: row n at
-// base + n * ld, k0 .. k0 + 15 -> r = {b0(nt), b1(nt), b0(nt+1), b1(nt+1)}.
-__device__ __forceinline__ void ldsm_b_pair(uint32_t (&r)[4], const uint16_t* base, int ld, int nt, int k0, int lane) {
-  const int j = lane >> 3;
-  ldsm_x4(r, base + ((nt + (j >> 1)) * 8 + (lane & 7)) * ld + k0 + (j & 1) * 8);
-}
-// The same where B itself (rows k) lies in shared memory: row k at base + k * ld, columns n0 .. n0 + 15 = n-tiles
-// n0 / 8 and n0 / 8 + 1, rows k0 .. k0 + 15.
-__device__ __forceinline__ void ldsm_bt_pair(uint32_t (&r)[4], const uint16_t* base, int ld, int n0, int k0,
-                                             int lane) {
-  const int j = lane >> 3;
-  ldsm_x4_t(r, base + (k0 + (j & 1) * 8 + (lane & 7)) * ld + n0 + (j >> 1) * 8);
-}
-// The A registers of rows row0 .. row0 + 15, columns k0 .. k0 + 15 (all rows in shared memory).
-__device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const uint16_t* base, int ld, int row0, int k0, int lane) {
-  const int j = lane >> 3;
-  ldsm_x4(a, base + (row0 + (j & 1) * 8 + (lane & 7)) * ld + k0 + (j >> 1) * 8);
-}
-
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);

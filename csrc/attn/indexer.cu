@@ -52,21 +52,11 @@ __device__ __forceinline__ void indexer_chunk(const uint16_t* ks, int LD, const 
     for (int k0 = 0; k0 < d; k0 += 16) {
       uint32_t af[4];
       load_a_rows<GQ>(af, qr, qld, mt * 16, H, k0, lane);
-#ifdef DS4_ATTN_LDS
 #pragma unroll
       for (int nt = 0; nt < IX_KC / 8; ++nt) {
         const uint16_t* kr = ks + (nt * 8 + g) * LD + k0 + 2 * c;
         mma16816(sc[nt], af, *reinterpret_cast<const uint32_t*>(kr), *reinterpret_cast<const uint32_t*>(kr + 8));
       }
-#else
-#pragma unroll
-      for (int nt = 0; nt < IX_KC / 8; nt += 2) {
-        uint32_t b[4];
-        ldsm_b_pair(b, ks, LD, nt, k0, lane);
-        mma16816(sc[nt], af, b[0], b[1]);
-        mma16816(sc[nt + 1], af, b[2], b[3]);
-      }
-#endif
     }
     const int h0 = mt * 16 + g, h1 = h0 + 8;
     float w0 = head_w(h0), w1 = head_w(h1);

@@ -170,7 +170,6 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
     for (int nt = 0; nt < SP_KC / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
     for (int k0 = warp * 64; k0 < D; k0 += SP_WARPS * 64) {  // D % 64 == 0
       uint32_t af[4][4];
-#ifdef DS4_ATTN_LDS
 #pragma unroll
       for (int u = 0; u < 4; ++u) load_a_rows<false>(af[u], qs, LD, 0, 16, k0 + 16 * u, lane);
 #pragma unroll
@@ -183,20 +182,6 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
           mma16816(sc[nt], af[u], b0, b1);
         }
       }
-#else
-#pragma unroll
-      for (int u = 0; u < 4; ++u) ldsm_a(af[u], qs, LD, 0, k0 + 16 * u, lane);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-#pragma unroll
-        for (int nt = 0; nt < SP_KC / 8; nt += 2) {
-          uint32_t b[4];
-          ldsm_b_pair(b, ks, LD, nt, k0 + 16 * u, lane);
-          mma16816(sc[nt], af[u], b[0], b[1]);
-          mma16816(sc[nt + 1], af[u], b[2], b[3]);
-        }
-      }
-#endif
     }
     // The sum over the warps, once per fragment piece (thread i < SP_SFRAG owns piece i), in warp order
     // (deterministic), then every warp reads the whole S back. Each access of a warp is 32 consecutive
@@ -297,7 +282,6 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
       float (&o)[8][4] = SLICE ? acc : oc;
 #pragma unroll
       for (int kk = 0; kk < SP_KC / 16; ++kk) {
-#ifdef DS4_ATTN_LDS
         const uint16_t* v0 = ks + (kk * 16 + 2 * c) * LD + db + g;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
@@ -306,15 +290,6 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
           const uint32_t vb1 = pack_u16(vp[8 * LD], vp[9 * LD]);
           mma16816(o[nt], pa[kk], vb0, vb1);
         }
-#else
-#pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {  // V = the key rows: B is [keys][dims] row-major, the transpose
-          uint32_t b[4];
-          ldsm_bt_pair(b, ks, LD, db + nt * 8, kk * 16, lane);
-          mma16816(o[nt], pa[kk], b[0], b[1]);
-          mma16816(o[nt + 1], pa[kk], b[2], b[3]);
-        }
-#endif
       }
       if constexpr (!SLICE) {
 #pragma unroll
