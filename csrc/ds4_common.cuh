@@ -179,11 +179,12 @@ template <> struct Dec<FMT_FP4T> : Dec<FMT_FP4P> {};  // the same words, placed 
 // placement of fp8x2_to_bf16x2 in mma_dot.cuh):
 //   r0 = q & 0x87F087F0, r1 = ((q << 4) & 0x80F080F0) | ((q >> 4) & 0x07000700)
 // 3 LOP3 and one shift on the ALU pipe (the left shift drops no kept bit: an IMAD.SHL on the FMA pipe) where the
-// stored byte order takes 4 LOP3 and 2 shifts per word. Why: the FP4 tensor-core kernels are bound by the ALU pipe
-// (experiments/decode_session22_h200.md), and the FP8 decode took about as many ALU instructions per byte. No layout
-// has 2 LOP3 per word: register 1's bits cannot be one shifted copy of what register 0 leaves (runs of 7 kept bits
-// against runs of 4). H200, same machine, against the stored byte order: the FP8 GEMVs 1-3 % faster alone, the step
-// 103.9 / 103.7 against 104.8 / 104.8 us per layer (experiments/decode_session45_h200.md).
+// stored byte order compiles to 4 LOP3, one shift and two IMAD.SHL per word. Why: the FP4 tensor-core kernels are
+// bound by the ALU pipe (experiments/decode_session22_h200.md), and the FP8 decode took about as many ALU
+// instructions per byte. No layout has 2 LOP3 per word: register 1's bits cannot be one shifted copy of what
+// register 0 leaves (runs of 7 kept bits against runs of 4). H200, same machine, against the stored byte order: the
+// FP8 GEMVs 1-3 % faster alone, the step 103.9 / 103.7 against 104.8 / 104.8 us per layer
+// (experiments/decode_session45_h200.md).
 __device__ __forceinline__ void fp8p_regs(uint32_t q, uint32_t (&r)[2]) {
   r[0] = q & 0x87F087F0u;
   r[1] = ((q << 4) & 0x80F080F0u) | ((q >> 4) & 0x07000700u);
