@@ -249,12 +249,13 @@ def test_fp8t_is_fp4ts_chunk_order_with_the_kernels_word_bits():
     """fp8t (ds4.quant.tile_fp8_mma, linear=gemv_cuda's dense FP8 layout): the 16-byte chunks of E4M3 rows (one byte a
     value) in fp4t's order, each 4-byte word's bits then permuted so that csrc/ds4_common.cuh's fp8p_regs (written out
     here in pure Python) gives the A-fragment pairs (b0, b2) and (b1, b3) as bf16 of the E4M3 value x 2^-120, every
-    byte value in every position; in place and back; QWeight("fp8t") dequantises like fp8."""
+    byte value but NaN's in every position; in place and back; QWeight("fp8t") dequantises like fp8."""
     from ds4.ops.base import QWeight
     from ds4.quant import dequant_fp8, fp8_e4m3_decode, fp8t_ok, tile_fp4_mma, tile_fp8_mma, untile_fp8_mma
     g = torch.Generator().manual_seed(13)
     b = torch.randint(0, 256, (48, 384), generator=g, dtype=torch.uint8)
-    b[:16, :256] = torch.arange(256, dtype=torch.uint8)  # every byte value in every word position
+    # every byte value in every word position: row r holds value v at column (v - r) % 256
+    b[:16, :256] = ((torch.arange(256) + torch.arange(16)[:, None]) % 256).to(torch.uint8)
     b[16, :4] = 0xFF  # all ones: every bit must land once
     w = torch.where((b & 0x7F) == 0x7F, b - 1, b).view(torch.float8_e4m3fn)  # no NaN codes
     s = torch.randint(118, 130, (1, 3), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)

@@ -9,8 +9,8 @@ qat (act_quant=True): the activation is FP8-simulated per 128 channels (ds4.quan
 extra torch ops) before the same kernel, as the reference does.
 Layout: `prepare` (at load, and when a loaded model is configured with this implementation) places the dense FP8
 projections' bytes in the tensor-core GEMV's fragment order, each word's bits permuted for a cheaper decode (fmt
-"fp8t", ds4.quant.tile_fp8_mma; experiments/decode_session45_h200.md), where
-the shapes allow, so that every warp load of the one-token GEMV reads 512 contiguous bytes instead of 128-byte runs
+"fp8t", ds4.quant.tile_fp8_mma; experiments/decode_session45_h200.md), where the shapes allow, so that every warp
+load of the one-token GEMV reads 512 contiguous bytes instead of 128-byte runs
 of 8 rows (a read-only probe of the two patterns: 3867 against 3585 GB/s on an H200,
 experiments/decode_session6_h200.md; the decode step: 105.9 / 105.5 against 107.3 / 107.1 us per layer,
 experiments/decode_session41_h200.md). DS4_FP8_TILE=0 keeps (or restores) the stored layout; =1 requires fp8t and
