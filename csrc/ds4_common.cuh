@@ -181,9 +181,9 @@ template <> struct Dec<FMT_FP4T> : Dec<FMT_FP4P> {};  // the same words, placed 
 // 3 LOP3 and one shift on the ALU pipe (the left shift drops no kept bit: an IMAD.SHL on the FMA pipe) where the
 // stored byte order compiles to 4 LOP3, one shift and two IMAD.SHL per word. Why: the FP4 tensor-core kernels are
 // bound by the ALU pipe (experiments/decode_session22_h200.md), and the FP8 decode took about as many ALU
-// instructions per byte. No layout has 2 LOP3 per word: register 1's bits cannot be one shifted copy of what
-// register 0 leaves (runs of 7 kept bits against runs of 4). H200, same machine, against the stored byte order: the
-// FP8 GEMVs 1-3 % faster alone, the step 103.9 / 103.7 against 104.8 / 104.8 us per layer
+// instructions per byte. No layout does it in 3 ALU instructions (scripts/fp4_decode_search.py, its FP8 lines): with
+// 2 LOP3 register 1's bits would be one shifted copy of what register 0 leaves. H200, same machine, against the
+// stored byte order: the FP8 GEMVs 1-3 % faster alone, the step 103.9 / 103.7 against 104.8 / 104.8 us per layer
 // (experiments/decode_session45_h200.md).
 __device__ __forceinline__ void fp8p_regs(uint32_t q, uint32_t (&r)[2]) {
   r[0] = q & 0x87F087F0u;

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Search the bit layouts of a 32-bit word of 8 E2M1 nibbles for the cheapest decode into 4 MMA registers.
+"""Search the bit layouts of a 32-bit word of 8 E2M1 nibbles (or 4 E4M3 bytes) for the cheapest decode into MMA
+registers.
 
     python scripts/fp4_decode_search.py
 
@@ -17,12 +18,19 @@ It answers two questions for session 34's record (experiments/decode_session34_h
 Exhaustive over the shifts; prints each format's first solution or "none". The fp16 form, timed alone
 (scripts/probe_fp16_decode.cu, session 34 run 4), was only 3.2 % faster than bf16's: its extra left shifts run on
 the FMA pipe, which the arithmetic also needs.
+
+Session 45 asked the same of the FP8 projections' words (fp8t, experiments/decode_session45_h200.md): 4 E4M3 bytes
+into 2 bf16x2 registers, each value s 0000eeee mmm0000, the bits {4..10, 15} of a half (FP8_BITS). With left shifts
+only, 3 LOP3 admit none; with one SHF beside 3 LOP3 (4 ALU, fp8p_regs in csrc/ds4_common.cuh) they do; 2 LOP3 and
+one SHF admit none.
 """
 from __future__ import annotations
 
 import itertools
 
 FORMATS = {"bf16": [6, 7, 8, 15, 22, 23, 24, 31], "fp16": [9, 10, 11, 15, 25, 26, 27, 31]}
+FP8_BITS = [*range(4, 11), 15, *range(20, 27), 31]  # E4M3 as bf16 (x 2^-120): a register's bits, two values
+ROTATIONS = [("R", s) for s in range(1, 32)] + [("W", s) for s in range(1, 32)]
 
 
 def source(p: int, op: tuple[str, int]) -> int | None:
@@ -47,18 +55,21 @@ def covers(bits: list[int], want: set[int], ops: tuple):
 
 
 def search(bits: list[int], max_lop3: int, extra_ops: list[tuple]) -> list | None:
-    """4 registers from at most max_lop3 pieces, shifts from the left shifts that keep every bit plus at most one of
-    extra_ops; registers as lists of (op, mask)."""
+    """32 / len(bits) registers from at most max_lop3 pieces, shifts from the left shifts that keep every bit plus at
+    most one of extra_ops; registers as lists of (op, mask)."""
+    n = 32 // len(bits)
     lefts = [("L", s) for s in range(32) if all(p >= s for p in bits)]
     for extra in [None, *extra_ops]:
         ops = lefts + ([extra] if extra else [])
         singles = {op: {source(p, op) for p in bits} for op in ops if all(source(p, op) is not None for p in bits)}
-        for k in (3, 2):  # registers of one piece; the others share the remaining LOP3s
+        # k registers of one piece, the others sharing the remaining LOP3s at two pieces or more each: every layout
+        # within max_lop3 has at least 2 n - max_lop3 registers of one piece
+        for k in range(min(n, max_lop3), max(0, 2 * n - max_lop3) - 1, -1):
             for combo in itertools.combinations(singles, k):
                 used = set().union(*(singles[op] for op in combo))
-                if len(used) != 8 * k:
+                if len(used) != len(bits) * k:
                     continue
-                rest = rest_registers(bits, set(range(32)) - used, 4 - k, max_lop3 - k, ops)
+                rest = rest_registers(bits, set(range(32)) - used, n - k, max_lop3 - k, ops)
                 if rest is not None:
                     regs = [[(op, sum(1 << p for p in bits))] for op in combo] + rest
                     if extra is None or any(op == extra for r in regs for op, _ in r):
@@ -91,9 +102,12 @@ def main() -> None:
     for name, bits in FORMATS.items():
         regs = search(bits, 6, [])
         print(f"{name}, at most 6 LOP3, left shifts only: {show(regs) if regs else 'none'}")
-    rot = [("R", s) for s in range(1, 32)] + [("W", s) for s in range(1, 32)]
-    regs = search(FORMATS["bf16"], 5, rot)
+    regs = search(FORMATS["bf16"], 5, ROTATIONS)
     print(f"bf16, 5 LOP3 and one SHF: {show(regs) if regs else 'none'}")
+    for max_lop3, extra, what in ((3, [], "at most 3 LOP3, left shifts only"), (2, ROTATIONS, "2 LOP3 and one SHF"),
+                                  (3, ROTATIONS, "3 LOP3 and one SHF")):
+        regs = search(FP8_BITS, max_lop3, extra)
+        print(f"fp8 as bf16, {what}: {show(regs) if regs else 'none'}")
 
 
 if __name__ == "__main__":
