@@ -191,24 +191,28 @@ def unpack_fp4(packed: Tensor) -> Tensor:
     return torch.stack((lo, hi), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
 
 
-def _fp4_mma_sources() -> list[int]:
-    """src[j] = the bit of a stored (natural) word that bit j of the fp4p word holds.
-
-    Written from the device decode (fp4p_regs): register i = rotl(q, s) & mask over its groups, its low
-    bf16 half = element i, high half = element i + 4, each as s 000000e1e0 m000000 (bits 15, 8, 7, 6 of
-    the half = nibble bits 3, 2, 1, 0). Output bit p of a group with rotation s reads fp4p bit (p - s) % 32."""
-    m = 0x81C081C0
-    groups = [[(0, m)], [(4, m)], [(10, m)], [(6, 0x80C080C0), (14, 0x01000100)]]
-    nibble_bit = {6: 0, 7: 1, 8: 2, 15: 3}
+def _word_sources(registers: list[list[tuple[int, int]]], value_bit) -> list[int]:
+    """src[j] = the bit of a stored word that bit j of the permuted word holds, written from a device decode:
+    register i is the OR of its pieces (q rotated left by s) & mask (a right shift: s < 0), and value_bit(i, p) is
+    the stored bit that register i's bit p decodes. Output bit p of a piece with rotation s reads bit (p - s) % 32."""
     src = [-1] * 32
-    for i, gs in enumerate(groups):
-        for rot, mask in gs:
+    for i, pieces in enumerate(registers):
+        for rot, mask in pieces:
             for p in range(32):
                 if mask >> p & 1:
-                    elem = i if p < 16 else i + 4
-                    src[(p - rot) % 32] = 4 * elem + nibble_bit[p % 16]
+                    src[(p - rot) % 32] = value_bit(i, p)
     assert sorted(src) == list(range(32)), src  # a permutation
     return src
+
+
+def _fp4_mma_sources() -> list[int]:
+    """The fp4p word's bits (_word_sources), from the device decode fp4p_regs: register i = rotl(q, s) & mask over its
+    pieces, its low bf16 half = element i, high half = element i + 4, each as s 000000e1e0 m000000 (bits 15, 8, 7, 6
+    of the half = nibble bits 3, 2, 1, 0)."""
+    m = 0x81C081C0
+    nibble_bit = {6: 0, 7: 1, 8: 2, 15: 3}
+    return _word_sources([[(0, m)], [(4, m)], [(10, m)], [(6, 0x80C080C0), (14, 0x01000100)]],
+                         lambda i, p: 4 * (i if p < 16 else i + 4) + nibble_bit[p % 16])
 
 
 _FP4_MMA_SRC = _fp4_mma_sources()
@@ -309,24 +313,13 @@ def untile_fp4_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 <<
 # they hold, so FP8 rows (one byte a value, K bytes a row) tile exactly as FP4 rows do, and a chunk's words stay
 # whole, so the two permutations commute; the E8M0 128 x 128 scales keep their place.
 def _fp8_mma_sources() -> list[int]:
-    """src[j] = the bit of a stored word (E4M3 bytes b0..b3, byte k = bits 8k..8k+7) that bit j of the fp8t word
-    holds.
-
-    Written from the device decode (fp8p_regs, csrc/ds4_common.cuh): r0 = q & 0x87F087F0 holds (b0, b2) and
-    r1 = ((q << 4) & 0x80F080F0) | ((q >> 4) & 0x07000700) holds (b1, b3), each bf16 half as s 0000eeee mmm0000
-    (half bit 15 = byte bit 7, half bits 10..4 = byte bits 6..0): the A-fragment registers the stored byte order
-    gives with two shifts and two masks each (fp8x2_to_bf16x2, csrc/mma_dot.cuh). Output bit p of a piece shifted
-    left by s reads fp8t bit p - s."""
-    groups = [[(0, 0x87F087F0)], [(4, 0x80F080F0), (-4, 0x07000700)]]
-    src = [-1] * 32
-    for i, pieces in enumerate(groups):
-        for shift, mask in pieces:
-            for p in range(32):
-                if mask >> p & 1:
-                    byte = i + (2 if p >= 16 else 0)
-                    src[p - shift] = 8 * byte + (7 if p % 16 == 15 else p % 16 - 4)
-    assert sorted(src) == list(range(32)), src  # a permutation
-    return src
+    """The fp8t word's bits (_word_sources; stored E4M3 bytes b0..b3, byte k = bits 8k..8k+7), from the device decode
+    fp8p_regs (csrc/ds4_common.cuh): r0 = q & 0x87F087F0 holds (b0, b2) and r1 = ((q << 4) & 0x80F080F0) |
+    ((q >> 4) & 0x07000700) holds (b1, b3), each bf16 half as s 0000eeee mmm0000 (half bit 15 = byte bit 7, half bits
+    10..4 = byte bits 6..0): the A-fragment registers the stored byte order gives with two shifts and two masks each
+    (fp8x2_to_bf16x2, csrc/mma_dot.cuh)."""
+    return _word_sources([[(0, 0x87F087F0)], [(4, 0x80F080F0), (-4, 0x07000700)]],
+                         lambda i, p: 8 * (i + (2 if p >= 16 else 0)) + (7 if p % 16 == 15 else p % 16 - 4))
 
 
 _FP8_MMA_SRC = _fp8_mma_sources()
