@@ -26,6 +26,12 @@ def test_bench_tokens_choose_the_sites(tokens, expected):
 def test_launch_order_tokens_set_their_variables(tokens, expected):
     env = _bench_decode().launch_order_env(tokens)
     assert (env["DS4_PREFETCH"], env["DS4_PREFETCH_DOWN"], env["DS4_SPACER"]) == expected
+    assert env["DS4_L2_AHEAD"] is None
+
+
+@pytest.mark.parametrize("tokens,expected", [({"l2a4"}, "4"), ({"l2a2", "pre1"}, "2"), ({"l2a"}, None)])
+def test_l2_ahead_token_sets_its_variable(tokens, expected):
+    assert _bench_decode().launch_order_env(tokens)["DS4_L2_AHEAD"] == expected
 
 
 @pytest.mark.parametrize("tokens,expected", [
@@ -38,6 +44,12 @@ def test_depth_tokens_set_their_variables(tokens, expected):
     env = _bench_decode().depth_env(tokens)
     got = (env["DS4_ROUTED_DEPTH"], env["DS4_LONG_ROW_DEPTH"], env["DS4_DOWN_DEPTH"], env["DS4_SHARED_DEPTH"])
     assert got == expected
+    assert env["DS4_SHORT_ROW_DEPTH"] is None
+
+
+def test_short_row_depth_token_is_not_the_routed_or_long_row_one():
+    env = _bench_decode().depth_env({"srd4"})
+    assert env["DS4_SHORT_ROW_DEPTH"] == "4" and env["DS4_ROUTED_DEPTH"] is None and env["DS4_LONG_ROW_DEPTH"] is None
 
 
 def test_repeated_variants_get_rows_of_their_own():
