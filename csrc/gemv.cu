@@ -145,8 +145,7 @@ template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, CW>()))
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                 int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb,
-                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold, int pre, const RowSkip skip,
-                int l2a) {
+                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold, int pre, const RowSkip skip) {
   DS4_MARK(0);
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
@@ -190,7 +189,6 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
   ds4_pdl::begin();
   zero_skipped();
   st.prefetch_rest(pre_rounds);
-  if constexpr (U > 0) st.l2_ahead(l2a);  // DS4_L2_AHEAD (0 by default; the register stream only)
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, O);
   mma_part_zero(part, nt);
   if constexpr (NORM) stage_mma_rmsnorm<FMT>(xs, x, K, nw, nw_f32 != 0, eps);
@@ -254,14 +252,6 @@ int mma_depth_for(int K, bool grouped, int long_rows) {
   return d == 8 && long_rows ? long_rows : d;
 }
 int mma_depth(int K, bool grouped) { return mma_depth_for(K, grouped, env_depth("DS4_LONG_ROW_DEPTH")); }
-// The dense GEMVs' depth: mma_depth, where DS4_SHORT_ROW_DEPTH (bench token srdN; an ablation) replaces the rule's 2
-// (rows of K <= 2048 and the grouped wo_a: wq_b, wo_a, the indexer's wq_b at V4's shapes). The MoE downs, whose rule
-// says 2 as well, keep theirs (DS4_DOWN_DEPTH).
-static int dense_mma_depth(int K, bool grouped) {
-  const int d = mma_depth(K, grouped);
-  const int s = env_depth("DS4_SHORT_ROW_DEPTH");
-  return d == 2 && s && !env_depth("DS4_MMA_DEPTH") ? s : d;
-}
 
 template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
 static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32, int O,
@@ -291,7 +281,7 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   return ds4_pdl::launch(kern, dim3(blocks), dim3(MMA_STREAM_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
                          out_f32 ? 1 : 0, O, K, group_rows, tpb, nw, nw_f32 ? 1 : 0, eps, fold,
-                         mma_prefetch_rounds(false), skip, mma_l2_ahead());
+                         mma_prefetch_rounds(false), skip);
 }
 
 __global__ void spacer_kernel() { ds4_pdl::begin(); }
@@ -300,14 +290,6 @@ cudaError_t launch_spacer_before(char kind, cudaStream_t st) {
   const char* env = std::getenv("DS4_SPACER");
   if (!env || !std::strchr(env, kind)) return cudaSuccess;
   return ds4_pdl::launch(spacer_kernel, dim3(1), dim3(32), 0, st);
-}
-
-// DS4_L2_AHEAD=P (bench token l2aP; read at every launch, an ablation): each tensor-core GEMV warp requests its
-// next P weight rounds into L2 right after the PDL wait (MmaStream::l2_ahead); 0 (unset): none.
-int mma_l2_ahead() {
-  const char* env = std::getenv("DS4_L2_AHEAD");
-  const int p = env ? std::atoi(env) : 0;
-  return p > 0 ? p : 0;
 }
 
 int mma_prefetch_rounds(bool down) {
@@ -388,7 +370,7 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
                       4L * mma_part_floats(1) + 2L * K * (group_rows > 0 ? 2 : 1) <= SMEM_CAP;
   if (kernel == KERNEL_MMA && !mma_ok) return cudaErrorInvalidValue;
   if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt, K, O))) {
-    return with_dense_mma(fmt, K, dense_mma_depth(K, group_rows > 0), [&](auto f, auto cw, auto u) {
+    return with_dense_mma(fmt, K, mma_depth(K, group_rows > 0), [&](auto f, auto cw, auto u) {
       constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
       return gemv_mma_go<F, U, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
     });
@@ -525,7 +507,7 @@ cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const voi
   if (!gemv_rmsnorm_ok(fmt, O, K) || nw == nullptr) return cudaErrorInvalidValue;
   if (skip.pos != nullptr && (skip.ratio < 1 || skip.k < 1 || skip.rows < 16 || skip.rows % 16 || skip.rows >= O))
     return cudaErrorInvalidValue;
-  return with_dense_mma(fmt, K, dense_mma_depth(K, false), [&](auto f, auto cw, auto u) {
+  return with_dense_mma(fmt, K, mma_depth(K, false), [&](auto f, auto cw, auto u) {
     constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
     return gemv_mma_go<F, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps, {}, skip);
   });
@@ -547,7 +529,7 @@ bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) {
 cudaError_t launch_gemv_fold(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, int O, int K,
                              const HcFold& fold, cudaStream_t st) {
   if (!hc_fold_ok(0, fmt, O, K, 1, fold.n) || fold.mix != (2 + fold.n) * fold.n) return cudaErrorInvalidValue;
-  return with_dense_mma(fmt, K, dense_mma_depth(K, false), [&](auto f, auto cw, auto u) {
+  return with_dense_mma(fmt, K, mma_depth(K, false), [&](auto f, auto cw, auto u) {
     constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
     return gemv_mma_go<F, U, CW, false, true>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr, false, 0.f, fold);
   });

@@ -378,25 +378,6 @@ struct MmaStream {
       if (k >= from && left > 0) load(k);
   }
 
-  // prefetch.global.L2 of the load segment's next rounds, up to p (those load() issues later), one request per
-  // 128-byte line; the load cursor does not move. An ablation (gemv_mma_kernel, DS4_L2_AHEAD): right after the PDL
-  // wait, while the activations are staged, the weight loads after the first U rounds already go out.
-  __device__ __forceinline__ void l2_ahead(int p) const {
-    if (left <= 0 || p <= 0) return;
-    const int lane = threadIdx.x & 31;
-    if (TILED ? (lane & 7) != 0 : (lane & 3) != 0) return;  // tiled: 8 lanes per line; else t = 0's row runs
-    const int end = min(nr, lr + min(p, left));
-    for (int r = lr; r < end; ++r) {
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        const long off = TILED ? (long)(r * W + w) * 1024 : (long)r * 64 * W + 16 * w;
-        if (!TILED && (16 * w) % 128 != 0) continue;  // a row's run of one round: 64 W bytes from one line start
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(pa + off));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(pb + off));
-      }
-    }
-  }
-
   // FP4 scale of (row half hr: 0 = g, 1 = g+8, column j of the lane's pair, chunk w)
   __device__ __forceinline__ float fp4_scale(int k, int hr, int j, int w) const {
     if (W == 1) return e8m0_mma_scale(sc[k][0], 2 * hr + j);

@@ -47,8 +47,7 @@ takes NN % of a resident wave, so the down kernel's blocks can be resident besid
 flight, the other kernels their defaults; the library's default at V4's dim is 4 since session 33, rd8 the one
 before), lrdN (DS4_LONG_ROW_DEPTH=N: the same for the kernels whose per-shape rule says 8 — wq_a + wkv, wo_b and
 the shared expert's gate+up at V4's shapes), dnN (DS4_DOWN_DEPTH=N: the routed and shared experts' down kernels),
-shdN (DS4_SHARED_DEPTH=N: the shared expert's gate+up alone), srdN (DS4_SHORT_ROW_DEPTH=N: the dense GEMVs whose
-per-shape rule says 2 — wq_b, the grouped wo_a, the indexer's wq_b at V4's shapes; the MoE downs keep theirs),
+shdN (DS4_SHARED_DEPTH=N: the shared expert's gate+up alone),
 capN (the state's caches sized for N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default
 max_seq_len, instead of this run's prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
@@ -80,10 +79,10 @@ writes zeros in its place, with noride only), noidxskip (DS4_INDEXER_SKIP=0: the
 scores rows whose visible entries the top-k takes all of, as before session 37; the same indices), noqskip
 (Attention.skip_index_query off: the merged wq_b + indexer wq_b GEMV also computes the index queries there),
 deferN (Attention.defer_compress = N: the compressors project up to N tokens at once, the largest divisor of the
-ratio, on every N-th step, instead of every token at its own step; session 38, opt-in),
+ratio, on every N-th step, instead of every token at its own step; session 38, opt-in), deferhN (the same for the HCA
+layers' compressor alone),
 preN / dpreN (DS4_PREFETCH / DS4_PREFETCH_DOWN=N: the tensor-core GEMVs / the MoE down kernels load only N weight
-rounds before their PDL wait, the rest after it; default all), l2aN (DS4_L2_AHEAD=N: each tensor-core GEMV warp
-requests its next N weight rounds into L2 right after its PDL wait, while the activations are staged), spLETTERS
+rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
 launch; a diagnostic, outputs unchanged). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
@@ -170,26 +169,24 @@ def launch_order_env(toks: set[str]) -> dict[str, str | None]:
     """The variables of the launch-order ablations (None: unset, the library default). preN / dpreN: the tensor-core
     GEMVs / the MoE down kernels load only N weight rounds before their PDL wait (DS4_PREFETCH / DS4_PREFETCH_DOWN;
     default all of their depth). spLETTERS (letters of g d u): an empty PDL launch before every tensor-core GEMV /
-    MoE down / MoE gate+up launch (DS4_SPACER; timing only, outputs unchanged). l2aN: each tensor-core GEMV warp
-    requests its next N weight rounds into L2 right after its PDL wait (DS4_L2_AHEAD)."""
+    MoE down / MoE gate+up launch (DS4_SPACER; timing only, outputs unchanged)."""
     def rounds(prefix):
         n = _number_token(toks, prefix, -1)
         return str(n) if n >= 0 else None
     sp = sorted(t[2:] for t in toks if t.startswith("sp") and t[2:] and set(t[2:]) <= set("gdu"))
-    return {"DS4_PREFETCH": rounds("pre"), "DS4_PREFETCH_DOWN": rounds("dpre"), "DS4_SPACER": "".join(sp) or None,
-            "DS4_L2_AHEAD": rounds("l2a")}
+    return {"DS4_PREFETCH": rounds("pre"), "DS4_PREFETCH_DOWN": rounds("dpre"), "DS4_SPACER": "".join(sp) or None}
 
 
 def depth_env(toks: set[str]) -> dict[str, str | None]:
     """The per-kernel depth knobs (None: unset, the library's rule). rdN: the routed experts' gate+up
     (DS4_ROUTED_DEPTH); lrdN: the kernels whose per-shape rule says 8 (DS4_LONG_ROW_DEPTH); dnN: the MoE downs
-    (DS4_DOWN_DEPTH); shdN: the shared expert's gate+up (DS4_SHARED_DEPTH); srdN: the dense GEMVs whose rule says 2
-    (DS4_SHORT_ROW_DEPTH). N of 8 / 4 / 2 (the library rounds others down to one of them)."""
+    (DS4_DOWN_DEPTH); shdN: the shared expert's gate+up (DS4_SHARED_DEPTH). N of 8 / 4 / 2 (the library rounds
+    others down to one of them)."""
     def depth(prefix):
         n = _number_token(toks, prefix, 0)
         return str(n) if n else None
     return {"DS4_ROUTED_DEPTH": depth("rd"), "DS4_LONG_ROW_DEPTH": depth("lrd"), "DS4_DOWN_DEPTH": depth("dn"),
-            "DS4_SHARED_DEPTH": depth("shd"), "DS4_SHORT_ROW_DEPTH": depth("srd")}
+            "DS4_SHARED_DEPTH": depth("shd")}
 
 
 def _number_token(toks: set[str], prefix: str, default: int) -> int:
@@ -290,8 +287,11 @@ def attention_options(model, toks: set[str]) -> None:
             # noqskip: the merged GEMV computes the index queries also where the selection takes every visible entry
             mod.skip_index_query = "noqskip" not in toks
             # deferN: the compressors' projection deferred, up to N tokens at once (read when the Generator
-            # allocates the state); none: every token's at its own step
-            mod.defer_compress = _number_token(toks, "defer", 0)
+            # allocates the state); deferhN: the HCA layers' alone (ratio 128; the CSA layers' ratio-4 compressors
+            # keep their per-token step); neither: every token's at its own step
+            hca = mod.compressor is not None and mod.indexer is None
+            mod.defer_compress = _number_token(toks, "deferh", 0) if hca and _number_token(toks, "deferh", 0) else \
+                _number_token(toks, "defer", 0)
 
 
 def run_variant(model, name, prompt, new_tokens, bw, world):

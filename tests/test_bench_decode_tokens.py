@@ -26,12 +26,6 @@ def test_bench_tokens_choose_the_sites(tokens, expected):
 def test_launch_order_tokens_set_their_variables(tokens, expected):
     env = _bench_decode().launch_order_env(tokens)
     assert (env["DS4_PREFETCH"], env["DS4_PREFETCH_DOWN"], env["DS4_SPACER"]) == expected
-    assert env["DS4_L2_AHEAD"] is None
-
-
-@pytest.mark.parametrize("tokens,expected", [({"l2a4"}, "4"), ({"l2a2", "pre1"}, "2"), ({"l2a"}, None)])
-def test_l2_ahead_token_sets_its_variable(tokens, expected):
-    assert _bench_decode().launch_order_env(tokens)["DS4_L2_AHEAD"] == expected
 
 
 @pytest.mark.parametrize("tokens,expected", [
@@ -44,12 +38,6 @@ def test_depth_tokens_set_their_variables(tokens, expected):
     env = _bench_decode().depth_env(tokens)
     got = (env["DS4_ROUTED_DEPTH"], env["DS4_LONG_ROW_DEPTH"], env["DS4_DOWN_DEPTH"], env["DS4_SHARED_DEPTH"])
     assert got == expected
-    assert env["DS4_SHORT_ROW_DEPTH"] is None
-
-
-def test_short_row_depth_token_is_not_the_routed_or_long_row_one():
-    env = _bench_decode().depth_env({"srd4"})
-    assert env["DS4_SHORT_ROW_DEPTH"] == "4" and env["DS4_ROUTED_DEPTH"] is None and env["DS4_LONG_ROW_DEPTH"] is None
 
 
 def test_repeated_variants_get_rows_of_their_own():
@@ -111,3 +99,19 @@ def test_removal_diagnostics_replace_only_decode_sized_calls():
     assert ops.moe.route(big, None, mw) == "routed by the implementation"
     assert ops.moe.routed(big, None, None, mw) == "experts by the implementation"
     assert calls == ["route", "routed"]
+
+
+@pytest.mark.parametrize("tokens,csa,hca", [({"deferh8"}, 0, 8), ({"defer4"}, 4, 4), ({"defer4", "deferh8"}, 4, 8),
+                                            ({"kernels"}, 0, 0)])
+def test_defer_tokens_pick_their_layers(tokens, csa, hca):
+    """deferN defers every compressor's projection; deferhN the HCA layers' alone (the CSA layers keep deferN's or
+    their per-token step); SWA layers have no compressor."""
+    from ds4.model.args import tiny
+    from ds4.model.attention import Attention
+    from ds4.model.transformer import Transformer
+    from ds4.registry import torch_reference_ops
+    model = Transformer(tiny(), torch_reference_ops(), device="meta")
+    _bench_decode().attention_options(model, tokens)
+    got = {(a.compressor is not None, a.indexer is not None): a.defer_compress
+           for a in model.modules() if isinstance(a, Attention)}
+    assert got == {(False, False): 0 if not {"defer4"} & tokens else 4, (True, True): csa, (True, False): hca}

@@ -117,18 +117,21 @@ def test_compress_step_over_many_boundaries(m, w, overlap, quant):
                 assert rel(cache_f[b, :n_vis], cache_r[b, :n_vis]) <= TOL, (s, b)
 
 
-@pytest.mark.parametrize("m,w,overlap,quant,start", [(4, 512, True, "fp8", 33), (4, 128, True, None, 6),
-                                                     (4, 128, True, "fp4", 9), (128, 512, False, "fp8", 250),
-                                                     (128, 512, False, None, 3), (8, 128, False, None, 13)])
+@pytest.mark.parametrize("m,w,overlap,quant,start,n", [(4, 512, True, "fp8", 33, 4), (4, 128, True, None, 6, 4),
+                                                       (4, 128, True, "fp4", 9, 4), (128, 512, False, "fp8", 250, 4),
+                                                       (128, 512, False, None, 3, 4), (8, 128, False, None, 13, 4),
+                                                       (128, 512, False, "fp8", 250, 8), (128, 512, False, None, 3, 8),
+                                                       (8, 128, False, None, 13, 8)])
 @pytest.mark.parametrize("impl", ["fused", "twin"])
-def test_compress_deferred_matches_the_per_token_step(m, w, overlap, quant, start, impl):
-    """One row from an unaligned position through its window's completion and two more n-token groups: the
-    deferred step (fused: gemv_deferred + compress_step(tokens=n); twin: decode_step_deferred) against
-    the per-token projection and step of the torch reference. The ring starts as prefill leaves it. At every
+def test_compress_deferred_matches_the_per_token_step(m, w, overlap, quant, start, n, impl):
+    """One row from an unaligned position through its window's completion and two more n-token groups (n = 4, and 8
+    as bench_decode's deferh8 takes it for the HCA layers): the deferred step (fused: gemv_deferred +
+    compress_step(tokens=n); twin: decode_step_deferred) against the per-token projection and step of the torch
+    reference. The ring starts as prefill leaves it. At every
     group's last step the state matches within TOL, and at every step each visible cache entry does; the other
     entries are untouched (the kernel writes an entry only when it completes)."""
-    g = gen(m * w + overlap + start)
-    dim, n = 4096, 4
+    g = gen(m * w + overlap + start + 1000 * n)
+    dim = 4096
     steps = (m - start % m) + 2 * n + 1  # to the window's end, then two more groups
     cw, slots = (2 if overlap else 1) * w, (2 if overlap else 1) * m
     wkv = randn(2 * cw, dim, g=g, dtype=BF16, scale=0.05)
