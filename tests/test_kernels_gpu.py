@@ -858,6 +858,41 @@ def _moe_weights(g, e_local=16, offset=32, dim=512, inter=256, n_experts=64, has
     return mw, dq
 
 
+@pytest.mark.parametrize("n,limit", [(100, None), (100, "64"), (37, "16")])
+def test_moe_prefill_chunks_agree_with_the_reference(n, limit, monkeypatch):
+    """A prompt's MoE under moe=fp4_topk (its prepared fp4t / fp8t layouts): up to the chunk limit
+    (ds4.ops.moe_cuda.chunked_tokens, DS4_MOE_CHUNKED_TOKENS) the decode kernels run chunk by chunk, beyond it the
+    torch reference's expert loop; both the routed sum and the shared expert agree with moe=dequant on the stored
+    weights, and the two paths with each other."""
+    from ds4.ops.moe_cuda import Fp4TopkMoE, chunked_tokens
+    from ds4.ops.moe_torch import DequantMoE
+    for name in ("DS4_FP8_TILE", "DS4_SHARED_TILE", "DS4_MOE_FFN", "DS4_FP4_TILE", "DS4_FP4_PACK",
+                 "DS4_MOE_CHUNKED_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    g = gen(seed_of("moe_prefill_chunks", n, limit))
+    mw, _ = _moe_weights(g)
+    moe = Fp4TopkMoE()
+    laid = moe.prepare(mw)
+    assert laid.w1.fmt == "fp4t"
+    x = rand_x(n, 512, g)
+    w, ids = ref_route(x, torch.arange(n, device=DEV), mw)
+    ids = torch.where(torch.rand(n, 6, device=DEV, generator=g) < 0.5, ids % 16 + 32, ids)  # mostly local experts
+    ref = DequantMoE().routed(x, w, ids, mw)
+    ref_sh = DequantMoE().shared(x, mw)
+    got = {}
+    for lim in (limit, str(n)):  # the case's limit, then one that takes the whole prompt in chunks
+        if lim is None:
+            monkeypatch.delenv("DS4_MOE_CHUNKED_TOKENS", raising=False)
+        else:
+            monkeypatch.setenv("DS4_MOE_CHUNKED_TOKENS", lim)
+        poison()
+        y, sh = moe.routed(x, w, ids, laid), moe.shared(x, laid)
+        assert torch.isfinite(y).all() and torch.isfinite(sh.float()).all()
+        assert rel(y, ref) <= TOL and rel(sh.float(), ref_sh.float()) <= TOL, (lim, chunked_tokens())
+        got[lim] = y
+    assert rel(got[limit], got[str(n)]) <= TOL
+
+
 def ref_route(x, token_ids, mw):
     logits = x.float() @ mw.gate.float().t()
     scores = torch.nn.functional.softplus(logits).sqrt()

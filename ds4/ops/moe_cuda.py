@@ -82,9 +82,19 @@ from ds4.ops.linear_cuda import fp8_tile_mode, lay_fp8
 from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
-# Up to this many tokens (short prompts) prefill runs the decode kernels chunk by chunk: each chunk
-# re-reads its selected experts, which beats dequantising all of them only for short prompts.
+# Up to this many tokens prefill runs the decode kernels chunk by chunk (PREFILL_TOKENS a chunk), each chunk reading
+# its selected experts once; beyond it, the torch reference's loop over the experts, which dequantises each of them
+# (82 torch ops a matrix in the fp4t layout, 3 matrices an expert). DS4_MOE_CHUNKED_TOKENS (read per call; the
+# measurement's knob) replaces it. Session 46 (H200, 8 layers of V4-Flash, experiments/decode_session46_h200.md):
+# at 64, a 128-token prompt prefilled at 36 tok/s against 728 at 32 tokens, where every chunk ran on the kernels.
 CHUNKED_TOKENS = 64
+
+
+def chunked_tokens() -> int:
+    """The longest prompt whose MoE prefill runs the decode kernels chunk by chunk (CHUNKED_TOKENS or
+    DS4_MOE_CHUNKED_TOKENS)."""
+    v = os.environ.get("DS4_MOE_CHUNKED_TOKENS")
+    return int(v) if v else CHUNKED_TOKENS
 
 
 def _act_quant_sim(t: Tensor) -> Tensor:
@@ -309,7 +319,7 @@ class Fp4TopkMoE:
                 raise ValueError("routed(shared=...) takes the shared_up result of a decode-sized call")
             return self._routed_launches(x, weights, ids.to(torch.int64).contiguous(), mw, act_quant, shared,
                                          fold=fold, partial=partial)
-        if n == 0 or n > CHUNKED_TOKENS:
+        if n == 0 or n > chunked_tokens():
             return self._reference().routed(x, weights, ids, mw, act_quant)
         ids = ids.to(torch.int64).contiguous()
         # short prompts: the decode kernels over chunks of PREFILL_TOKENS tokens (static chunk shapes)
@@ -353,7 +363,7 @@ class Fp4TopkMoE:
         # routed(shared=) forms that row's block output and fold; what comes here forms no fold (fold.fused stays
         # False and the caller runs the next site's pre)
         n = x.shape[0]
-        if n == 0 or n > CHUNKED_TOKENS:
+        if n == 0 or n > chunked_tokens():
             return self._reference().shared(x, mw, act_quant, add)
         if n > PREFILL_TOKENS:
             return torch.cat([self.shared(x[i:i + PREFILL_TOKENS], mw, act_quant,
