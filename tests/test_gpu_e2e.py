@@ -83,6 +83,26 @@ def _agreement(got_top1: torch.Tensor, ref_logits: torch.Tensor) -> tuple[float,
     return agree.float().mean().item(), agree[conf].float().mean().item(), int(conf.sum())
 
 
+@pytest.mark.parametrize("limit", [None, "64"])
+def test_long_prompt_prefill_agrees_with_reference_on_small(limit, small_weights, monkeypatch):
+    """A 200-token prompt: every option fused, the MoE's prefill in decode-kernel chunks (the default limit,
+    ds4.ops.moe_cuda.CHUNKED_TOKENS) or in the torch expert loop (DS4_MOE_CHUNKED_TOKENS=64); the prompt's state then
+    feeds 128 teacher-forced decode steps on the reference's greedy tokens: the bar of the options test below."""
+    if limit is None:
+        monkeypatch.delenv("DS4_MOE_CHUNKED_TOKENS", raising=False)
+    else:
+        monkeypatch.setenv("DS4_MOE_CHUNKED_TOKENS", limit)
+    args = small()
+    prompt = [(29 * i + 3) % args.vocab_size for i in range(200)]
+    ref = Generator(_model(args, small_weights), 1, 512)
+    toks = ref.generate([prompt], 128, stop_at_eos=False).tokens[0]
+    ref_logits = ref.teacher_forced_logits(prompt, toks)
+    fused = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
+    lf = Generator(_model(args, small_weights, Impls(**fused)), 1, 512).teacher_forced_logits(prompt, toks)
+    overall, confident, n = _agreement(lf.argmax(-1), ref_logits)
+    assert n >= 8 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
+
+
 @pytest.mark.parametrize("impls,env", _options())
 def test_options_agree_with_reference_on_small(impls, env, small_weights, monkeypatch):
     """Teacher-forced on the reference's 256 greedy tokens: >= 99% top-1 agreement on confident

@@ -858,7 +858,7 @@ def _moe_weights(g, e_local=16, offset=32, dim=512, inter=256, n_experts=64, has
     return mw, dq
 
 
-@pytest.mark.parametrize("n,limit", [(100, None), (100, "64"), (37, "16")])
+@pytest.mark.parametrize("n,limit", [(100, None), (100, "64"), (37, "16"), (9000, None)])
 def test_moe_prefill_chunks_agree_with_the_reference(n, limit, monkeypatch):
     """A prompt's MoE under moe=fp4_topk (its prepared fp4t / fp8t layouts): up to the chunk limit
     (ds4.ops.moe_cuda.chunked_tokens, DS4_MOE_CHUNKED_TOKENS) the decode kernels run chunk by chunk, beyond it the
@@ -871,14 +871,14 @@ def test_moe_prefill_chunks_agree_with_the_reference(n, limit, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     g = gen(seed_of("moe_prefill_chunks", n, limit))
     mw, _ = _moe_weights(g)
-    moe = Fp4TopkMoE()
-    laid = moe.prepare(mw)
-    assert laid.w1.fmt == "fp4t"
     x = rand_x(n, 512, g)
     w, ids = ref_route(x, torch.arange(n, device=DEV), mw)
     ids = torch.where(torch.rand(n, 6, device=DEV, generator=g) < 0.5, ids % 16 + 32, ids)  # mostly local experts
-    ref = DequantMoE().routed(x, w, ids, mw)
+    ref = DequantMoE().routed(x, w, ids, mw)  # before prepare, which lays the routed experts out in place
     ref_sh = DequantMoE().shared(x, mw)
+    moe = Fp4TopkMoE()
+    laid = moe.prepare(mw)
+    assert laid.w1.fmt == "fp4t" and laid.shared_w1.fmt == "fp8t"
     got = {}
     for lim in (limit, str(n)):  # the case's limit, then one that takes the whole prompt in chunks
         if lim is None:

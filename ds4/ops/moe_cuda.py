@@ -84,10 +84,12 @@ from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mm
 PREFILL_TOKENS = 8
 # Up to this many tokens prefill runs the decode kernels chunk by chunk (PREFILL_TOKENS a chunk), each chunk reading
 # its selected experts once; beyond it, the torch reference's loop over the experts, which dequantises each of them
-# (82 torch ops a matrix in the fp4t layout, 3 matrices an expert). DS4_MOE_CHUNKED_TOKENS (read per call; the
-# measurement's knob) replaces it. Session 46 (H200, 8 layers of V4-Flash, experiments/decode_session46_h200.md):
-# at 64, a 128-token prompt prefilled at 36 tok/s against 728 at 32 tokens, where every chunk ran on the kernels.
-CHUNKED_TOKENS = 64
+# (82 torch ops a matrix in the fp4t layout, 3 matrices an expert, whatever the prompt's length). DS4_MOE_CHUNKED_TOKENS
+# (read per call; the measurement's knob) replaces it. Session 46 (H200, ds4_best on 8 layers of V4-Flash, prefill
+# tok/s at 128 / 512 / 2048 prompt tokens, experiments/decode_session46_h200.md): the expert loop 35.4 / 127.2 / 474.7,
+# the chunks 1244.7 / 1487.5 / 1532.7. The limit was 64 before; 8192 (V4-Flash's default max_seq_len here) lies below
+# where those figures' straight lines through 512 and 2048 tokens cross (about 8.5K tokens, an extrapolation).
+CHUNKED_TOKENS = 8192
 
 
 def chunked_tokens() -> int:
