@@ -84,12 +84,14 @@ from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mm
 PREFILL_TOKENS = 8
 # Up to this many tokens prefill runs the decode kernels chunk by chunk (PREFILL_TOKENS a chunk), each chunk reading
 # its selected experts once; beyond it, the torch reference's loop over the experts, which dequantises each of them
-# (82 torch ops a matrix in the fp4t layout, 3 matrices an expert, whatever the prompt's length). DS4_MOE_CHUNKED_TOKENS
-# (read per call; the measurement's knob) replaces it. Session 46 (H200, ds4_best on 8 layers of V4-Flash, prefill
-# tok/s at 128 / 512 / 2048 prompt tokens, experiments/decode_session46_h200.md): the expert loop 35.4 / 127.2 / 474.7,
-# the chunks 1244.7 / 1487.5 / 1532.7. The limit was 64 before; 8192 (V4-Flash's default max_seq_len here) lies below
-# where those figures' straight lines through 512 and 2048 tokens cross (about 8.5K tokens, an extrapolation).
-CHUNKED_TOKENS = 8192
+# (82 torch ops a matrix in the fp4t layout, 3 matrices an expert, whatever the prompt's length: with it the whole
+# prefill of 8 layers of V4-Flash took 3.6-4.3 s from 128 to 8000 tokens). DS4_MOE_CHUNKED_TOKENS (read per call; the
+# measurement's knob) replaces it.
+# Session 46 (H200, ds4_best on 8 layers, prefill tok/s, experiments/decode_session46_h200.md): at 128 / 512 / 2048 /
+# 8000 prompt tokens the expert loop 35.4 / 127.2 / 474.7 (511.3) / 1863.6, the chunks 1244.7 / 1487.5 / 1532.7
+# (1541.7) / 1550.6. The chunks' time grows with the prompt (0.65 ms a token), the loop's hardly: they cross near 6500
+# tokens (the figures' lines, not a measurement); the limit was 64 before.
+CHUNKED_TOKENS = 4096
 
 
 def chunked_tokens() -> int:
