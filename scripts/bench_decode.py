@@ -290,8 +290,8 @@ def attention_options(model, toks: set[str]) -> None:
             # allocates the state); deferhN: the HCA layers' alone (ratio 128; the CSA layers' ratio-4 compressors
             # keep their per-token step); neither: every token's at its own step
             hca = mod.compressor is not None and mod.indexer is None
-            mod.defer_compress = _number_token(toks, "deferh", 0) if hca and _number_token(toks, "deferh", 0) else \
-                _number_token(toks, "defer", 0)
+            defer, defer_hca = _number_token(toks, "defer", 0), _number_token(toks, "deferh", 0)
+            mod.defer_compress = defer_hca if hca and defer_hca else defer
 
 
 def run_variant(model, name, prompt, new_tokens, bw, world):

@@ -127,9 +127,9 @@ def test_compress_deferred_matches_the_per_token_step(m, w, overlap, quant, star
     """One row from an unaligned position through its window's completion and two more n-token groups (n = 4, and 8
     as bench_decode's deferh8 takes it for the HCA layers): the deferred step (fused: gemv_deferred +
     compress_step(tokens=n); twin: decode_step_deferred) against the per-token projection and step of the torch
-    reference. The ring starts as prefill leaves it. At every
-    group's last step the state matches within TOL, and at every step each visible cache entry does; the other
-    entries are untouched (the kernel writes an entry only when it completes)."""
+    reference. The ring starts as prefill leaves it. At every group's last step the state matches within TOL, and at
+    every step each visible cache entry does; the other entries are untouched (the kernel writes an entry only when
+    it completes)."""
     g = gen(m * w + overlap + start + 1000 * n)
     dim = 4096
     steps = (m - start % m) + 2 * n + 1  # to the window's end, then two more groups

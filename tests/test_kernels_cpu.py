@@ -149,3 +149,16 @@ def test_moe_ffn_gating_without_cuda(monkeypatch):
     fp4p = QWeight("fp4p", w.weight, w.scale)
     with pytest.raises(ValueError, match="no one-launch FFN"):
         kernels.moe_ffn(x, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), fp4p, fp4p, fp4p, s, s, s, 0, 10.0)
+
+
+def test_moe_prefill_chunk_limit_reads_its_variable(monkeypatch):
+    """moe=fp4_topk's prompt MoE: decode-kernel chunks up to CHUNKED_TOKENS prompt tokens, DS4_MOE_CHUNKED_TOKENS
+    moves the limit, and a value that is not a count fails clearly."""
+    from ds4.ops.moe_cuda import CHUNKED_TOKENS, chunked_tokens
+    monkeypatch.delenv("DS4_MOE_CHUNKED_TOKENS", raising=False)
+    assert chunked_tokens() == CHUNKED_TOKENS == 4096
+    monkeypatch.setenv("DS4_MOE_CHUNKED_TOKENS", "64")
+    assert chunked_tokens() == 64
+    monkeypatch.setenv("DS4_MOE_CHUNKED_TOKENS", "many")
+    with pytest.raises(ValueError, match="DS4_MOE_CHUNKED_TOKENS"):
+        chunked_tokens()

@@ -98,7 +98,11 @@ def chunked_tokens() -> int:
     """The longest prompt whose MoE prefill runs the decode kernels chunk by chunk (CHUNKED_TOKENS or
     DS4_MOE_CHUNKED_TOKENS)."""
     v = os.environ.get("DS4_MOE_CHUNKED_TOKENS")
-    return int(v) if v else CHUNKED_TOKENS
+    if not v:
+        return CHUNKED_TOKENS
+    if not v.isdigit():
+        raise ValueError(f"DS4_MOE_CHUNKED_TOKENS must be a number of tokens (0 or more), got {v!r}")
+    return int(v)
 
 
 def _act_quant_sim(t: Tensor) -> Tensor:
