@@ -11,11 +11,16 @@
 #include <cstdlib>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "ds4_launch.h"
+#include "check_text.h"
 #include "sinkhorn_ride_binding.h"
 
 namespace {
+
+using ds4_text::dims;  // numbers in messages as text (check_text.h)
+using ds4_text::num;
 
 constexpr int64_t FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2, FMT_FP4P = 3, FMT_FP4T = 4, FMT_FP8T = 5;
 // fp4p: MXFP4 with permuted words (ds4_common.cuh fp4p_regs; the routed experts' layout after
@@ -75,7 +80,7 @@ ds4::HcFold make_fold(const at::Tensor& res, const at::Tensor& post, const at::T
   for (const at::Tensor* t : {&res, &post, &comb, &fn, &out, &part}) check_cuda(*t, "fold tensor");
   TORCH_CHECK(res.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && res.dim() == 3 &&
                   res.size(0) == 1 && res.size(2) == D && out.sizes() == res.sizes(),
-              op, ": fold res / out must be bf16 [1, n, ", D, "]");
+              op, ": fold res / out must be bf16 [1, n, ", num(D), "]");
   const int64_t n = res.size(1), mix = (2 + n) * n;
   TORCH_CHECK(n == 1 || n == 2 || n == 4, op, ": the fold takes 1, 2 or 4 streams");
   TORCH_CHECK(post.scalar_type() == at::kFloat && comb.scalar_type() == at::kFloat && fn.scalar_type() == at::kFloat &&
@@ -106,15 +111,15 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   check_weight(w, fmt, "w");
   const int64_t O = w.size(0), K = logical_in(w, fmt), N = x.size(0);
   TORCH_CHECK(groups >= 1 && O % groups == 0, "ds4.gemv: rows must split into groups");
-  TORCH_CHECK(x.size(1) == K * groups, "ds4.gemv: x has ", x.size(1), " columns, expected ", K * groups);
+  TORCH_CHECK(x.size(1) == K * groups, "ds4.gemv: x has ", num(x.size(1)), " columns, expected ", num(K * groups));
   const int64_t vals = fmt == FMT_BF16 ? 8 : (is_fp8(fmt) ? 16 : 32);
-  TORCH_CHECK(K % vals == 0, "ds4.gemv: in_features must be a multiple of ", vals);
+  TORCH_CHECK(K % vals == 0, "ds4.gemv: in_features must be a multiple of ", num(vals));
   const int64_t s_ld = dense_scale_ld(scale, fmt, O, K, "ds4.gemv");
   c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({N, O}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (N == 0) return out;
   const int step = ds4::gemv_max_tokens((int)fmt, (int)K);
-  TORCH_CHECK(step >= 1, "ds4.gemv: in_features ", K, " too large for the shared-memory activation tile");
+  TORCH_CHECK(step >= 1, "ds4.gemv: in_features ", num(K), " too large for the shared-memory activation tile");
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
   const int64_t esz = out_f32 ? 4 : 2;
   for (int64_t t0 = 0; t0 < N; t0 += step) {
@@ -162,7 +167,7 @@ at::Tensor gemv_fold(const at::Tensor& x, const at::Tensor& w, const std::option
   TORCH_CHECK(w.dim() == 2, "ds4.gemv_fold: w must be 2-D");
   check_weight(w, fmt, "w");
   const int64_t O = w.size(0), K = logical_in(w, fmt);
-  TORCH_CHECK(x.size(1) == K, "ds4.gemv_fold: x has ", x.size(1), " columns, expected ", K);
+  TORCH_CHECK(x.size(1) == K, "ds4.gemv_fold: x has ", num(x.size(1)), " columns, expected ", num(K));
   const int64_t s_ld = dense_scale_ld(scale, fmt, O, K, "ds4.gemv_fold");
   const ds4::HcFold f = make_fold(res, post, comb, fn, out, part, O, "ds4.gemv_fold");
   TORCH_CHECK(ds4::hc_fold_ok(0, (int)fmt, (int)O, (int)K, 1, f.n),
@@ -194,9 +199,9 @@ at::Tensor gemv_rmsnorm(const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(w.dim() == 2, "ds4.gemv_rmsnorm: w must be 2-D");
   check_weight(w, fmt, "w");
   const int64_t O = w.size(0), K = logical_in(w, fmt);
-  TORCH_CHECK(x.size(1) == K, "ds4.gemv_rmsnorm: x has ", x.size(1), " columns, expected ", K);
-  TORCH_CHECK(ds4::gemv_rmsnorm_ok((int)fmt, (int)O, (int)K), "ds4.gemv_rmsnorm: no tensor-core kernel for fmt ", fmt,
-              " at ", O, " x ", K, " (see gemv_rmsnorm_ok)");
+  TORCH_CHECK(x.size(1) == K, "ds4.gemv_rmsnorm: x has ", num(x.size(1)), " columns, expected ", num(K));
+  TORCH_CHECK(ds4::gemv_rmsnorm_ok((int)fmt, (int)O, (int)K), "ds4.gemv_rmsnorm: no tensor-core kernel for fmt ",
+              num(fmt), " at ", num(O), " x ", num(K), " (see gemv_rmsnorm_ok)");
   const int64_t s_ld = dense_scale_ld(scale, fmt, O, K, "ds4.gemv_rmsnorm");
   const bool nw_f32 = norm_weight.scalar_type() == at::kFloat;
   TORCH_CHECK((nw_f32 || norm_weight.scalar_type() == at::kBFloat16) && norm_weight.dim() == 1 &&
@@ -296,7 +301,7 @@ void fill_route(ds4::MoEArgs& a, const std::optional<at::Tensor>& logits, const 
   TORCH_CHECK(N == 1 && logits->scalar_type() == at::kFloat && logits->dim() == 2 && logits->size(0) == 1 &&
                   logits->is_contiguous(), what, ": route_logits must be contiguous f32 [1, E] (one token)");
   const int64_t E = logits->size(1);
-  TORCH_CHECK(k >= 1 && k <= E, what, ": topk ", k, " out of range for ", E, " experts");
+  TORCH_CHECK(k >= 1 && k <= E, what, ": topk ", num(k), " out of range for ", num(E), " experts");
   const RouteTables r = route_tables(bias, tid2eid, token_ids, 1, E, k, what);
   a.route_bias = r.bias;
   a.tid2eid = r.tid2eid;
@@ -540,13 +545,50 @@ at::Tensor argmax(const at::Tensor& x) {
   check_cuda(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1,
               "ds4.argmax: x must be fp32 [B, V]");
-  TORCH_CHECK(x.size(0) <= ds4::ARGMAX_MAX_ROWS, "ds4.argmax: at most ", ds4::ARGMAX_MAX_ROWS, " rows");
+  TORCH_CHECK(x.size(0) <= ds4::ARGMAX_MAX_ROWS, "ds4.argmax: at most ", num(ds4::ARGMAX_MAX_ROWS), " rows");
   c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   check_launch(ds4::launch_argmax(static_cast<const float*>(x.data_ptr()), (int)x.size(0), (long)x.size(1),
                                   static_cast<int64_t*>(out.data_ptr()), at::cuda::getCurrentCUDAStream()),
                "argmax");
   return out;
+}
+
+// Prefill's weight dequantisation (dequant.cu): w [..., O, Kb] in layout fmt (fp8 / fp8t / fp4 / fp4p / fp4t; the
+// leading dims stack experts), its E8M0 scale [..., ceil(O/128), ceil(K/128)] (fp8) or [..., O, K/32] (fp4) -> out
+// bf16 or fp32 [..., O, K] (written whole; its matrices contiguous, and where it is not contiguous as a whole a
+// 3-dim [E, O, K] with any expert stride: e.g. the w1 half of a [E, 2 O, K] buffer), the values of QWeight.dequant.
+void dequant(const at::Tensor& w, const at::Tensor& scale, int64_t fmt, const at::Tensor& out) {
+  TORCH_CHECK(is_fp8(fmt) || is_fp4(fmt), "ds4.dequant: fmt must be fp8, fp8t or an fp4 layout");
+  check_cuda(w, "w");
+  check_cuda(scale, "scale");
+  TORCH_CHECK(out.is_cuda(), "ds4: out must be a CUDA tensor");
+  check_weight(w, fmt, "w");
+  TORCH_CHECK(w.dim() >= 2 && scale.dim() == w.dim() && scale.element_size() == 1 && out.dim() == w.dim(),
+              "ds4.dequant: w, scale and out must have the same number of dims (>= 2), the scale 1-byte E8M0");
+  const int64_t O = w.size(-2), K = logical_in(w, fmt);
+  TORCH_CHECK(O >= 1 && K >= 1 && ds4::dequant_ok((int)fmt, (int)O, (int)K), "ds4.dequant: shape [", num(O), ", ",
+              num(K), "] not supported in this layout (rows of whole 16-byte chunks; fp8t / fp4t whole tiles)");
+  const int64_t E = w.numel() / (O * w.size(-1));
+  std::vector<int64_t> want_s(w.sizes().begin(), w.sizes().end() - 2), want_o(want_s);
+  want_s.push_back(is_fp8(fmt) ? (O + 127) / 128 : O);
+  want_s.push_back(is_fp8(fmt) ? (K + 127) / 128 : K / 32);
+  want_o.push_back(O);
+  want_o.push_back(K);
+  TORCH_CHECK(scale.sizes() == at::IntArrayRef(want_s), "ds4.dequant: scale shape ", dims(scale.sizes()), ", expected ",
+              dims(at::IntArrayRef(want_s)));
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(want_o) &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              "ds4.dequant: out must be bf16 or fp32 ", dims(at::IntArrayRef(want_o)));
+  TORCH_CHECK(out.is_contiguous() || (out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == K),
+              "ds4.dequant: out must be contiguous, or [E, O, K] with contiguous matrices");
+  const int64_t o_es = out.is_contiguous() ? O * K : out.stride(0);
+  if (E == 0) return;
+  c10::cuda::CUDAGuard guard(w.device());
+  check_launch(ds4::launch_dequant((int)fmt, w.data_ptr(), scale.data_ptr(), (int)E, (long)(O * w.size(-1)),
+                                   (long)(scale.numel() / E), (int)O, (int)K, (int)scale.size(-1), out.data_ptr(),
+                                   (long)o_es, out.scalar_type() == at::kFloat, at::cuda::getCurrentCUDAStream()),
+               "dequant");
 }
 
 // One-shot all-reduce over peer memory (parallel.comm=ll; allreduce.cu): x [n] fp32 or bf16, contiguous;
@@ -560,11 +602,11 @@ at::Tensor all_reduce_ll(const at::Tensor& x, at::IntArrayRef peers,
               "ds4.all_reduce_ll: x must be contiguous fp32 or bf16 with 1..cap elements");
   const int64_t W = (int64_t)peers.size();
   TORCH_CHECK(W >= 2 && W <= ds4::AR_MAX_WORLD && rank >= 0 && rank < W, "ds4.all_reduce_ll: 2..",
-              ds4::AR_MAX_WORLD, " ranks, rank in range");
+              num(ds4::AR_MAX_WORLD), " ranks, rank in range");
   check_cuda(counters, "counters");
   TORCH_CHECK(counters.scalar_type() == at::kInt && counters.is_contiguous() && counters.device() == x.device() &&
                   counters.numel() >= (cap + ds4::AR_CHUNK - 1) / ds4::AR_CHUNK,
-              "ds4.all_reduce_ll: counters must be int32 [ceil(cap / ", ds4::AR_CHUNK, ")] on x's device");
+              "ds4.all_reduce_ll: counters must be int32 [ceil(cap / ", num(ds4::AR_CHUNK), ")] on x's device");
   ds4::AllReduceArgs a{};
   c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty(x.sizes(), x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
@@ -596,12 +638,12 @@ at::Tensor all_reduce_ll_fold(const at::Tensor& x, at::IntArrayRef peers, at::Te
               "ds4.all_reduce_ll_fold: x must be one contiguous fp32 or bf16 row of D elements, D % 16 == 0, D <= cap");
   const int64_t W = (int64_t)peers.size();
   TORCH_CHECK(W >= 2 && W <= ds4::AR_MAX_WORLD && rank >= 0 && rank < W, "ds4.all_reduce_ll_fold: 2..",
-              ds4::AR_MAX_WORLD, " ranks, rank in range");
+              num(ds4::AR_MAX_WORLD), " ranks, rank in range");
   check_cuda(counters, "counters");
   const int64_t per = 16 * ds4::AR_FOLD_TILES;
   TORCH_CHECK(counters.scalar_type() == at::kInt && counters.is_contiguous() && counters.device() == x.device() &&
                   counters.numel() >= (cap + per - 1) / per,
-              "ds4.all_reduce_ll_fold: counters must be int32 [ceil(cap / ", per, ")] on x's device");
+              "ds4.all_reduce_ll_fold: counters must be int32 [ceil(cap / ", num(per), ")] on x's device");
   const ds4::HcFold f = make_fold(res, post, comb, fn, out, part, D, "ds4.all_reduce_ll_fold");
   for (const at::Tensor* t : {&res, &post, &comb, &fn, &out, &part})
     TORCH_CHECK(t->device() == x.device(), "ds4.all_reduce_ll_fold: the fold's tensors on x's device");
@@ -735,7 +777,7 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
     check_cuda(*shared_h, "shared_h");
     TORCH_CHECK(shared_h->scalar_type() == at::kBFloat16 && shared_h->numel() == s.inter &&
                     shared_h->device() == x.device(),
-                "ds4.moe_ffn: shared_h must be the shared expert's bf16 h row [1, ", s.inter, "] on x's device");
+                "ds4.moe_ffn: shared_h must be the shared expert's bf16 h row [1, ", num(s.inter), "] on x's device");
     check_aligned16(*shared_h, "ds4.moe_ffn", "shared_h");
   }
   c10::cuda::CUDAGuard guard(x.device());
@@ -818,6 +860,7 @@ TORCH_LIBRARY(ds4, m) {
         "int skip_ratio=1, int skip_k=0, int skip_rows=0) -> Tensor");
   m.def("gemv_deferred(Tensor x, Tensor(a!) ring, Tensor w, Tensor pos) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("dequant(Tensor w, Tensor scale, int fmt, Tensor(a!) out) -> ()");
   m.def("all_reduce_ll(Tensor x, int[] peers, Tensor(a!) counters, int rank, int cap, bool round_bf16, "
         "bool out_f32) -> Tensor");
   m.def("all_reduce_ll_fold(Tensor x, int[] peers, Tensor(a!) counters, int rank, int cap, bool round_bf16, "
@@ -845,6 +888,7 @@ TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
   m.impl("gemv_deferred", &gemv_deferred);
   m.impl("gemv_fold", &gemv_fold);
   m.impl("argmax", &argmax);
+  m.impl("dequant", &dequant);
   m.impl("all_reduce_ll", &all_reduce_ll);
   m.impl("all_reduce_ll_fold", &all_reduce_ll_fold);
   m.impl("l2_prefetch", &l2_prefetch);

@@ -158,6 +158,14 @@ cudaError_t launch_moe_ffn(const MoEArgs& r, const MoEArgs& s, const void* x, vo
 // (PDL wait's end, phase 1's end, barrier exit, end; 0 where a block stopped earlier), copied to host[blocks][4].
 cudaError_t moe_ffn_probe_read(unsigned long long* host, int blocks);
 
+// Prefill's weight dequantisation (dequant.cu): E stacked matrices [O, K] in layout fmt (fp8 / fp8t / any fp4; experts
+// w_es bytes and their scales s_es bytes apart, scale rows s_ld bytes) -> out bf16 / fp32 [E, O, K] (the experts o_es
+// values apart), the values of QWeight.dequant (ds4.quant). dequant_ok: the shapes it takes (K whole 16-B chunks; the
+// tiled layouts' tiles).
+bool dequant_ok(int fmt, int O, int K);
+cudaError_t launch_dequant(int fmt, const void* W, const void* S, int E, long w_es, long s_es, int O, int K, int s_ld,
+                           void* out, long o_es, bool out_f32, cudaStream_t st);
+
 // Greedy argmax: out[r] = first index of the maximum of fp32 x[r, 0..V) (NaN largest), as torch.argmax(-1);
 // one launch, B <= ARGMAX_MAX_ROWS rows (argmax.cu).
 constexpr int ARGMAX_MAX_ROWS = 64;

@@ -29,9 +29,11 @@ def hc_weights(n, d, g, head=False):
     return fn, scale, base
 
 
+# N > 64 (a prompt): the partials by cuBLAS in one split, in slices of 4096 tokens (attn_bindings.cpp HC_GEMM_ROWS)
 @pytest.mark.parametrize("N,n,D,dtype", [(1, 4, 4096, BF16), (3, 4, 4096, BF16), (8, 4, 4096, BF16),
                                          (2, 4, 1024, torch.float32), (5, 3, 136, BF16), (300, 4, 1024, BF16),
-                                         (1, 2, 64, torch.float32), (2, 8, 520, BF16)])
+                                         (1, 2, 64, torch.float32), (2, 8, 520, BF16), (64, 4, 4096, BF16),
+                                         (65, 4, 4096, BF16), (5000, 2, 520, torch.float32)])
 def test_hc_pre_post_head(N, n, D, dtype):
     g = gen(N * 1000 + n * 10 + D)
     ref = TorchHC()
@@ -70,7 +72,8 @@ def test_hc_pre_post_head(N, n, D, dtype):
 
 @pytest.mark.parametrize("N,n,D,dtype,with_norm", [(1, 4, 4096, BF16, True), (3, 4, 4096, BF16, False),
                                                    (2, 4, 1024, torch.float32, True), (5, 3, 136, BF16, True),
-                                                   (2, 8, 520, BF16, False), (1, 2, 64, torch.float32, False)])
+                                                   (2, 8, 520, BF16, False), (1, 2, 64, torch.float32, False),
+                                                   (200, 4, 4096, BF16, True), (70, 2, 64, torch.float32, False)])
 def test_hc_post_pre(N, n, D, dtype, with_norm):
     """A block's post fused into the next site's pre (2 launches) against TorchHC's post then pre."""
     g = gen(N * 7000 + n * 10 + D)
@@ -206,6 +209,14 @@ def test_hc_sinkhorn_after_a_deferring_finish_is_the_finish_sinkhorn(N, n, D):
         kernels_attn.hc_pre(randn(1, 3, 136, g=g, dtype=BF16), *hc_weights(3, 136, g), 0, 1e-6, 1e-6)
 
 
+def test_a_message_with_a_number_raises():
+    """A refusal whose message holds a number raises a RuntimeError (on the lent H200 such a message formed by the
+    ostream of c10::str segfaulted the process, session 48; csrc/check_text.h)."""
+    x = torch.zeros(2, 64, device=DEV, dtype=BF16)
+    with pytest.raises(RuntimeError, match="tensor of 64 values"):
+        torch.ops.ds4_attn.rms_norm(x, torch.ones(63, device=DEV), 1e-6)
+
+
 def test_hc_sinkhorn_refuses_what_it_cannot_finish():
     with pytest.raises(RuntimeError, match="n = 1, 2 or 4"):
         kernels_attn.hc_sinkhorn(torch.rand(1, 3, 3, device=DEV), 20, 1e-6)
@@ -324,16 +335,29 @@ def test_sparse_multi_query_rows_and_strided_kv():
     check_attn(q, kv, valid, sel, sv, sink, 256 ** -0.5)
 
 
-def test_fused_attention_class_decode_and_prefill():
+def test_fused_attention_class_decode_and_prefill(monkeypatch):
     from ds4.ops.attn_cuda import FusedCudaAttention
     g = gen(42)
     a = FusedCudaAttention()
     q, kv, valid, sel, sv, sink = attn_case(2, 64, 512, 128, 512, g)
     out = a.sparse(q, kv, valid, sel, sv, sink, 512 ** -0.5)
     assert rel(out, TorchAttention().sparse(q, kv, valid, sel, sv, sink, 512 ** -0.5)) <= TOL
-    q, kv, valid, sel, sv, sink = attn_case(1, 16, 256, 40, 8, g, S=5)    # prefill -> reference
-    assert torch.equal(a.sparse(q, kv, valid, sel, sv, sink, 0.0625),
-                       TorchAttention().sparse(q, kv, valid, sel, sv, sink, 0.0625))
+    q, kv, valid, sel, sv, sink = attn_case(1, 16, 256, 40, 8, g, S=5)    # a prompt's queries: the kernel too
+    ref = TorchAttention().sparse(q, kv, valid, sel, sv, sink, 0.0625)
+    assert rel(a.sparse(q, kv, valid, sel, sv, sink, 0.0625), ref) <= TOL
+    monkeypatch.setenv("DS4_PREFILL_ATTN", "torch")  # the A/B knob: the reference there
+    assert torch.equal(a.sparse(q, kv, valid, sel, sv, sink, 0.0625), ref)
+
+
+@pytest.mark.parametrize("S,K,P", [(256, 383, 512), (256, 300, 0), (40, 130, 20)])
+def test_sparse_prompt_rows_cap_their_splits(S, K, P):
+    """A prompt chunk's rows (S > 1; V4's 256-query chunk with its 383 window keys and 512 selected entries, or HCA
+    entries): the splits are capped at 1024 (row, split) pairs, so each block merges several 32-key chunks; against
+    the torch twin, with causal-window masks."""
+    g = gen(S + K + P)
+    q, kv, valid, sel, sv, sink = attn_case(1, 64, 512, K, P, g, S=S, p_valid=0.7)
+    valid &= torch.arange(K, device=DEV).view(1, 1, K) <= (torch.arange(S, device=DEV).view(1, S, 1) + K - S)
+    check_attn(q, kv, valid, sel, sv, sink, 512 ** -0.5)
 
 
 # -------------------------------------------------------------------------------------------- indexer

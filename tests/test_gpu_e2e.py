@@ -83,11 +83,12 @@ def _agreement(got_top1: torch.Tensor, ref_logits: torch.Tensor) -> tuple[float,
     return agree.float().mean().item(), agree[conf].float().mean().item(), int(conf.sum())
 
 
-@pytest.mark.parametrize("limit", [None, "64"])
+@pytest.mark.parametrize("limit", [None, "256"])
 def test_long_prompt_prefill_agrees_with_reference_on_small(limit, small_weights, monkeypatch):
-    """A 200-token prompt: every option fused, the MoE's prefill in decode-kernel chunks (the default limit,
-    ds4.ops.moe_cuda.CHUNKED_TOKENS) or in the torch expert loop (DS4_MOE_CHUNKED_TOKENS=64); the prompt's state then
-    feeds 128 teacher-forced decode steps on the reference's greedy tokens: the bar of the options test below."""
+    """A 200-token prompt: every option fused, the MoE's prefill in the grouped expert loop on device-dequantised
+    weights (past the default limit, ds4.ops.moe_cuda.CHUNKED_TOKENS) or in decode-kernel chunks
+    (DS4_MOE_CHUNKED_TOKENS=256); the prompt's state then feeds 128 teacher-forced decode steps on the reference's
+    greedy tokens: the bar of the options test below."""
     if limit is None:
         monkeypatch.delenv("DS4_MOE_CHUNKED_TOKENS", raising=False)
     else:

@@ -96,7 +96,7 @@ def test_cuda_impls_construct_without_extension():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("folder,archs,expected", [
     ("", ("80",), {"gemv.cu", "moe.cu", "moe_mma.cu", "moe_ffn.cu", "router.cu", "argmax.cu", "prefetch.cu",
-                   "allreduce.cu", "capture.cu"}),  # GEMV / MoE ext.
+                   "allreduce.cu", "capture.cu", "dequant.cu"}),  # GEMV / MoE ext.
     ("attn", ("80", "90"), {"hc.cu", "sparse_attn.cu", "indexer.cu", "decode_glue.cu", "topk.cu"}),  # ds4_attn
 ])
 def test_csrc_compiles(folder, archs, expected, tmp_path):
@@ -156,9 +156,71 @@ def test_moe_prefill_chunk_limit_reads_its_variable(monkeypatch):
     moves the limit, and a value that is not a count fails clearly."""
     from ds4.ops.moe_cuda import CHUNKED_TOKENS, chunked_tokens
     monkeypatch.delenv("DS4_MOE_CHUNKED_TOKENS", raising=False)
-    assert chunked_tokens() == CHUNKED_TOKENS == 4096
+    assert chunked_tokens() == CHUNKED_TOKENS == 128
     monkeypatch.setenv("DS4_MOE_CHUNKED_TOKENS", "64")
     assert chunked_tokens() == 64
     monkeypatch.setenv("DS4_MOE_CHUNKED_TOKENS", "many")
     with pytest.raises(ValueError, match="DS4_MOE_CHUNKED_TOKENS"):
         chunked_tokens()
+
+
+@pytest.mark.parametrize("fmt,rows,cols,ok", [
+    ("fp8", 100, 272, True), ("fp8", 64, 100, False), ("fp8t", 1024, 4096, True), ("fp8t", 8, 128, False),
+    ("fp8t", 16, 64, False), ("fp4", 48, 96, True), ("fp4", 48, 80, False), ("fp4t", 2048, 4096, True),
+    ("fp4t", 16, 128, False), ("bf16", 16, 128, False)])
+def test_dequant_shape_rule(fmt, rows, cols, ok):
+    """ds4.kernels.dequant_ok (csrc/dequant.cu's rule): rows of whole 16-byte chunks; fp8t / fp4t whole tiles."""
+    assert kernels.dequant_ok(fmt, rows, cols) is ok
+
+
+def test_prefill_dense_weights_off_cuda_are_qweight_dequant():
+    """Off CUDA (and for what the kernel does not take) prefill's dense weight is QWeight.dequant's, never an error."""
+    from ds4.ops.base import QWeight
+    from ds4.ops.dequant_cuda import dense, takes
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(0, 256, (32, 256), generator=g, dtype=torch.uint8)
+    w = torch.where((w & 0x7F) == 0x7F, w - 1, w).view(torch.float8_e4m3fn)
+    q = QWeight("fp8", w, torch.randint(110, 130, (1, 2), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu))
+    assert not takes(q, torch.bfloat16)
+    assert torch.equal(dense(q, torch.bfloat16), q.dequant(torch.bfloat16))
+    out = torch.empty(32, 256)
+    assert dense(q, torch.float32, out=out) is out and torch.equal(out, q.dequant(torch.float32))
+
+
+def test_grouped_prefill_loop_on_cpu_is_the_reference_loop():
+    """moe=fp4_topk's long-prompt loop (grouped_routed) on CPU weights (QWeight.dequant forms them): moe=dequant's
+    routed sum, with experts held on another rank (ids outside this rank's slice) adding nothing."""
+    from ds4.ops.base import MoEWeights, QWeight
+    from ds4.ops.moe_cuda import grouped_routed
+    from ds4.ops.moe_torch import DequantMoE
+    g = torch.Generator().manual_seed(1)
+    e_local, dim, inter, n, k = 4, 64, 32, 40, 3
+
+    def fp4(o, i):
+        return QWeight("fp4", torch.randint(-128, 128, (e_local, o, i // 2), generator=g, dtype=torch.int8),
+                       torch.randint(120, 130, (e_local, o, i // 32), generator=g, dtype=torch.uint8))
+
+    mw = MoEWeights(gate=None, bias=None, tid2eid=None, w1=fp4(inter, dim), w2=fp4(dim, inter), w3=fp4(inter, dim),
+                    shared_w1=None, shared_w2=None, shared_w3=None, n_experts=12, expert_offset=4, topk=k,
+                    route_scale=1.5, swiglu_limit=10.0)
+    x = torch.randn(n, dim, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 12, (n, k), generator=g)
+    w = torch.rand(n, k, generator=g)
+    ref = DequantMoE().routed(x, w, ids, mw)
+    got = grouped_routed(x, w, ids, mw)
+    assert got.dtype == torch.float32 and got.shape == (n, dim)
+    assert torch.allclose(got, ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item())
+    off = (ids < 4) | (ids >= 8)
+    assert torch.equal(grouped_routed(x, w, torch.where(off, ids, 0), mw), torch.zeros(n, dim))
+
+
+def test_dequant_wrapper_refuses_bad_shapes_before_the_op():
+    """ds4.kernels.dequant names what it cannot take (a row of partial chunks, a scale of another shape) before it
+    reaches the extension (these tensors are on the CPU: the op would fail otherwise)."""
+    u8 = torch.uint8
+    with pytest.raises(ValueError, match="not a shape it takes"):
+        kernels.dequant(torch.zeros(64, 100, dtype=u8), torch.zeros(1, 1, dtype=u8), "fp8")
+    with pytest.raises(ValueError, match=r"scale shape \(8, 8\), expected \(16, 8\)"):
+        kernels.dequant(torch.zeros(16, 128, dtype=torch.int8), torch.zeros(8, 8, dtype=u8), "fp4t")
+    with pytest.raises(ValueError, match=r"expected \(2, 2, 2\)"):
+        kernels.dequant(torch.zeros(2, 130, 256, dtype=u8), torch.zeros(2, 1, 2, dtype=u8), "fp8")

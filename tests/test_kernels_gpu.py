@@ -266,6 +266,101 @@ def test_linear_impl_and_grouped():
     assert rel(lin.grouped(xg, QWeight("fp8", wg, sg), 8), refg) <= TOL
 
 
+# ------------------------------------------------------------------------------------------ prefill dequantisation
+
+def _laid_weight(fmt, lead, o, i, g):
+    """A random stored weight [*lead, o, i] laid out as fmt, with every E8M0 byte (0 and 255 among them) and, for
+    fp8, the NaN codes too: (QWeight in fmt, scale)."""
+    if fmt in ("fp8", "fp8t"):
+        w = torch.randint(0, 256, (*lead, o, i), device=DEV, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        s = torch.randint(0, 256, (*lead, -(-o // 128), -(-i // 128)), device=DEV, dtype=torch.uint8, generator=g)
+        return QWeight(fmt, tile_fp8_mma(w) if fmt == "fp8t" else w, s.view(torch.float8_e8m0fnu))
+    w = torch.randint(-128, 128, (*lead, o, i // 2), device=DEV, dtype=torch.int8, generator=g)
+    s = torch.randint(0, 256, (*lead, o, i // 32), device=DEV, dtype=torch.uint8, generator=g)
+    if fmt in ("fp4p", "fp4t"):
+        w = pack_fp4_mma(w)
+    if fmt == "fp4t":
+        w = tile_fp4_mma(w)
+    return QWeight(fmt, w, s.view(torch.float8_e8m0fnu))
+
+
+def _same_values(a, b):
+    """Bit for bit, NaN where the other has NaN (NaN payloads aside)."""
+    nan = torch.isnan(a)
+    assert torch.equal(nan, torch.isnan(b))
+    bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(a[~nan].view(bits), b[~nan].view(bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt,lead,o,i", [
+    ("fp8", (), 32768, 1024), ("fp8", (), 100, 272), ("fp8", (3,), 130, 256), ("fp8t", (), 1024, 4096),
+    ("fp8t", (), 16, 128), ("fp8t", (2,), 208, 384),
+    ("fp4", (), 48, 96), ("fp4p", (5,), 64, 512), ("fp4t", (4,), 2048, 4096), ("fp4t", (), 16, 256)])
+def test_dequant_matches_qweight(fmt, lead, o, i, dtype):
+    """Prefill's device dequantisation (ds4.kernels.dequant) of every stored layout gives QWeight.dequant's values bit
+    for bit (E8M0 bytes 0 and 255, E4M3 NaN codes, partial 128-blocks, stacked experts), into poisoned memory."""
+    g = gen(seed_of("dequant", fmt, lead, o, i, str(dtype)))
+    q = _laid_weight(fmt, lead, o, i, g)
+    assert kernels.dequant_ok(fmt, o, i)
+    poison()
+    got = kernels.dequant(q.weight, q.scale, fmt, dtype)
+    assert got.shape == (*lead, o, i) and got.dtype == dtype
+    _same_values(got, q.dequant(dtype))
+
+
+def test_dequant_refuses_what_it_cannot_take():
+    g = gen(5)
+    q = _laid_weight("fp8", (), 64, 100, g)  # rows of 100 bytes: not whole 16-byte chunks
+    assert not kernels.dequant_ok("fp8", 64, 100)
+    with pytest.raises(ValueError, match="not a shape it takes"):
+        kernels.dequant(q.weight, q.scale, "fp8")
+    from ds4.ops.dequant_cuda import dense, takes
+    assert not takes(q, torch.bfloat16)
+    _same_values(dense(q, torch.bfloat16), q.dequant(torch.bfloat16))  # QWeight.dequant forms it then
+
+
+def test_a_message_with_a_number_raises():
+    """A refusal whose message holds a number raises a RuntimeError (on the lent H200 such a message formed by the
+    ostream of c10::str segfaulted the process, session 48; csrc/check_text.h)."""
+    w, s = rand_fp8_weight(64, 128, gen(5))
+    with pytest.raises(RuntimeError, match="x has 96 columns, expected 128"):
+        torch.ops.ds4.gemv(rand_x(1, 96, gen(5)), w, s, kernels.ops.FMT["fp8"])
+
+
+def test_dequant_op_checks_the_scale_shape_and_takes_strided_experts():
+    """A scale of the wrong shape is refused by the wrapper and by the op itself; the op writes stacked experts into a
+    strided [E, O, K] view (the w1 half of a [E, 2 O, K] buffer) and leaves the rest of that buffer as it was."""
+    g = gen(6)
+    q = _laid_weight("fp4t", (), 16, 256, g)
+    with pytest.raises(ValueError, match="scale shape"):
+        kernels.dequant(q.weight, q.scale[:8], "fp4t")
+    with pytest.raises(RuntimeError, match=r"scale shape \[8, 8\], expected \[16, 8\]"):
+        torch.ops.ds4.dequant(q.weight, q.scale[:8], kernels.ops.FMT["fp4t"], torch.empty(16, 256, device=DEV))
+    q = _laid_weight("fp4t", (3,), 32, 256, g)
+    buf = torch.full((3, 64, 256), 7.0, device=DEV, dtype=torch.bfloat16)
+    kernels.dequant(q.weight, q.scale, "fp4t", out=buf[:, :32])
+    _same_values(buf[:, :32], q.dequant(torch.bfloat16))
+    assert (buf[:, 32:] == 7.0).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8t"])
+def test_linear_prefill_uses_the_same_dense_weight(fmt):
+    """linear=gemv_cuda past its GEMV sizes multiplies by the device-dequantised weight: the reference's output
+    (linear=dequant, QWeight.dequant and the same torch matmul) bit for bit, plain and grouped (wo_a)."""
+    from ds4.ops.linear_cuda import PREFILL_TOKENS, GemvCudaLinear
+    from ds4.ops.linear_torch import DequantLinear
+    g = gen(seed_of("linear_prefill", fmt))
+    w, s = rand_fp8_weight(1024, 4096, g)
+    q = QWeight(fmt, tile_fp8_mma(w) if fmt == "fp8t" else w, s)
+    x = rand_x(3 * PREFILL_TOKENS, 4096, g).view(3, PREFILL_TOKENS, 4096)
+    assert torch.equal(GemvCudaLinear()(x, q), DequantLinear()(x, q))
+    xg = rand_x(40, 8 * 512, g).view(40, 8, 512)
+    wg, sg = rand_fp8_weight(8 * 128, 512, g)
+    qg = QWeight(fmt, tile_fp8_mma(wg) if fmt == "fp8t" else wg, sg)
+    assert torch.equal(GemvCudaLinear().grouped(xg, qg, 8), DequantLinear().grouped(xg, qg, 8))
+
+
 # fp8t (linear=gemv_cuda's layout of the dense FP8 projections): the same bytes in the tensor-core stream's fragment
 # order, so the one-token kernel (run width 2, any depth) reads the same fragments in the same order as from the stored
 # layout at run width 2, and the FMA kernels find each chunk by its address: every output equals fp8's bit for bit.
@@ -862,8 +957,8 @@ def _moe_weights(g, e_local=16, offset=32, dim=512, inter=256, n_experts=64, has
 def test_moe_prefill_chunks_agree_with_the_reference(n, limit, monkeypatch):
     """A prompt's MoE under moe=fp4_topk (its prepared fp4t / fp8t layouts): up to the chunk limit
     (ds4.ops.moe_cuda.chunked_tokens, DS4_MOE_CHUNKED_TOKENS) the decode kernels run chunk by chunk, beyond it the
-    torch reference's expert loop; both the routed sum and the shared expert agree with moe=dequant on the stored
-    weights, and the two paths with each other."""
+    expert loop on device-dequantised weights (grouped_routed, and the shared expert likewise); both the routed sum
+    and the shared expert agree with moe=dequant on the stored weights, and the two paths with each other."""
     from ds4.ops.moe_cuda import Fp4TopkMoE, chunked_tokens
     from ds4.ops.moe_torch import DequantMoE
     for name in ("DS4_FP8_TILE", "DS4_SHARED_TILE", "DS4_MOE_FFN", "DS4_FP4_TILE", "DS4_FP4_PACK",
@@ -891,6 +986,55 @@ def test_moe_prefill_chunks_agree_with_the_reference(n, limit, monkeypatch):
         assert rel(y, ref) <= TOL and rel(sh.float(), ref_sh.float()) <= TOL, (lim, chunked_tokens())
         got[lim] = y
     assert rel(got[limit], got[str(n)]) <= TOL
+
+
+@pytest.mark.parametrize("act_quant,grouped_mm,group_bytes", [(False, None, None), (True, None, None),
+                                                               (False, "0", None), (False, None, "2000000"),
+                                                               (True, "0", "2000000")])
+def test_grouped_prefill_equals_the_reference_loop(act_quant, grouped_mm, group_bytes, monkeypatch):
+    """grouped_routed (a long prompt's routed experts under moe=fp4_topk) on the fp4t experts: moe=dequant's expert
+    loop on the stored ones, to cuBLAS's summation order (gate and up are one product there, two here), in both
+    numerics modes, with non-local ids; by torch._grouped_mm or one matmul per expert (DS4_GROUPED_MM=0), all 16
+    experts' weights at once or 2 at a time (DS4_PREFILL_GROUP_BYTES)."""
+    from ds4.ops.moe_cuda import Fp4TopkMoE, grouped_routed
+    from ds4.ops.moe_torch import DequantMoE
+    for name, v in (("DS4_GROUPED_MM", grouped_mm), ("DS4_PREFILL_GROUP_BYTES", group_bytes)):
+        if v is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, v)
+    g = gen(seed_of("grouped_prefill", act_quant, grouped_mm, group_bytes))
+    mw, _ = _moe_weights(g)
+    n = 300
+    x = rand_x(n, 512, g)
+    w, ids = ref_route(x, torch.arange(n, device=DEV), mw)
+    ref = DequantMoE().routed(x, w, ids, mw, act_quant)
+    laid = Fp4TopkMoE().prepare(mw)
+    assert laid.w1.fmt == "fp4t"
+    poison()
+    y = grouped_routed(x, w, ids, laid, act_quant)
+    assert y.dtype == torch.float32 and torch.isfinite(y).all()
+    assert rel(y, ref) <= TOL
+
+
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_prompt_routing_takes_one_fp32_gemm(hash_layer):
+    """moe=fp4_topk's route() for a prompt (more tokens than the GEMV kernel takes a launch) forms the logits as the
+    reference does (x.float() @ gate.float().T) and routes them with the top-k kernel: the reference's experts and
+    weights (ids compared as sets per token: the kernel orders ties its own way)."""
+    from ds4.ops.moe_cuda import PREFILL_TOKENS, Fp4TopkMoE
+    g = gen(seed_of("prompt_routing", hash_layer))
+    mw, _ = _moe_weights(g, dim=4096, n_experts=256, hash_layer=hash_layer)
+    n = 40 * PREFILL_TOKENS
+    x = rand_x(n, 4096, g)
+    tok = torch.randint(0, 1000, (n,), device=DEV, generator=g)
+    w, ids = Fp4TopkMoE().route(x, tok, mw)
+    rw, rids = ref_route(x, tok, mw)
+    same = (ids.sort(-1).values == rids.sort(-1).values).all(-1)
+    assert same.float().mean() >= 0.99, same.float().mean()
+    wk = w.gather(-1, ids.argsort(-1))[same]
+    wr = rw.gather(-1, rids.argsort(-1))[same]
+    assert rel(wk, wr) <= 1e-5
 
 
 def ref_route(x, token_ids, mw):

@@ -13,9 +13,13 @@
 #include <tuple>
 
 #include "../sinkhorn_ride_binding.h"
+#include "../check_text.h"
 #include "attn_launch.h"
 
 namespace {
+
+using ds4_text::dims;  // numbers in messages as text (check_text.h)
+using ds4_text::num;
 
 void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "ds4_attn: ", name, " must be a CUDA tensor");
@@ -39,10 +43,33 @@ void check_f32(const at::Tensor& t, const char* name) {
 }
 
 // ---- mHC -------------------------------------------------------------------------------------------
+// Prompts (more than HC_GEMM_ROWS tokens): the partials as fp32 cuBLAS products in one split (nsplit = 1), over
+// slices of HC_GEMM_SLICE tokens (their fp32 copy of h is the temporary). The split kernel's ~128 blocks per token
+// each re-read their slice of fn: 1.5 MB a token at V4's 24 x 16384 (H200, session 47: hc.pre 1.8 ms a call at 2048
+// tokens). The finish reduces either form the same way.
+constexpr int64_t HC_GEMM_ROWS = 64, HC_GEMM_SLICE = 4096;
+at::Tensor hc_gemm_partials(const at::Tensor& h, const at::Tensor& fn) {
+  const int64_t N = h.size(0), K = h.size(1) * h.size(2), mix = fn.size(0);
+  auto part = at::empty({N, mix + 1, 1}, h.options().dtype(at::kFloat));
+  auto p2 = part.view({N, mix + 1});
+  for (int64_t r0 = 0; r0 < N; r0 += HC_GEMM_SLICE) {
+    const int64_t rows = std::min(N - r0, HC_GEMM_SLICE);
+    const auto v = h.narrow(0, r0, rows).reshape({rows, K}).to(at::kFloat);
+    auto dst = p2.narrow(0, r0, rows);
+    dst.narrow(1, 0, mix).copy_(at::matmul(v, fn.t()));
+    dst.select(1, mix).copy_(v.square().sum(-1));
+  }
+  return part;
+}
+
 at::Tensor hc_mixes_partials(const at::Tensor& h, const at::Tensor& fn, int64_t& nsplit) {
   const bool f32 = is_f32_act(h, "h");
   const int64_t N = h.size(0), K = h.size(1) * h.size(2), mix = fn.size(0);
   TORCH_CHECK(fn.dim() == 2 && fn.size(1) == K, "ds4_attn.hc: fn must be [mix, hc*D]");
+  if (N > HC_GEMM_ROWS) {
+    nsplit = 1;
+    return hc_gemm_partials(h, fn);
+  }
   nsplit = ds4_attn::hc_nsplit((int)K);
   auto part = at::empty({N, mix + 1, nsplit}, h.options().dtype(at::kFloat));
   check_launch(ds4_attn::launch_hc_partials(h.data_ptr(), f32, fn.data_ptr<float>(), (int)N, (int)K, (int)mix,
@@ -147,10 +174,20 @@ std::tuple<int64_t, int64_t, int64_t, bool, bool> check_post_inputs(const at::Te
 }
 
 // hc_post's new streams into h [N, n, D] and the next site's partials [N, mix + 1, nsplit] fp32
-// (launch_hc_post_partials), for N >= 1 rows whose shapes the caller has checked.
+// (launch_hc_post_partials; for a prompt hc_post's launch, then hc_gemm_partials), for N >= 1 rows whose shapes the
+// caller has checked; sets nsplit.
 at::Tensor hc_post_partials(const at::Tensor& x, bool xf, const at::Tensor& res, bool rf, const at::Tensor& post,
-                            const at::Tensor& comb, const at::Tensor& fn, const at::Tensor& h, int64_t nsplit) {
+                            const at::Tensor& comb, const at::Tensor& fn, const at::Tensor& h, int64_t& nsplit) {
   const int64_t N = res.size(0), n = res.size(1), D = res.size(2), mix = fn.size(0);
+  if (N > HC_GEMM_ROWS) {
+    check_launch(ds4_attn::launch_hc_post(x.data_ptr(), xf, res.data_ptr(), rf, post.data_ptr<float>(),
+                                          comb.data_ptr<float>(), (int)N, (int)n, (int)D, h.data_ptr(),
+                                          c10::cuda::getCurrentCUDAStream().stream()),
+                 "hc_post");
+    nsplit = 1;
+    return hc_gemm_partials(h, fn);
+  }
+  nsplit = ds4_attn::hc_nsplit((int)(n * D));
   auto part = at::empty({N, mix + 1, nsplit}, res.options().dtype(at::kFloat));
   check_launch(ds4_attn::launch_hc_post_partials(x.data_ptr(), xf, res.data_ptr(), rf, post.data_ptr<float>(),
                                                  comb.data_ptr<float>(), (int)N, (int)n, (int)D, h.data_ptr(),
@@ -175,7 +212,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
   if (N == 0)
     return {h, at::empty({N, D}, res.options()), at::empty({N, n}, res.options().dtype(at::kFloat)),
             at::empty({N, n, n}, res.options().dtype(at::kFloat))};
-  const int64_t mix = fn.size(0), nsplit = ds4_attn::hc_nsplit((int)(n * D));
+  const int64_t mix = fn.size(0);
+  int64_t nsplit = 0;
   const auto part = hc_post_partials(x, xf, res, rf, post, comb, fn, h, nsplit);
   auto [xn, pn, cn] = hc_pre_finish(h, part, nsplit, mix, scale, base, iters, hc_eps, norm_eps, norm, nf);
   return {h, xn, pn, cn};
@@ -218,7 +256,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_p
               "ds4_attn.hc_post_pre_router: gate must be bf16 [E, D]");
   const bool nf = norm_weight_f32(norm, D, "hc_post_pre_router");
   c10::cuda::CUDAGuard guard(res.device());
-  const int64_t E = gate.size(0), mix = fn.size(0), nsplit = ds4_attn::hc_nsplit((int)(n * D));
+  const int64_t E = gate.size(0), mix = fn.size(0);
+  int64_t nsplit = 0;
   auto h = at::empty_like(res);
   if (N == 0)
     return {h, at::empty({N, D}, res.options()), at::empty({N, n}, res.options().dtype(at::kFloat)),
@@ -398,7 +437,12 @@ at::Tensor sparse_attn(const at::Tensor& q, const at::Tensor& kv, const at::Tens
   c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({B, S, H, D}, q.options());
   if (B * S == 0) return out;
-  const int64_t nsplit = ds4_attn::sparse_nsplit((int)(K + a.P));
+  int64_t nsplit = ds4_attn::sparse_nsplit((int)(K + a.P));
+  // A prompt's rows (S > 1): at most SP_PROMPT_SLOTS (row, split) pairs, so the fp32 partial outputs stay small (256
+  // rows at 28 splits and 64 heads of 512 would be 940 MB, written and read back by the combine); the blocks then take
+  // several 32-key chunks each (their running max), as past sparse_nsplit's cap. Decode rows (S = 1) keep the rule.
+  constexpr int64_t SP_PROMPT_SLOTS = 1024;
+  if (S > 1) nsplit = std::max<int64_t>(1, std::min<int64_t>(nsplit, SP_PROMPT_SLOTS / (B * S)));
   auto opart = at::empty({B * S, nsplit, H, D}, q.options().dtype(at::kFloat));
   auto ml = at::empty({B * S, nsplit, H, 2}, q.options().dtype(at::kFloat));
   check_launch(ds4_attn::launch_sparse_attn(a, (int)nsplit, opart.data_ptr<float>(), ml.data_ptr<float>(),
@@ -411,7 +455,7 @@ at::Tensor sparse_attn(const at::Tensor& q, const at::Tensor& kv, const at::Tens
 void check_pos(const at::Tensor& pos, int64_t n, const char* op) {
   TORCH_CHECK(pos.is_cuda() && pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == n &&
                   pos.is_contiguous(),
-              "ds4_attn.", op, ": pos must be a contiguous int64 CUDA tensor [", n, "]");
+              "ds4_attn.", op, ": pos must be a contiguous int64 CUDA tensor [", num(n), "]");
 }
 
 void check_freqs(const at::Tensor& freqs, const char* op) {
@@ -592,7 +636,7 @@ bool topk_ok_host(int64_t B, int64_t T) {
 bool norm_weight_f32(const at::Tensor& w, int64_t n, const char* op) {
   TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.numel() == n &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "ds4_attn.", op, ": norm weight must be a contiguous bf16/float32 CUDA tensor of ", n, " values");
+              "ds4_attn.", op, ": norm weight must be a contiguous bf16/float32 CUDA tensor of ", num(n), " values");
   return w.scalar_type() == at::kFloat;
 }
 
@@ -658,7 +702,7 @@ void compress_step(const at::Tensor& kvz, const at::Tensor& ape, const at::Tenso
   TORCH_CHECK(m >= 1 && tokens >= 1 && m % tokens == 0, "ds4_attn.compress_step: tokens must divide m");
   const int64_t N = cache.size(0), w = cache.size(2), cw = (overlap ? 2 : 1) * w;
   TORCH_CHECK(kvz.dim() == 2 && kvz.size(1) == 2 * cw && kvz.size(0) == N * tokens,
-              "ds4_attn.compress_step: kvz must be [N * tokens, 2*cw] (cw = ", cw, ")");
+              "ds4_attn.compress_step: kvz must be [N * tokens, 2*cw] (cw = ", num(cw), ")");
   TORCH_CHECK(ape.dim() == 2 && ape.size(0) == m && ape.size(1) == cw, "ds4_attn.compress_step: ape must be [m, cw]");
   for (const at::Tensor* t : {&skv, &ssc})
     TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == N &&

@@ -57,6 +57,11 @@ def _argmax(x):
     return x.new_empty((x.shape[0],), dtype=torch.int64)
 
 
+@register_fake("ds4::dequant")
+def _dequant(w, scale, fmt, out):
+    return None
+
+
 @register_fake("ds4::all_reduce_ll")
 def _all_reduce_ll(x, peers, counters, rank, cap, round_bf16, out_f32):
     return x.new_empty(x.shape, dtype=torch.float32 if out_f32 else torch.bfloat16)

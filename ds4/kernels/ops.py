@@ -235,6 +235,42 @@ def argmax(x: Tensor) -> Tensor:
     return _ops().argmax(x)
 
 
+DEQUANT_FMTS = ("fp8", "fp8t", "fp4", "fp4p", "fp4t")  # the stored layouts ds4.dequant takes
+
+
+def dequant_ok(fmt: str, rows: int, cols: int) -> bool:
+    """Whether dequant takes a [rows, cols] matrix stored in fmt (csrc/dequant.cu's dequant_ok): rows of whole
+    16-byte chunks, and for fp8t / fp4t whole 16-row tiles of whole rounds (the only shapes those layouts have)."""
+    if fmt not in DEQUANT_FMTS:
+        return False
+    vals = 16 if fmt in ("fp8", "fp8t") else 32  # values per 16-byte chunk
+    if rows < 1 or cols < vals or cols % vals:
+        return False
+    return fmt not in ("fp8t", "fp4t") or (rows % 16 == 0 and cols % (8 * vals) == 0)
+
+
+def dequant(weight: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype = torch.bfloat16,
+            out: Tensor | None = None) -> Tensor:
+    """weight [..., O, Kb] stored in fmt (leading dims stack experts) -> dense [..., O, K] in dtype (bf16 or fp32):
+    the values QWeight(fmt, weight, scale).dequant(dtype) gives, in one launch (prefill's weights for cuBLAS).
+    out (that shape and dtype; contiguous, or [E, O, K] with contiguous matrices, e.g. a slice of a wider buffer)
+    receives them when given."""
+    k = weight.shape[-1] * (2 if fmt in ("fp4", "fp4p", "fp4t") else 1)
+    if weight.dim() < 2 or not dequant_ok(fmt, weight.shape[-2], k):
+        raise ValueError(f"ds4.kernels.dequant: a {fmt} matrix of {tuple(weight.shape[-2:])} stored bytes is not a "
+                         f"shape it takes (rows of whole 16-byte chunks; fp8t / fp4t whole tiles)")
+    o = weight.shape[-2]
+    fp8 = fmt in ("fp8", "fp8t")
+    want = (*weight.shape[:-2], *((-(-o // 128), -(-k // 128)) if fp8 else (o, k // 32)))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"ds4.kernels.dequant: scale shape {tuple(scale.shape)}, expected {want} for a {fmt} weight "
+                         f"{tuple(weight.shape)}")
+    if out is None:
+        out = torch.empty(*weight.shape[:-1], k, dtype=dtype, device=weight.device)
+    _ops().dequant(weight, scale, _fmt(fmt), out)
+    return out
+
+
 PREFETCH_MAX_TENSORS = 4  # tensors one l2_prefetch launch takes (PF_MAX_RANGES in ds4_launch.h)
 
 

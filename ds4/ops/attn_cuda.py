@@ -21,8 +21,10 @@ FusedCudaAttention.sparse — decode (S = 1 query per row, any B): MQA flash-dec
 loads 32 key rows once (window/HCA keys, then the row's selected keys) and serves all H heads with
 BF16 tensor-core MMAs; online-softmax partials per chunk; a combine kernel adds the sink to the
 denominator only. Probabilities are rounded to bf16 before P.V like the reference. Needs bf16 q / kv
-/ sel_kv and D % 64 == 0. Prefill (S > 1), other dtypes or shapes call TorchAttention.sparse: that
-dispatch (by shape/dtype only, never by values) is part of this implementation.
+/ sel_kv and D % 64 == 0. A prompt's chunk of queries (S > 1) runs the same kernels with per-query masks, its
+splits capped so the partial outputs stay small (csrc/attn/attn_bindings.cpp); DS4_PREFILL_ATTN=torch takes
+TorchAttention.sparse there instead. Other dtypes or shapes call TorchAttention.sparse: that dispatch (by
+shape/dtype only, never by values) is part of this implementation.
 
 FusedCudaIndexer.scores — decode (B*S <= 16 query rows): keys split over blocks of 64 (the whole GPU
 works on a long cache), all heads per block on BF16 tensor cores, ReLU-weighted head sum fused; the head
@@ -151,8 +153,10 @@ class FusedCudaAttention:
     # ---- attention core --------------------------------------------------------------------------
     def sparse(self, q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel_valid: Tensor | None,
                sink: Tensor, scale: float) -> Tensor:
-        use = (q.is_cuda and q.shape[1] == 1 and q.dtype == BF16 and kv.dtype == BF16
-               and (sel_kv is None or sel_kv.dtype == BF16) and q.shape[-1] % 64 == 0)
+        # a prompt's chunk of queries (q.shape[1] > 1) too, unless DS4_PREFILL_ATTN=torch (read per call: the A/B;
+        # session 47 measured the reference's fp32 einsums at 870 us per 256 queries of V4-Flash on an H200)
+        use = (q.is_cuda and q.dtype == BF16 and kv.dtype == BF16 and (sel_kv is None or sel_kv.dtype == BF16)
+               and q.shape[-1] % 64 == 0 and (q.shape[1] == 1 or os.environ.get("DS4_PREFILL_ATTN") != "torch"))
         if not use:
             return self._ref.sparse(q, kv, valid, sel_kv, sel_valid, sink, scale)
         return kernels_attn.sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale)

@@ -3,8 +3,8 @@
 Decode (<= PREFILL_TOKENS tokens): one launch of the CUDA GEMV (fp32 accumulation, BF16 out); with an hc
 fold (one row; hc=fused_cuda's default, DS4_HC_FOLD=0 turns it off, ds4.ops.hc_cuda) the tensor-core GEMV
 whose epilogue also forms the next mHC site's streams and partials (ds4.kernels.gemv_fold).
-Prefill (more tokens) and BF16 weights: dequantise + torch matmul (cuBLAS) — part of this
-implementation, chosen by shape only, never by tensor values.
+Prefill (more tokens) and BF16 weights: dequantise (FP8 on the device in one launch, ds4.ops.dequant_cuda) + torch
+matmul (cuBLAS) — part of this implementation, chosen by shape only, never by tensor values.
 qat (act_quant=True): the activation is FP8-simulated per 128 channels (ds4.quant.act_quant_sim,
 extra torch ops) before the same kernel, as the reference does.
 Layout: `prepare` (at load, and when a loaded model is configured with this implementation) places the dense FP8
@@ -15,7 +15,7 @@ of 8 rows (a read-only probe of the two patterns: 3867 against 3585 GB/s on an H
 experiments/decode_session6_h200.md; the decode step: 105.9 / 105.5 against 107.3 / 107.1 us per layer,
 experiments/decode_session41_h200.md). DS4_FP8_TILE=0 keeps (or restores) the stored layout; =1 requires fp8t and
 fails at load where a weight cannot be laid out. The FMA GEMV (several tokens, short rows) finds its chunks in
-either layout; prefill dequantises through QWeight, which knows both.
+either layout, and so does prefill's dequantisation kernel.
 prefetch: while a decode graph is captured and DS4_L2_PREFETCH names sites (opt-in: measured slower), a
 side-stream L2 prefetch of weights a later GEMV reads (ds4.ops.prefetch: the sites and the figures).
 """
@@ -31,6 +31,7 @@ from torch import Tensor
 from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops.base import HcFold, QWeight
+from ds4.ops.dequant_cuda import dense
 from ds4.quant import fp8t_ok, tile_fp8_mma, untile_fp8_mma
 
 PREFILL_TOKENS = 16
@@ -75,7 +76,7 @@ class GemvCudaLinear:
             y = kernels.gemv_fold(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, fold)
             return y.view(*lead, w.out_features).to(x.dtype)
         if w.fmt == "bf16" or x2.shape[0] > PREFILL_TOKENS or x2.shape[0] == 0:
-            return F.linear(x, w.dequant(x.dtype))
+            return F.linear(x, dense(w, x.dtype))
         y = kernels.gemv(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt)
         return y.view(*lead, w.out_features).to(x.dtype)
 
@@ -99,7 +100,7 @@ class GemvCudaLinear:
         """Block-diagonal projection (wo_a): x [N, G, I], w [G*R, I] -> [N, G, R], one launch."""
         n = x.shape[0]
         if w.fmt == "bf16" or n > PREFILL_TOKENS or n == 0:
-            wd = w.dequant(x.dtype).view(groups, -1, x.shape[-1])
+            wd = dense(w, x.dtype).view(groups, -1, x.shape[-1])
             return torch.einsum("ngi,gri->ngr", x, wd)
         y = kernels.gemv(x.reshape(n, -1).to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, groups=groups)
         return y.view(n, groups, -1).to(x.dtype)

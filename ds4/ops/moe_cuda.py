@@ -54,8 +54,9 @@ moe=fp4_topk
           linear=gemv_cuda, ds4.quant.tile_fp8_mma) where the shapes allow: DS4_SHARED_TILE (0 / 1 / auto) where
           set, else DS4_FP8_TILE, says which; fp8 under DS4_MOE_FFN.
   Decode sizes (<= PREFILL_TOKENS tokens) use the kernels; prompts up to CHUNKED_TOKENS run them in
-  chunks of PREFILL_TOKENS; longer ones use the torch reference path (ds4.ops.moe_torch) — chosen by
-  shape only.
+  chunks of PREFILL_TOKENS; longer ones the grouped loop (grouped_routed: the experts' dense weights formed on the
+  device a group at a time, one grouped GEMM per matrix and group), and the shared expert on its device-dequantised
+  weights — chosen by shape only. A prompt's router logits are one fp32 GEMM (the reference's).
   qat (act_quant=True): supported by FP8-simulating x and h with ds4.quant.act_quant_sim between
   the two launches (extra torch ops; the fused path is the plain-numerics one).
 
@@ -78,20 +79,21 @@ from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops import side_stream
 from ds4.ops.base import HcFold, MoEWeights, QWeight
+from ds4.ops.dequant_cuda import dense
 from ds4.ops.linear_cuda import fp8_tile_mode, lay_fp8
+from ds4.ops.moe_torch import shared_expert, swiglu
 from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
 # Up to this many tokens prefill runs the decode kernels chunk by chunk (PREFILL_TOKENS a chunk), each chunk reading
-# its selected experts once; beyond it, the torch reference's loop over the experts, which dequantises each of them
-# (82 torch ops a matrix in the fp4t layout, 3 matrices an expert, whatever the prompt's length: with it the whole
-# prefill of 8 layers of V4-Flash took 3.6-4.3 s from 128 to 8000 tokens). DS4_MOE_CHUNKED_TOKENS (read per call; the
-# measurement's knob) replaces it.
-# Session 46 (H200, ds4_best on 8 layers, prefill tok/s, experiments/decode_session46_h200.md): at 128 / 512 / 2048 /
-# 8000 prompt tokens the expert loop 35.4 / 127.2 / 474.7 (511.3) / 1863.6, the chunks 1244.7 / 1487.5 / 1532.7
-# (1541.7) / 1550.6. The chunks' time grows with the prompt (0.65 ms a token), the loop's hardly: they cross near 6500
-# tokens (the figures' lines, not a measurement); the limit was 64 before.
-CHUNKED_TOKENS = 4096
+# its selected experts once; beyond it, the grouped loop (grouped_routed): each expert's weights dequantised on the
+# device once, its tokens in one GEMM. The chunks' time grows with the prompt (0.6 ms a token on 8 layers), the loop's
+# hardly. DS4_MOE_CHUNKED_TOKENS (read per call; the measurement's knob) replaces it.
+# Session 48 (H200, ds4_best on 8 layers, prefill tok/s, experiments/decode_session48_h200.md): at 64 / 128 / 256 /
+# 512 / 2048 prompt tokens the chunks 1457.5 / 1585.2 / 1652.6 / 1688.2 / 1697.7, the grouped loop 514.6 / 1024.4 /
+# 1948.0 / 3647.5 / 11434.0 — they cross between 128 and 256. The limit was 4096 before (the torch expert loop, which
+# dequantised expert by expert, was slower still).
+CHUNKED_TOKENS = 128
 
 
 def chunked_tokens() -> int:
@@ -118,6 +120,77 @@ def _down_folds(fold: HcFold | None, x: Tensor, fmt: str, dim: int, inter: int, 
     """A down launch producing one row's block output can form the hc fold (shapes and formats only)."""
     return (fold is not None and x.shape[0] == 1 and fold.out.shape[-1] == dim
             and kernels.hc_fold_ok("moe_down", fmt, dim, inter, topk, fold.out.shape[-2]))
+
+
+# The long-prompt loop forms the dense weights of this many bytes of experts at a time (DS4_PREFILL_GROUP_BYTES):
+# V4-Flash's experts are 50 MB each in bf16, so 21 at a time.
+GROUP_BYTES = 1 << 30
+
+
+def _grouped_mm_ok(x: Tensor) -> bool:
+    """Whether torch._grouped_mm (one cuBLAS-class grouped GEMM over experts with different row counts) serves x:
+    bf16 on an sm_90+ GPU; DS4_GROUPED_MM=0 (read per call) takes one F.linear per expert instead."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device)[0] >= 9 and os.environ.get("DS4_GROUPED_MM") != "0")
+
+
+def _expert_products(a: Tensor, w: Tensor, offs: Tensor, counts: list[int], grouped: bool) -> Tensor:
+    """a [M, K] (rows sorted by expert, counts[i] rows for expert i, offs their int32 ends on the device) times each
+    expert's w[i] [N, K]^T -> [M, N]."""
+    if grouped:
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+    out, start = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device), 0
+    for i, c in enumerate(counts):
+        if c:
+            torch.matmul(a[start:start + c], w[i].t(), out=out[start:start + c])
+            start += c
+    return out
+
+
+def grouped_routed(x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool = False) -> Tensor:
+    """The routed sum (fp32 [N, dim]) of a long prompt. The (token, slot) pairs are grouped by expert (one sort; one
+    host sync for the counts, as the reference's loop). The experts' dense weights are formed on the device a group at
+    a time (ds4.kernels.dequant; w1 and w3 side by side, so gate and up are one product) and multiplied by one grouped
+    GEMM per matrix and group (torch._grouped_mm; one matmul per expert where it cannot run). The reference's
+    arithmetic (ds4.ops.moe_torch.DequantMoE.routed) to cuBLAS's summation order."""
+    n, k = ids.shape
+    e_local, inter, dim = mw.w1.weight.shape[0], mw.w1.out_features, x.shape[-1]
+    local = ids.to(torch.int64) - mw.expert_offset
+    owned = (local >= 0) & (local < e_local)
+    flat = torch.where(owned, local, e_local).flatten()                 # e_local = not on this rank
+    perm = flat.argsort(stable=True)                                     # pairs by expert, token order inside
+    counts_dev = torch.bincount(flat, minlength=e_local + 1)[:e_local]
+    ends = counts_dev.cumsum(0).to(torch.int32)                          # each expert's last pair + 1, on the device
+    counts = counts_dev.tolist()
+    rows = perm // k                                                     # each pair's token
+    route_w = weights.float().flatten()[perm].unsqueeze(-1)             # [N k, 1]
+    xq = _act_quant_sim(x) if act_quant else x
+    grouped = _grouped_mm_ok(x)
+    per_expert = 3 * inter * dim * x.element_size()
+    size = max(1, min(e_local, int(os.environ.get("DS4_PREFILL_GROUP_BYTES") or GROUP_BYTES) // per_expert))
+    w13 = torch.empty(size, 2 * inter, dim, dtype=x.dtype, device=x.device)  # gate and up of a group, reused
+    w2 = torch.empty(size, dim, inter, dtype=x.dtype, device=x.device)
+    y = torch.zeros(n, dim, dtype=torch.float32, device=x.device)
+    r0 = 0
+    for e0 in range(0, e_local, size):
+        e1 = min(e0 + size, e_local)
+        cnt = counts[e0:e1]
+        r1 = r0 + sum(cnt)
+        if r1 == r0:
+            continue
+        g = e1 - e0
+        dense(mw.w1[e0:e1], x.dtype, out=w13[:g, :inter])
+        dense(mw.w3[e0:e1], x.dtype, out=w13[:g, inter:])
+        dense(mw.w2[e0:e1], x.dtype, out=w2[:g])
+        r = rows[r0:r1]
+        offs = ends[e0:e1] - r0
+        gu = _expert_products(xq[r], w13[:g], offs, cnt, grouped)                # [pairs, 2 inter]
+        a = (swiglu(gu[:, :inter], gu[:, inter:], mw.swiglu_limit) * route_w[r0:r1]).to(x.dtype)
+        if act_quant:
+            a = _act_quant_sim(a)
+        y.index_add_(0, r, _expert_products(a, w2[:g], offs, cnt, grouped).float())
+        r0 = r1
+    return y
 
 
 class SharedUp(NamedTuple):
@@ -238,6 +311,10 @@ class Fp4TopkMoE:
             if ride is not None:  # no router launch here to take it along
                 ride.run()
             return w, ids
+        if logits is None and x2.shape[0] > PREFILL_TOKENS:
+            # a prompt: one fp32 GEMM (the reference's x.float() @ gate.float().T) instead of the BF16 GEMV kernel, which
+            # takes PREFILL_TOKENS tokens a launch (2048 tokens: 6.6 ms a layer on an H200, session 47)
+            logits = x2.float() @ gate.float().t()
         return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale, logits=logits, ride=ride)
 
     @property
@@ -327,8 +404,10 @@ class Fp4TopkMoE:
                 raise ValueError("routed(shared=...) takes the shared_up result of a decode-sized call")
             return self._routed_launches(x, weights, ids.to(torch.int64).contiguous(), mw, act_quant, shared,
                                          fold=fold, partial=partial)
-        if n == 0 or n > chunked_tokens():
+        if n == 0:
             return self._reference().routed(x, weights, ids, mw, act_quant)
+        if n > chunked_tokens():
+            return grouped_routed(x, weights, ids, mw, act_quant)
         ids = ids.to(torch.int64).contiguous()
         # short prompts: the decode kernels over chunks of PREFILL_TOKENS tokens (static chunk shapes)
         return torch.cat([self._routed_launches(x[i:i + PREFILL_TOKENS], weights[i:i + PREFILL_TOKENS],
@@ -371,8 +450,11 @@ class Fp4TopkMoE:
         # routed(shared=) forms that row's block output and fold; what comes here forms no fold (fold.fused stays
         # False and the caller runs the next site's pre)
         n = x.shape[0]
-        if n == 0 or n > chunked_tokens():
+        if n == 0:
             return self._reference().shared(x, mw, act_quant, add)
+        if n > chunked_tokens():
+            y = shared_expert(x, mw.shared_w1, mw.shared_w2, mw.shared_w3, mw.swiglu_limit, act_quant, dense)
+            return y if add is None else (add + y.float()).to(x.dtype)
         if n > PREFILL_TOKENS:
             return torch.cat([self.shared(x[i:i + PREFILL_TOKENS], mw, act_quant,
                                           None if add is None else add[i:i + PREFILL_TOKENS])

@@ -6,6 +6,8 @@ expert (one host sync for the counts) and run each expert that has tokens once; 
 depends on the shape only, never on tensor values."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -97,9 +99,11 @@ class DequantMoE:
         return y if add is None else (add + y.float()).to(x.dtype)
 
 
-def shared_expert(x: Tensor, w1: QWeight, w2: QWeight, w3: QWeight, limit: float, act_quant: bool) -> Tensor:
+def shared_expert(x: Tensor, w1: QWeight, w2: QWeight, w3: QWeight, limit: float, act_quant: bool,
+                  dense: Callable[[QWeight, torch.dtype], Tensor] = QWeight.dequant) -> Tensor:
+    """The shared expert on dense weights; dense(w, dtype) forms them (the reference: QWeight.dequant)."""
     xq = act_quant_sim(x, 128) if act_quant and w1.fmt != "bf16" else x
-    a = swiglu(F.linear(xq, w1.dequant(x.dtype)), F.linear(xq, w3.dequant(x.dtype)), limit).to(x.dtype)
+    a = swiglu(F.linear(xq, dense(w1, x.dtype)), F.linear(xq, dense(w3, x.dtype)), limit).to(x.dtype)
     if act_quant and w2.fmt != "bf16":
         a = act_quant_sim(a, 128)
-    return F.linear(a, w2.dequant(x.dtype))
+    return F.linear(a, dense(w2, x.dtype))
