@@ -297,9 +297,12 @@ def _same_values(a, b):
     ("fp8", (), 32768, 1024), ("fp8", (), 100, 272), ("fp8", (3,), 130, 256), ("fp8t", (), 1024, 4096),
     ("fp8t", (), 16, 128), ("fp8t", (2,), 208, 384),
     ("fp4", (), 48, 96), ("fp4p", (5,), 64, 512), ("fp4t", (4,), 2048, 4096), ("fp4t", (), 16, 256)])
-def test_dequant_matches_qweight(fmt, lead, o, i, dtype):
+@pytest.mark.parametrize("stage", ["1", "0"])
+def test_dequant_matches_qweight(fmt, lead, o, i, dtype, stage, monkeypatch):
     """Prefill's device dequantisation (ds4.kernels.dequant) of every stored layout gives QWeight.dequant's values bit
-    for bit (E8M0 bytes 0 and 255, E4M3 NaN codes, partial 128-blocks, stacked experts), into poisoned memory."""
+    for bit (E8M0 bytes 0 and 255, E4M3 NaN codes, partial 128-blocks, stacked experts, a last warp of fewer than 32
+    chunks), into poisoned memory: the staged stores (the default) and the direct ones (DS4_DEQUANT_STAGE=0)."""
+    monkeypatch.setenv("DS4_DEQUANT_STAGE", stage)
     g = gen(seed_of("dequant", fmt, lead, o, i, str(dtype)))
     q = _laid_weight(fmt, lead, o, i, g)
     assert kernels.dequant_ok(fmt, o, i)

@@ -91,8 +91,9 @@ PREFILL_TOKENS = 8
 # hardly. DS4_MOE_CHUNKED_TOKENS (read per call; the measurement's knob) replaces it.
 # Session 48 (H200, ds4_best on 8 layers, prefill tok/s, experiments/decode_session48_h200.md): at 64 / 128 / 256 /
 # 512 / 2048 prompt tokens the chunks 1457.5 / 1585.2 / 1652.6 / 1688.2 / 1697.7, the grouped loop 514.6 / 1024.4 /
-# 1948.0 / 3647.5 / 11434.0 — they cross between 128 and 256. The limit was 4096 before (the torch expert loop, which
-# dequantised expert by expert, was slower still).
+# 1948.0 / 3647.5 / 11434.0 — they cross between 128 and 256 (run 3; with the dequantisation's staged stores, run 7,
+# the loop's 256 / 2048 became 2514.1 / 14313.2). The limit was 4096 before (the torch expert loop, which dequantised
+# expert by expert, was slower still).
 CHUNKED_TOKENS = 128
 
 
@@ -312,8 +313,8 @@ class Fp4TopkMoE:
                 ride.run()
             return w, ids
         if logits is None and x2.shape[0] > PREFILL_TOKENS:
-            # a prompt: one fp32 GEMM (the reference's x.float() @ gate.float().T) instead of the BF16 GEMV kernel, which
-            # takes PREFILL_TOKENS tokens a launch (2048 tokens: 6.6 ms a layer on an H200, session 47)
+            # a prompt: one fp32 GEMM (the reference's x.float() @ gate.float().T) instead of the BF16 GEMV kernel,
+            # which takes PREFILL_TOKENS tokens a launch (2048 tokens: 6.6 ms a layer on an H200, session 47)
             logits = x2.float() @ gate.float().t()
         return kernels.router(x2, gate, bias, tid, tok, mw.topk, mw.route_scale, logits=logits, ride=ride)
 
