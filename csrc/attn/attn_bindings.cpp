@@ -45,8 +45,8 @@ void check_f32(const at::Tensor& t, const char* name) {
 // ---- mHC -------------------------------------------------------------------------------------------
 // Prompts (more than HC_GEMM_ROWS tokens): the partials as fp32 cuBLAS products in one split (nsplit = 1), over
 // slices of HC_GEMM_SLICE tokens (their fp32 copy of h is the temporary). The split kernel's ~128 blocks per token
-// each re-read their slice of fn: 1.5 MB a token at V4's 24 x 16384 (H200, session 47: hc.pre 1.8 ms a call at 2048
-// tokens). The finish reduces either form the same way.
+// each re-read their slice of fn: 1.5 MB a token at V4's 24 x 16384 (with the cuBLAS partials hc.pre took 0.55 ms a
+// call at 2048 tokens on an H200, experiments/decode_session48_h200.md). The finish reduces either form the same way.
 constexpr int64_t HC_GEMM_ROWS = 64, HC_GEMM_SLICE = 4096;
 at::Tensor hc_gemm_partials(const at::Tensor& h, const at::Tensor& fn) {
   const int64_t N = h.size(0), K = h.size(1) * h.size(2), mix = fn.size(0);

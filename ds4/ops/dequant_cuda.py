@@ -2,9 +2,9 @@
 
 A prompt longer than the decode kernels take multiplies by dense BF16 weights (cuBLAS). The torch dequantisation
 (QWeight.dequant) is the reference's and stays the seed's phase-1 path; here the CUDA kernel (ds4.kernels.dequant,
-csrc/dequant.cu) forms the same values in one launch. H200, the torch path: about 1 ms for wq_b alone, 82 torch ops
-a matrix in the tiled layouts (experiments/decode_session46_h200.md). Chosen by format and shape only;
-DS4_DEQUANT_KERNEL=0 in the environment (read per call: the measurement's A/B) takes QWeight.dequant everywhere.
+csrc/dequant.cu) forms the same values in one launch (the torch path: 82 torch ops a matrix in the tiled layouts,
+experiments/decode_session46_h200.md; the kernel: experiments/decode_session48_h200.md). Chosen by format and shape
+only; DS4_DEQUANT_KERNEL=0 in the environment (read per call: the measurement's A/B) takes QWeight.dequant everywhere.
 """
 from __future__ import annotations
 
