@@ -18,8 +18,7 @@
 
 namespace {
 
-using ds4_text::dims;  // numbers in messages as text (check_text.h)
-using ds4_text::num;
+using ds4_text::num;  // numbers in messages as text (check_text.h)
 
 void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "ds4_attn: ", name, " must be a CUDA tensor");

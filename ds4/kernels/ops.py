@@ -246,7 +246,7 @@ def dequant_ok(fmt: str, rows: int, cols: int) -> bool:
     vals = 16 if fmt in ("fp8", "fp8t") else 32  # values per 16-byte chunk
     if rows < 1 or cols < vals or cols % vals:
         return False
-    return fmt not in ("fp8t", "fp4t") or (rows % 16 == 0 and cols % (8 * vals) == 0)
+    return fmt not in ("fp8t", "fp4t") or fp4t_ok(rows, cols * 16 // vals)  # the row's bytes
 
 
 def dequant(weight: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype = torch.bfloat16,

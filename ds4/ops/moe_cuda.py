@@ -81,7 +81,7 @@ from ds4.ops import side_stream
 from ds4.ops.base import HcFold, MoEWeights, QWeight
 from ds4.ops.dequant_cuda import dense
 from ds4.ops.linear_cuda import fp8_tile_mode, lay_fp8
-from ds4.ops.moe_torch import shared_expert, swiglu
+from ds4.ops.moe_torch import pairs_by_expert, shared_block, swiglu
 from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
@@ -156,11 +156,7 @@ def grouped_routed(x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_
     arithmetic (ds4.ops.moe_torch.DequantMoE.routed) to cuBLAS's summation order."""
     n, k = ids.shape
     e_local, inter, dim = mw.w1.weight.shape[0], mw.w1.out_features, x.shape[-1]
-    local = ids.to(torch.int64) - mw.expert_offset
-    owned = (local >= 0) & (local < e_local)
-    flat = torch.where(owned, local, e_local).flatten()                 # e_local = not on this rank
-    perm = flat.argsort(stable=True)                                     # pairs by expert, token order inside
-    counts_dev = torch.bincount(flat, minlength=e_local + 1)[:e_local]
+    perm, counts_dev = pairs_by_expert(ids, mw.expert_offset, e_local)
     ends = counts_dev.cumsum(0).to(torch.int32)                          # each expert's last pair + 1, on the device
     counts = counts_dev.tolist()
     rows = perm // k                                                     # each pair's token
@@ -454,8 +450,7 @@ class Fp4TopkMoE:
         if n == 0:
             return self._reference().shared(x, mw, act_quant, add)
         if n > chunked_tokens():
-            y = shared_expert(x, mw.shared_w1, mw.shared_w2, mw.shared_w3, mw.swiglu_limit, act_quant, dense)
-            return y if add is None else (add + y.float()).to(x.dtype)
+            return shared_block(x, mw, act_quant, add, dense)
         if n > PREFILL_TOKENS:
             return torch.cat([self.shared(x[i:i + PREFILL_TOKENS], mw, act_quant,
                                           None if add is None else add[i:i + PREFILL_TOKENS])

@@ -72,9 +72,8 @@ class DequantMoE:
         # Prefill: group the (token, slot) pairs by expert with one sort and one host sync for the
         # counts, then one dequantise + matmul per expert that has tokens.
         y = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
-        flat = torch.where(owned, local, e_local).flatten()              # e_local = not on this rank
-        perm = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=e_local + 1)[:e_local].tolist()
+        perm, counts_dev = pairs_by_expert(ids, mw.expert_offset, e_local)
+        counts = counts_dev.tolist()
         start = 0
         for e, cnt in enumerate(counts):
             if cnt == 0:
@@ -95,8 +94,22 @@ class DequantMoE:
 
     def shared(self, x: Tensor, mw: MoEWeights, act_quant: bool = False, add: Tensor | None = None,
                up: None = None, fold=None) -> Tensor:  # never folds
-        y = shared_expert(x, mw.shared_w1, mw.shared_w2, mw.shared_w3, mw.swiglu_limit, act_quant)
-        return y if add is None else (add + y.float()).to(x.dtype)
+        return shared_block(x, mw, act_quant, add)
+
+
+def pairs_by_expert(ids: Tensor, expert_offset: int, e_local: int) -> tuple[Tensor, Tensor]:
+    """ids [N, k] global expert ids -> (perm [N k]: the flattened (token, slot) pairs sorted by local expert, token
+    order inside, those of other ranks last; counts [e_local] on the device: each local expert's pairs)."""
+    local = ids.to(torch.int64) - expert_offset
+    flat = torch.where((local >= 0) & (local < e_local), local, e_local).flatten()  # e_local = not on this rank
+    return flat.argsort(stable=True), torch.bincount(flat, minlength=e_local + 1)[:e_local]
+
+
+def shared_block(x: Tensor, mw: MoEWeights, act_quant: bool, add: Tensor | None,
+                 dense: Callable[[QWeight, torch.dtype], Tensor] = QWeight.dequant) -> Tensor:
+    """The shared expert's output, plus add (bf16(add + y) in fp32) when given; dense forms the weights."""
+    y = shared_expert(x, mw.shared_w1, mw.shared_w2, mw.shared_w3, mw.swiglu_limit, act_quant, dense)
+    return y if add is None else (add + y.float()).to(x.dtype)
 
 
 def shared_expert(x: Tensor, w1: QWeight, w2: QWeight, w3: QWeight, limit: float, act_quant: bool,
