@@ -10,6 +10,8 @@ the graph is replayed `--reps` times, each replay timed with CUDA events; µs = 
 Graph replay removes host launch overhead but keeps the GPU's own inter-kernel gaps. An eager column
 (events around `--calls` plain launches) is printed too. bytes = weights + scales + activations in
 and out; GB/s = bytes / µs; %copy = GB/s / copy bandwidth.
+--l2-hot times the dense FP8 rows on one weight set instead (a weight that fits stays in L2 between the calls: what
+an L2 prefetch could buy them; experiments/decode_session49_h200.md); --dense-only stops after the dense rows.
 Untagged rows run the default ("auto", see csrc/ds4_launch.h); rows tagged [fma] / [mma wN dM] force the
 FMA / tensor-core kernels, N = DS4_MMA_W (the widest run of 16-B chunks a lane reads per row), M =
 DS4_MMA_DEPTH (16-B chunks per lane and row in flight; fewer buy more resident warps; d0 = the
@@ -128,6 +130,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="skip the [mma] / [fma] comparison rows")
+    ap.add_argument("--dense-only", action="store_true", help="only the dense FP8 GEMV rows")
+    ap.add_argument("--l2-hot", action="store_true",
+                    help="the dense GEMV rows on one weight set, no rotation: where it fits, the weight stays in L2 "
+                         "between calls (what a GEMV gains from an L2 prefetch; ds4.ops.prefetch)")
     ap.add_argument("--mma", default="w2d8",
                     help="[mma wNdM] rows: comma-separated DS4_MMA_W (N) / DS4_MMA_DEPTH (M) pairs, e.g. w2d8,w2d4; "
                          "M = 0: the shared-memory stream (DS4_MMA_LOAD=smem)")
@@ -146,10 +152,32 @@ def main() -> int:
                      "meets_75pct": gbs >= 0.75 * bw})
         print(f"  {name:<34} {us:8.2f} us  {gbs:7.0f} GB/s  {100 * gbs / bw:5.1f}%", flush=True)
 
+    def finish() -> int:  # the table, and the JSON record
+        print()
+        hdr = f"{'kernel':<36}{'tok':>4}{'us(graph)':>11}{'us(eager)':>11}{'bytes':>13}{'GB/s':>8}{'%copy':>7}{'target':>8}"
+        print(hdr)
+        print("-" * len(hdr))
+        for r in rows:
+            tgt = f"{r['target_us']:.1f}" if r["target_us"] else "-"
+            print(f"{r['kernel']:<36}{r['tokens']:>4}{r['us']:>11.2f}{r['us_eager']:>11.2f}{r['bytes']:>13,}"
+                  f"{r['GB_s']:>8.0f}{r['pct_copy']:>7.1f}{tgt:>8}")
+        print(f"copy bandwidth {bw:.0f} GB/s (2 GiB D2D, read+write) on {torch.cuda.get_device_name()}")
+        if args.out:
+            try:
+                commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+            except Exception:  # noqa: BLE001
+                commit = "?"
+            meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "commit": commit, "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "copy_GB_s": bw, "command": " ".join(sys.argv), "timing": "CUDA-graph replay median / calls",
+                    "rows": rows}
+            Path(args.out).write_text(json.dumps(meta, indent=1))
+        return 0
+
     def gemv_case(name, o, i, groups=1, kernel="auto", target=None, fmt="fp8"):
         one = rand_fp8(o, i, g)
         bts = nbytes(*one) + n * i * groups * 2 + n * o * 2
-        sets = max(2, min(64, math.ceil(L2_ROTATE_BYTES / bts)))
+        sets = 1 if args.l2_hot else max(2, min(64, math.ceil(L2_ROTATE_BYTES / bts)))
         ws = [one] + [rand_fp8(o, i, g) for _ in range(sets - 1)]
         if fmt == "fp8t":
             ws = [(tile_fp8_mma(w), s) for w, s in ws]
@@ -189,6 +217,8 @@ def main() -> int:
         gemv_case("fp8 wo_a 8x(1024x4096) grouped" + tag, 8192, 4096, groups=8, kernel=kern)
         gemv_case("fp8 wo_b 4096x8192" + tag, 4096, 8192, kernel=kern)
         gemv_case("fp8 idx_wq_b 8192x1024" + tag, 8192, 1024, kernel=kern)
+    if args.dense_only:
+        return finish()
 
     # one MXFP4 GEMV (one expert's w1)
     one = rand_fp4((), 2048, 4096, g)
@@ -297,26 +327,7 @@ def main() -> int:
     record("router gate+topk (2 launches)", nbytes(gates[0]) + n * dim * 2 + n * k * 12,
            [(lambda gt=gt: kernels.router(x, gt, bias, None, None, k, 1.5)) for gt in gates])
 
-    print()
-    hdr = f"{'kernel':<36}{'tok':>4}{'us(graph)':>11}{'us(eager)':>11}{'bytes':>13}{'GB/s':>8}{'%copy':>7}{'target':>8}"
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:
-        tgt = f"{r['target_us']:.1f}" if r["target_us"] else "-"
-        print(f"{r['kernel']:<36}{r['tokens']:>4}{r['us']:>11.2f}{r['us_eager']:>11.2f}{r['bytes']:>13,}"
-              f"{r['GB_s']:>8.0f}{r['pct_copy']:>7.1f}{tgt:>8}")
-    print(f"copy bandwidth {bw:.0f} GB/s (2 GiB D2D, read+write) on {torch.cuda.get_device_name()}")
-    if args.out:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        except Exception:  # noqa: BLE001
-            commit = "?"
-        meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "commit": commit, "torch": torch.__version__, "cuda": torch.version.cuda,
-                "copy_GB_s": bw, "command": " ".join(sys.argv), "timing": "CUDA-graph replay median / calls",
-                "rows": rows}
-        Path(args.out).write_text(json.dumps(meta, indent=1))
-    return 0
+    return finish()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 Each kernel runs `--reps` times on its own weights copy (eager, so ncu sees one launch per call);
 ncu serialises and times each launch with flushed caches, so these are the kernels alone — no PDL
 overlap, no neighbours. The names printed before each group let the ncu report be read in order.
-The routed experts are in the fp4p word layout moe=fp4_topk runs on (ds4.quant.pack_fp4_mma).
+The weights are in the layouts the library runs by default: the routed experts in fp4t (moe=fp4_topk:
+ds4.quant.tile_fp4_mma of the fp4p words), the dense FP8 projections in fp8t (linear=gemv_cuda: tile_fp8_mma).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4 import kernels  # noqa: E402
-from ds4.quant import pack_fp4_mma  # noqa: E402
+from ds4.quant import pack_fp4_mma, tile_fp4_mma, tile_fp8_mma  # noqa: E402
 from scripts.bench_kernels import DEV, rand_fp4, rand_fp8  # noqa: E402
 
 
@@ -35,22 +36,22 @@ def main() -> int:
     w1, s1 = rand_fp4((E,), inter, dim, g)
     w3, s3 = rand_fp4((E,), inter, dim, g)
     w2, s2 = rand_fp4((E,), dim, inter, g)
-    w1, w3, w2 = (pack_fp4_mma(w, out=w) for w in (w1, w3, w2))
+    w1, w3, w2 = (tile_fp4_mma(pack_fp4_mma(w)) for w in (w1, w3, w2))
     rw = torch.rand(1, k, device=DEV) + 0.1
     cases = []
     for r in range(args.reps):
         ids = torch.randperm(E, device=DEV, generator=g)[:k].view(1, k)
-        cases.append(("moe fp4 gate+up", lambda ids=ids: kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4p", 0, E,
+        cases.append(("moe fp4 gate+up", lambda ids=ids: kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4t", 0, E,
                                                                               10.0)))
-    h = kernels.moe_gate_up(x, torch.arange(k, device=DEV).view(1, k), rw, w1, s1, w3, s3, "fp4p", 0, E, 10.0)
+    h = kernels.moe_gate_up(x, torch.arange(k, device=DEV).view(1, k), rw, w1, s1, w3, s3, "fp4t", 0, E, 10.0)
     for r in range(args.reps):
         ids = torch.randperm(E, device=DEV, generator=g)[:k].view(1, k)
-        cases.append(("moe fp4 down", lambda ids=ids: kernels.moe_down(h, ids, k, w2, s2, "fp4p", 0, E, None, True)))
-    for name, o, i in (("fp8 wq_b 32768x1024", 32768, 1024), ("fp8 wo_b 4096x8192", 4096, 8192)):
-        ws = [rand_fp8(o, i, g) for _ in range(args.reps)]
+        cases.append(("moe fp4 down", lambda ids=ids: kernels.moe_down(h, ids, k, w2, s2, "fp4t", 0, E, None, True)))
+    for name, o, i in (("fp8t wq_b 32768x1024", 32768, 1024), ("fp8t wo_b 4096x8192", 4096, 8192)):
+        ws = [(tile_fp8_mma(w), s) for w, s in (rand_fp8(o, i, g) for _ in range(args.reps))]
         xi = torch.randn(1, i, device=DEV).to(torch.bfloat16)
         for w, s in ws:
-            cases.append((name, lambda w=w, s=s, xi=xi: kernels.gemv(xi, w, s, "fp8")))
+            cases.append((name, lambda w=w, s=s, xi=xi: kernels.gemv(xi, w, s, "fp8t")))
     torch.cuda.synchronize()
     for name, fn in cases:
         print(name, flush=True)
