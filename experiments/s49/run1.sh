@@ -3,7 +3,7 @@
 # and wq_b requested beside this block's FFN, whose FP4 products leave HBM room; keep: the requests L2::evict_last
 # with a persisting set-aside). GPU tests of the prefetch kernel and its captured branch; the dense GEMVs with their
 # weights L2-resident (--l2-hot) against rotated ones; the per-layer slope with and without the site; an 8-layer
-# profile with it.
+# profile with it. Its code is c95e664 with experiments/s49_attempts/l2_next_block_prefetch.diff applied (reverted after).
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
