@@ -22,9 +22,8 @@ _DTYPES = (torch.bfloat16, torch.float32)
 def takes(w: QWeight, dtype: torch.dtype) -> bool:
     """Whether the kernel forms w's dense matrix (CUDA, contiguous, a stored layout and shape it takes)."""
     return (w.weight.is_cuda and dtype in _DTYPES and os.environ.get("DS4_DEQUANT_KERNEL") != "0"
-            and w.fmt in kernels.DEQUANT_FMTS and w.scale is not None and w.weight.is_contiguous()
-            and w.scale.is_contiguous()
-            and kernels.dequant_ok(w.fmt, w.out_features, w.in_features))
+            and w.scale is not None and w.weight.is_contiguous() and w.scale.is_contiguous()
+            and kernels.dequant_ok(w.fmt, w.out_features, w.in_features))  # (the formats it takes too)
 
 
 def dense(w: QWeight, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
