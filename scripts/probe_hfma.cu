@@ -289,7 +289,10 @@ static void probe_shape(int sms, int O, int K) {
   variant("HFMA2 fp4p->fp16 U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 0, 0, 4>, 4, true);
   variant("HFMA2 bf16-cost decode (wrong) U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 1, 0, 3>, 3, false);
   variant("HFMA2 bf16-cost decode (wrong) U2, 4 blocks/SM", hf::hfma_fp4t_kernel<2, 1, 0, 4>, 4, false);
+  variant("HFMA2 bf16-cost decode (wrong) U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 1, 0, 4>, 4, false);
   variant("HFMA2 arithmetic alone fp4p->fp16 U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 0, 1, 3>, 3, false);
+  variant("HFMA2 arithmetic alone fp4p->fp16 U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 0, 1, 4>, 4, false);
+  variant("HFMA2 arithmetic alone bf16-cost U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 1, 1, 4>, 4, false);
   variant("HFMA2 arithmetic alone bf16-cost U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 1, 1, 3>, 3, false);
   report("MMA register stream depth 4 again", time_us([&](int i) { run_d4(i, yref); }), false);
   for (auto* q : Ws) cudaFree(q);
