@@ -21,7 +21,7 @@
 #include "../csrc/gemv.cu"
 #include "../csrc/moe.cu"
 #include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
-#include "probe_util.cuh"
+#include "probe_gemv.cuh"
 
 #include <cmath>
 #include <cstdio>
@@ -232,11 +232,7 @@ static void probe_shape(int sms, int O, int K) {
 
   // the library's register stream (depth 8 = U 4, the routed gate+up's form)
   auto reg_stream = [&](auto kern, int wave, int i, float* o) {
-    const int tpb = ds4::mma_tiles_per_block(T, wave);
-    const long smem = 4L * ds4::mma_part_floats(tpb) + 2L * K;
-    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kern<<<(T + tpb - 1) / tpb, ds4::MMA_STREAM_THREADS, smem>>>(x, Ws[i % copies], Ss[i % copies], s_ld, o, 1, O, K,
-                                                                  0, tpb, nullptr, 0, 0.f, ds4::HcFold{}, -1, ds4::RowSkip{});
+    launch_gemv_mma(kern, wave, x, Ws[i % copies], Ss[i % copies], s_ld, o, O, K);
   };
   auto run_ref = [&](int i, float* o) { reg_stream(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 4, 2, false, false>, 2 * sms, i, o); };
   auto run_d2 = [&](int i, float* o) { reg_stream(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 1, 2, false, false>, 4 * sms, i, o); };
@@ -245,16 +241,11 @@ static void probe_shape(int sms, int O, int K) {
   std::vector<float> h_ref(O), h_y(O);
   CK(cudaMemcpy(h_ref.data(), yref, O * 4, cudaMemcpyDeviceToHost));
   auto report = [&](const char* name, float us, bool check) {
-    double err = 0.0, nrm = 0.0;
+    std::printf("%-44s %7.2f us %6.0f GB/s", name, us, total / us / 1e3);
     if (check) {
       CK(cudaMemcpy(h_y.data(), y, O * 4, cudaMemcpyDeviceToHost));
-      for (int i = 0; i < O; ++i) {
-        err += (double)(h_y[i] - h_ref[i]) * (h_y[i] - h_ref[i]);
-        nrm += (double)h_ref[i] * h_ref[i];
-      }
+      std::printf("  rel L2 vs register stream %.2e", rel_l2(h_y, h_ref));
     }
-    std::printf("%-44s %7.2f us %6.0f GB/s", name, us, total / us / 1e3);
-    if (check) std::printf("  rel L2 vs register stream %.2e", std::sqrt(err / (nrm > 0 ? nrm : 1.0)));
     std::printf("\n");
   };
   report("register stream depth 8 (U4 W2, 2 blocks/SM)", time_us([&](int i) { run_ref(i, yref); }), false);
@@ -333,16 +324,7 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&p, 0));
   const int sms = p.multiProcessorCount;
   std::printf("%s, %d SMs\n", p.name, sms);
-  {  // copy bandwidth, same process
-    const size_t n = 1ull << 30;
-    void *a, *b;
-    CK(cudaMalloc(&a, n));
-    CK(cudaMalloc(&b, n));
-    const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); }, probe_reps > 1 ? 10 : 1);
-    std::printf("copy 1 GiB: %.0f GB/s (read + write)\n", 2.0 * n / us / 1e3);
-    cudaFree(a);
-    cudaFree(b);
-  }
+  print_copy_bandwidth(probe_reps > 1 ? 10 : 1);  // same process
   probe_shape(sms, 24576, 4096);  // the routed top-6 gate+up's bytes (6 x 4096 rows of 4096)
   probe_shape(sms, 4096, 12288);  // the routed top-6 down's (4096 rows of 6 x 2048)
   return 0;

@@ -20,7 +20,7 @@
 #include "../csrc/gemv.cu"
 #include "../csrc/moe.cu"
 #include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
-#include "probe_util.cuh"
+#include "probe_gemv.cuh"
 
 #include <cstdio>
 #include <vector>
@@ -45,12 +45,8 @@ static Mat make_mat(int O, int K, bool fp8, int copies) {
 
 template <typename Kern>
 static void launch_gemv(Kern kern, int wave, const Mat& m, int i, const __nv_bfloat16* x, float* y, cudaStream_t st) {
-  const int T = m.O / 16, tpb = ds4::mma_tiles_per_block(T, wave);
-  const long smem = 4L * ds4::mma_part_floats(tpb) + 2L * m.K;
-  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   const int c = i % (int)m.W.size();
-  kern<<<(T + tpb - 1) / tpb, ds4::MMA_STREAM_THREADS, smem, st>>>(x, m.W[c], m.S[c], m.s_ld, y, 1, m.O, m.K, 0, tpb,
-                                                                    nullptr, 0, 0.f, ds4::HcFold{}, -1, ds4::RowSkip{});
+  launch_gemv_mma(kern, wave, x, m.W[c], m.S[c], m.s_ld, y, m.O, m.K, st);
 }
 
 int main() {

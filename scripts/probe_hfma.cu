@@ -25,7 +25,7 @@
 #include "../csrc/gemv.cu"
 #include "../csrc/moe.cu"
 #include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
-#include "probe_util.cuh"
+#include "probe_gemv.cuh"
 
 #include <cuda_fp16.h>
 
@@ -137,22 +137,25 @@ hfma_fp4t_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict_
     if (k < n) load(k, beg + k);
   float acc0 = 0.f, acc1 = 0.f;
   int cur = n > 0 ? beg / nr : 0;
+  auto flush = [&] {  // the warp's partial sums of its rows in tile cur (its 4 lanes t add up; warp-uniform)
+    acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+    acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
+    acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+    acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
+    if (t == 0) {
+      part[(cur * WARPS + warp) * 16 + g] = acc0;
+      part[(cur * WARPS + warp) * 16 + g + 8] = acc1;
+    }
+    acc0 = acc1 = 0.f;
+  };
   for (int i0 = 0; i0 < n; i0 += U) {
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int i = i0 + k;
       if (i < n) {
         const int u = beg + i, tl = u / nr, r = u - tl * nr;
-        if (tl != cur) {  // the warp leaves tile cur: its partial sums (warp-uniform)
-          acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
-          acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
-          acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
-          acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
-          if (t == 0) {
-            part[(cur * WARPS + warp) * 16 + g] = acc0;
-            part[(cur * WARPS + warp) * 16 + g + 8] = acc1;
-          }
-          acc0 = acc1 = 0.f;
+        if (tl != cur) {  // the warp leaves tile cur
+          flush();
           cur = tl;
         }
 #pragma unroll
@@ -189,16 +192,7 @@ hfma_fp4t_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict_
       }
     }
   }
-  if (n > 0) {
-    acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
-    acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
-    acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
-    acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
-    if (t == 0) {
-      part[(cur * WARPS + warp) * 16 + g] = acc0;
-      part[(cur * WARPS + warp) * 16 + g + 8] = acc1;
-    }
-  }
+  if (n > 0) flush();
   __syncthreads();
   for (int i = threadIdx.x; i < nt * 16; i += THREADS) {
     float y = 0.f;
@@ -233,11 +227,7 @@ static void probe_shape(int sms, int O, int K) {
   std::printf("\nfp4t %dx%d: %.1f MB with scales, %d copies rotated\n", O, K, total / 1e6, copies);
 
   auto reg_stream = [&](auto kern, int wave, int i, float* o) {
-    const int tpb = ds4::mma_tiles_per_block(T, wave);
-    const long smem = 4L * ds4::mma_part_floats(tpb) + 2L * K;
-    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kern<<<(T + tpb - 1) / tpb, ds4::MMA_STREAM_THREADS, smem>>>(x, Ws[i % copies], Ss[i % copies], s_ld, o, 1, O, K,
-                                                                  0, tpb, nullptr, 0, 0.f, ds4::HcFold{}, -1, ds4::RowSkip{});
+    launch_gemv_mma(kern, wave, x, Ws[i % copies], Ss[i % copies], s_ld, o, O, K);
   };
   auto run_d4 = [&](int i, float* o) { reg_stream(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 2, 2, false, false>, 3 * sms, i, o); };
   auto run_d8 = [&](int i, float* o) { reg_stream(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 4, 2, false, false>, 2 * sms, i, o); };
@@ -247,16 +237,11 @@ static void probe_shape(int sms, int O, int K) {
   std::vector<float> h_ref(O), h_y(O);
   CK(cudaMemcpy(h_ref.data(), yref, O * 4, cudaMemcpyDeviceToHost));
   auto report = [&](const char* name, float us, bool check) {
-    double err = 0.0, nrm = 0.0;
+    std::printf("%-52s %7.2f us %6.0f GB/s", name, us, total / us / 1e3);
     if (check) {
       CK(cudaMemcpy(h_y.data(), y, O * 4, cudaMemcpyDeviceToHost));
-      for (int i = 0; i < O; ++i) {
-        err += (double)(h_y[i] - h_ref[i]) * (h_y[i] - h_ref[i]);
-        nrm += (double)h_ref[i] * h_ref[i];
-      }
+      std::printf("  rel L2 vs MMA %.2e", rel_l2(h_y, h_ref));
     }
-    std::printf("%-52s %7.2f us %6.0f GB/s", name, us, total / us / 1e3);
-    if (check) std::printf("  rel L2 vs MMA %.2e", std::sqrt(err / (nrm > 0 ? nrm : 1.0)));
     std::printf("\n");
   };
   report("MMA register stream depth 4 (U2 W2, 3 blocks/SM)", time_us([&](int i) { run_d4(i, yref); }), false);
@@ -307,16 +292,7 @@ int main() {
   CK(cudaGetDeviceProperties(&p, 0));
   const int sms = p.multiProcessorCount;
   std::printf("%s, %d SMs\n", p.name, sms);
-  {  // copy bandwidth, same process
-    const size_t n = 1ull << 30;
-    void *a, *b;
-    CK(cudaMalloc(&a, n));
-    CK(cudaMalloc(&b, n));
-    const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); }, 10);
-    std::printf("copy 1 GiB: %.0f GB/s (read + write)\n", 2.0 * n / us / 1e3);
-    cudaFree(a);
-    cudaFree(b);
-  }
+  print_copy_bandwidth();  // same process
   probe_shape(sms, 24576, 4096);  // the routed top-6 gate+up's bytes
   probe_shape(sms, 4096, 12288);  // the routed top-6 down's
   return 0;

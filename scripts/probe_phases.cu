@@ -445,17 +445,6 @@ static void probe_read_patterns(int O, int K) {
   cudaFree(out);
 }
 
-static void probe_copy() {
-  const size_t n = 1ull << 30;
-  void *a, *b;
-  CK(cudaMalloc(&a, n));
-  CK(cudaMalloc(&b, n));
-  const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); }, 10);
-  std::printf("copy 1 GiB: %.0f GB/s (read + write)\n", 2.0 * n / us / 1e3);
-  cudaFree(a);
-  cudaFree(b);
-}
-
 // ---- L2 prefetch: how fast does a GEMV read weights that an earlier kernel pulled into the L2?
 // (decode has ~40 us per layer of latency-bound kernels during which the DRAM idles)
 __global__ void l2_prefetch_lines_kernel(const char* __restrict__ p, long bytes) {
@@ -633,7 +622,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp p;
   CK(cudaGetDeviceProperties(&p, 0));
   std::printf("%s, %d SMs, clock %.2f GHz\n", p.name, p.multiProcessorCount, clock_ghz());
-  probe_copy();
+  print_copy_bandwidth();
   if (argc > 1 && std::string(argv[1]) == "scales") {  // what the FP4 scale reads cost the tensor-core GEMV
     for (int W : {2, 4})
       for (bool sh : {false, true}) probe_gemv_fp4(24576, 4096, ds4::KERNEL_MMA, W, sh);

@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -65,4 +66,27 @@ static float time_us(F f, int reps = 0) {
   CK(cudaEventElapsedTime(&ms, a, b));
   CK(cudaGetLastError());
   return ms * 1e3f / reps;
+}
+
+// The device's copy bandwidth in this process (1 GiB device to device, read + write counted), printed in the probes'
+// one form; reps launches timed.
+static void print_copy_bandwidth(int reps = 10) {
+  const size_t n = 1ull << 30;
+  void *a, *b;
+  CK(cudaMalloc(&a, n));
+  CK(cudaMalloc(&b, n));
+  const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); }, reps);
+  std::printf("copy 1 GiB: %.0f GB/s (read + write)\n", 2.0 * n / us / 1e3);
+  cudaFree(a);
+  cudaFree(b);
+}
+
+// |y - ref| / |ref| (L2 norms; |ref| = 0 counts as 1).
+static double rel_l2(const std::vector<float>& y, const std::vector<float>& ref) {
+  double err = 0.0, nrm = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    err += (double)(y[i] - ref[i]) * (y[i] - ref[i]);
+    nrm += (double)ref[i] * ref[i];
+  }
+  return std::sqrt(err / (nrm > 0 ? nrm : 1.0));
 }
