@@ -16,6 +16,7 @@
 // Result (H200, experiments/decode_session34_h200.md run 4): fp16 2232 us against bf16 2306 (0.968), the mask floor
 // 1524: the fp16 decode's extra IMAD.SHL take most of what its fewer ALU instructions give, so it was not built.
 #include "../csrc/mma_dot.cuh"
+#include "probe_fp4h.cuh"
 #include "probe_util.cuh"
 
 #include <cmath>
@@ -24,13 +25,9 @@
 
 namespace p16 {
 
-// The fp16 decode (scripts/fp4_decode_search.py): register i holds two values s 000e1e0 m000000000 (x 2^-14).
-__host__ __device__ __forceinline__ void fp4h_regs(uint32_t q, uint32_t (&r)[4]) {
-  r[0] = q & 0x8E008E00u;
-  r[1] = (q << 3) & 0x8E008E00u;
-  r[2] = ((q << 1) & 0x80008000u) | ((q << 6) & 0x0E000E00u);
-  r[3] = ((q << 2) & 0x80008000u) | ((q << 9) & 0x0E000E00u);
-}
+// The fp16 decode (scripts/fp4_decode_search.py, probe_fp4h.cuh): register i holds two values s 000e1e0 m000000000
+// (x 2^-14).
+using fp4h::regs;
 
 __device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                         uint32_t b1) {
@@ -77,8 +74,8 @@ __global__ void __launch_bounds__(256, 3) arith_kernel(int rounds, float* out) {
           ds4::fp4p_regs(qa[k], ra);
           ds4::fp4p_regs(qb[k], rb);
         } else if (MODE == FP16) {
-          fp4h_regs(qa[k], ra);
-          fp4h_regs(qb[k], rb);
+          regs(qa[k], ra);
+          regs(qb[k], rb);
         } else {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {  // one mask per register, no shift (wrong values: a floor, not a decode)
@@ -115,14 +112,13 @@ static float half_bits_to_float(uint32_t h) {  // IEEE fp16 -> float (normals, s
   return s ? -v : v;
 }
 
-// Where fp4h_regs takes value j (register j / 2, half j % 2) from: its sign bit and its e1 e0 m bits in the word.
+// Where regs takes value j (register j / 2, half j % 2) from: its sign bit and its e1 e0 m bits in the word.
 static void place(int j, int bits[4]) {  // bits[0] = s, bits[1..3] = e1, e0, m
-  static const int sign[4] = {15, 12, 14, 13}, mag_lsb[4] = {9, 6, 3, 0};  // register i, low half
   const int reg = j / 2, hi = (j % 2) * 16;
-  bits[0] = sign[reg] + hi;
-  bits[1] = mag_lsb[reg] + 2 + hi;
-  bits[2] = mag_lsb[reg] + 1 + hi;
-  bits[3] = mag_lsb[reg] + hi;
+  bits[0] = fp4h::sign_bit(reg) + hi;
+  bits[1] = fp4h::mag_lsb(reg) + 2 + hi;
+  bits[2] = fp4h::mag_lsb(reg) + 1 + hi;
+  bits[3] = fp4h::mag_lsb(reg) + hi;
 }
 
 static bool check_decode() {
@@ -134,7 +130,7 @@ static bool check_decode() {
       uint32_t q = ((v >> 3) & 1u) << bits[0] | ((v >> 2) & 1u) << bits[1] | ((v >> 1) & 1u) << bits[2] |
                    (v & 1u) << bits[3];
       uint32_t r[4];
-      fp4h_regs(q, r);
+      regs(q, r);
       const uint32_t h = (r[j / 2] >> (16 * (j % 2))) & 0xffffu;
       const float got = half_bits_to_float(h) * 16384.f, want = e2m1(v);
       bad += got != want && !(got == 0.f && want == 0.f);

@@ -18,13 +18,16 @@
 // a contiguous range of (tile, round); y checked against the library kernel on the same bytes.
 // DEC 0: the decode of today's fp4p words into fp16 (fp4p_regs' rotations, then 2 more ops per register);
 // DEC 1: fp4p_regs' bf16 registers used as fp16 unchanged (wrong values: the cost of a decode as cheap as the
-// bf16 one, what a permutation made for fp16 could reach). MODE 1: no weight loads after the first U rounds
-// (the arithmetic alone; y garbage).
+// bf16 one, what a permutation made for fp16 could reach); DEC 2 (session 51): the same bytes with each word's bits
+// permuted on the device into the fp4h layout (probe_fp4h.cuh: 6 LOP3, every shift left), decoded by fp4h::regs
+// into the registers DEC 0 gives (right values). MODE 1: no weight loads after the first U rounds (the arithmetic
+// alone; y garbage).
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_hfma.cu -o build/probe_hfma && build/probe_hfma
 #include "../csrc/gemv.cu"
 #include "../csrc/moe.cu"
 #include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
+#include "probe_fp4h.cuh"
 #include "probe_gemv.cuh"
 
 #include <cuda_fp16.h>
@@ -46,7 +49,9 @@ __host__ __device__ constexpr int xaddr(int k) { return k + (k >> 6) * 8; }
 template <int DEC>
 __device__ __forceinline__ void fp16_regs(uint32_t q, uint32_t (&h)[4]) {
   uint32_t r[4];
-  if (DEC == 1) {
+  if (DEC == 2) {
+    fp4h::regs(q, h);
+  } else if (DEC == 1) {
     ds4::fp4p_regs(q, r);
 #pragma unroll
     for (int i = 0; i < 4; ++i) h[i] = r[i];
@@ -59,6 +64,15 @@ __device__ __forceinline__ void fp16_regs(uint32_t q, uint32_t (&h)[4]) {
     h[2] = (ds4::rotl32(q, 10) & S) | (ds4::rotl32(q, 13) & M);
     // r3 = (rotl6 & 0x80C080C0) | (rotl14 & 0x01000100): the sign, e0 and m from rotl 6, e1 from rotl 14
     h[3] = ((q << 6) & S) | ((q << 9) & 0x06000600u) | (ds4::rotl32(q, 17) & 0x08000800u);
+  }
+}
+
+// fp4p words (in place) -> fp4h words holding the same values: fp4h::regs of the result = DEC 0's registers.
+__global__ void to_fp4h_kernel(uint32_t* w, long n) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+    uint32_t h[4];
+    fp16_regs<0>(w[i], h);
+    w[i] = fp4h::pack(h);
   }
 }
 
@@ -211,10 +225,17 @@ static void probe_shape(int sms, int O, int K) {
   const size_t wbytes = (size_t)O * K / 2, sbytes = (size_t)O * s_ld, total = wbytes + sbytes;
   const int copies = (int)(400e6 / total) + 1;
   std::vector<uint8_t*> Ws, Ss;
+  std::vector<uint8_t*> Wh;  // the same bytes as fp4h words (DEC 2)
   for (int c = 0; c < copies; ++c) {
     Ws.push_back(dev_bytes(wbytes, 0, 255));
     Ss.push_back(dev_bytes(sbytes, 118, 130));  // E8M0 scales 2^-9 .. 2^3
+    uint8_t* h;
+    CK(cudaMalloc(&h, wbytes));
+    CK(cudaMemcpy(h, Ws.back(), wbytes, cudaMemcpyDeviceToDevice));
+    hf::to_fp4h_kernel<<<1024, 256>>>(reinterpret_cast<uint32_t*>(h), (long)(wbytes / 4));
+    Wh.push_back(h);
   }
+  CK(cudaDeviceSynchronize());
   std::vector<__nv_bfloat16> hx(K);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (int k = 0; k < K; ++k) hx[k] = __float2bfloat16(nd(rng) * (k % 97 == 0 ? 40.f : 1.f));  // a few outliers
@@ -250,11 +271,12 @@ static void probe_shape(int sms, int O, int K) {
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpy(h_ref.data(), yref, O * 4, cudaMemcpyDeviceToHost));
 
-  auto variant = [&](const char* name, auto kern, int minb, bool check) {
+  auto variant = [&](const char* name, auto kern, int minb, bool check, bool fp4h_words = false) {
     const int tpb = (T + minb * sms - 1) / (minb * sms), nb = (T + tpb - 1) / tpb;
     const long smem = hf::smem_bytes(K, tpb);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    auto go = [&](int i) { kern<<<nb, hf::THREADS, smem>>>(x, Ws[i % copies], Ss[i % copies], s_ld, y, O, K, tpb); };
+    const std::vector<uint8_t*>& ws = fp4h_words ? Wh : Ws;
+    auto go = [&](int i) { kern<<<nb, hf::THREADS, smem>>>(x, ws[i % copies], Ss[i % copies], s_ld, y, O, K, tpb); };
     CK(cudaMemset(y, 0xff, O * 4));
     go(0);
     CK(cudaDeviceSynchronize());
@@ -269,18 +291,19 @@ static void probe_shape(int sms, int O, int K) {
     report(full, us, check);
   };
   variant("HFMA2 fp4p->fp16 U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 0, 0, 3>, 3, true);
-  variant("HFMA2 fp4p->fp16 U2, 4 blocks/SM", hf::hfma_fp4t_kernel<2, 0, 0, 4>, 4, true);
-  variant("HFMA2 fp4p->fp16 U4, 2 blocks/SM", hf::hfma_fp4t_kernel<4, 0, 0, 2>, 2, true);
   variant("HFMA2 fp4p->fp16 U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 0, 0, 4>, 4, true);
   variant("HFMA2 bf16-cost decode (wrong) U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 1, 0, 3>, 3, false);
-  variant("HFMA2 bf16-cost decode (wrong) U2, 4 blocks/SM", hf::hfma_fp4t_kernel<2, 1, 0, 4>, 4, false);
   variant("HFMA2 bf16-cost decode (wrong) U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 1, 0, 4>, 4, false);
-  variant("HFMA2 arithmetic alone fp4p->fp16 U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 0, 1, 3>, 3, false);
-  variant("HFMA2 arithmetic alone fp4p->fp16 U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 0, 1, 4>, 4, false);
+  variant("HFMA2 fp4h words U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 2, 0, 3>, 3, true, true);
+  variant("HFMA2 fp4h words U2, 4 blocks/SM", hf::hfma_fp4t_kernel<2, 2, 0, 4>, 4, true, true);
+  variant("HFMA2 fp4h words U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 2, 0, 4>, 4, true, true);
+  variant("HFMA2 fp4h words U4, 2 blocks/SM", hf::hfma_fp4t_kernel<4, 2, 0, 2>, 2, true, true);
   variant("HFMA2 arithmetic alone bf16-cost U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 1, 1, 4>, 4, false);
-  variant("HFMA2 arithmetic alone bf16-cost U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 1, 1, 3>, 3, false);
+  variant("HFMA2 arithmetic alone fp4h U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 2, 1, 4>, 4, false, true);
+  variant("HFMA2 arithmetic alone fp4h U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 2, 1, 3>, 3, false, true);
   report("MMA register stream depth 4 again", time_us([&](int i) { run_d4(i, yref); }), false);
   for (auto* q : Ws) cudaFree(q);
+  for (auto* q : Wh) cudaFree(q);
   for (auto* q : Ss) cudaFree(q);
   cudaFree(x);
   cudaFree(y);
