@@ -15,7 +15,9 @@
 //
 // Same bytes as the library's register stream (gemv_mma_kernel<FMT_FP4T>): the fp4t tiled layout, fp4p words,
 // a lane's 16-byte chunks of rows g and g + 8, U rounds of loads in flight per warp, 8 warps per block, each warp
-// a contiguous range of (tile, round); y checked against the library kernel on the same bytes.
+// a contiguous range of (tile, round); y checked against the library kernel on the same bytes. That reference is
+// the dense GEMV form: the routed MoE's own kernels read the same bytes faster (session 51, bench_kernels: gate+up
+// 18.64 us, down 11.41 against this reference's 19.9 / 14.4), so compare with those before reading a gain here.
 // DEC 0: the decode of today's fp4p words into fp16 (fp4p_regs' rotations, then 2 more ops per register);
 // DEC 1: fp4p_regs' bf16 registers used as fp16 unchanged (wrong values: the cost of a decode as cheap as the
 // bf16 one, what a permutation made for fp16 could reach); DEC 2 (session 51): the same bytes with each word's bits
