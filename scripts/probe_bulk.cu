@@ -211,50 +211,17 @@ constexpr long smem_bytes(int K, int tpb) {
 
 // One shape: the register stream at depth 8 and 2, then the bulk stream's forms, each checked against depth 8.
 static void probe_shape(int sms, int O, int K) {
-  const int T = O / 16, s_ld = K / 32;
-  const size_t wbytes = (size_t)O * K / 2, sbytes = (size_t)O * s_ld, total = wbytes + sbytes;
-  const int copies = (int)(400e6 / total) + 1;
-  std::vector<uint8_t*> Ws, Ss;
-  for (int c = 0; c < copies; ++c) {
-    Ws.push_back(dev_bytes(wbytes, 0, 255));
-    Ss.push_back(dev_bytes(sbytes, 122, 130));  // E8M0 scales near 1
-  }
-  std::vector<__nv_bfloat16> hx(K);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
-  for (auto& v : hx) v = __float2bfloat16(u(rng));
-  __nv_bfloat16* x;
-  CK(cudaMalloc(&x, K * 2));
-  CK(cudaMemcpy(x, hx.data(), K * 2, cudaMemcpyHostToDevice));
-  float *yref, *y;
-  CK(cudaMalloc(&yref, O * 4));
-  CK(cudaMalloc(&y, O * 4));
-  std::printf("\nfp4t %dx%d: %.1f MB with scales, %d copies rotated\n", O, K, total / 1e6, copies);
+  Fp4tShape sh(O, K, 122, 130, [&](int) { return __float2bfloat16(u(rng)); }, 44, "register stream");  // scales near 1
+  const int T = O / 16;
 
   // the library's register stream (depth 8 = U 4, the routed gate+up's form)
-  auto reg_stream = [&](auto kern, int wave, int i, float* o) {
-    launch_gemv_mma(kern, wave, x, Ws[i % copies], Ss[i % copies], s_ld, o, O, K);
-  };
-  auto run_ref = [&](int i, float* o) { reg_stream(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 4, 2, false, false>, 2 * sms, i, o); };
-  auto run_d2 = [&](int i, float* o) { reg_stream(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 1, 2, false, false>, 4 * sms, i, o); };
-  run_ref(0, yref);
-  CK(cudaDeviceSynchronize());
-  std::vector<float> h_ref(O), h_y(O);
-  CK(cudaMemcpy(h_ref.data(), yref, O * 4, cudaMemcpyDeviceToHost));
-  auto report = [&](const char* name, float us, bool check) {
-    std::printf("%-44s %7.2f us %6.0f GB/s", name, us, total / us / 1e3);
-    if (check) {
-      CK(cudaMemcpy(h_y.data(), y, O * 4, cudaMemcpyDeviceToHost));
-      std::printf("  rel L2 vs register stream %.2e", rel_l2(h_y, h_ref));
-    }
-    std::printf("\n");
-  };
-  report("register stream depth 8 (U4 W2, 2 blocks/SM)", time_us([&](int i) { run_ref(i, yref); }), false);
-  {
-    const float us = time_us([&](int i) { run_d2(i, y); });
-    run_d2(0, y);
-    CK(cudaDeviceSynchronize());
-    report("register stream depth 2 (U1 W2, 4 blocks/SM)", us, true);
-  }
+  auto run_ref = [&](int i, float* o) { sh.gemv(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 4, 2, false, false>, 2 * sms, i, o); };
+  auto run_d2 = [&](int i, float* o) { sh.gemv(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 1, 2, false, false>, 4 * sms, i, o); };
+  run_ref(0, sh.yref);
+  sh.keep_ref();
+  sh.report("register stream depth 8 (U4 W2, 2 blocks/SM)", time_us([&](int i) { run_ref(i, sh.yref); }), false);
+  sh.variant("register stream depth 2 (U1 W2, 4 blocks/SM)", [&](int i) { run_d2(i, sh.y); }, true);
 
   auto variant = [&](const char* name, auto kern, int cw, int blocks, long smem, int tpb, bool check) {
     if (smem > 227 * 1024) {
@@ -262,21 +229,11 @@ static void probe_shape(int sms, int O, int K) {
       return;
     }
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    auto go = [&](int i) {
-      kern<<<blocks, 32 * (cw + 1), smem>>>(x, Ws[i % copies], Ss[i % copies], s_ld, y, O, K, tpb);
-    };
-    CK(cudaMemset(y, 0xff, O * 4));  // poisoned: every row must be written
-    go(0);
-    CK(cudaDeviceSynchronize());
-    CK(cudaGetLastError());
     char full[96];
     std::snprintf(full, sizeof full, "%s (%d blocks, %ld KB smem)", name, blocks, smem >> 10);
-    const float us = time_us(go);
-    if (check) {  // the check reads copy 0's product (the timing loop ends on another copy)
-      go(0);
-      CK(cudaDeviceSynchronize());
-    }
-    report(full, us, check);
+    sh.variant(full, [&](int i) {
+      kern<<<blocks, 32 * (cw + 1), smem>>>(sh.x, sh.Ws[i % sh.copies], sh.Ss[i % sh.copies], sh.s_ld, sh.y, O, K, tpb);
+    }, check);
   };
   // one block per SM (8 or 16 consumer warps) and two (8 each)
   {
@@ -309,12 +266,7 @@ static void probe_shape(int sms, int O, int K) {
     variant("bulk 8 warps, 5 stages, 2 blocks/SM, 1 scale copy", bulk::fp4t_bulk_kernel<8, 5, 1, 2, 1>, 8, nb,
             bulk::smem_bytes<8, 5, 1>(K, tpb), tpb, true);
   }
-  report("register stream depth 8 again", time_us([&](int i) { run_ref(i, yref); }), false);
-  for (auto* q : Ws) cudaFree(q);
-  for (auto* q : Ss) cudaFree(q);
-  cudaFree(x);
-  cudaFree(y);
-  cudaFree(yref);
+  sh.report("register stream depth 8 again", time_us([&](int i) { run_ref(i, sh.yref); }), false);
 }
 
 int main(int argc, char** argv) {

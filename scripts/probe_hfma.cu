@@ -223,74 +223,38 @@ inline long smem_bytes(int K, int tpb) { return 4L * tpb * WARPS * 16 + 4L * (K 
 }  // namespace hf
 
 static void probe_shape(int sms, int O, int K) {
-  const int T = O / 16, s_ld = K / 32;
-  const size_t wbytes = (size_t)O * K / 2, sbytes = (size_t)O * s_ld, total = wbytes + sbytes;
-  const int copies = (int)(400e6 / total) + 1;
-  std::vector<uint8_t*> Ws, Ss;
+  // E8M0 scales 2^-9 .. 2^3; activations normal with a few outliers
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto make_x = [&](int k) { return __float2bfloat16(nd(rng) * (k % 97 == 0 ? 40.f : 1.f)); };
+  Fp4tShape sh(O, K, 118, 130, make_x, 52, "MMA");
   std::vector<uint8_t*> Wh;  // the same bytes as fp4h words (DEC 2)
-  for (int c = 0; c < copies; ++c) {
-    Ws.push_back(dev_bytes(wbytes, 0, 255));
-    Ss.push_back(dev_bytes(sbytes, 118, 130));  // E8M0 scales 2^-9 .. 2^3
+  for (auto* w : sh.Ws) {
     uint8_t* h;
-    CK(cudaMalloc(&h, wbytes));
-    CK(cudaMemcpy(h, Ws.back(), wbytes, cudaMemcpyDeviceToDevice));
-    hf::to_fp4h_kernel<<<1024, 256>>>(reinterpret_cast<uint32_t*>(h), (long)(wbytes / 4));
+    CK(cudaMalloc(&h, sh.wbytes));
+    CK(cudaMemcpy(h, w, sh.wbytes, cudaMemcpyDeviceToDevice));
+    hf::to_fp4h_kernel<<<1024, 256>>>(reinterpret_cast<uint32_t*>(h), (long)(sh.wbytes / 4));
     Wh.push_back(h);
   }
-  CK(cudaDeviceSynchronize());
-  std::vector<__nv_bfloat16> hx(K);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  for (int k = 0; k < K; ++k) hx[k] = __float2bfloat16(nd(rng) * (k % 97 == 0 ? 40.f : 1.f));  // a few outliers
-  __nv_bfloat16* x;
-  CK(cudaMalloc(&x, K * 2));
-  CK(cudaMemcpy(x, hx.data(), K * 2, cudaMemcpyHostToDevice));
-  float *yref, *y;
-  CK(cudaMalloc(&yref, O * 4));
-  CK(cudaMalloc(&y, O * 4));
-  std::printf("\nfp4t %dx%d: %.1f MB with scales, %d copies rotated\n", O, K, total / 1e6, copies);
-
-  auto reg_stream = [&](auto kern, int wave, int i, float* o) {
-    launch_gemv_mma(kern, wave, x, Ws[i % copies], Ss[i % copies], s_ld, o, O, K);
-  };
-  auto run_d4 = [&](int i, float* o) { reg_stream(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 2, 2, false, false>, 3 * sms, i, o); };
-  auto run_d8 = [&](int i, float* o) { reg_stream(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 4, 2, false, false>, 2 * sms, i, o); };
-  run_d4(0, yref);
-  CK(cudaDeviceSynchronize());
-  CK(cudaGetLastError());
-  std::vector<float> h_ref(O), h_y(O);
-  CK(cudaMemcpy(h_ref.data(), yref, O * 4, cudaMemcpyDeviceToHost));
-  auto report = [&](const char* name, float us, bool check) {
-    std::printf("%-52s %7.2f us %6.0f GB/s", name, us, total / us / 1e3);
-    if (check) {
-      CK(cudaMemcpy(h_y.data(), y, O * 4, cudaMemcpyDeviceToHost));
-      std::printf("  rel L2 vs MMA %.2e", rel_l2(h_y, h_ref));
-    }
-    std::printf("\n");
-  };
-  report("MMA register stream depth 4 (U2 W2, 3 blocks/SM)", time_us([&](int i) { run_d4(i, yref); }), false);
-  report("MMA register stream depth 8 (U4 W2, 2 blocks/SM)", time_us([&](int i) { run_d8(i, yref); }), false);
-  run_d4(0, yref);  // copy 0 again: the reference the checks read
-  CK(cudaDeviceSynchronize());
-  CK(cudaMemcpy(h_ref.data(), yref, O * 4, cudaMemcpyDeviceToHost));
+  const int T = O / 16;
+  auto run_d4 = [&](int i, float* o) { sh.gemv(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 2, 2, false, false>, 3 * sms, i, o); };
+  auto run_d8 = [&](int i, float* o) { sh.gemv(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 4, 2, false, false>, 2 * sms, i, o); };
+  run_d4(0, sh.yref);
+  sh.keep_ref();
+  sh.report("MMA register stream depth 4 (U2 W2, 3 blocks/SM)", time_us([&](int i) { run_d4(i, sh.yref); }), false);
+  sh.report("MMA register stream depth 8 (U4 W2, 2 blocks/SM)", time_us([&](int i) { run_d8(i, sh.yref); }), false);
+  run_d4(0, sh.yref);  // copy 0 again: the reference the checks read
+  sh.keep_ref();
 
   auto variant = [&](const char* name, auto kern, int minb, bool check, bool fp4h_words = false) {
     const int tpb = (T + minb * sms - 1) / (minb * sms), nb = (T + tpb - 1) / tpb;
     const long smem = hf::smem_bytes(K, tpb);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    const std::vector<uint8_t*>& ws = fp4h_words ? Wh : Ws;
-    auto go = [&](int i) { kern<<<nb, hf::THREADS, smem>>>(x, ws[i % copies], Ss[i % copies], s_ld, y, O, K, tpb); };
-    CK(cudaMemset(y, 0xff, O * 4));
-    go(0);
-    CK(cudaDeviceSynchronize());
-    CK(cudaGetLastError());
-    const float us = time_us(go);
-    if (check) {
-      go(0);
-      CK(cudaDeviceSynchronize());
-    }
+    const std::vector<uint8_t*>& ws = fp4h_words ? Wh : sh.Ws;
     char full[96];
     std::snprintf(full, sizeof full, "%s (%d blocks)", name, nb);
-    report(full, us, check);
+    sh.variant(full, [&](int i) {
+      kern<<<nb, hf::THREADS, smem>>>(sh.x, ws[i % sh.copies], sh.Ss[i % sh.copies], sh.s_ld, sh.y, O, K, tpb);
+    }, check);
   };
   variant("HFMA2 fp4p->fp16 U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 0, 0, 3>, 3, true);
   variant("HFMA2 fp4p->fp16 U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 0, 0, 4>, 4, true);
@@ -303,13 +267,8 @@ static void probe_shape(int sms, int O, int K) {
   variant("HFMA2 arithmetic alone bf16-cost U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 1, 1, 4>, 4, false);
   variant("HFMA2 arithmetic alone fp4h U1, 4 blocks/SM", hf::hfma_fp4t_kernel<1, 2, 1, 4>, 4, false, true);
   variant("HFMA2 arithmetic alone fp4h U2, 3 blocks/SM", hf::hfma_fp4t_kernel<2, 2, 1, 3>, 3, false, true);
-  report("MMA register stream depth 4 again", time_us([&](int i) { run_d4(i, yref); }), false);
-  for (auto* q : Ws) cudaFree(q);
+  sh.report("MMA register stream depth 4 again", time_us([&](int i) { run_d4(i, sh.yref); }), false);
   for (auto* q : Wh) cudaFree(q);
-  for (auto* q : Ss) cudaFree(q);
-  cudaFree(x);
-  cudaFree(y);
-  cudaFree(yref);
 }
 
 int main() {
