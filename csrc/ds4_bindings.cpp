@@ -554,6 +554,22 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor act_quant_sim(const at::Tensor& x, int64_t block) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.is_contiguous(),
+              "ds4.act_quant_sim: x must be contiguous bf16");
+  TORCH_CHECK((block == 64 || block == 128) && x.size(-1) % block == 0 && x.size(-1) > 0,
+              "ds4.act_quant_sim: block must be 64 or 128 and divide the last dim, got block ", num(block), " for ",
+              num(x.size(-1)));
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty_like(x);
+  if (x.numel() == 0) return out;
+  check_launch(ds4::launch_act_quant_sim(x.data_ptr(), out.data_ptr(), x.numel() / x.size(-1), (int)x.size(-1),
+                                         (int)block, at::cuda::getCurrentCUDAStream()),
+               "act_quant_sim");
+  return out;
+}
+
 // Prefill's weight dequantisation (dequant.cu): w [..., O, Kb] in layout fmt (fp8 / fp8t / fp4 / fp4p / fp4t; the
 // leading dims stack experts), its E8M0 scale [..., ceil(O/128), ceil(K/128)] (fp8) or [..., O, K/32] (fp4) -> out
 // bf16 or fp32 [..., O, K] (written whole; its matrices contiguous, and where it is not contiguous as a whole a
@@ -860,6 +876,7 @@ TORCH_LIBRARY(ds4, m) {
         "int skip_ratio=1, int skip_k=0, int skip_rows=0) -> Tensor");
   m.def("gemv_deferred(Tensor x, Tensor(a!) ring, Tensor w, Tensor pos) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("act_quant_sim(Tensor x, int block) -> Tensor");
   m.def("dequant(Tensor w, Tensor scale, int fmt, Tensor(a!) out) -> ()");
   m.def("all_reduce_ll(Tensor x, int[] peers, Tensor(a!) counters, int rank, int cap, bool round_bf16, "
         "bool out_f32) -> Tensor");
@@ -888,6 +905,7 @@ TORCH_LIBRARY_IMPL(ds4, CUDA, m) {
   m.impl("gemv_deferred", &gemv_deferred);
   m.impl("gemv_fold", &gemv_fold);
   m.impl("argmax", &argmax);
+  m.impl("act_quant_sim", &act_quant_sim);
   m.impl("dequant", &dequant);
   m.impl("all_reduce_ll", &all_reduce_ll);
   m.impl("all_reduce_ll_fold", &all_reduce_ll_fold);

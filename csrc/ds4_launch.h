@@ -171,6 +171,10 @@ cudaError_t launch_dequant(int fmt, const void* W, const void* S, int E, long w_
 constexpr int ARGMAX_MAX_ROWS = 64;
 cudaError_t launch_argmax(const float* x, int B, long V, int64_t* out, cudaStream_t st);
 
+// numerics=qat's FP8 activation simulation (act_quant.cu): bf16 x [rows, K] -> bf16 out, per row and block of `block`
+// (64 or 128; K % block == 0) the values e4m3(x / s) s of ds4.quant.act_quant_sim, bit for bit.
+cudaError_t launch_act_quant_sim(const void* x, void* out, long rows, int K, int block, cudaStream_t st);
+
 // Router tail: logits f32 [n_tok, E] -> scores sqrt(softplus); ids (top-k of score + bias, or
 // tid2eid[token_ids]); weights = renormalised scores * route_scale. ride (comb [n_tok, n, n]): the launch also
 // finishes each token's mHC Sinkhorn in place (both router launchers).

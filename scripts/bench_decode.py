@@ -84,7 +84,9 @@ layers' compressor alone),
 preN / dpreN (DS4_PREFETCH / DS4_PREFETCH_DOWN=N: the tensor-core GEMVs / the MoE down kernels load only N weight
 rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
-launch; a diagnostic, outputs unchanged). On a machine without CUDA it runs on the CPU (a dry run of the script).
+launch; a diagnostic, outputs unchanged), qat (numerics=qat: the official reference's FP8 / FP4 activation
+simulations; plain without it), aqtorch (DS4_ACT_QUANT=torch: with qat, the FP8 activation simulation by its torch
+twin, about a dozen launches, instead of the one-launch kernel, the default since session 52; the same bits). On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
 """
@@ -136,6 +138,11 @@ def stored_fp4_layout(model) -> None:
             mod.mw = dataclasses.replace(mw, **plain)
             for n, q in plain.items():
                 setattr(mod, n, q)
+
+
+def numerics_of(toks: set[str]) -> str:
+    """The numerics mode of a variant: qat with the qat token, else plain (the same model serves both)."""
+    return "qat" if "qat" in toks else "plain"
 
 
 def tp_comm(toks: set[str], device: torch.device) -> ddist.TensorParallel:
@@ -316,7 +323,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_MOE_FFN"] = "2" if "ffn2" in toks else ("1" if "ffn" in toks else "0")
     if "nopack" in toks:
         stored_fp4_layout(model)
-    model.configure(ops=ops, comm=comm)
+    # qat: numerics=qat (the official reference's FP8 activation simulation before every FP8 / FP4 GEMM, the FP8 KV
+    # simulation and the indexer's Hadamard + FP4 simulation); plain otherwise
+    model.configure(ops=ops, comm=comm, numerics=numerics_of(toks))
     _apply_removals(ops, toks)  # the x* diagnostics (timing only)
     # nopdl: the ds4 kernels launched without programmatic dependent launch (read at each launch)
     os.environ["DS4_PDL"] = "0" if "nopdl" in toks else "1"
@@ -340,6 +349,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
     os.environ["DS4_X_COMBINE"] = "1" if "xcombine" in toks else "0"
+    # aqtorch: qat's FP8 activation simulation by its torch twin (about a dozen launches) instead of the one-launch
+    # kernel (ds4.ops.qat_cuda; the same bits)
+    os.environ["DS4_ACT_QUANT"] = "torch" if "aqtorch" in toks else "kernel"
     # noidxskip: the indexer's scores computed for every row, also where the top-k selects all visible entries
     # unread (DS4_INDEXER_SKIP=0; the same indices)
     os.environ["DS4_INDEXER_SKIP"] = "0" if "noidxskip" in toks else "1"

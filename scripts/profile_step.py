@@ -45,7 +45,7 @@ from ds4.timeline import critical_path, kernels_from_trace, one_step, path_parts
 from ds4.weights.synthetic import random_weights
 
 from bench_decode import (_number_token, attention_options, impls_of,  # the decode benchmark's variant tokens
-                          tp_comm)
+                          numerics_of, tp_comm)
 
 # a readable label per kernel: template arguments and namespaces dropped
 _LABEL = re.compile(r"^(?:void )?(?:[\w:]+::)?(\w+)")
@@ -86,7 +86,7 @@ def main() -> None:
         comm = tp_comm(toks, dev)
     args = preset(a.model)
     args = args.with_layers(a.layers) if a.layers < args.n_layers else args
-    model = Transformer(args, build_ops(impls_of(toks), dev), "plain", torch.bfloat16, dev, e.rank, e.world,
+    model = Transformer(args, build_ops(impls_of(toks), dev), numerics_of(toks), torch.bfloat16, dev, e.rank, e.world,
                         comm=comm)
     model.load_weights(random_weights(args, seed=0, device=dev, rank=e.rank, world=e.world, include_mtp=False,
                                       experts="tp", shared="tp" if "shtp" in toks else "replicate"))

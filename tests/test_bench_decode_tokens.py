@@ -40,6 +40,13 @@ def test_depth_tokens_set_their_variables(tokens, expected):
     assert got == expected
 
 
+def test_qat_token_chooses_the_numerics():
+    bd = _bench_decode()
+    assert bd.numerics_of({"kernels", "fused", "graph", "qat"}) == "qat"
+    assert bd.numerics_of({"kernels", "fused", "graph"}) == "plain"
+    assert bd.numerics_of({"qatx"}) == "plain"
+
+
 def test_repeated_variants_get_rows_of_their_own():
     names = _bench_decode().repeat_names(["k+graph", "k+graph+spg", "k+graph", "k+graph+rd4", "k+graph"])
     assert names == ["k+graph", "k+graph+spg", "k+graph#2", "k+graph+rd4", "k+graph#3"]

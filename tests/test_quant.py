@@ -708,3 +708,13 @@ def test_quant_scale_edges():
     assert sc.view(torch.uint8).item() == 0
     _, sc = quant_fp4(torch.full((1, 32), 3e38))
     assert e8m0_to_float(sc).item() == 2.0 ** 126
+
+
+def test_qat_cuda_dispatch_runs_the_twin_on_cpu():
+    """ds4.ops.qat_cuda takes the kernel only for CUDA bf16 rows its block divides; on the CPU it is the torch twin."""
+    from ds4.ops.qat_cuda import act_quant_sim as dispatched
+    from ds4.ops.qat_cuda import kernel_takes
+    x = (torch.randn(3, 256) * 7).to(torch.bfloat16)
+    assert not kernel_takes(x, 128)
+    assert torch.equal(dispatched(x, 128), act_quant_sim(x, 128))
+    assert torch.equal(dispatched(x, 64), act_quant_sim(x, 64))

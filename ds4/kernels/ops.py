@@ -226,6 +226,12 @@ def router(x: Tensor, gate: Tensor, bias: Tensor | None, tid2eid: Tensor | None,
                          *(ride.args() if ride is not None else (None, 0, 0.0)))
 
 
+def act_quant_sim(x: Tensor, block: int = 128) -> Tensor:
+    """numerics=qat's FP8 activation simulation in one launch: the bits of ds4.quant.act_quant_sim(x, block) for
+    contiguous bf16 x whose last dim block (64 or 128) divides."""
+    return _ops().act_quant_sim(x, block)
+
+
 ARGMAX_MAX_ROWS = 64  # rows one argmax launch takes (ARGMAX_MAX_ROWS in ds4_launch.h)
 
 

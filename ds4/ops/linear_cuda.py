@@ -5,8 +5,8 @@ fold (one row; hc=fused_cuda's default, DS4_HC_FOLD=0 turns it off, ds4.ops.hc_c
 whose epilogue also forms the next mHC site's streams and partials (ds4.kernels.gemv_fold).
 Prefill (more tokens) and BF16 weights: dequantise (FP8 on the device in one launch, ds4.ops.dequant_cuda) + torch
 matmul (cuBLAS) — part of this implementation, chosen by shape only, never by tensor values.
-qat (act_quant=True): the activation is FP8-simulated per 128 channels (ds4.quant.act_quant_sim,
-extra torch ops) before the same kernel, as the reference does.
+qat (act_quant=True): the activation is FP8-simulated per 128 channels before the same kernel, as the reference
+does (ds4.ops.qat_cuda: one launch of the act_quant_sim kernel, the torch twin's bits).
 Layout: `prepare` (at load, and when a loaded model is configured with this implementation) places the dense FP8
 projections' bytes in the tensor-core GEMV's fragment order, each word's bits permuted for a cheaper decode (fmt
 "fp8t", ds4.quant.tile_fp8_mma; experiments/decode_session45_h200.md), where the shapes allow, so that every warp
@@ -32,6 +32,7 @@ from ds4 import kernels
 from ds4.ops import prefetch as l2
 from ds4.ops.base import HcFold, QWeight
 from ds4.ops.dequant_cuda import dense
+from ds4.ops.qat_cuda import act_quant_sim
 from ds4.quant import fp8t_ok, tile_fp8_mma, untile_fp8_mma
 
 PREFILL_TOKENS = 16
@@ -67,7 +68,6 @@ class GemvCudaLinear:
 
     def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False, fold: HcFold | None = None) -> Tensor:
         if act_quant and w.fmt in ("fp8", "fp8t", "fp4"):
-            from ds4.quant import act_quant_sim
             x = act_quant_sim(x, 128)
         lead, n_in = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, n_in)

@@ -57,8 +57,8 @@ moe=fp4_topk
   chunks of PREFILL_TOKENS; longer ones the grouped loop (grouped_routed: the experts' dense weights formed on the
   device a group at a time, one grouped GEMM per matrix and group), and the shared expert on its device-dequantised
   weights — chosen by shape only. A prompt's router logits are one fp32 GEMM (the reference's).
-  qat (act_quant=True): supported by FP8-simulating x and h with ds4.quant.act_quant_sim between
-  the two launches (extra torch ops; the fused path is the plain-numerics one).
+  qat (act_quant=True): supported by FP8-simulating x and h between the two launches (ds4.ops.qat_cuda: one
+  launch each, the torch twin's bits; the one-launch FFN is the plain-numerics one).
 
 moe=bf16_cache (seed phase 5, an ablation): like fp4_topk, but experts that were selected keep a
   dequantised BF16 copy (LRU, size cap, free-memory guard, frozen after warm-up); cached experts run
@@ -82,6 +82,7 @@ from ds4.ops.base import HcFold, MoEWeights, QWeight
 from ds4.ops.dequant_cuda import dense
 from ds4.ops.linear_cuda import fp8_tile_mode, lay_fp8
 from ds4.ops.moe_torch import pairs_by_expert, shared_block, swiglu
+from ds4.ops.qat_cuda import act_quant_sim
 from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
@@ -109,7 +110,6 @@ def chunked_tokens() -> int:
 
 
 def _act_quant_sim(t: Tensor) -> Tensor:
-    from ds4.quant import act_quant_sim
     return act_quant_sim(t, 128)
 
 

@@ -1,0 +1,29 @@
+"""numerics=qat's FP8 activation simulation for the CUDA implementations (linear=gemv_cuda, moe=fp4_topk /
+bf16_cache): ds4.quant.act_quant_sim's bits in one launch of ds4.kernels.act_quant_sim where the kernel takes the
+input, instead of the torch twin's dozen launches before every FP8 / FP4 GEMV of a qat decode step (with them qat
+decoded 3.6 times slower than plain on an H200: 372 against 104 us per layer, experiments/decode_session52_h200.md).
+Inputs the kernel does not take (CPU, other dtypes, a last dim the block does not divide) run the torch twin, chosen
+by shape and dtype only; DS4_ACT_QUANT=torch (read per call, the ablation) runs the twin everywhere.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from ds4.quant import act_quant_sim as act_quant_sim_torch
+
+
+def kernel_takes(x: Tensor, block: int) -> bool:
+    """Whether ds4.kernels.act_quant_sim takes x: CUDA bf16 with a last dim that block (64 or 128) divides."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and block in (64, 128) and x.dim() >= 1
+            and x.shape[-1] > 0 and x.shape[-1] % block == 0 and x.numel() > 0)
+
+
+def act_quant_sim(x: Tensor, block: int = 128) -> Tensor:
+    """e4m3(x / s) s per row and block of `block` values (ds4.quant.act_quant_sim, the same bits)."""
+    if kernel_takes(x, block) and os.environ.get("DS4_ACT_QUANT") != "torch":
+        from ds4 import kernels
+        return kernels.act_quant_sim(x.contiguous(), block)
+    return act_quant_sim_torch(x, block)
