@@ -60,9 +60,9 @@ cudaError_t launch_act_quant_sim(const void* x, void* out, long rows, int K, int
   if (blocks > 0x7fffffffL) return cudaErrorInvalidValue;
   const uint4* xi = static_cast<const uint4*>(x);
   uint4* o = static_cast<uint4*>(out);
-  return block == 64 ? ds4_pdl::launch(act_quant_sim_kernel<64>, dim3((unsigned)blocks), dim3(AQ_THREADS), 0, st, xi, o, n8)
-                     : ds4_pdl::launch(act_quant_sim_kernel<128>, dim3((unsigned)blocks), dim3(AQ_THREADS), 0, st, xi, o,
-                                       n8);
+  const dim3 grid((unsigned)blocks), threads(AQ_THREADS);
+  return block == 64 ? ds4_pdl::launch(act_quant_sim_kernel<64>, grid, threads, 0, st, xi, o, n8)
+                     : ds4_pdl::launch(act_quant_sim_kernel<128>, grid, threads, 0, st, xi, o, n8);
 }
 
 }  // namespace ds4

@@ -86,7 +86,8 @@ rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
 launch; a diagnostic, outputs unchanged), qat (numerics=qat: the official reference's FP8 / FP4 activation
 simulations; plain without it), aqtorch (DS4_ACT_QUANT=torch: with qat, the FP8 activation simulation by its torch
-twin, about a dozen launches, instead of the one-launch kernel, the default since session 52; the same bits). On a machine without CUDA it runs on the CPU (a dry run of the script).
+twin, about a dozen launches, instead of the one-launch kernel, the default since session 52; the same bits).
+On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
 """
