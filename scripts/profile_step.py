@@ -7,7 +7,7 @@ Under torchrun every rank replays and profiles its own step (the collectives ins
 rank 0 prints and writes. Variant tokens for tp > 1: symm (comm=symm_mem), ll (comm=ll), bf16
 (reduce=bf16), shtp (the shared expert sliced over the ranks, parallel.shared_expert=tp; without it whole on
 every rank, replicate); the routed experts are laid out as parallel.experts=tp (the default). capN sizes the
-caches for N positions, as in bench_decode.py.
+caches for N positions, and qat selects numerics=qat, as in bench_decode.py.
 
 The captured step is replayed under torch.profiler (CUPTI sees every kernel inside the graph):
 per kernel name, the GPU time per step and per layer, and the step's wall time, whose difference
@@ -86,8 +86,8 @@ def main() -> None:
         comm = tp_comm(toks, dev)
     args = preset(a.model)
     args = args.with_layers(a.layers) if a.layers < args.n_layers else args
-    model = Transformer(args, build_ops(impls_of(toks), dev), numerics_of(toks), torch.bfloat16, dev, e.rank, e.world,
-                        comm=comm)
+    model = Transformer(args, build_ops(impls_of(toks), dev), numerics_of(toks), torch.bfloat16, dev, e.rank,
+                        e.world, comm=comm)
     model.load_weights(random_weights(args, seed=0, device=dev, rank=e.rank, world=e.world, include_mtp=False,
                                       experts="tp", shared="tp" if "shtp" in toks else "replicate"))
     cap = max(a.context, a.long_context) + 3 * a.replays + 64
