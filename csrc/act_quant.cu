@@ -17,6 +17,28 @@ namespace ds4 {
 
 constexpr int AQ_THREADS = 256;
 
+// The 8 bf16 values of v as fp32 (f) and the amax of their block of B values, which B / 8 consecutive lanes hold
+// (reduced by shuffles: every one of those lanes takes part).
+template <int B>
+__device__ __forceinline__ float act_quant_amax(const uint4& v, float (&f)[8]) {
+  const uint32_t in[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) Dec<FMT_BF16>::word(in[q], f + 2 * q);
+  float m = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(f[j]));
+#pragma unroll
+  for (int o = 1; o < B / 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// act_quant's scale s = 2^(e - 127) of a block's amax, as its biased exponent e: ceil(log2(max(amax, 1e-4) *
+// fp32(1/448))) by the reference's bit trick (the product's exponent, + 1 if its mantissa is non-zero).
+__device__ __forceinline__ uint32_t act_quant_exp(float amax) {
+  const uint32_t p = __float_as_uint(__fmul_rn(fmaxf(amax, 1e-4f), 1.0f / 448.0f));
+  return ((p >> 23) & 0xffu) + ((p & 0x7fffffu) != 0u);
+}
+
 template <int B>
 __global__ void __launch_bounds__(AQ_THREADS) act_quant_sim_kernel(const uint4* __restrict__ x, uint4* __restrict__ out,
                                                                    long n8) {
@@ -24,20 +46,8 @@ __global__ void __launch_bounds__(AQ_THREADS) act_quant_sim_kernel(const uint4* 
   const long i = (long)blockIdx.x * AQ_THREADS + threadIdx.x;
   const bool ok = i < n8;  // the lanes past the end still take part in the shuffles (whole blocks of B / 8 lanes)
   const uint4 v = ok ? x[i] : make_uint4(0u, 0u, 0u, 0u);
-  const uint32_t in[4] = {v.x, v.y, v.z, v.w};
   float f[8];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    f[2 * q] = __uint_as_float(in[q] << 16);
-    f[2 * q + 1] = __uint_as_float(in[q] & 0xffff0000u);
-  }
-  float m = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(f[j]));
-#pragma unroll
-  for (int o = 1; o < B / 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const uint32_t p = __float_as_uint(__fmul_rn(fmaxf(m, 1e-4f), 1.0f / 448.0f));
-  const float s = __uint_as_float((((p >> 23) & 0xffu) + ((p & 0x7fffffu) != 0u)) << 23);
+  const float s = __uint_as_float(act_quant_exp(act_quant_amax<B>(v, f)) << 23);
   uint32_t o4[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {

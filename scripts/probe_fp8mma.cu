@@ -20,11 +20,13 @@
 // Same bytes and stream as the library's register stream (gemv_mma_kernel<FMT_FP4T>): the fp4t tiled layout, a
 // lane's 16-byte chunks of rows g and g + 8, U rounds of loads in flight per warp, 8 warps per block, each warp a
 // contiguous range of (tile, round). PROD 0 is the library's BF16 product (mma_chunk<FMT_FP4T>) in this kernel, so
-// the two products are compared in one stream; both read x after act_quant (done on the device, x replaced by its
-// quantised values), and y is checked against the library's gemv_mma_kernel on the same bytes. MODE 1: no weight
-// loads after the first U rounds (the arithmetic alone; y garbage; at U = 1 ptxas spilled, so U = 2 only).
+// the two products are compared in one stream; both read x after act_quant (x replaced by its quantised values by
+// the library's act_quant_sim kernel, added after run 1, which had its own copy of it), and y is checked against the
+// library's gemv_mma_kernel on the same bytes. MODE 1: no weight loads after the first U rounds (the arithmetic
+// alone; y garbage; at U = 1 ptxas spilled, so U = 2 only).
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_fp8mma.cu -o build/probe_fp8mma && build/probe_fp8mma
+#include "../csrc/act_quant.cu"
 #include "../csrc/gemv.cu"
 #include "../csrc/moe.cu"
 #include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
@@ -82,26 +84,11 @@ __global__ void to_fp4e_kernel(uint32_t* w, long n) {
   }
 }
 
-// act_quant of one 128-value block's share (spec §11): the power-of-two scale exponent (biased) of amax.
-__device__ __forceinline__ uint32_t actq_exp(float amax) {
-  const uint32_t p = __float_as_uint(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
-  return ((p >> 23) & 0xffu) + ((p & 0x7fffffu) != 0u);  // ceil(log2 p), biased
-}
-// 8 bf16 -> their amax over the thread's 16-thread group (one 128-value block) and the E4M3 bytes of x / s
+// 8 bf16 -> the exponent e of their 128-value block's act_quant scale (the block held by 16 consecutive threads) and
+// the E4M3 bytes of x / s (the library's act_quant helpers, csrc/act_quant.cu)
 __device__ __forceinline__ uint2 actq8(const uint4& v, uint32_t& e) {
-  const uint32_t in[4] = {v.x, v.y, v.z, v.w};
   float f[8];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    f[2 * q] = __uint_as_float(in[q] << 16);
-    f[2 * q + 1] = __uint_as_float(in[q] & 0xffff0000u);
-  }
-  float m = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(f[j]));
-#pragma unroll
-  for (int o = 1; o < 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  e = actq_exp(m);
+  e = ds4::act_quant_exp(ds4::act_quant_amax<128>(v, f));
   const float inv = __uint_as_float((254u - e) << 23);  // 1 / s
   uint32_t b[4];
 #pragma unroll
@@ -111,23 +98,6 @@ __device__ __forceinline__ uint2 actq8(const uint4& v, uint32_t& e) {
     b[q] = p;
   }
   return make_uint2(b[0] | b[1] << 16, b[2] | b[3] << 16);
-}
-
-// x (bf16, K) -> act_quant's values e4m3(x / s) s as bf16 (exact), in place: the input of every variant
-__global__ void actq_sim_kernel(__nv_bfloat16* x, int K) {
-  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {  // blockDim a multiple of 16, K / 8 of blockDim
-    uint32_t e;
-    const uint2 q = actq8(reinterpret_cast<const uint4*>(x)[i], e);
-    const float s = __uint_as_float(e << 23);
-    const uint32_t qb[2] = {q.x, q.y};
-    __nv_bfloat16 out[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const __nv_fp8_e4m3 v = *reinterpret_cast<const __nv_fp8_e4m3*>(reinterpret_cast<const uint8_t*>(qb) + j);
-      out[j] = __float2bfloat16(float(v) * s);
-    }
-    reinterpret_cast<uint4*>(x)[i] = *reinterpret_cast<const uint4*>(out);
-  }
 }
 
 __device__ __forceinline__ uint2 lds64(uint32_t a) {
@@ -279,8 +249,13 @@ static void probe_shape(int sms, int O, int K) {
   std::normal_distribution<float> nd(0.f, 1.f);
   auto make_x = [&](int k) { return __float2bfloat16(nd(rng) * (k % 97 == 0 ? 40.f : 1.f)); };
   Fp4tShape sh(O, K, 118, 130, make_x, 56, "library MMA");
-  f8::actq_sim_kernel<<<1, 256>>>(sh.x, K);
-  CK(cudaDeviceSynchronize());
+  {  // x <- act_quant's values e4m3(x / s) s (the library kernel), the input of every variant
+    __nv_bfloat16* xq;
+    CK(cudaMalloc(&xq, K * 2));
+    CK(ds4::launch_act_quant_sim(sh.x, xq, 1, K, 128, 0));
+    CK(cudaMemcpy(sh.x, xq, K * 2, cudaMemcpyDeviceToDevice));
+    CK(cudaFree(xq));
+  }
   std::vector<uint8_t*> We;  // the same bytes as fp4e words
   for (auto* w : sh.Ws) {
     uint8_t* h;

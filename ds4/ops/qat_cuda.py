@@ -17,8 +17,8 @@ from ds4.quant import act_quant_sim as act_quant_sim_torch
 
 def kernel_takes(x: Tensor, block: int) -> bool:
     """Whether ds4.kernels.act_quant_sim takes x: CUDA bf16 with a last dim that block (64 or 128) divides."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and block in (64, 128) and x.dim() >= 1
-            and x.shape[-1] > 0 and x.shape[-1] % block == 0 and x.numel() > 0)
+    return (x.is_cuda and x.dtype == torch.bfloat16 and block in (64, 128) and x.dim() >= 1 and x.numel() > 0
+            and x.shape[-1] % block == 0)
 
 
 def act_quant_sim(x: Tensor, block: int = 128) -> Tensor:
