@@ -86,7 +86,9 @@ rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
 launch; a diagnostic, outputs unchanged), qat (numerics=qat: the official reference's FP8 / FP4 activation
 simulations; plain without it), aqtorch (DS4_ACT_QUANT=torch: with qat, the FP8 activation simulation by its torch
-twin, about a dozen launches, instead of the one-launch kernel, the default since session 52; the same bits).
+twin, about a dozen launches, instead of the one-launch kernel, the default since session 52; the same bits),
+ixqtorch (DS4_INDEXER_QAT=torch: with qat, the indexer's Hadamard + FP4 simulation of its keys and decode query by
+the torch twin instead of inside the compressor step and scores kernels, the default since session 53).
 On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -353,6 +355,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # aqtorch: qat's FP8 activation simulation by its torch twin (about a dozen launches) instead of the one-launch
     # kernel (ds4.ops.qat_cuda; the same bits)
     os.environ["DS4_ACT_QUANT"] = "torch" if "aqtorch" in toks else "kernel"
+    # ixqtorch: qat's indexer Hadamard + FP4 simulation (its keys in the compressor step, its decode query) by the
+    # torch twin (about 40 launches a call) instead of inside the compressor step and scores kernels (the same bits)
+    os.environ["DS4_INDEXER_QAT"] = "torch" if "ixqtorch" in toks else "kernel"
     # noidxskip: the indexer's scores computed for every row, also where the top-k selects all visible entries
     # unread (DS4_INDEXER_SKIP=0; the same indices)
     os.environ["DS4_INDEXER_SKIP"] = "0" if "noidxskip" in toks else "1"

@@ -163,6 +163,33 @@ def test_indexer_scores_scale_and_deferred_rope():
         ix.scores(q, w, keys, rope_freqs=f)
 
 
+def test_indexer_q_fp4_applies_the_qat_query_simulation_after_the_rope():
+    """q_fp4 (numerics=qat's decode query): the scores op rotates q, then applies the reference's Hadamard + FP4
+    (fp4_act_quant_sim(hadamard(q), 32), hadamard_fp4); it needs rope_freqs. On CPU tensors the fused indexer gives
+    the twin's numbers; hadamard_fp4_ok names the widths its kernels take."""
+    from ds4 import kernels_attn
+    from ds4.ops.attn_cuda import FusedCudaIndexer
+    from ds4.ops.attn_torch import TorchIndexer
+    from ds4.quant import fp4_act_quant_sim, hadamard
+    ix = TorchIndexer()
+    g = torch.Generator().manual_seed(5)
+    q, keys = torch.randn(2, 1, 4, 64, generator=g).bfloat16(), torch.randn(2, 9, 64, generator=g).bfloat16()
+    w = torch.randn(2, 1, 4, generator=g).bfloat16()
+    pos, f = torch.tensor([30, 100]), 1.0 / 10000 ** (torch.arange(8) / 8)
+    sim = fp4_act_quant_sim(hadamard(ix.rope(q[:, 0], pos, f)), 32)[:, None]
+    assert torch.equal(ix.hadamard_fp4(q), fp4_act_quant_sim(hadamard(q), 32))
+    want = ix.scores(sim, w, keys, bf16=True, pos=pos, ratio=4)
+    got = ix.scores(q, w, keys, bf16=True, pos=pos, ratio=4, rope_freqs=f, q_fp4=True)
+    assert torch.equal(got, want)
+    assert not torch.equal(ix.scores(q, w, keys, bf16=True, pos=pos, ratio=4, rope_freqs=f), want)
+    assert torch.equal(FusedCudaIndexer().scores(q, w, keys, True, pos, 4, 1.0, f, q_fp4=True), want)
+    assert torch.equal(FusedCudaIndexer().hadamard_fp4(q), ix.hadamard_fp4(q))
+    sel = ix.select(q, w, keys, 3, pos, 4, bf16=True, rope_freqs=f, q_fp4=True)
+    assert torch.equal(sel, want[:, 0].float().topk(3, dim=-1).indices)
+    with pytest.raises(ValueError, match="q_fp4 applies after the query's RoPE"):
+        ix.scores(q, w, keys, bf16=True, pos=pos, ratio=4, q_fp4=True)
+    assert [d for d in range(1, 600) if kernels_attn.hadamard_fp4_ok(d)] == [32, 64, 128, 256]
+
 def test_decode_attention_twin_masks_by_position():
     """TorchAttention.decode: a window slot beyond pos and a not-yet-visible entry do not change the output."""
     from ds4.ops.attn_torch import TorchAttention

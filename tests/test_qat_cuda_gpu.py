@@ -1,19 +1,25 @@
-"""GPU tests of numerics=qat on the CUDA implementations: the act_quant_sim kernel against its torch twin bit for bit,
-and qat decode on every fused kernel with it (the same logits as with the twin; the captured graph's tokens as
+"""GPU tests of numerics=qat on the CUDA implementations: the act_quant_sim kernel and the indexer's Hadamard + FP4
+simulation (its own launch, and inside the scores kernel's query staging) against their torch twins bit for bit, and
+qat decode on every fused kernel with them (the same logits as with the twin; the captured graph's tokens as
 eager's). Marker gpu; skipped without CUDA."""
 from __future__ import annotations
 
 import pytest
 import torch
-from gpu_common import BF16, DEV, gen, poison, require_extension
+from gpu_common import BF16, DEV, TOL, gen, poison, randn, rel, require_extension
 
 pytestmark = pytest.mark.gpu
 kernels = require_extension("ds4.kernels")  # skips this module without CUDA
+kernels_attn = require_extension("ds4.kernels_attn")
 
-from ds4.model.args import small, tiny  # noqa: E402
+from ds4.model.args import small, tiny, v4_flash  # noqa: E402
+from ds4.model.rope import inv_freq  # noqa: E402
 from ds4.model.transformer import Transformer  # noqa: E402
+from ds4.ops.attn_cuda import FusedCudaIndexer  # noqa: E402
+from ds4.ops.attn_torch import TorchIndexer  # noqa: E402
 from ds4.ops.qat_cuda import act_quant_sim, kernel_takes  # noqa: E402
 from ds4.quant import act_quant_sim as act_quant_sim_torch  # noqa: E402
+from ds4.quant import fp4_act_quant_sim, hadamard  # noqa: E402
 from ds4.registry import Impls, build_ops  # noqa: E402
 from ds4.runtime.generate import Generator  # noqa: E402
 from ds4.weights.synthetic import random_weights  # noqa: E402
@@ -61,6 +67,101 @@ def test_act_quant_sim_dispatch_and_errors(monkeypatch):
         kernels.act_quant_sim(x, 32)
     with pytest.raises(RuntimeError, match="contiguous bf16"):
         kernels.act_quant_sim(x.float(), 128)
+
+
+def _hadamard_fp4_twin(x: torch.Tensor) -> torch.Tensor:
+    return fp4_act_quant_sim(hadamard(x), 32)
+
+
+def _tie_rows(d: int) -> torch.Tensor:
+    """bf16 [16, d] rows x whose Hadamard transform is exactly a chosen y (d = 64 or 256, where d^-0.5 is a power of
+    two): each of y's first two blocks of 32 values holds 6 (its amax: the FP4 scale 1) and two of the E2M1 rounding
+    ties (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5), the rest zeros (small sums, so x is exact in bf16); the kernel's
+    ties are checked, not only random values."""
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    g = torch.Generator().manual_seed(d)
+    y = torch.zeros(16, d, dtype=torch.float64)
+    for r in range(16):
+        for b in range(2):
+            idx = torch.randperm(32, generator=g)[:3] + 32 * b
+            y[r, idx[0]] = 6.0
+            for j in idx[1:]:
+                y[r, j] = ties[int(torch.randint(0, 7, (1,), generator=g))] * (1 if torch.rand(1, generator=g) < .5
+                                                                                 else -1)
+    x = hadamard(y)  # H y d^-0.5 in float64: exact for these few multiples of 0.25, and H / sqrt(d) is its own inverse
+    assert torch.equal(x.to(BF16).double(), x), "the crafted rows must be exact in bf16"
+    return x.to(BF16).to(DEV)
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 128), (3, 64, 128), (5, 32), (2, 7, 64), (4, 256), (1, 16, 128)])
+def test_hadamard_fp4_kernel_is_the_torch_twin(shape):
+    """The indexer's qat simulation of its query and keys in one launch: the twin's bits over rows scaled from 2^-130
+    (bf16 subnormals, below FP4's amax floor) to 2^100, a zero row, and (d 64 and 256) rows of exact rounding ties."""
+    d = shape[-1]
+    g = gen(sum(shape) + d)
+    x = torch.randn(*shape, device=DEV, generator=g)
+    x = x * torch.exp2(torch.randint(-130, 101, (*shape[:-1], 1), device=DEV, generator=g).float())
+    x = x.to(BF16)
+    x.view(-1, d)[0] = 0.0
+    rows = [x.view(-1, d)] + ([_tie_rows(d)] if d in (64, 256) else [])
+    for xr in rows:
+        xr = xr.contiguous()
+        poison()
+        got = kernels_attn.hadamard_fp4(xr)
+        want = _hadamard_fp4_twin(xr)
+        assert got.dtype == BF16 and got.shape == xr.shape
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got.float() - want.float()).abs().max()
+    assert torch.equal(FusedCudaIndexer().hadamard_fp4(x), _hadamard_fp4_twin(x))
+
+
+def test_hadamard_fp4_dispatch_and_errors(monkeypatch):
+    wide = torch.randn(2, 4, 512, device=DEV).to(BF16)  # a width the kernel does not take: the twin
+    assert torch.equal(FusedCudaIndexer().hadamard_fp4(wide), _hadamard_fp4_twin(wide))
+    x = torch.randn(2, 4, 48, device=DEV).to(BF16)
+    with pytest.raises(RuntimeError, match="power of two in"):
+        torch.ops.ds4_attn.hadamard_fp4(x)
+    with pytest.raises(ValueError, match="power of two in"):
+        kernels_attn.hadamard_fp4(x)
+    y = torch.randn(3, 128, device=DEV).to(BF16)
+    monkeypatch.setenv("DS4_INDEXER_QAT", "torch")  # the ablation: the twin
+    assert torch.equal(FusedCudaIndexer().hadamard_fp4(y), _hadamard_fp4_twin(y))
+    q = torch.randn(1, 1, 64, 128, device=DEV).to(BF16)
+    w = torch.randn(1, 1, 64, device=DEV)
+    keys = torch.randn(1, 600, 128, device=DEV).to(BF16)
+    with pytest.raises(RuntimeError, match="q_fp4 needs rope_freqs"):
+        torch.ops.ds4_attn.indexer_scores(q, w, keys, True, torch.tensor([2000], device=DEV), 4, 1.0, None, True)
+
+
+def _freqs4() -> torch.Tensor:
+    a = v4_flash()
+    return inv_freq(a, next(i for i in range(a.n_layers) if a.ratio(i) == 4), DEV)
+
+
+@pytest.mark.parametrize("B,T", [(1, 4000), (2, 70000)])  # 70000: each block stages (and simulates) q once per chunk loop
+def test_indexer_scores_simulate_the_query_in_its_staging(B, T):
+    """q_fp4: the scores kernel stages q with its RoPE, then the Hadamard + FP4. With zero frequencies (the RoPE an
+    exact identity) its scores are bit for bit those of the kernel on hadamard_fp4(q) staged as is; with a CSA
+    layer's frequencies they agree with the twin (RoPE, Hadamard + FP4, BF16 scores) within TOL."""
+    g = gen(7 + B)
+    H, d = 64, 128
+    q = randn(B, 1, H, d, g=g, dtype=BF16, scale=2.0)
+    w = randn(B, 1, H, g=g, dtype=BF16)
+    keys = randn(B, T, d, g=g, dtype=BF16)
+    p = torch.tensor([3000 + 7777 * i for i in range(B)] if T == 4000 else [4 * T - 1, 4 * 30000 + 5], device=DEV)
+    c = d ** -0.5 * H ** -0.5
+    fi, ti = FusedCudaIndexer(), TorchIndexer()
+    zero = torch.zeros(32, device=DEV)
+    poison()
+    got = fi.scores(q, w, keys, True, p, 4, c, zero, q_fp4=True)
+    pre = fi.scores(kernels_attn.hadamard_fp4(q), w, keys, True, p, 4, c)
+    assert torch.equal(got.view(torch.int16), pre.view(torch.int16))
+    f = _freqs4()
+    got = fi.scores(q, w, keys, True, p, 4, c, f, q_fp4=True).float()
+    ref = ti.scores(q, w, keys, True, p, 4, c, f, q_fp4=True).float()
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and rel(got[fin], ref[fin]) <= TOL
+    unsimulated = fi.scores(q, w, keys, True, p, 4, c, f, q_fp4=False).float()  # q_fp4 changes the scores
+    assert rel(unsimulated[fin], ref[fin]) > 10 * rel(got[fin], ref[fin])
 
 
 def test_qat_decode_on_the_kernel_gives_the_twins_logits(monkeypatch):

@@ -465,7 +465,7 @@ void check_freqs(const at::Tensor& freqs, const char* op) {
 // skip_k: see launch_indexer_scores (indexer_select's scores, read by its top-k alone)
 static at::Tensor indexer_scores_impl(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, bool bf16,
                                       const std::optional<at::Tensor>& pos, int64_t ratio, double w_scale,
-                                      const std::optional<at::Tensor>& rope_freqs, int64_t skip_k) {
+                                      const std::optional<at::Tensor>& rope_freqs, int64_t skip_k, bool q_fp4) {
   check_cuda(q, "q");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4, "ds4_attn.indexer: q must be bf16 [B, S, H, d]");
   check_cuda(w, "w");
@@ -492,6 +492,8 @@ static at::Tensor indexer_scores_impl(const at::Tensor& q, const at::Tensor& w, 
     TORCH_CHECK(q.is_contiguous() && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0,
                 "ds4_attn.indexer: with rope_freqs q must be contiguous and 16-byte aligned");
   }
+  TORCH_CHECK(!q_fp4 || (rope_freqs.has_value() && ds4_attn::hadamard_fp4_ok((int)d)),
+              "ds4_attn.indexer: q_fp4 needs rope_freqs and an index head dim that is a power of two in [32, 256]");
   c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({B, S, T}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (B * S == 0 || T == 0) return out;
@@ -501,15 +503,15 @@ static at::Tensor indexer_scores_impl(const at::Tensor& q, const at::Tensor& w, 
                                                pos.has_value() ? pos->data_ptr<int64_t>() : nullptr, (int)ratio,
                                                rope_freqs.has_value() ? rope_freqs->data_ptr<float>() : nullptr,
                                                (int)R, out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream(),
-                                               (int)skip_k),
+                                               (int)skip_k, q_fp4),
                "indexer_scores");
   return out;
 }
 
 at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, bool bf16,
                           const std::optional<at::Tensor>& pos, int64_t ratio, double w_scale,
-                          const std::optional<at::Tensor>& rope_freqs) {
-  return indexer_scores_impl(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, 0);
+                          const std::optional<at::Tensor>& rope_freqs, bool q_fp4) {
+  return indexer_scores_impl(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, 0, q_fp4);
 }
 
 at::Tensor topk_indices(const at::Tensor& scores, int64_t k, const std::optional<at::Tensor>& pos, int64_t ratio);
@@ -521,12 +523,13 @@ at::Tensor topk_indices(const at::Tensor& scores, int64_t k, const std::optional
 // the same either way.
 at::Tensor indexer_select(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, int64_t k, bool bf16,
                           const at::Tensor& pos, int64_t ratio, double w_scale,
-                          const std::optional<at::Tensor>& rope_freqs) {
+                          const std::optional<at::Tensor>& rope_freqs, bool q_fp4) {
   TORCH_CHECK(q.dim() == 4 && q.size(1) == 1, "ds4_attn.indexer_select: q must be [B, 1, H, d]");
   TORCH_CHECK(k >= 1 && k <= keys.size(1), "ds4_attn.indexer_select: need 1 <= k <= T (keys' rows)");
   const char* env = std::getenv("DS4_INDEXER_SKIP");
   const bool skip = !(env && env[0] == '0');
-  at::Tensor sc = indexer_scores_impl(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, skip ? k : 0);
+  at::Tensor sc = indexer_scores_impl(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, skip ? k : 0,
+                                      q_fp4);
   // bf16 scores (qat): the top-k reads fp32 (a cast of the rows it skips converts bytes it then never reads)
   return topk_indices(sc.select(1, 0).to(at::kFloat).contiguous(), k, pos, ratio);
 }
@@ -669,6 +672,22 @@ at::Tensor head_rope(const at::Tensor& x, const at::Tensor& pos, const at::Tenso
   return out;
 }
 
+// numerics=qat's Hadamard + FP4 simulation of bf16 rows (the indexer's prompt query): x [..., d] -> the same shape
+at::Tensor hadamard_fp4(const at::Tensor& x) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.is_contiguous(),
+              "ds4_attn.hadamard_fp4: x must be a contiguous bf16 tensor");
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(ds4_attn::hadamard_fp4_ok((int)d),
+              "ds4_attn.hadamard_fp4: the last dim must be a power of two in [32, 256], got ", num(d));
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty_like(x);
+  check_launch(ds4_attn::launch_hadamard_fp4(x.data_ptr(), out.data_ptr(), x.numel() / d, (int)d,
+                                             c10::cuda::getCurrentCUDAStream().stream()),
+               "hadamard_fp4");
+  return out;
+}
+
 void kv_store(at::Tensor& win, const at::Tensor& kv, const at::Tensor& weight, const at::Tensor& pos,
               const at::Tensor& freqs, double eps, bool fp8_nope) {
   check_cuda(kv, "kv");
@@ -691,7 +710,7 @@ void kv_store(at::Tensor& win, const at::Tensor& kv, const at::Tensor& weight, c
 
 void compress_step(const at::Tensor& kvz, const at::Tensor& ape, const at::Tensor& norm, const at::Tensor& pos,
                    const at::Tensor& freqs, at::Tensor& skv, at::Tensor& ssc, at::Tensor& cache, int64_t m,
-                   bool overlap, double eps, bool fp8_nope, int64_t tokens) {
+                   bool overlap, double eps, bool fp8_nope, int64_t tokens, bool fp4) {
   check_f32(kvz, "kvz");
   check_f32(ape, "ape");
   TORCH_CHECK(cache.is_cuda() && cache.scalar_type() == at::kBFloat16 && cache.dim() == 3 && cache.stride(2) == 1 &&
@@ -710,6 +729,9 @@ void compress_step(const at::Tensor& kvz, const at::Tensor& ape, const at::Tenso
                 "ds4_attn.compress_step: state must be float32 [N, slots, cw] with contiguous rows (same strides)");
   const bool wf = norm_weight_f32(norm, w, "compress_step");
   check_pos(pos, N, "compress_step");
+  TORCH_CHECK(!fp4 || (!fp8_nope && ds4_attn::hadamard_fp4_ok((int)w)),
+              "ds4_attn.compress_step: fp4 (the Hadamard + FP4 entry) excludes fp8_nope and needs an entry width that "
+              "is a power of two in [32, 256]");
   check_freqs(freqs, "compress_step");
   if (N == 0) return;
   ds4_attn::CompressArgs a;
@@ -725,7 +747,7 @@ void compress_step(const at::Tensor& kvz, const at::Tensor& ape, const at::Tenso
   a.cache = cache.data_ptr();
   a.cache_b = cache.stride(0);
   a.m = (int)m; a.w = (int)w; a.R = (int)(2 * freqs.numel());
-  a.overlap = overlap; a.fp8_nope = fp8_nope; a.eps = (float)eps; a.tokens = (int)tokens;
+  a.overlap = overlap; a.fp8_nope = fp8_nope; a.fp4 = fp4; a.eps = (float)eps; a.tokens = (int)tokens;
   c10::cuda::CUDAGuard guard(kvz.device());
   check_launch(ds4_attn::launch_compress_step(a, (int)N, c10::cuda::getCurrentCUDAStream().stream()), "compress_step");
 }
@@ -750,9 +772,9 @@ TORCH_LIBRARY(ds4_attn, m) {
   m.def("sparse_attn(Tensor q, Tensor kv, Tensor valid, Tensor? sel_kv, Tensor? sel_valid, Tensor sink, "
         "float scale) -> Tensor");
   m.def("indexer_scores(Tensor q, Tensor w, Tensor keys, bool bf16, Tensor? pos=None, int ratio=1, "
-        "float w_scale=1.0, Tensor? rope_freqs=None) -> Tensor");
+        "float w_scale=1.0, Tensor? rope_freqs=None, bool q_fp4=False) -> Tensor");
   m.def("indexer_select(Tensor q, Tensor w, Tensor keys, int k, bool bf16, Tensor pos, int ratio=1, "
-        "float w_scale=1.0, Tensor? rope_freqs=None) -> Tensor");
+        "float w_scale=1.0, Tensor? rope_freqs=None, bool q_fp4=False) -> Tensor");
   m.def("sparse_decode(Tensor q, Tensor win, Tensor pos, Tensor? ext, Tensor? ext_idx, int ratio, Tensor sink, "
         "float scale, Tensor? freqs, float? q_norm_eps=None, Tensor(a!)? comb=None, int iters=0, float hc_eps=0.0) "
         "-> Tensor");
@@ -762,7 +784,9 @@ TORCH_LIBRARY(ds4_attn, m) {
   m.def("head_rope(Tensor x, Tensor pos, Tensor freqs, bool norm, float eps) -> Tensor");
   m.def("kv_store(Tensor(a!) win, Tensor kv, Tensor weight, Tensor pos, Tensor freqs, float eps, bool fp8_nope) -> ()");
   m.def("compress_step(Tensor kvz, Tensor ape, Tensor norm, Tensor pos, Tensor freqs, Tensor(a!) skv, "
-        "Tensor(b!) ssc, Tensor(c!) cache, int m, bool overlap, float eps, bool fp8_nope, int tokens=1) -> ()");
+        "Tensor(b!) ssc, Tensor(c!) cache, int m, bool overlap, float eps, bool fp8_nope, int tokens=1, "
+        "bool fp4=False) -> ()");
+  m.def("hadamard_fp4(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
@@ -781,6 +805,7 @@ TORCH_LIBRARY_IMPL(ds4_attn, CUDA, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("topk", &topk_indices);
   m.impl("head_rope", &head_rope);
+  m.impl("hadamard_fp4", &hadamard_fp4);
   m.impl("kv_store", &kv_store);
   m.impl("compress_step", &compress_step);
 }

@@ -7,6 +7,7 @@
 
 #include "../cp_async.cuh"
 #include "../pdl.cuh"
+#include "attn_launch.h"
 
 namespace ds4_attn {
 
@@ -69,6 +70,103 @@ __device__ __forceinline__ void load_a_rows(uint32_t* a, const uint16_t* base, i
   a[1] = r1 < nrows ? ld32(p1) : 0u;
   a[2] = r0 < nrows ? ld32(p0 + 4) : 0u;
   a[3] = r1 < nrows ? ld32(p1 + 4) : 0u;
+}
+
+// ---- numerics=qat: the indexer's Hadamard + FP4 simulation (ds4.quant: fp4_act_quant_sim(hadamard(x), 32)) ----
+// Of a row of d = 32 * VPL values held by one warp, lane l holding x[l * VPL, (l + 1) * VPL) as fp32 (bf16 values):
+// the Sylvester Hadamard butterfly in fp32 in the twin's stage order (h = 1, 2, ..., d / 2; the pair (i, i + h) ->
+// (a + b, a - b)), times fp32(d^-0.5), rounded to bf16; then per block of 32 values amax = max(|x|, 6 * 2^-126),
+// s = 2^ceil(log2(amax * fp32(1/6))) by the reference's bit trick, e2m1(clamp(x / s, +-6)) * s (nearest, ties to the
+// even code, a negative value that rounds to zero gives -0, as fp4_e2m1_encode / decode), rounded to bf16. The same
+// fp32 operations in the same order as the twin, so the same bits (tests/test_qat_cuda_gpu.py). NaN inputs are not
+// matched (the twin's clamp keeps NaN, fminf / fmaxf drop it).
+// (d a power of two in [32, 256]: hadamard_fp4_ok, attn_launch.h)
+// fp32(n^-0.5) for n = 2^k as torch forms `y * (n ** -0.5)`: the double n^-0.5 rounded to fp32; 2^-(k/2) times
+// fp32(double(sqrt(0.5))) for odd k (power-of-two scalings are exact in both precisions)
+__host__ __device__ constexpr float inv_sqrt_pow2(int k) {
+  float s = (k & 1) ? (float)0.7071067811865476 : 1.f;
+  for (int i = 0; i < k / 2; ++i) s *= 0.5f;
+  return s;
+}
+
+// E2M1 rounding of y in [-6, 6] as fp4_e2m1_encode then decode: '>' where the lower code is even (a tie goes
+// down), '>=' where the upper one is
+__device__ __forceinline__ float e2m1_round(float y) {
+  const float a = fabsf(y);
+  const float q = a > 5.f ? 6.f : a >= 3.5f ? 4.f : a > 2.5f ? 3.f : a >= 1.75f ? 2.f : a > 1.25f ? 1.5f
+                : a >= 0.75f ? 1.f : a > 0.25f ? 0.5f : 0.f;
+  return copysignf(q, y);
+}
+
+template <int VPL>
+__device__ __forceinline__ void hadamard_fp4_warp(float (&v)[VPL], int lane) {
+  constexpr int LPB = 32 / VPL;  // lanes per block of 32 values
+#pragma unroll
+  for (int h = 1; h < VPL; h <<= 1) {  // the stages inside a lane
+#pragma unroll
+    for (int i = 0; i < VPL; ++i)
+      if (!(i & h)) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+  }
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {  // the stages across lanes (h = o * VPL): the upper lane of a pair forms a - b
+    const bool upper = lane & o;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const float p = __shfl_xor_sync(0xffffffffu, v[i], o);
+      v[i] = upper ? p - v[i] : v[i] + p;
+    }
+  }
+  constexpr float sc = inv_sqrt_pow2(5 + (VPL >= 2) + (VPL >= 4) + (VPL >= 8));  // d = 32 VPL = 2^k
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    v[i] = bf16r(v[i] * sc);
+    m = fmaxf(m, fabsf(v[i]));
+  }
+#pragma unroll
+  for (int o = 1; o < LPB; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const uint32_t p = __float_as_uint(__fmul_rn(fmaxf(m, 6.f * 0x1p-126f), (float)(1.0 / 6.0)));
+  const float s = __uint_as_float((((p >> 23) & 0xffu) + ((p & 0x7fffffu) != 0u)) << 23);
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) v[i] = bf16r(__fmul_rn(e2m1_round(fminf(fmaxf(__fdiv_rn(v[i], s), -6.f), 6.f)), s));
+}
+
+// hadamard_fp4_warp on a row of d bf16 (uint16_t) or fp32 (bf16 values) in shared or global memory, in place; the
+// whole warp calls it (d: hadamard_fp4_ok). The caller orders the row's writes before and after (__syncwarp or a
+// barrier).
+template <int VPL, typename T>
+__device__ __forceinline__ void hadamard_fp4_row_vpl(T* row, int lane) {
+  float v[VPL];
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    if constexpr (sizeof(T) == 2)
+      v[i] = __uint_as_float((uint32_t)row[lane * VPL + i] << 16);
+    else
+      v[i] = row[lane * VPL + i];
+  }
+  hadamard_fp4_warp<VPL>(v, lane);
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    if constexpr (sizeof(T) == 2)
+      row[lane * VPL + i] = (T)(__float_as_uint(v[i]) >> 16);  // bf16 values: the upper half is exact
+    else
+      row[lane * VPL + i] = v[i];
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void hadamard_fp4_row(T* row, int d, int lane) {
+  switch (d) {
+    case 32: hadamard_fp4_row_vpl<1>(row, lane); break;
+    case 64: hadamard_fp4_row_vpl<2>(row, lane); break;
+    case 128: hadamard_fp4_row_vpl<4>(row, lane); break;
+    case 256: hadamard_fp4_row_vpl<8>(row, lane); break;
+    default: break;  // (launches check hadamard_fp4_ok)
+  }
 }
 
 }  // namespace ds4_attn

@@ -113,11 +113,14 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
 // pos (optional, S == 1): entries t >= (pos[b] + 1) / ratio are not visible yet and score -inf.
 // rope_freqs (optional, with pos; R = 2 len(freqs) <= min(d, 256)): q is taken before its interleaved RoPE
 // of the last R dims at pos, which the kernel applies as ds4_attn's head_rope (norm off) does.
+// q_fp4 (with rope_freqs, numerics=qat; hadamard_fp4_ok(d)): after its RoPE the staged q also gets the reference's
+// Hadamard + FP4 simulation (launch_hadamard_fp4's bits).
 // skip_k > 0 (with pos; the scores' consumer is launch_topk with k = skip_k and the same pos / ratio): rows with at
 // most skip_k visible entries (and T >= skip_k) are left unwritten, since that top-k selects all of them unread.
 cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, float w_scale, const void* keys, long k_b,
                                   long k_r, int B, int S, int H, int d, int T, bool bf16, const int64_t* pos, int ratio,
-                                  const float* rope_freqs, int R, void* out, cudaStream_t st, int skip_k = 0);
+                                  const float* rope_freqs, int R, void* out, cudaStream_t st, int skip_k = 0,
+                                  bool q_fp4 = false);
 
 // ---- top-k (topk.cu) ------------------------------------------------------------------------------
 // out[b, :k] = indices of the k largest of scores[b, :T] (fp32, contiguous rows), unsorted; ties at the
@@ -144,6 +147,11 @@ cudaError_t launch_rms_norm(const void* x, const void* weight, bool w_f32, int N
 // x [N, H, D] -> out: (norm) per-head bf16(x * bf16(rsqrt(mean(x^2) + eps))), then RoPE of the last R dims at pos[n].
 cudaError_t launch_head_rope(const void* x, const int64_t* pos, const float* freqs, int N, int H, int D, int R,
                              bool norm, float eps, void* out, cudaStream_t st);
+// The row widths numerics=qat's Hadamard + FP4 simulation takes on the device (a warp per row: d / 32 values per lane).
+__host__ __device__ constexpr bool hadamard_fp4_ok(int d) { return d >= 32 && d <= 256 && (d & (d - 1)) == 0; }
+// numerics=qat's Hadamard + FP4 simulation of N contiguous bf16 rows of d values (ds4.quant: fp4_act_quant_sim(
+// hadamard(x), 32), the same bits; hadamard_fp4_ok(d)).
+cudaError_t launch_hadamard_fp4(const void* x, void* out, long N, int d, cudaStream_t st);
 // win[n, pos[n] % W, :] = entry(kv[n]): rms_norm(weight), RoPE at pos[n], (fp8_nope) FP8 simulation of dims [0, D-R).
 cudaError_t launch_kv_store(const void* kv, const void* weight, bool w_f32, const int64_t* pos, const float* freqs,
                             int N, int D, int R, float eps, bool fp8_nope, void* win, long win_b, int W,
@@ -165,7 +173,9 @@ struct CompressArgs {
   // (pos[n] + 1) % tokens == 0 (the deferred projection, ds4_launch.h launch_gemv_deferred); the step does nothing
   // elsewhere. tokens divides m.
   int tokens = 1;
-  bool overlap = false, fp8_nope = false;
+  // the entry's qat simulation: fp8_nope (FP8 of dims [0, w - R) in blocks of 64) or fp4 (Hadamard + FP4 of all w,
+  // hadamard_fp4_ok(w): the indexer compressor's), not both
+  bool overlap = false, fp8_nope = false, fp4 = false;
   float eps = 0.f;
 };
 cudaError_t launch_compress_step(const CompressArgs& a, int N, cudaStream_t st);

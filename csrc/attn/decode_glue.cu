@@ -69,10 +69,15 @@ __device__ void prep_entry(float* wt, float* trig, int w, const void* weight, bo
   }
 }
 
+// finish_entry's qat simulation (ds4.model.compressor.finish_entry's quant): none, FP8 of the nope dims (the
+// attention's window and compressed entries), or Hadamard + FP4 of the whole entry (the indexer's keys)
+enum EntryQuant : int { QUANT_NONE = 0, QUANT_FP8_NOPE = 1, QUANT_HADAMARD_FP4 = 2 };
+
 // Finish one cache / window entry held in shared memory (v[0..w), fp32 values of bf16 numbers), with wt / trig
-// from prep_entry: y = bf16(rms_norm(v) * weight); RoPE the last R dims; (fp8_nope) FP8-simulate dims [0, w-R) in
-// blocks of 64; write bf16 to dst. Whole block; v is overwritten.
-__device__ void finish_entry(float* v, int w, const float* wt, const float* trig, float eps, int R, bool fp8_nope,
+// from prep_entry: y = bf16(rms_norm(v) * weight); RoPE the last R dims; then quant: FP8-simulate dims [0, w-R) in
+// blocks of 64, or the Hadamard + FP4 simulation of all w (hadamard_fp4_ok(w): one warp); write bf16 to dst. Whole
+// block; v is overwritten.
+__device__ void finish_entry(float* v, int w, const float* wt, const float* trig, float eps, int R, int quant,
                              __nv_bfloat16* dst, float* red) {
   float ss = 0.f;
   for (int c = threadIdx.x; c < w; c += blockDim.x) ss += v[c] * v[c];
@@ -87,7 +92,11 @@ __device__ void finish_entry(float* v, int w, const float* wt, const float* trig
     v[j + 1] = bf16r(a * sn + b * cs);
   }
   __syncthreads();
-  if (fp8_nope) {  // act_quant_sim(c[..., :w-R], 64): one warp per block of 64 dims
+  if (quant == QUANT_HADAMARD_FP4) {  // fp4_act_quant_sim(hadamard(c), 32): the entry is one row of one warp
+    if (threadIdx.x < 32) hadamard_fp4_row(v, w, threadIdx.x);
+    __syncthreads();
+  }
+  if (quant == QUANT_FP8_NOPE) {  // act_quant_sim(c[..., :w-R], 64): one warp per block of 64 dims
     const int nope = w - R, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     for (int blk = threadIdx.x >> 5; blk * 64 < nope; blk += nw) {
       const int c0 = blk * 64 + lane, c1 = c0 + 32;
@@ -185,6 +194,25 @@ __global__ void __launch_bounds__(128) head_rope_kernel(const __nv_bfloat16* __r
   for (int c = threadIdx.x; c < D; c += blockDim.x) out[base + c] = __float2bfloat16(hv[c]);
 }
 
+// numerics=qat's Hadamard + FP4 simulation of rows of d values (attn_common.cuh hadamard_fp4_warp): a warp per row.
+// The indexer's prompt query (its decode query gets it in the scores kernel's q staging).
+constexpr int HFP4_THREADS = 128;
+
+template <int VPL>
+__global__ void __launch_bounds__(HFP4_THREADS) hadamard_fp4_kernel(const uint16_t* __restrict__ x,
+                                                                   uint16_t* __restrict__ out, long N) {
+  ds4_pdl::begin();
+  const long r = (long)blockIdx.x * (HFP4_THREADS / 32) + (threadIdx.x >> 5);
+  if (r >= N) return;  // (a whole warp: the butterfly's shuffles need all 32 lanes)
+  const int lane = threadIdx.x & 31;
+  float v[VPL];
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) v[i] = __uint_as_float((uint32_t)x[r * 32 * VPL + lane * VPL + i] << 16);
+  hadamard_fp4_warp<VPL>(v, lane);
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) out[r * 32 * VPL + lane * VPL + i] = (uint16_t)(__float_as_uint(v[i]) >> 16);
+}
+
 __global__ void __launch_bounds__(GLUE_THREADS) kv_store_kernel(const __nv_bfloat16* __restrict__ kv,
                                                                 const void* __restrict__ weight, bool w_f32,
                                                                 const int64_t* __restrict__ pos,
@@ -199,7 +227,8 @@ __global__ void __launch_bounds__(GLUE_THREADS) kv_store_kernel(const __nv_bfloa
   ds4_pdl::begin();
   for (int c = threadIdx.x; c < D; c += blockDim.x) ev[c] = __bfloat162float(kv[(long)r * D + c]);
   __syncthreads();
-  finish_entry(ev, D, ev + D, ev + 2 * D, eps, R, fp8_nope, win + r * win_b + (p % W) * D, red);
+  finish_entry(ev, D, ev + D, ev + 2 * D, eps, R, fp8_nope ? QUANT_FP8_NOPE : QUANT_NONE, win + r * win_b + (p % W) * D,
+               red);
 }
 
 // compress_step_kernel: thread c owns column c of the entry (and, overlapped, state column w + c: the projection's
@@ -369,7 +398,7 @@ __global__ void __launch_bounds__(COMPRESS_THREADS) compress_step_kernel(Compres
     if (!complete) return;
   }
   __syncthreads();
-  finish_entry(pv, w, wt, trig, a.eps, a.R, a.fp8_nope,
+  finish_entry(pv, w, wt, trig, a.eps, a.R, a.fp4 ? QUANT_HADAMARD_FP4 : a.fp8_nope ? QUANT_FP8_NOPE : QUANT_NONE,
                static_cast<__nv_bfloat16*>(a.cache) + r * a.cache_b + (p / m) * w, red);
 }
 
@@ -393,6 +422,22 @@ cudaError_t launch_head_rope(const void* x, const int64_t* pos, const float* fre
                          static_cast<__nv_bfloat16*>(out));
 }
 
+cudaError_t launch_hadamard_fp4(const void* x, void* out, long N, int d, cudaStream_t st) {
+  if (N < 0 || !hadamard_fp4_ok(d)) return cudaErrorInvalidValue;
+  if (N == 0) return cudaSuccess;
+  const long blocks = (N + HFP4_THREADS / 32 - 1) / (HFP4_THREADS / 32);
+  if (blocks > 0x7fffffffL) return cudaErrorInvalidValue;
+  const uint16_t* xi = static_cast<const uint16_t*>(x);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  const dim3 grid((unsigned)blocks), threads(HFP4_THREADS);
+  switch (d) {
+    case 32: return ds4_pdl::launch(hadamard_fp4_kernel<1>, grid, threads, 0, st, xi, o, N);
+    case 64: return ds4_pdl::launch(hadamard_fp4_kernel<2>, grid, threads, 0, st, xi, o, N);
+    case 128: return ds4_pdl::launch(hadamard_fp4_kernel<4>, grid, threads, 0, st, xi, o, N);
+    default: return ds4_pdl::launch(hadamard_fp4_kernel<8>, grid, threads, 0, st, xi, o, N);
+  }
+}
+
 cudaError_t launch_kv_store(const void* kv, const void* weight, bool w_f32, const int64_t* pos, const float* freqs,
                             int N, int D, int R, float eps, bool fp8_nope, void* win, long win_b, int W,
                             cudaStream_t st) {
@@ -404,7 +449,7 @@ cudaError_t launch_kv_store(const void* kv, const void* weight, bool w_f32, cons
 
 cudaError_t launch_compress_step(const CompressArgs& a, int N, cudaStream_t st) {
   if (N < 1 || a.m < 1 || a.w < 1 || a.tokens < 1 || a.m % a.tokens || a.R % 2 || a.R > a.w ||
-      (2 * a.w + a.R) * 4 > 48 * 1024)
+      (2 * a.w + a.R) * 4 > 48 * 1024 || (a.fp4 && (a.fp8_nope || !hadamard_fp4_ok(a.w))))
     return cudaErrorInvalidValue;
   const int threads = a.w < COMPRESS_THREADS ? (a.w + 31) / 32 * 32 : COMPRESS_THREADS;  // a column per thread
   const bool regs = a.w <= COMPRESS_THREADS;

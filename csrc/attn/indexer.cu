@@ -11,8 +11,9 @@
 // DS4_MARKs (scripts/probe_phases.cu indexer): 0 start, 1 thread 0's first key copies issued, 2 q copies issued +
 // RoPE table, 3 q rotated in place, 4 a chunk's keys landed, 5 its scores done, 6 written (the last chunk's).
 // With rope_freqs (decode): q arrives before its RoPE; each block stages the row's q in shared memory
-// with the interleaved RoPE of its last R dims at pos applied as head_rope (norm off) applies it, so
-// the indexer query needs no launch of its own between its projection and this kernel.
+// with the interleaved RoPE of its last R dims at pos applied as head_rope (norm off) applies it, and with q_fp4
+// (numerics=qat) the reference's Hadamard + FP4 simulation after it, so the indexer query needs no launch of its own
+// between its projection and this kernel.
 #include <algorithm>
 #include <cstdlib>
 
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
                                                              int S, int H, int d, int T, bool bf16,
                                                              const int64_t* __restrict__ pos, int ratio,
                                                              const float* __restrict__ rope_freqs, int R, void* out,
-                                                             int skip_k) {
+                                                             int skip_k, bool q_fp4) {
   DS4_MARK(0);
   ds4_pdl::begin();
   extern __shared__ __align__(16) uint16_t ks[];   // [2][IX_KC][d + 8] keys, then (rope_freqs) [H][d + 8] q
@@ -189,6 +190,10 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
         const __nv_bfloat162 y = __floats2bfloat162_rn(a * rt.x - bb * rt.y, a * rt.y + bb * rt.x);
         qh[i] = *reinterpret_cast<const uint32_t*>(&y);
       }
+      if (q_fp4) {  // numerics=qat: the reference's Hadamard + FP4 of the rotated head (its lanes read other lanes' pairs)
+        __syncwarp();
+        hadamard_fp4_row(qs + h * LD, d, lane);
+      }
     }
     qr = qs;
     qld = LD;
@@ -215,8 +220,10 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
 
 cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, float w_scale, const void* keys, long k_b,
                                   long k_r, int B, int S, int H, int d, int T, bool bf16, const int64_t* pos, int ratio,
-                                  const float* rope_freqs, int R, void* out, cudaStream_t st, int skip_k) {
+                                  const float* rope_freqs, int R, void* out, cudaStream_t st, int skip_k,
+                                  bool q_fp4) {
   if (skip_k < 0 || (skip_k > 0 && pos == nullptr)) return cudaErrorInvalidValue;
+  if (q_fp4 && (rope_freqs == nullptr || !hadamard_fp4_ok(d))) return cudaErrorInvalidValue;
   if (d < 16 || d % 16 || H < 1 || B < 1 || S < 1 || (long)B * S > 65535) return cudaErrorInvalidValue;
   if (pos != nullptr && (S != 1 || ratio < 1)) return cudaErrorInvalidValue;
   if (rope_freqs != nullptr && (pos == nullptr || R < 2 || R % 2 || R > d || R > IX_MAX_ROPE))
@@ -239,7 +246,7 @@ cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, flo
   dim3 grid(std::min(chunks, cap), rows);
   return ds4_pdl::launch(indexer_kernel, grid, dim3(IX_THREADS), smem, st, static_cast<const uint16_t*>(q), w, w_bf16,
                          w_scale, static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, pos, ratio,
-                         rope_freqs, R, out, skip_k);
+                         rope_freqs, R, out, skip_k, q_fp4);
 }
 
 }  // namespace ds4_attn

@@ -140,14 +140,16 @@ def sparse_attn(q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel
 
 
 def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
-                   ratio: int = 1, w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
+                   ratio: int = 1, w_scale: float = 1.0, rope_freqs: Tensor | None = None,
+                   q_fp4: bool = False) -> Tensor:
     """bf16 q [B, S, H, d], head weights w [B, S, H] (f32 or bf16; the kernel takes w_scale * fp32(w)),
     bf16 keys [B, T, d] -> [B, S, T] (f32, or bf16 when bf16).
     pos int64 [B] (S = 1): entries t >= (pos+1)//ratio score -inf and are not read.
-    rope_freqs f32 [R/2] (with pos): q is taken before head_rope(q, pos, rope_freqs, False), applied in the kernel."""
+    rope_freqs f32 [R/2] (with pos): q is taken before head_rope(q, pos, rope_freqs, False), applied in the kernel;
+    q_fp4 (with rope_freqs, numerics=qat, hadamard_fp4_ok(d)): and before hadamard_fp4, applied after the RoPE."""
     q, w, keys, rope_freqs = _indexer_inputs(q, w, keys, rope_freqs)
     return _ops().indexer_scores(q, w, keys, bool(bf16), None if pos is None else pos.contiguous(), int(ratio),
-                                 float(w_scale), rope_freqs)
+                                 float(w_scale), rope_freqs, bool(q_fp4))
 
 
 def _indexer_inputs(q: Tensor, w: Tensor, keys: Tensor, rope_freqs: Tensor | None):
@@ -161,7 +163,7 @@ def _indexer_inputs(q: Tensor, w: Tensor, keys: Tensor, rope_freqs: Tensor | Non
 
 
 def indexer_select(q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, ratio: int = 1, bf16: bool = False,
-                   w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
+                   w_scale: float = 1.0, rope_freqs: Tensor | None = None, q_fp4: bool = False) -> Tensor:
     """The decode selection, topk(indexer_scores(...)[:, 0], k, pos, ratio) in two launches: q [B, 1, H, d],
     pos int64 [B], k <= T <= TOPK_MAX_LEN -> int64 [B, k] (unsorted). A row with at most k visible entries
     selects all of them without reading a score, so its scores are not computed (the same indices)."""
@@ -170,7 +172,7 @@ def indexer_select(q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, rati
                          f"T={keys.shape[1]})")
     q, w, keys, rope_freqs = _indexer_inputs(q, w, keys, rope_freqs)
     return _ops().indexer_select(q, w, keys, int(k), bool(bf16), pos.contiguous(), int(ratio), float(w_scale),
-                                 rope_freqs)
+                                 rope_freqs, bool(q_fp4))
 
 
 def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
@@ -222,6 +224,19 @@ def head_rope(x: Tensor, pos: Tensor, freqs: Tensor, norm: bool, eps: float) -> 
     return _ops().head_rope(x.contiguous(), pos.contiguous(), freqs.float().contiguous(), bool(norm), float(eps))
 
 
+def hadamard_fp4_ok(d: int) -> bool:
+    """Whether the kernels take numerics=qat's Hadamard + FP4 simulation of rows of d values (a warp per row):
+    d a power of two in [32, 256] (hadamard_fp4_ok in csrc/attn/attn_launch.h)."""
+    return 32 <= d <= 256 and d & (d - 1) == 0
+
+
+def hadamard_fp4(x: Tensor) -> Tensor:
+    """bf16 x [..., d] -> fp4_act_quant_sim(hadamard(x), 32) (ds4.quant), the same bits, one launch (hadamard_fp4_ok)."""
+    if not hadamard_fp4_ok(x.shape[-1]):
+        raise ValueError(f"hadamard_fp4: the last dim must be a power of two in [32, 256], got {x.shape[-1]}")
+    return _ops().hadamard_fp4(x.contiguous())
+
+
 def kv_store(win: Tensor, kv: Tensor, weight: Tensor, pos: Tensor, freqs: Tensor, eps: float, fp8_nope: bool) -> None:
     """win[b, pos[b] % W] = RoPE(rms_norm(kv[b], weight)) (+ FP8 simulation of the nope dims). In place."""
     _ops().kv_store(win, kv.contiguous(), weight.contiguous(), pos.contiguous(), freqs.float().contiguous(),
@@ -229,8 +244,11 @@ def kv_store(win: Tensor, kv: Tensor, weight: Tensor, pos: Tensor, freqs: Tensor
 
 
 def compress_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tensor, skv: Tensor, ssc: Tensor,
-                  cache: Tensor, m: int, overlap: bool, eps: float, fp8_nope: bool, tokens: int = 1) -> None:
+                  cache: Tensor, m: int, overlap: bool, eps: float, fp8_nope: bool, tokens: int = 1,
+                  fp4: bool = False) -> None:
     """Compressor decode step in place on skv / ssc (f32 [B, slots, cw]) and cache (bf16 [B, T, w]).
+    The entry's qat simulation: fp8_nope (FP8 of the nope dims) or fp4 (hadamard_fp4 of the whole entry: the indexer
+    compressor's; hadamard_fp4_ok(w)).
 
     tokens > 1 (the deferred projection, ds4.kernels.gemv_deferred): kvz [B * tokens, 2 cw] holds the projections
     of positions pos - tokens + 1 .. pos, present only where (pos + 1) % tokens == 0 (decided on the device); the
@@ -240,7 +258,7 @@ def compress_step(kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Te
                          f"(got {tuple(kvz.shape)} for {cache.shape[0]} rows)")
     _ops().compress_step(kvz.contiguous(), ape.float().contiguous(), norm.contiguous(), pos.contiguous(),
                          freqs.float().contiguous(), skv, ssc, cache, int(m), bool(overlap), float(eps),
-                         bool(fp8_nope), int(tokens))
+                         bool(fp8_nope), int(tokens), bool(fp4))
 
 
 __all__ = ["load", "unavailable_reason", "build_dir", "hc_pre", "hc_head", "hc_post", "hc_post_pre", "sparse_attn",

@@ -63,13 +63,13 @@ def _sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale):
 
 
 @register_fake("ds4_attn::indexer_scores")
-def _indexer_scores(q, w, keys, bf16, pos=None, ratio=1, w_scale=1.0, rope_freqs=None):
+def _indexer_scores(q, w, keys, bf16, pos=None, ratio=1, w_scale=1.0, rope_freqs=None, q_fp4=False):
     b, s = q.shape[:2]
     return q.new_empty((b, s, keys.shape[1]), dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
 @register_fake("ds4_attn::indexer_select")
-def _indexer_select(q, w, keys, k, bf16, pos, ratio=1, w_scale=1.0, rope_freqs=None):
+def _indexer_select(q, w, keys, k, bf16, pos, ratio=1, w_scale=1.0, rope_freqs=None, q_fp4=False):
     return q.new_empty((q.shape[0], k), dtype=torch.long)
 
 
@@ -100,5 +100,10 @@ def _kv_store(win, kv, weight, pos, freqs, eps, fp8_nope):
 
 
 @register_fake("ds4_attn::compress_step")
-def _compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, fp8_nope, tokens=1):
+def _compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, fp8_nope, tokens=1, fp4=False):
     return None
+
+
+@register_fake("ds4_attn::hadamard_fp4")
+def _hadamard_fp4(x):
+    return torch.empty_like(x)

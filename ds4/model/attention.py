@@ -269,7 +269,7 @@ class Attention(WeightsModule):
             with comp, self.prof("attn.compress"):
                 self.compressor.decode(x, pos, self.freqs, self.qat, _state(st, "comp"), st["ckv"], attn)
             (late if late_compress else branches).append(comp)
-        merged = select and self.merged_indexer_q and self.wq_bi is not None and not self.qat
+        merged = select and self.merged_indexer_q and self.wq_bi is not None
         hw_own = merged and self.head_weights_branch  # the head weights in the "indexer" slot (free then)
         iw = None
         # the indexer compressor's branch joins late too unless it also forms the head weights the scores read
@@ -308,11 +308,12 @@ class Attention(WeightsModule):
                 idx = indexer_select(*self.indexer.decode_query(qa, self.q_norm, eps, pos, self.freqs))
             branches.append(ib)
         with self.prof("attn.q"):  # q_norm + wq_b (attn.q_up); the per-head RMS and RoPE happen inside attn.decode
-            if merged:  # + the indexer's query rows in the same GEMV (before their RoPE: the scores op applies it)
+            if merged:  # + the indexer's query rows in the same GEMV (before their RoPE, and under qat their
+                # Hadamard + FP4: the scores op applies them)
                 # while a row's visible entries all fit in the top-k, its selection is all of them whatever the
                 # scores: its index query may be zeros (RowSkip), which the fused GEMV does not compute
                 skip = RowSkip(pos, self.m, a.index_topk, self.wq_b.out_features) if self.skip_index_query else None
-                q, qi = attn.q_up(qa, self.q_norm, eps, self.wq_bi, self.ops.linear, False, skip).split(
+                q, qi = attn.q_up(qa, self.q_norm, eps, self.wq_bi, self.ops.linear, self.qat, skip).split(
                     (self.wq_b.out_features, self.idx_wq_b.out_features), -1)
             else:
                 q = attn.q_up(qa, self.q_norm, eps, self.wq_b, self.ops.linear, self.qat)

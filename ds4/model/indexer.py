@@ -13,7 +13,6 @@ from ds4.model.args import ModelArgs
 from ds4.model.compressor import Compressor
 from ds4.model.weights_module import WeightsModule, weight_format
 from ds4.ops.base import QWeight
-from ds4.quant import fp4_act_quant_sim, hadamard
 
 
 class Indexer(WeightsModule):
@@ -41,18 +40,15 @@ class Indexer(WeightsModule):
         q = self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.index_head_dim))
         q = self.ops.indexer.rope(q, positions, freqs)
         if self.qat:
-            q = fp4_act_quant_sim(hadamard(q), 32)
+            q = self.ops.indexer.hadamard_fp4(q)  # fp4_act_quant_sim(hadamard(q), 32)
         return q
 
     def decode_query(self, qa: Tensor, q_norm: Tensor, eps: float, positions: Tensor,
                      freqs: Tensor) -> tuple[Tensor, Tensor | None]:
         """The decode query from the attention's wq_a latent qa [B, q_lora] -> (qI [B, H, d], rope_freqs):
-        q_norm + wq_b as attn.q_up (one launch where its fused GEMV applies) with the RoPE left to scores()
-        (rope_freqs = freqs); under qat the Hadamard + FP4 need the rotated q, so query_heads (rope_freqs None)."""
-        attn = self.ops.attn
-        if self.qat:
-            return self.query_heads(attn.rms_norm(qa, q_norm, eps), positions, freqs), None
-        q = attn.q_up(qa, q_norm, eps, self.wq_b, self.ops.linear, False)
+        q_norm + wq_b as attn.q_up (one launch where its fused GEMV applies) with the RoPE (and under qat the
+        Hadamard + FP4 after it) left to scores() (rope_freqs = freqs)."""
+        q = self.ops.attn.q_up(qa, q_norm, eps, self.wq_b, self.ops.linear, self.qat)
         return q.unflatten(-1, (self.n_heads, self.args.index_head_dim)), freqs
 
     def head_weights(self, x: Tensor) -> Tensor:
@@ -65,11 +61,12 @@ class Indexer(WeightsModule):
         """q [B, S, H, d], head weights w [B, S, H] (head_weights), keys [B, T, d] -> [B, S, T] (summed over
         all index heads) = sum_h fp32(w) * d^-0.5 * H^-0.5 * ReLU(q . k).
         With decode positions pos [B] (S = 1), entries t >= (pos+1)//ratio (not visible yet) score -inf;
-        rope_freqs (decode_query's): q is taken before its RoPE at pos."""
+        rope_freqs (decode_query's): q is taken before its RoPE at pos (and under qat before the Hadamard + FP4
+        that follow it)."""
         a = self.args
         return self.ops.indexer.scores(q, w, keys, bf16=self.qat, pos=pos, ratio=ratio,
                                        w_scale=a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5,
-                                       rope_freqs=rope_freqs)
+                                       rope_freqs=rope_freqs, q_fp4=self.qat and rope_freqs is not None)
 
     def select_decode(self, q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, ratio: int,
                       rope_freqs: Tensor | None = None) -> Tensor:
@@ -79,7 +76,7 @@ class Indexer(WeightsModule):
         a = self.args
         return self.ops.indexer.select(q, w, keys, k, pos, ratio, bf16=self.qat,
                                        w_scale=a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5,
-                                       rope_freqs=rope_freqs)
+                                       rope_freqs=rope_freqs, q_fp4=self.qat and rope_freqs is not None)
 
     def select(self, scores: Tensor, visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Top-k of the visible entries: scores [B, S, T], visible [B, S, T] bool -> (idx [B, S, k]

@@ -9,8 +9,10 @@ compressor's BF16 [wkv; wgate] GEMV with fp32 output, through the ds4 GEMV kerne
 needs both extensions). While a decode graph is captured, `branch`
 puts the compressors' steps, the window write and the indexer's head weights (and, unless its query
 is merged into wq_b's GEMV, the indexer) on side streams.
-Inputs these kernels do not take (CPU, non-bf16, the indexer compressor's qat Hadamard + FP4) run the
-TorchAttention twin: chosen by dtype / flag, never by values.
+Under numerics=qat the indexer's Hadamard + FP4 simulation of its keys (compress_step) and of its decode query
+(the scores kernel's q staging, after the RoPE) happens inside those kernels, with the twin's bits, for widths that
+kernels_attn.hadamard_fp4_ok takes (DS4_INDEXER_QAT=torch: the twin, the ablation). Inputs these kernels do not take
+(CPU, non-bf16, other widths) run the TorchAttention twin: chosen by dtype / shape / flag, never by values.
 
 FusedCudaAttention.decode — the decode form: validity from the row's position (window ring,
 visible compressed entries), CSA entries gathered by the top-k index inside the kernel, output RoPE
@@ -62,6 +64,13 @@ def _cuda_bf16(*ts: Tensor) -> bool:
     return all(t.is_cuda and t.dtype == BF16 for t in ts)
 
 
+def _fp4_kernels(d: int) -> bool:
+    """Whether numerics=qat's Hadamard + FP4 simulation of rows of d values runs inside the kernels (the indexer's
+    query staging, the compressor step, hadamard_fp4); DS4_INDEXER_QAT=torch (read per call, the ablation) keeps
+    the torch twin there (its ~40 launches per call)."""
+    return kernels_attn.hadamard_fp4_ok(d) and os.environ.get("DS4_INDEXER_QAT") != "torch"
+
+
 class FusedCudaAttention:
     name = "fused_cuda"
     rides_sinkhorn = True  # decode takes the site's deferred mHC Sinkhorn along (ds4.ops.base.SinkhornRide)
@@ -85,8 +94,8 @@ class FusedCudaAttention:
                and os.environ.get("DS4_QNORM_FUSED") != "0"
                and qa.shape[0] == 1 and weight.dtype in (torch.float32, BF16)
                and kernels.gemv_rmsnorm_ok(wq_b.fmt, wq_b.out_features, qa.shape[1]))
-        if not use:
-            return self._ref.q_up(qa, weight, eps, wq_b, linear, act_quant, skip)
+        if not use:  # (this class's rms_norm: one launch, where the twin's torch ops are several)
+            return apply_row_skip(linear(self.rms_norm(qa, weight, eps), wq_b, act_quant=act_quant), skip)
         # skip: the kernel decides on the device and spreads the kept rows' tiles over the skipped rows' blocks
         if skip is not None and skip.rows % 16:  # (its tiles are 16 rows: the zeros after the plain launch)
             return apply_row_skip(self.q_up(qa, weight, eps, wq_b, linear, act_quant), skip)
@@ -125,10 +134,16 @@ class FusedCudaAttention:
 
     def compress_step(self, kvz: Tensor, ape: Tensor, norm: Tensor, pos: Tensor, freqs: Tensor, skv: Tensor,
                       ssc: Tensor, cache: Tensor, m: int, overlap: bool, eps: float, quant: str | None) -> None:
-        # the indexer compressor's qat form (Hadamard + FP4 of the entry) stays on the torch twin
-        if not (_cuda_bf16(cache) and kvz.is_cuda and quant in (None, "fp8")):
+        # the indexer compressor's qat form (Hadamard + FP4 of the entry) inside the kernel where its width allows
+        if not (_cuda_bf16(cache) and kvz.is_cuda and self._quant_ok(quant, cache.shape[-1])):
             return self._ref.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant)
-        kernels_attn.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant == "fp8")
+        kernels_attn.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant == "fp8",
+                                   fp4=quant == "fp4")
+
+    @staticmethod
+    def _quant_ok(quant: str | None, w: int) -> bool:
+        """Whether the compressor step kernel takes this entry simulation (ds4.model.compressor.finish_entry)."""
+        return quant in (None, "fp8") or (quant == "fp4" and _fp4_kernels(w))
 
     def compress_deferred(self, x: Tensor, ring: Tensor, w: Tensor, ape: Tensor, norm: Tensor, pos: Tensor,
                           freqs: Tensor, skv: Tensor, ssc: Tensor, cache: Tensor, m: int, overlap: bool, eps: float,
@@ -139,12 +154,12 @@ class FusedCudaAttention:
         # m is an error, raised by compress_step, not a fallback.)
         n = ring.shape[1]
         if not (_cuda_bf16(x, ring, w, cache) and x.shape[0] == 1 and 2 <= n <= 8 and x.shape[1] % 8 == 0
-                and quant in (None, "fp8")):
+                and self._quant_ok(quant, cache.shape[-1])):
             return self._ref.compress_deferred(x, ring, w, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps,
                                                quant)
         kvz = kernels.gemv_deferred(x, ring[0], w, pos)
         kernels_attn.compress_step(kvz, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps, quant == "fp8",
-                                   tokens=n)
+                                   tokens=n, fp4=quant == "fp4")
 
     def out_proj(self, o: Tensor, wo_a: QWeight, wo_b: QWeight, groups: int, linear, act_quant: bool,
                  fold=None) -> Tensor:
@@ -214,6 +229,12 @@ class FusedCudaIndexer:
             return self._ref.rope(q, positions, freqs)
         return kernels_attn.head_rope(q, positions, freqs, False, 0.0)
 
+    def hadamard_fp4(self, q: Tensor) -> Tensor:
+        # numerics=qat's query simulation in one launch (the twin's bits) where the kernel takes q
+        if not (_cuda_bf16(q) and q.numel() and _fp4_kernels(q.shape[-1])):
+            return self._ref.hadamard_fp4(q)
+        return kernels_attn.hadamard_fp4(q)
+
     def topk(self, scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
         if not (scores.is_cuda and scores.dim() == 2 and k <= scores.shape[-1]
                 and kernels_attn.topk_ok(scores.shape[0], scores.shape[-1])):
@@ -229,24 +250,38 @@ class FusedCudaIndexer:
         return kernels.gemv(x.contiguous(), weight, None, "bf16")
 
     def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
-               ratio: int = 1, w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
-        # rope_freqs: the kernel stages q with its RoPE applied (head_rope's arithmetic), one launch fewer
+               ratio: int = 1, w_scale: float = 1.0, rope_freqs: Tensor | None = None,
+               q_fp4: bool = False) -> Tensor:
+        # rope_freqs: the kernel stages q with its RoPE applied (head_rope's arithmetic), one launch fewer; q_fp4
+        # (qat): and the Hadamard + FP4 after it, where its width allows (else rope and hadamard_fp4 before)
+        if q_fp4 and rope_freqs is not None and not _fp4_kernels(q.shape[-1]):
+            q, rope_freqs, q_fp4 = self._q_fp4_before(q, pos, rope_freqs)
         use = (q.is_cuda and q.dtype == BF16 and keys.dtype == BF16 and q.shape[-1] % 16 == 0
                and q.shape[0] * q.shape[1] <= INDEXER_MAX_ROWS
                and (rope_freqs is None or (pos is not None and q.shape[1] == 1
                                            and 2 * rope_freqs.numel() <= min(q.shape[-1], INDEXER_MAX_ROPE))))
         if not use:
-            return self._ref.scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs)
-        return kernels_attn.indexer_scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs)
+            return self._ref.scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, q_fp4)
+        return kernels_attn.indexer_scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, q_fp4)
+
+    def _q_fp4_before(self, q: Tensor, pos: Tensor | None, rope_freqs: Tensor) -> tuple[Tensor, None, bool]:
+        """(q rotated and Hadamard + FP4 simulated ahead of the scores, no rope_freqs, no q_fp4): the twin's order,
+        for query widths the kernels' simulation does not take and for DS4_INDEXER_QAT=torch."""
+        if pos is None or q.shape[1] != 1:
+            raise ValueError("indexer scores: rope_freqs needs decode positions and one query per row")
+        return self.hadamard_fp4(self.rope(q[:, 0], pos, rope_freqs))[:, None], None, False
 
     def select(self, q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, ratio: int = 1, bf16: bool = False,
-               w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
+               w_scale: float = 1.0, rope_freqs: Tensor | None = None, q_fp4: bool = False) -> Tensor:
         # the scores and top-k kernels in one op (their contract lets the scores skip rows the top-k will not
         # read); where either kernel does not take the inputs, scores() then topk() as separate steps
+        if q_fp4 and rope_freqs is not None and not _fp4_kernels(q.shape[-1]):
+            q, rope_freqs, q_fp4 = self._q_fp4_before(q, pos, rope_freqs)
         use = (q.is_cuda and q.dtype == BF16 and keys.dtype == BF16 and q.shape[-1] % 16 == 0 and q.shape[1] == 1
                and q.shape[0] <= INDEXER_MAX_ROWS and k <= keys.shape[1]
                and kernels_attn.topk_ok(q.shape[0], keys.shape[1])
                and (rope_freqs is None or 2 * rope_freqs.numel() <= min(q.shape[-1], INDEXER_MAX_ROPE)))
         if not use:
-            return self.topk(self.scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs)[:, 0], k, pos, ratio)
-        return kernels_attn.indexer_select(q, w, keys, k, pos, ratio, bf16, w_scale, rope_freqs)
+            return self.topk(self.scores(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, q_fp4)[:, 0], k, pos,
+                             ratio)
+        return kernels_attn.indexer_select(q, w, keys, k, pos, ratio, bf16, w_scale, rope_freqs, q_fp4)

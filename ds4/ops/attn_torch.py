@@ -16,6 +16,7 @@ from ds4.model.norm import rms_norm, unweighted_rms_norm
 from ds4.model.rope import rope_heads
 from ds4.ops import side_stream
 from ds4.ops.base import QWeight, RowSkip
+from ds4.quant import fp4_act_quant_sim, hadamard
 
 
 # The decode branches an attention implementation may put on side streams: name -> (the environment
@@ -156,6 +157,11 @@ class TorchIndexer:
         """Indexer query q [N, H, d] at positions [N] -> RoPE of the last dims (no norm)."""
         return rope_heads(q, positions, freqs)
 
+    def hadamard_fp4(self, q: Tensor) -> Tensor:
+        """numerics=qat's indexer query simulation (the reference's Hadamard rotation, then FP4 in blocks of 32):
+        q [..., d] -> the same shape and dtype."""
+        return fp4_act_quant_sim(hadamard(q), 32)
+
     def topk(self, scores: Tensor, k: int, pos: Tensor | None = None, ratio: int = 1) -> Tensor:
         """scores [B, T] -> int64 [B, k] indices of the k largest (the selection; order irrelevant).
         pos / ratio: entries t >= (pos+1)//ratio are -inf (a hint for kernels that can skip them; which of
@@ -163,10 +169,11 @@ class TorchIndexer:
         return scores.float().topk(k, dim=-1).indices
 
     def select(self, q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, ratio: int = 1, bf16: bool = False,
-               w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
+               w_scale: float = 1.0, rope_freqs: Tensor | None = None, q_fp4: bool = False) -> Tensor:
         """The decode selection: q [B, 1, H, d] at positions pos [B] -> int64 [B, k], the top-k of scores()
         (arguments as there; invisible entries score -inf)."""
-        sc = self.scores(q, w, keys, bf16=bf16, pos=pos, ratio=ratio, w_scale=w_scale, rope_freqs=rope_freqs)
+        sc = self.scores(q, w, keys, bf16=bf16, pos=pos, ratio=ratio, w_scale=w_scale, rope_freqs=rope_freqs,
+                         q_fp4=q_fp4)
         return self.topk(sc[:, 0], k, pos, ratio)
 
     def head_weights(self, x: Tensor, weight: Tensor) -> Tensor:
@@ -175,17 +182,23 @@ class TorchIndexer:
         return F.linear(x, weight.to(x.dtype))
 
     def scores(self, q: Tensor, w: Tensor, keys: Tensor, bf16: bool = False, pos: Tensor | None = None,
-               ratio: int = 1, w_scale: float = 1.0, rope_freqs: Tensor | None = None) -> Tensor:
+               ratio: int = 1, w_scale: float = 1.0, rope_freqs: Tensor | None = None,
+               q_fp4: bool = False) -> Tensor:
         """q [B, S, H, d], head weights w [B, S, H] (any float dtype), keys [B, T, d] -> [B, S, T] =
         sum_h (fp32(w) * w_scale) * ReLU(q . k).
 
         `bf16` reproduces the reference's BF16 einsum/ReLU/weighted sum (qat mode); otherwise fp32.
         pos [B] (decode, S = 1): entries t >= (pos+1)//ratio are not visible yet and score -inf.
-        rope_freqs (decode, with pos): q is taken before its RoPE, rope(q, pos, rope_freqs) first."""
+        rope_freqs (decode, with pos): q is taken before its RoPE, rope(q, pos, rope_freqs) first; q_fp4 (with
+        rope_freqs, numerics=qat): and before hadamard_fp4, applied after the RoPE."""
+        if q_fp4 and rope_freqs is None:
+            raise ValueError("indexer scores: q_fp4 applies after the query's RoPE, so it needs rope_freqs")
         if rope_freqs is not None:
             if pos is None or q.shape[1] != 1:
                 raise ValueError("indexer scores: rope_freqs needs decode positions and one query per row")
             q = self.rope(q[:, 0], pos, rope_freqs)[:, None]
+            if q_fp4:
+                q = self.hadamard_fp4(q)
         w = w.float() if w_scale == 1.0 else w.float() * w_scale
         if bf16:
             s = torch.einsum("bshd,btd->bsht", q.bfloat16(), keys.bfloat16()).relu()
