@@ -1,43 +1,16 @@
-// numerics=qat's FP8 activation simulation in one launch (ds4.quant.act_quant_sim; spec §11 act_quant, inplace
-// form): per row and per block of B = 64 or 128 values, amax = max(|x|, 1e-4), s = 2^ceil(log2(amax * fp32(1/448)))
-// by the reference's bit trick (the product's exponent, + 1 if its mantissa is non-zero), out = e4m3(clamp(x / s,
-// +-448)) * s as bf16 (exact: 4 significant bits times a power of two). The same operations as the torch twin in the
-// same fp32 rounding, so the same bits.
+// numerics=qat's FP8 activation simulation in one launch (ds4.quant.act_quant_sim; the arithmetic: act_quant.cuh).
 // Why: the twin is about a dozen torch launches, run before every FP8 / FP4 GEMV of a qat decode step; with the
 // library's fastest options that made qat 3.6 times slower than plain on an H200 (372 against 104 us per layer,
-// experiments/decode_session52_h200.md).
+// experiments/decode_session52_h200.md). The tensor-core kernels apply the same simulation in their activation
+// staging (act_quant=True), where this launch is not needed.
 // One thread per 8 values (16 bytes); the B / 8 threads of a block are consecutive lanes, which reduce its amax by
 // shuffles. Rows of K values, K % B == 0.
-#include <cuda_fp8.h>
-
-#include "ds4_common.cuh"
+#include "act_quant.cuh"
 #include "ds4_launch.h"
 
 namespace ds4 {
 
 constexpr int AQ_THREADS = 256;
-
-// The 8 bf16 values of v as fp32 (f) and the amax of their block of B values, which B / 8 consecutive lanes hold
-// (reduced by shuffles: every one of those lanes takes part).
-template <int B>
-__device__ __forceinline__ float act_quant_amax(const uint4& v, float (&f)[8]) {
-  const uint32_t in[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) Dec<FMT_BF16>::word(in[q], f + 2 * q);
-  float m = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(f[j]));
-#pragma unroll
-  for (int o = 1; o < B / 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  return m;
-}
-
-// act_quant's scale s = 2^(e - 127) of a block's amax, as its biased exponent e: ceil(log2(max(amax, 1e-4) *
-// fp32(1/448))) by the reference's bit trick (the product's exponent, + 1 if its mantissa is non-zero).
-__device__ __forceinline__ uint32_t act_quant_exp(float amax) {
-  const uint32_t p = __float_as_uint(__fmul_rn(fmaxf(amax, 1e-4f), 1.0f / 448.0f));
-  return ((p >> 23) & 0xffu) + ((p & 0x7fffffu) != 0u);
-}
 
 template <int B>
 __global__ void __launch_bounds__(AQ_THREADS) act_quant_sim_kernel(const uint4* __restrict__ x, uint4* __restrict__ out,
@@ -45,23 +18,8 @@ __global__ void __launch_bounds__(AQ_THREADS) act_quant_sim_kernel(const uint4* 
   ds4_pdl::begin();
   const long i = (long)blockIdx.x * AQ_THREADS + threadIdx.x;
   const bool ok = i < n8;  // the lanes past the end still take part in the shuffles (whole blocks of B / 8 lanes)
-  const uint4 v = ok ? x[i] : make_uint4(0u, 0u, 0u, 0u);
-  float f[8];
-  const float s = __uint_as_float(act_quant_exp(act_quant_amax<B>(v, f)) << 23);
-  uint32_t o4[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    float r[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float y = fminf(fmaxf(__fdiv_rn(f[2 * q + h], s), -448.f), 448.f);
-      const __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);  // nearest, ties to even
-      r[h] = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(e, __NV_E4M3))), s);
-    }
-    const __nv_bfloat162 b = __floats2bfloat162_rn(r[0], r[1]);
-    o4[q] = *reinterpret_cast<const uint32_t*>(&b);
-  }
-  if (ok) out[i] = make_uint4(o4[0], o4[1], o4[2], o4[3]);
+  const uint4 q = act_quant_vec<B>(ok ? x[i] : make_uint4(0u, 0u, 0u, 0u));
+  if (ok) out[i] = q;
 }
 
 cudaError_t launch_act_quant_sim(const void* x, void* out, long rows, int K, int block, cudaStream_t st) {

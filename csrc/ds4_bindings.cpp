@@ -102,8 +102,10 @@ ds4::HcFold make_fold(const at::Tensor& res, const at::Tensor& post, const at::T
   return f;
 }
 
+// act_quant (numerics=qat): x's values act_quant_sim(x, 128)'s, simulated in the kernel's staging; only where
+// gemv_act_quant_ok holds (one row, ungrouped; ds4.kernels.act_quant_staged_ok asks it first).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
-                int64_t groups, int64_t kernel, bool out_f32) {
+                int64_t groups, int64_t kernel, bool out_f32, bool act_quant) {
   check_cuda(x, "x");
   check_cuda(w, "w");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "ds4.gemv: x must be bf16 [N, K]");
@@ -115,6 +117,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   const int64_t vals = fmt == FMT_BF16 ? 8 : (is_fp8(fmt) ? 16 : 32);
   TORCH_CHECK(K % vals == 0, "ds4.gemv: in_features must be a multiple of ", num(vals));
   const int64_t s_ld = dense_scale_ld(scale, fmt, O, K, "ds4.gemv");
+  TORCH_CHECK(!act_quant || (N == 1 && groups == 1 && ds4::gemv_act_quant_ok((int)fmt, (int)kernel, 1, (int)O, (int)K, 0)),
+              "ds4.gemv: act_quant needs one row on a tensor-core kernel that stages it (gemv_act_quant_ok)");
   c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({N, O}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (N == 0) return out;
@@ -128,7 +132,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
                                   static_cast<const at::BFloat16*>(x.data_ptr()) + t0 * x.size(1), x.size(1), nt,
                                   w.data_ptr(), opt_ptr(scale), (int)s_ld,
                                   static_cast<char*>(out.data_ptr()) + t0 * O * esz, out_f32, O, (int)O, (int)K,
-                                  groups > 1 ? (int)(O / groups) : 0, st),
+                                  groups > 1 ? (int)(O / groups) : 0, st, act_quant),
                  "gemv");
   }
   return out;
@@ -160,7 +164,7 @@ at::Tensor gemv_deferred(const at::Tensor& x, at::Tensor& ring, const at::Tensor
 // site's streams (out) and partials (part) from its epilogue.
 at::Tensor gemv_fold(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
                      const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb, const at::Tensor& fn,
-                     const at::Tensor& out, const at::Tensor& part) {
+                     const at::Tensor& out, const at::Tensor& part, bool act_quant) {
   check_cuda(x, "x");
   check_cuda(w, "w");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1, "ds4.gemv_fold: x must be bf16 [1, K]");
@@ -172,10 +176,12 @@ at::Tensor gemv_fold(const at::Tensor& x, const at::Tensor& w, const std::option
   const ds4::HcFold f = make_fold(res, post, comb, fn, out, part, O, "ds4.gemv_fold");
   TORCH_CHECK(ds4::hc_fold_ok(0, (int)fmt, (int)O, (int)K, 1, f.n),
               "ds4.gemv_fold: no fold at this shape or format (hc_fold_ok; DS4_MMA=0 turns the tensor cores off)");
+  TORCH_CHECK(!act_quant || ds4::gemv_act_quant_ok((int)fmt, ds4::KERNEL_AUTO, 1, (int)O, (int)K, 0),
+              "ds4.gemv_fold: act_quant at a shape no staging kernel takes (gemv_act_quant_ok)");
   c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({1, O}, x.options());
   check_launch(ds4::launch_gemv_fold((int)fmt, x.data_ptr(), w.data_ptr(), opt_ptr(scale), (int)s_ld, y.data_ptr(),
-                                     (int)O, (int)K, f, at::cuda::getCurrentCUDAStream()),
+                                     (int)O, (int)K, f, at::cuda::getCurrentCUDAStream(), act_quant),
                "gemv_fold");
   return y;
 }
@@ -189,7 +195,7 @@ bool hc_fold_ok_host(int64_t kind, int64_t fmt, int64_t rows, int64_t cols, int6
 // (ds4::RowSkip).
 at::Tensor gemv_rmsnorm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t fmt,
                         const at::Tensor& norm_weight, double eps, const std::optional<at::Tensor>& skip_pos,
-                        int64_t skip_ratio, int64_t skip_k, int64_t skip_rows) {
+                        int64_t skip_ratio, int64_t skip_k, int64_t skip_rows, bool act_quant) {
   check_cuda(x, "x");
   check_cuda(w, "w");
   check_cuda(norm_weight, "norm_weight");
@@ -202,6 +208,8 @@ at::Tensor gemv_rmsnorm(const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(x.size(1) == K, "ds4.gemv_rmsnorm: x has ", num(x.size(1)), " columns, expected ", num(K));
   TORCH_CHECK(ds4::gemv_rmsnorm_ok((int)fmt, (int)O, (int)K), "ds4.gemv_rmsnorm: no tensor-core kernel for fmt ",
               num(fmt), " at ", num(O), " x ", num(K), " (see gemv_rmsnorm_ok)");
+  TORCH_CHECK(!act_quant || ds4::gemv_act_quant_ok((int)fmt, ds4::KERNEL_AUTO, 1, (int)O, (int)K, 0),
+              "ds4.gemv_rmsnorm: act_quant at a shape no staging kernel takes (gemv_act_quant_ok)");
   const int64_t s_ld = dense_scale_ld(scale, fmt, O, K, "ds4.gemv_rmsnorm");
   const bool nw_f32 = norm_weight.scalar_type() == at::kFloat;
   TORCH_CHECK((nw_f32 || norm_weight.scalar_type() == at::kBFloat16) && norm_weight.dim() == 1 &&
@@ -221,7 +229,7 @@ at::Tensor gemv_rmsnorm(const at::Tensor& x, const at::Tensor& w, const std::opt
   auto out = at::empty({1, O}, x.options());
   check_launch(ds4::launch_gemv_rmsnorm((int)fmt, x.data_ptr(), w.data_ptr(), opt_ptr(scale), (int)s_ld, out.data_ptr(),
                                         false, (int)O, (int)K, norm_weight.data_ptr(), nw_f32, (float)eps,
-                                        at::cuda::getCurrentCUDAStream(), skip),
+                                        at::cuda::getCurrentCUDAStream(), skip, act_quant),
                "gemv_rmsnorm");
   return out;
 }
@@ -235,6 +243,10 @@ bool moe_route_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, in
   a.inter = (int)inter;
   a.n_experts = (int)n_experts;
   return ds4::moe_route_ok(a);
+}
+
+bool gemv_act_quant_ok_host(int64_t fmt, int64_t rows, int64_t cols) {
+  return ds4::gemv_act_quant_ok((int)fmt, ds4::KERNEL_AUTO, 1, (int)rows, (int)cols, 0);
 }
 
 bool gemv_rmsnorm_ok(int64_t fmt, int64_t rows, int64_t cols) {
@@ -515,7 +527,7 @@ std::tuple<at::Tensor, at::Tensor> router(const at::Tensor& x, const at::Tensor&
     TORCH_CHECK(gate.is_contiguous(), "ds4.router: gate must be contiguous");
     logits = at::empty({N, E}, x.options().dtype(at::kFloat));
   } else {
-    logits = gemv(x, gate, std::nullopt, FMT_BF16, 1, 0, true);
+    logits = gemv(x, gate, std::nullopt, FMT_BF16, 1, 0, true, false);
   }
   const RouteTables r = route_tables(bias, tid2eid, token_ids, N, E, topk, "ds4.router");
   const float* b = r.bias;
@@ -859,7 +871,8 @@ static bool join_programmatic(int64_t side, int64_t main) {
 }
 
 TORCH_LIBRARY(ds4, m) {
-  m.def("gemv(Tensor x, Tensor w, Tensor? scale, int fmt, int groups=1, int kernel=0, bool out_f32=False) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, Tensor? scale, int fmt, int groups=1, int kernel=0, bool out_f32=False, "
+        "bool act_quant=False) -> Tensor");
   m.def("moe_gate_up(Tensor x, Tensor(a!)? ids, Tensor(b!)? route_w, Tensor w1, Tensor? s1, Tensor w3, Tensor? s3, "
         "Tensor? ptrs, int fmt, int expert_offset, int n_local, float limit, int kernel=0, Tensor? route_logits=None, "
         "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0) -> Tensor");
@@ -873,7 +886,7 @@ TORCH_LIBRARY(ds4, m) {
         "float route_scale, Tensor? logits=None, Tensor(a!)? comb=None, int iters=0, float hc_eps=0.0) "
         "-> (Tensor, Tensor)");
   m.def("gemv_rmsnorm(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor norm_weight, float eps, Tensor? skip_pos=None, "
-        "int skip_ratio=1, int skip_k=0, int skip_rows=0) -> Tensor");
+        "int skip_ratio=1, int skip_k=0, int skip_rows=0, bool act_quant=False) -> Tensor");
   m.def("gemv_deferred(Tensor x, Tensor(a!) ring, Tensor w, Tensor pos) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("act_quant_sim(Tensor x, int block) -> Tensor");
@@ -884,8 +897,9 @@ TORCH_LIBRARY(ds4, m) {
         "Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor(b!) out, Tensor(c!) part) -> Tensor");
   m.def("l2_prefetch(Tensor t0, Tensor? t1, Tensor? t2, Tensor? t3, Tensor? ids, int id_offset) -> ()");
   m.def("gemv_rmsnorm_ok(int fmt, int rows, int cols) -> bool", &gemv_rmsnorm_ok);  // host-only question
+  m.def("gemv_act_quant_ok(int fmt, int rows, int cols) -> bool", &gemv_act_quant_ok_host);  // host-only question
   m.def("gemv_fold(Tensor x, Tensor w, Tensor? scale, int fmt, Tensor res, Tensor post, Tensor comb, Tensor fn, "
-        "Tensor(a!) out, Tensor(b!) part) -> Tensor");
+        "Tensor(a!) out, Tensor(b!) part, bool act_quant=False) -> Tensor");
   m.def("hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) -> bool", &hc_fold_ok_host);
   m.def("moe_ffn(Tensor x, Tensor ids, Tensor route_w, Tensor w1, Tensor s1, Tensor w3, Tensor s3, Tensor w2, "
         "Tensor s2, int expert_offset, float limit, Tensor sw1, Tensor ss1, Tensor sw3, Tensor ss3, Tensor sw2, "

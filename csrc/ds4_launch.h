@@ -45,9 +45,14 @@ cudaError_t launch_spacer_before(char kind, cudaStream_t st);
 // out[t, o] = sum_k x[t, xoff(o) + k] * W[o, k]   (t < n_tok <= 8)
 // fmt 0 bf16 / 1 fp8 (E4M3 + E8M0 128x128) / 2 fp4 (E2M1 pairs + E8M0 per 32); not 3 (fp4p: MoE only).
 // group_rows > 0: row o reads x columns [(o / group_rows) * K, +K) (grouped wo_a); else xoff = 0.
+// aq (numerics=qat): x's values are act_quant_sim(x, 128)'s, simulated in the tensor-core kernel's activation staging
+// (act_quant.cuh); only where gemv_act_quant_ok says the launch takes such a kernel (one token, FP8 / FP4, K % 128 ==
+// 0, ungrouped, the shapes gemv.cu's aq_shape_ok names), else cudaErrorInvalidValue. With (kernel AUTO, one token,
+// ungrouped) it also says whether launch_gemv_rmsnorm / launch_gemv_fold take aq.
+bool gemv_act_quant_ok(int fmt, int kernel, int n_tok, int O, int K, int group_rows);
 cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok,
                         const void* W, const void* S, int s_ld, void* out, bool out_f32, long out_ld,
-                        int O, int K, int group_rows, cudaStream_t st);
+                        int O, int K, int group_rows, cudaStream_t st, bool aq = false);
 
 // Deferred one-row projection (the compressors' BF16 [wkv; wgate] rows at decode; gemv.cu): a token's x is needed by
 // its compressor only once its window completes, and windows are multiples of `every` tokens, so the product of
@@ -82,8 +87,9 @@ struct HcFold {
 // n = 1, 2 or 4 streams, the buffers within the shared-memory cap.
 bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n);
 // One token: out[0, :] = x @ W^T (bf16) on the tensor cores, and the fold's streams and partials.
+// aq: as launch_gemv's (gemv_act_quant_ok).
 cudaError_t launch_gemv_fold(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, int O, int K,
-                             const HcFold& fold, cudaStream_t st);
+                             const HcFold& fold, cudaStream_t st, bool aq = false);
 // skip (pos != nullptr): where the token's (pos[0] + 1) / ratio <= k, rows [rows, O) are not computed but written
 // as zeros, and the grid's blocks share the tiles of rows [0, rows) instead (rows % 16 == 0; decided on the device
 // each launch). The merged wq_b + indexer wq_b at contexts where the indexer's top-k of k selects every visible
@@ -92,9 +98,11 @@ struct RowSkip {
   const int64_t* pos = nullptr;  // int64 [1], a device position
   int ratio = 1, k = 0, rows = 0;
 };
+// aq: the normed values act_quant_sim(., 128)'s (numerics=qat: q_norm, the FP8 simulation and wq_b in one launch;
+// gemv_act_quant_ok).
 cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32,
                                 int O, int K, const void* nw, bool nw_f32, float eps, cudaStream_t st,
-                                const RowSkip& skip = RowSkip{});
+                                const RowSkip& skip = RowSkip{}, bool aq = false);
 
 // Routed / shared expert gate+up: for every distinct local expert of ids [n_tok, topk] and every
 // token that selected it: h[t*topk + j, :] = bf16(silu(min(g, lim)) * clamp(u, +-lim) * rw[t, j]).

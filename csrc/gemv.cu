@@ -107,9 +107,11 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
 // (K <= 8192: a few KB from L2), which costs less than the launch it replaces on the decode step's
 // critical path (H200: 132.3 against 137.3 us per layer, experiments/decode_session9_h200.md).
 constexpr int RMS_VPT = 4;  // 16-byte vectors per thread: K <= 8 * MMA_STREAM_THREADS * RMS_VPT
+// aq (numerics=qat, K % 128 == 0): the normed values then act_quant_sim(., 128)'s simulation (as stage_mma_rows'
+// aq; the loop's bound is the warp's).
 template <int FMT>
 __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv_bfloat16* x, int K,
-                                                  const void* nw, bool nw_f32, float eps) {
+                                                  const void* nw, bool nw_f32, float eps, bool aq) {
   __shared__ float red[MMA_STREAM_WARPS];
   const int nvec = K / 8;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -126,6 +128,21 @@ __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv
   for (int w = 0; w < MMA_STREAM_WARPS; ++w) t += red[w];  // fixed order: same value in every thread
   const float r = rsqrtf(t / (float)K + eps);
   // second pass: x again (L1 / L2 hits) rather than held in registers beside the weight prefetch
+  if (aq) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll 1
+    for (int j = threadIdx.x; j - lane < nvec; j += MMA_STREAM_THREADS) {
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (j < nvec) {
+        float w[8];
+        ds4_norm::load8_weight(nw, nw_f32, j * 8, w);
+        v = ds4_norm::scale8(xv[j], r, w);
+      }
+      v = act_quant_vec<128>(v);
+      if (j < nvec) *reinterpret_cast<uint4*>(dst + (long)j * 8) = mma_stage_vec<FMT>(v);
+    }
+    return;
+  }
 #pragma unroll 1
   for (int j = threadIdx.x; j < nvec; j += MMA_STREAM_THREADS) {
     float w[8];
@@ -141,7 +158,7 @@ __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv
 // instantiation, so the plain kernels' registers are not touched by it. FOLD (one ungrouped bf16 row,
 // O = D): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its buffers after
 // the stream's in shared memory; at most 2 blocks per SM (as the moe down's FOLD form).
-template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
+template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false, bool AQ = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, CW>()))
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                 int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb,
@@ -191,8 +208,8 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
   st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, O);
   mma_part_zero(part, nt);
-  if constexpr (NORM) stage_mma_rmsnorm<FMT>(xs, x, K, nw, nw_f32 != 0, eps);
-  else stage_mma_rows<FMT>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K);
+  if constexpr (NORM) stage_mma_rmsnorm<FMT>(xs, x, K, nw, nw_f32 != 0, eps, AQ);
+  else stage_mma_rows<FMT>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K, AQ);
   __syncthreads();
   DS4_MARK(1);
   st.run(part);
@@ -253,11 +270,11 @@ int mma_depth_for(int K, bool grouped, int long_rows) {
 }
 int mma_depth(int K, bool grouped) { return mma_depth_for(K, grouped, env_depth("DS4_LONG_ROW_DEPTH")); }
 
-template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false>
+template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false, bool AQ = false>
 static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32, int O,
                                int K, int group_rows, cudaStream_t st, const void* nw = nullptr, bool nw_f32 = false,
                                float eps = 0.f, const HcFold& fold = HcFold{}, const RowSkip& skip = RowSkip{}) {
-  auto kern = gemv_mma_kernel<FMT, U, CW, NORM, FOLD>;
+  auto kern = gemv_mma_kernel<FMT, U, CW, NORM, FOLD, AQ>;
   const int T = (O + 15) / 16;
   auto smem_for = [&](int tpb) {  // partial sums + the activations of the groups tpb tiles can touch (+ stream, fold)
     const int ng = group_rows > 0 ? (tpb * 16 + group_rows - 1) / group_rows + 1 : 1;
@@ -266,8 +283,8 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   };
   if constexpr (U == 0) {  // the shared-memory stream does not fit beside these activations: registers
     if (smem_for(1) > SMEM_CAP)
-      return gemv_mma_go<FMT, 8 / CW, CW, NORM, FOLD>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st, nw, nw_f32, eps,
-                                                      fold, skip);
+      return gemv_mma_go<FMT, 8 / CW, CW, NORM, FOLD, AQ>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st, nw, nw_f32,
+                                                          eps, fold, skip);
   }
   // one resident wave (register-bound occupancy), the tiles split evenly over it
   cudaError_t e = set_smem(kern, smem_for(1));
@@ -358,19 +375,62 @@ static cudaError_t with_dense_mma(int fmt, int K, int depth, F f) {
   });
 }
 
+// Whether launch_gemv may take the tensor-core kernel: one token, whole rounds, 16-row tiles inside groups, a
+// tile's activations (two groups' when grouped) in shared memory.
+static bool gemv_mma_fits(int fmt, int n_tok, int K, int group_rows) {
+  return n_tok == 1 && mma_shape_ok(fmt, K) && (group_rows <= 0 || group_rows % 16 == 0) &&
+         4L * mma_part_floats(1) + 2L * K * (group_rows > 0 ? 2 : 1) <= SMEM_CAP;
+}
+
+// Whether launch_gemv takes the tensor-core kernel (with `kernel`'s choice and mma_auto's rule, DS4_MMA honoured).
+static bool gemv_takes_mma(int fmt, int kernel, int n_tok, int O, int K, int group_rows) {
+  const bool fits = gemv_mma_fits(fmt, n_tok, K, group_rows);
+  return fits && (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_auto(fmt, K, O)));
+}
+
+// numerics=qat's kernels with the FP8 activation simulation in their staging (AQ) exist at fewer shapes than the
+// plain ones (each instance costs compile time): the tiled FP8 layout's run width or width 2 (FP8 / FP4), the register
+// stream at depth 8 or 2 (a depth-4 request takes 2; the default rule asks for 8 or 2, mma_depth_default). Elsewhere
+// the caller runs the act_quant_sim launch first (gemv_act_quant_ok says which).
+static bool aq_shape_ok(int fmt, int K, int depth) {
+  return depth > 0 && (fmt == FMT_FP8T || mma_width(fmt, K, mma_max_width()) == 2);
+}
+
+template <typename F>
+static cudaError_t with_dense_mma_aq(int fmt, int depth, F f) {
+  using std::integral_constant;
+  using W2 = integral_constant<int, 2>;
+  const bool deep = depth >= 8;
+  if (fmt == FMT_FP8T) {
+    using CW = integral_constant<int, FP4T_W>;
+    using F8T = integral_constant<int, FMT_FP8T>;
+    return deep ? f(F8T{}, CW{}, integral_constant<int, 8 / FP4T_W>{}) : f(F8T{}, CW{}, integral_constant<int, 2 / FP4T_W>{});
+  }
+  auto go = [&](auto fc) { return deep ? f(fc, W2{}, integral_constant<int, 4>{}) : f(fc, W2{}, integral_constant<int, 1>{}); };
+  return fmt == FMT_FP8 ? go(integral_constant<int, FMT_FP8>{}) : go(integral_constant<int, FMT_FP4>{});
+}
+
+bool gemv_act_quant_ok(int fmt, int kernel, int n_tok, int O, int K, int group_rows) {
+  return (fmt_fp8(fmt) || fmt == FMT_FP4) && group_rows <= 0 && K % 128 == 0 && layout_shape_ok(fmt, O, K) &&
+         aq_shape_ok(fmt, K, mma_depth(K, false)) && gemv_takes_mma(fmt, kernel, n_tok, O, K, group_rows);
+}
+
 cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok, const void* W, const void* S,
                         int s_ld, void* out, bool out_f32, long out_ld, int O, int K, int group_rows,
-                        cudaStream_t st) {
+                        cudaStream_t st, bool aq) {
   // FMT_FP4P / FMT_FP4T are the routed experts' layouts (moe.cu); dense weights keep the stored one
   if (n_tok < 1 || n_tok > 8 || O < 1 || K < 1 || fmt_fp4p(fmt) || !layout_shape_ok(fmt, O, K))
     return cudaErrorInvalidValue;
-  // tensor cores: one token, whole rounds, 16-row tiles inside groups, a tile's activations (two
-  // groups' when grouped) in shared memory
-  const bool mma_ok = n_tok == 1 && mma_shape_ok(fmt, K) && (group_rows <= 0 || group_rows % 16 == 0) &&
-                      4L * mma_part_floats(1) + 2L * K * (group_rows > 0 ? 2 : 1) <= SMEM_CAP;
-  if (kernel == KERNEL_MMA && !mma_ok) return cudaErrorInvalidValue;
-  if (kernel == KERNEL_MMA || (kernel == KERNEL_AUTO && mma_ok && mma_auto(fmt, K, O))) {
-    return with_dense_mma(fmt, K, mma_depth(K, group_rows > 0), [&](auto f, auto cw, auto u) {
+  if (aq && !gemv_act_quant_ok(fmt, kernel, n_tok, O, K, group_rows)) return cudaErrorInvalidValue;
+  if (kernel == KERNEL_MMA && !gemv_mma_fits(fmt, n_tok, K, group_rows)) return cudaErrorInvalidValue;
+  if (gemv_takes_mma(fmt, kernel, n_tok, O, K, group_rows)) {
+    const int depth = mma_depth(K, group_rows > 0);
+    if (aq)
+      return with_dense_mma_aq(fmt, depth, [&](auto f, auto cw, auto u) {
+        constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
+        return gemv_mma_go<F, U, CW, false, false, true>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+      });
+    return with_dense_mma(fmt, K, depth, [&](auto f, auto cw, auto u) {
       constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
       return gemv_mma_go<F, U, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
     });
@@ -503,10 +563,17 @@ bool gemv_rmsnorm_ok(int fmt, int O, int K) {
 
 cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, bool out_f32,
                                 int O, int K, const void* nw, bool nw_f32, float eps, cudaStream_t st,
-                                const RowSkip& skip) {
-  if (!gemv_rmsnorm_ok(fmt, O, K) || nw == nullptr) return cudaErrorInvalidValue;
+                                const RowSkip& skip, bool aq) {
+  if (!gemv_rmsnorm_ok(fmt, O, K) || nw == nullptr || (aq && !gemv_act_quant_ok(fmt, KERNEL_AUTO, 1, O, K, 0)))
+    return cudaErrorInvalidValue;
   if (skip.pos != nullptr && (skip.ratio < 1 || skip.k < 1 || skip.rows < 16 || skip.rows % 16 || skip.rows >= O))
     return cudaErrorInvalidValue;
+  if (aq)
+    return with_dense_mma_aq(fmt, mma_depth(K, false), [&](auto f, auto cw, auto u) {
+      constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
+      return gemv_mma_go<F, U, CW, true, false, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps, {},
+                                                      skip);
+    });
   return with_dense_mma(fmt, K, mma_depth(K, false), [&](auto f, auto cw, auto u) {
     constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
     return gemv_mma_go<F, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps, {}, skip);
@@ -527,8 +594,16 @@ bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) {
 }
 
 cudaError_t launch_gemv_fold(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, int O, int K,
-                             const HcFold& fold, cudaStream_t st) {
-  if (!hc_fold_ok(0, fmt, O, K, 1, fold.n) || fold.mix != (2 + fold.n) * fold.n) return cudaErrorInvalidValue;
+                             const HcFold& fold, cudaStream_t st, bool aq) {
+  if (!hc_fold_ok(0, fmt, O, K, 1, fold.n) || fold.mix != (2 + fold.n) * fold.n ||
+      (aq && !gemv_act_quant_ok(fmt, KERNEL_AUTO, 1, O, K, 0)))
+    return cudaErrorInvalidValue;
+  if (aq)
+    return with_dense_mma_aq(fmt, mma_depth(K, false), [&](auto f, auto cw, auto u) {
+      constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
+      return gemv_mma_go<F, U, CW, false, true, true>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr, false, 0.f,
+                                                      fold);
+    });
   return with_dense_mma(fmt, K, mma_depth(K, false), [&](auto f, auto cw, auto u) {
     constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
     return gemv_mma_go<F, U, CW, false, true>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr, false, 0.f, fold);

@@ -26,6 +26,7 @@
 //    at the k-slots of lane t = n (lane (n, n)), so C column n = the partial of lane n's chunk, which
 //    is scaled before accumulation.
 #pragma once
+#include "act_quant.cuh"
 #include "cp_async.cuh"
 #include "ds4_common.cuh"
 
@@ -195,9 +196,27 @@ __device__ __forceinline__ uint4 mma_stage_vec(const uint4& in4) {
 // for mma_chunk, into shared memory rows of K. A thread issues up to 4 16-byte loads before it
 // converts and stores any (the staging sits between a kernel's PDL wait and its first MMA). CG: loads
 // through L2 only (ld.global.cg), for rows other blocks of the same launch wrote (moe_ffn.cu).
+// aq (numerics=qat, K % 128 == 0, blockDim % 32 == 0): the values staged are act_quant_sim(x, 128)'s (act_quant.cuh),
+// the launch that would otherwise run before the kernel: vector i sits in thread i mod blockDim, so a 128-value block
+// is 16 consecutive lanes of one warp; the loop's bound is the warp's, so every lane takes part in the shuffles.
 template <int FMT, bool CG = false, typename RowFn>
-__device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, int nrows, int K) {
+__device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, int nrows, int K, bool aq = false) {
   const int per = K / 8, total = nrows * per;
+  if (aq) {  // one vector at a time: few registers beside the weight rounds in flight (4 at once spilled)
+    const int lane = threadIdx.x & 31;
+#pragma unroll 1
+    for (int i = threadIdx.x; i - lane < total; i += blockDim.x) {
+      const int r = i / per;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (i < total) {
+        const uint4* p = reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
+        v = CG ? __ldcg(p) : *p;
+      }
+      v = act_quant_vec<128>(v);
+      if (i < total) *reinterpret_cast<uint4*>(dst + (long)i * 8) = mma_stage_vec<FMT>(v);
+    }
+    return;
+  }
   for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
     uint4 in4[4];
 #pragma unroll

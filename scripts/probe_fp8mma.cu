@@ -85,7 +85,7 @@ __global__ void to_fp4e_kernel(uint32_t* w, long n) {
 }
 
 // 8 bf16 -> the exponent e of their 128-value block's act_quant scale (the block held by 16 consecutive threads) and
-// the E4M3 bytes of x / s (the library's act_quant helpers, csrc/act_quant.cu)
+// the E4M3 bytes of x / s (the library's act_quant helpers, csrc/act_quant.cuh)
 __device__ __forceinline__ uint2 actq8(const uint4& v, uint32_t& e) {
   float f[8];
   e = ds4::act_quant_exp(ds4::act_quant_amax<128>(v, f));

@@ -164,9 +164,58 @@ def test_indexer_scores_simulate_the_query_in_its_staging(B, T):
     assert rel(unsimulated[fin], ref[fin]) > 10 * rel(got[fin], ref[fin])
 
 
-def test_qat_decode_on_the_kernel_gives_the_twins_logits(monkeypatch):
-    """small, every fused kernel, numerics=qat: teacher-forced logits over a prompt and 24 steps with the kernel
-    and with DS4_ACT_QUANT=torch (the twin) are the same bits."""
+def _qweight(fmt: str, o: int, i: int, g: torch.Generator):
+    """A random CUDA QWeight: fp8 (stored layout), fp8t (laid out for the tensor cores) or fp4, E8M0 scales 2^-11..2^-4."""
+    from ds4.ops.base import QWeight
+    from ds4.ops.linear_cuda import lay_fp8
+    if fmt in ("fp8", "fp8t"):
+        wb = torch.randint(0, 256, (o, i), device=DEV, dtype=torch.uint8, generator=g)
+        w = torch.where((wb & 0x7F) == 0x7F, wb - 1, wb).view(torch.float8_e4m3fn)
+        s = torch.randint(116, 124, (-(-o // 128), -(-i // 128)), device=DEV, dtype=torch.uint8, generator=g)
+    else:
+        w = torch.randint(-128, 128, (o, i // 2), device=DEV, dtype=torch.int8, generator=g)
+        s = torch.randint(116, 124, (o, i // 32), device=DEV, dtype=torch.uint8, generator=g)
+    qw = QWeight("fp8" if fmt == "fp8t" else fmt, w, s.view(torch.float8_e8m0fnu))
+    return lay_fp8(qw, "1", "test", "w") if fmt == "fp8t" else qw
+
+
+@pytest.mark.parametrize("fmt,o,i", [("fp8t", 4096, 4096), ("fp8t", 32768, 1024), ("fp8", 4096, 4096),
+                                     ("fp8", 16384, 1024), ("fp8t", 7168, 8192), ("fp4", 2048, 4096)])
+def test_gemv_stages_the_fp8_simulation(fmt, o, i, monkeypatch):
+    """act_quant=True: the one-row tensor-core GEMV (and the q_norm-fused one) FP8-simulates x in its activation
+    staging — the same bits as the act_quant_sim launch followed by the plain kernel; GemvCudaLinear takes it by
+    default (DS4_ACT_QUANT=kernel keeps the launch: the same output)."""
+    from ds4.ops.linear_cuda import GemvCudaLinear
+    g = gen(o + i)
+    qw = _qweight(fmt, o, i, g)
+    x = _wide_range(1, i, 128, seed=o * 7 + i)
+    assert kernels.act_quant_staged_ok(qw.fmt, o, i)
+    poison()
+    got = kernels.gemv(x, qw.weight, qw.scale, qw.fmt, act_quant=True)
+    want = kernels.gemv(kernels.act_quant_sim(x, 128), qw.weight, qw.scale, qw.fmt)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    lin = GemvCudaLinear()
+    assert torch.equal(lin(x, qw, act_quant=True), want)
+    monkeypatch.setenv("DS4_ACT_QUANT", "kernel")
+    assert torch.equal(lin(x, qw, act_quant=True), want)
+    monkeypatch.delenv("DS4_ACT_QUANT")
+    if kernels.gemv_rmsnorm_ok(qw.fmt, o, i):  # q_norm, the simulation and the GEMV in one launch
+        nw = (1 + 0.1 * randn(i, g=g)).to(BF16)
+        xn = randn(1, i, g=g, dtype=BF16, scale=3.0)
+        got = kernels.gemv_rmsnorm(xn, qw.weight, qw.scale, qw.fmt, nw, 1e-6, act_quant=True)
+        normed = kernels_attn.rms_norm(xn, nw, 1e-6)
+        want = kernels.gemv(kernels.act_quant_sim(normed, 128), qw.weight, qw.scale, qw.fmt, kernel="mma")
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="act_quant needs one row"):
+        kernels.gemv(torch.cat([x, x]), qw.weight, qw.scale, qw.fmt, act_quant=True)
+
+
+@pytest.mark.parametrize("mma", ["1", "all"])  # all: every FP8 GEMV on the tensor cores, so small's stage the simulation
+def test_qat_decode_on_the_kernel_gives_the_twins_logits(monkeypatch, mma):
+    """small, every fused kernel, numerics=qat: teacher-forced logits over a prompt and 24 steps with the simulation
+    in the GEMVs' staging (the default), with DS4_ACT_QUANT=kernel (its own launch) and with DS4_ACT_QUANT=torch (the
+    twin) are the same bits."""
+    monkeypatch.setenv("DS4_MMA", mma)
     args = small()
     model = Transformer(args, build_ops(Impls(**_FUSED), DEV), "qat", BF16, DEV)
     model.load_weights(random_weights(args, seed=4, device=DEV, include_mtp=False))
@@ -177,6 +226,9 @@ def test_qat_decode_on_the_kernel_gives_the_twins_logits(monkeypatch):
     monkeypatch.setenv("DS4_ACT_QUANT", "torch")
     want = Generator(model, 1, 80).teacher_forced_logits(prompt, cont)
     assert torch.equal(got, want), (got - want).abs().max()
+    monkeypatch.setenv("DS4_ACT_QUANT", "kernel")
+    launch = Generator(model, 1, 80).teacher_forced_logits(prompt, cont)
+    assert torch.equal(launch, want), (launch - want).abs().max()
 
 
 def test_qat_cuda_graph_matches_eager():

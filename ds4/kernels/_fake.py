@@ -7,7 +7,7 @@ from torch.library import register_fake
 
 
 @register_fake("ds4::gemv")
-def _gemv(x, w, scale, fmt, groups=1, kernel=0, out_f32=False):
+def _gemv(x, w, scale, fmt, groups=1, kernel=0, out_f32=False, act_quant=False):
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if out_f32 else torch.bfloat16)
 
 
@@ -17,7 +17,8 @@ def _gemv_deferred(x, ring, w, pos):
 
 
 @register_fake("ds4::gemv_rmsnorm")
-def _gemv_rmsnorm(x, w, scale, fmt, norm_weight, eps, skip_pos=None, skip_ratio=1, skip_k=0, skip_rows=0):
+def _gemv_rmsnorm(x, w, scale, fmt, norm_weight, eps, skip_pos=None, skip_ratio=1, skip_k=0, skip_rows=0,
+                  act_quant=False):
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
 
 
@@ -29,7 +30,7 @@ def _gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, fmt, expert_offset, n_local,
 
 
 @register_fake("ds4::gemv_fold")
-def _gemv_fold(x, w, scale, fmt, res, post, comb, fn, out, part):
+def _gemv_fold(x, w, scale, fmt, res, post, comb, fn, out, part, act_quant=False):
     return x.new_empty((1, w.shape[0]), dtype=torch.bfloat16)
 
 

@@ -47,31 +47,36 @@ def _ops():
 
 
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, groups: int = 1,
-         kernel: str = "auto", out_f32: bool = False) -> Tensor:
+         kernel: str = "auto", out_f32: bool = False, act_quant: bool = False) -> Tensor:
     """y[N, O] = x[N, groups*I] @ W^T (group g of the rows reads x columns g*I..(g+1)*I).
 
-    x bf16 contiguous; weight [O, I] (fp8/bf16) or [O, I/2] (fp4) as stored; scale E8M0."""
+    x bf16 contiguous; weight [O, I] (fp8/bf16) or [O, I/2] (fp4) as stored; scale E8M0.
+    act_quant (numerics=qat): x's values act_quant_sim(x, 128)'s, simulated in the kernel's activation staging; only
+    where act_quant_staged_ok(fmt, O, I) holds and x is one row with kernel "auto" (else the op raises)."""
     k, f = _kernel(kernel), _fmt(fmt, dense=True)
     _tiled_check(fmt, weight)
-    return _ops().gemv(x, weight, scale, f, groups, k, out_f32)
+    return _ops().gemv(x, weight, scale, f, groups, k, out_f32, bool(act_quant))
 
 
 def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm_weight: Tensor,
-                 eps: float, skip: tuple[Tensor, int, int, int] | None = None) -> Tensor:
+                 eps: float, skip: tuple[Tensor, int, int, int] | None = None, act_quant: bool = False) -> Tensor:
     """y[1, O] bf16 = rms_norm(x, norm_weight, eps) @ W^T for one row x [1, I]: the RMSNorm (rounded as
     ds4.kernels_attn.rms_norm rounds it) inside the tensor-core GEMV's activation staging, one launch.
     Only where gemv_rmsnorm_ok(fmt, O, I) holds (FP8 / FP4, the row lengths gemv's auto sends to tensor cores).
     skip = (pos int64 [1], ratio, k, rows): where (pos + 1) // ratio <= k (decided on the device), y[:, rows:] is
-    zeros instead of its products and the whole grid computes y[:, :rows] (rows % 16 == 0)."""
+    zeros instead of its products and the whole grid computes y[:, :rows] (rows % 16 == 0).
+    act_quant (numerics=qat; where act_quant_staged_ok(fmt, O, I)): the normed values are FP8-simulated
+    (act_quant_sim(., 128)) in the same staging: q_norm, the simulation and wq_b in one launch."""
     f = _fmt(fmt, dense=True)
     _tiled_check(fmt, weight)
     if skip is None:
-        return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps))
+        return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps), act_quant=bool(act_quant))
     pos, ratio, k, rows = skip
     if not (ratio >= 1 and k >= 1 and 16 <= rows < weight.shape[0] and rows % 16 == 0):
         raise ValueError(f"gemv_rmsnorm skip: need ratio >= 1, k >= 1 and 16 <= rows < {weight.shape[0]}, a multiple "
                          f"of 16 (got ratio={ratio}, k={k}, rows={rows})")
-    return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps), pos, int(ratio), int(k), int(rows))
+    return _ops().gemv_rmsnorm(x, weight, scale, f, norm_weight, float(eps), pos, int(ratio), int(k), int(rows),
+                               bool(act_quant))
 
 
 def gemv_deferred(x: Tensor, ring: Tensor, weight: Tensor, pos: Tensor) -> Tensor:
@@ -90,20 +95,28 @@ def gemv_deferred(x: Tensor, ring: Tensor, weight: Tensor, pos: Tensor) -> Tenso
     return _ops().gemv_deferred(x.contiguous(), ring, weight.contiguous(), pos.reshape(1).contiguous())
 
 
+def act_quant_staged_ok(fmt: str, rows: int, cols: int) -> bool:
+    """Whether the one-row gemv / gemv_rmsnorm / gemv_fold of an [rows, cols] weight of `fmt` take act_quant=True
+    (numerics=qat's FP8 activation simulation in their staging; host-only: the tensor-core kernel at the shapes
+    csrc/gemv.cu's aq_shape_ok names, cols % 128 == 0; reads DS4_MMA and the depth knobs like gemv's auto)."""
+    return fmt in ("fp8", "fp8t", "fp4") and bool(_ops().gemv_act_quant_ok(FMT[fmt], rows, cols))
+
+
 def gemv_rmsnorm_ok(fmt: str, rows: int, cols: int) -> bool:
     """Whether gemv_rmsnorm serves an [rows, cols] weight of `fmt` (host-only; reads DS4_MMA like gemv's auto)."""
     return fmt in ("fp8", "fp8t", "fp4") and bool(_ops().gemv_rmsnorm_ok(FMT[fmt], rows, cols))
 
 
-def gemv_fold(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, fold) -> Tensor:
+def gemv_fold(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, fold, act_quant: bool = False) -> Tensor:
     """y[1, O] bf16 = x[1, I] @ W^T on the tensor cores, and the hc fold's streams and partials (fold: an
     ds4.ops.base.HcFold with D = O) from the kernel's epilogue. Only where hc_fold_ok("gemv", fmt, O, I) holds:
-    checked here, before the op (a rejection raised inside this op took the process down in session 14, run 3)."""
+    checked here, before the op (a rejection raised inside this op took the process down in session 14, run 3).
+    act_quant: as gemv's (act_quant_staged_ok)."""
     rows, cols = weight.shape[0], weight.shape[1] * (2 if fmt == "fp4" else 1)
     if fold.out.shape[-1] != rows or not hc_fold_ok("gemv", fmt, rows, cols, 1, fold.out.shape[-2]):
         raise ValueError(f"gemv_fold: no fold of a {fmt} [{rows}, {cols}] weight into streams "
                          f"{tuple(fold.out.shape)} (hc_fold_ok; DS4_MMA=0 turns the tensor cores off)")
-    return _ops().gemv_fold(x, weight, scale, _fmt(fmt, dense=True), *fold.args())
+    return _ops().gemv_fold(x, weight, scale, _fmt(fmt, dense=True), *fold.args(), bool(act_quant))
 
 
 def join_programmatic(side: torch.cuda.Stream, main: torch.cuda.Stream) -> bool:

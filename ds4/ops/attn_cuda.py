@@ -52,6 +52,7 @@ from ds4 import kernels, kernels_attn
 from ds4.ops import side_stream
 from ds4.ops.attn_torch import TorchAttention, TorchIndexer, apply_row_skip, branch_env_slot
 from ds4.ops.base import QWeight, RowSkip
+from ds4.ops.qat_cuda import staged as qat_staged
 
 BF16 = torch.bfloat16
 INDEXER_MAX_ROWS = 16
@@ -88,19 +89,22 @@ class FusedCudaAttention:
              skip: RowSkip | None = None) -> Tensor:
         # One token with linear=gemv_cuda: q_norm inside wq_b's tensor-core GEMV (its activation staging
         # computes rms_norm exactly as the rms_norm launch does), one launch fewer on the step's critical
-        # path. Other shapes, formats, qat, or another linear: rms_norm, then `linear` (the twin's order).
+        # path; under qat with the FP8 simulation in the same staging where the kernel takes it (qat_cuda.staged).
+        # Other shapes, formats, or another linear: rms_norm, then `linear` (the twin's order).
         # DS4_QNORM_FUSED=0 in the environment keeps the two launches (the ablation; read per call).
-        use = (getattr(linear, "name", None) == "gemv_cuda" and not act_quant and _cuda_bf16(qa) and qa.dim() == 2
+        use = (getattr(linear, "name", None) == "gemv_cuda" and _cuda_bf16(qa) and qa.dim() == 2
                and os.environ.get("DS4_QNORM_FUSED") != "0"
                and qa.shape[0] == 1 and weight.dtype in (torch.float32, BF16)
-               and kernels.gemv_rmsnorm_ok(wq_b.fmt, wq_b.out_features, qa.shape[1]))
+               and kernels.gemv_rmsnorm_ok(wq_b.fmt, wq_b.out_features, qa.shape[1])
+               and (not act_quant or qat_staged(qa, wq_b.fmt, wq_b.out_features, qa.shape[1])))
         if not use:  # (this class's rms_norm: one launch, where the twin's torch ops are several)
             return apply_row_skip(linear(self.rms_norm(qa, weight, eps), wq_b, act_quant=act_quant), skip)
         # skip: the kernel decides on the device and spreads the kept rows' tiles over the skipped rows' blocks
         if skip is not None and skip.rows % 16:  # (its tiles are 16 rows: the zeros after the plain launch)
             return apply_row_skip(self.q_up(qa, weight, eps, wq_b, linear, act_quant), skip)
         ks = None if skip is None else (skip.pos, skip.ratio, skip.k, skip.rows)
-        return kernels.gemv_rmsnorm(qa.contiguous(), wq_b.weight, wq_b.scale, wq_b.fmt, weight.contiguous(), eps, ks)
+        return kernels.gemv_rmsnorm(qa.contiguous(), wq_b.weight, wq_b.scale, wq_b.fmt, weight.contiguous(), eps, ks,
+                                    act_quant=act_quant)
 
     def head_rope(self, x: Tensor, positions: Tensor, freqs: Tensor, norm: bool, eps: float) -> Tensor:
         if not (_cuda_bf16(x) and x.dim() == 3 and x.shape[0] == positions.numel()):

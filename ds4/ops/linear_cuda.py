@@ -5,8 +5,9 @@ fold (one row; hc=fused_cuda's default, DS4_HC_FOLD=0 turns it off, ds4.ops.hc_c
 whose epilogue also forms the next mHC site's streams and partials (ds4.kernels.gemv_fold).
 Prefill (more tokens) and BF16 weights: dequantise (FP8 on the device in one launch, ds4.ops.dequant_cuda) + torch
 matmul (cuBLAS) — part of this implementation, chosen by shape only, never by tensor values.
-qat (act_quant=True): the activation is FP8-simulated per 128 channels before the same kernel, as the reference
-does (ds4.ops.qat_cuda: one launch of the act_quant_sim kernel, the torch twin's bits).
+qat (act_quant=True): the activation is FP8-simulated per 128 channels, as the reference does, with the torch twin's
+bits: inside the one-row tensor-core GEMV's activation staging where it takes it, else one launch of the act_quant_sim
+kernel before the GEMV (ds4.ops.qat_cuda).
 Layout: `prepare` (at load, and when a loaded model is configured with this implementation) places the dense FP8
 projections' bytes in the tensor-core GEMV's fragment order, each word's bits permuted for a cheaper decode (fmt
 "fp8t", ds4.quant.tile_fp8_mma; experiments/decode_session45_h200.md), where the shapes allow, so that every warp
@@ -33,6 +34,7 @@ from ds4.ops import prefetch as l2
 from ds4.ops.base import HcFold, QWeight
 from ds4.ops.dequant_cuda import dense
 from ds4.ops.qat_cuda import act_quant_sim
+from ds4.ops.qat_cuda import staged as qat_staged
 from ds4.quant import fp8t_ok, tile_fp8_mma, untile_fp8_mma
 
 PREFILL_TOKENS = 16
@@ -67,17 +69,21 @@ class GemvCudaLinear:
     name = "gemv_cuda"
 
     def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False, fold: HcFold | None = None) -> Tensor:
+        # qat: the FP8 simulation in the one-row tensor-core GEMV's staging where it takes it, else a launch before
+        staged = False
         if act_quant and w.fmt in ("fp8", "fp8t", "fp4"):
-            x = act_quant_sim(x, 128)
+            staged = qat_staged(x, w.fmt, w.out_features, w.in_features)
+            if not staged:
+                x = act_quant_sim(x, 128)
         lead, n_in = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, n_in)
         if fold is not None and self._folds(x2, w, fold):  # the hc fold in the tensor-core GEMV's epilogue
             fold.fused = True
-            y = kernels.gemv_fold(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, fold)
+            y = kernels.gemv_fold(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, fold, act_quant=staged)
             return y.view(*lead, w.out_features).to(x.dtype)
         if w.fmt == "bf16" or x2.shape[0] > PREFILL_TOKENS or x2.shape[0] == 0:
-            return F.linear(x, dense(w, x.dtype))
-        y = kernels.gemv(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt)
+            return F.linear(x, dense(w, x.dtype))  # (staged needs one bf16 row on a CUDA GEMV: never here)
+        y = kernels.gemv(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, act_quant=staged)
         return y.view(*lead, w.out_features).to(x.dtype)
 
     @staticmethod

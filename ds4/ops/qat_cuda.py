@@ -3,7 +3,11 @@ bf16_cache): ds4.quant.act_quant_sim's bits in one launch of ds4.kernels.act_qua
 input, instead of the torch twin's dozen launches before every FP8 / FP4 GEMV of a qat decode step (with them qat
 decoded 3.6 times slower than plain on an H200: 372 against 104 us per layer, experiments/decode_session52_h200.md).
 Inputs the kernel does not take (CPU, other dtypes, a last dim the block does not divide) run the torch twin, chosen
-by shape and dtype only; DS4_ACT_QUANT=torch (read per call, the ablation) runs the twin everywhere.
+by shape and dtype only.
+Where a one-row tensor-core GEMV takes it (`staged`: ds4.kernels.act_quant_staged_ok), the simulation happens inside
+that GEMV's activation staging instead (act_quant=True: no launch at all; the same bits).
+DS4_ACT_QUANT (read per call, the ablations): unset or "staged" (the default: in the staging where it can, else the
+one launch), "kernel" (the one launch before every GEMV), "torch" (the twin everywhere).
 """
 from __future__ import annotations
 
@@ -19,6 +23,17 @@ def kernel_takes(x: Tensor, block: int) -> bool:
     """Whether ds4.kernels.act_quant_sim takes x: CUDA bf16 with a last dim that block (64 or 128) divides."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and block in (64, 128) and x.dim() >= 1 and x.numel() > 0
             and x.shape[-1] % block == 0)
+
+
+def staged(x: Tensor, fmt: str, rows: int, cols: int) -> bool:
+    """Whether a GEMV of x by an [rows, cols] weight of `fmt` takes act_quant=True into its kernel's staging: one CUDA
+    bf16 row, DS4_ACT_QUANT unset or "staged", and ds4.kernels.act_quant_staged_ok (shapes only)."""
+    if os.environ.get("DS4_ACT_QUANT") not in (None, "", "staged"):
+        return False
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1] == cols):
+        return False
+    from ds4 import kernels
+    return kernels.act_quant_staged_ok(fmt, rows, cols)
 
 
 def act_quant_sim(x: Tensor, block: int = 128) -> Tensor:
