@@ -86,9 +86,9 @@ rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
 launch; a diagnostic, outputs unchanged), qat (numerics=qat: the official reference's FP8 / FP4 activation
 simulations; plain without it), aqtorch (DS4_ACT_QUANT=torch: with qat, the FP8 activation simulation by its torch
-twin, about a dozen launches, instead of the kernels; the same bits), aqlaunch (DS4_ACT_QUANT=kernel: with qat, the
-simulation by its one-launch kernel before every FP8 / FP4 GEMV, also where the one-row tensor-core GEMV (wq_a + wkv,
-q_norm + wq_b, wo_b) takes it into its activation staging, the default since session 53; the same bits),
+twin, about a dozen launches, instead of the one-launch kernel; the same bits), aqstaged (DS4_ACT_QUANT=staged: with
+qat, the simulation inside the activation staging of the one-row tensor-core GEMVs that take it (wq_a + wkv, q_norm +
+wq_b, wo_b) instead of its launch before them; opt-in since session 53, not yet run on a GPU; the same bits),
 ixqtorch (DS4_INDEXER_QAT=torch: with qat, the indexer's Hadamard + FP4 simulation of its keys and decode query by
 the torch twin instead of inside the compressor step and scores kernels, the default since session 53).
 On a machine without CUDA it runs on the CPU (a dry run of the script).
@@ -356,9 +356,9 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_X_COMBINE"] = "1" if "xcombine" in toks else "0"
     # aqtorch: qat's FP8 activation simulation by its torch twin (about a dozen launches) instead of the one-launch
     # kernel (ds4.ops.qat_cuda; the same bits)
-    # aqlaunch: the one-launch kernel before every GEMV, not inside the one-row tensor-core GEMVs' staging (the default
-    # since session 53; the same bits)
-    _set_or_unset("DS4_ACT_QUANT", "torch" if "aqtorch" in toks else ("kernel" if "aqlaunch" in toks else None))
+    # aqstaged: inside the one-row tensor-core GEMVs' activation staging where they take it (DS4_ACT_QUANT=staged,
+    # opt-in since session 53; the same bits), not the one-launch kernel before every GEMV (the default)
+    _set_or_unset("DS4_ACT_QUANT", "torch" if "aqtorch" in toks else ("staged" if "aqstaged" in toks else None))
     # ixqtorch: qat's indexer Hadamard + FP4 simulation (its keys in the compressor step, its decode query) by the
     # torch twin (about 40 launches a call) instead of inside the compressor step and scores kernels (the same bits)
     os.environ["DS4_INDEXER_QAT"] = "torch" if "ixqtorch" in toks else "kernel"

@@ -183,8 +183,8 @@ def _qweight(fmt: str, o: int, i: int, g: torch.Generator):
                                      ("fp8", 16384, 1024), ("fp8t", 7168, 8192), ("fp4", 2048, 4096)])
 def test_gemv_stages_the_fp8_simulation(fmt, o, i, monkeypatch):
     """act_quant=True: the one-row tensor-core GEMV (and the q_norm-fused one) FP8-simulates x in its activation
-    staging — the same bits as the act_quant_sim launch followed by the plain kernel; GemvCudaLinear takes it by
-    default (DS4_ACT_QUANT=kernel keeps the launch: the same output)."""
+    staging — the same bits as the act_quant_sim launch followed by the plain kernel; GemvCudaLinear takes it with
+    DS4_ACT_QUANT=staged (the default keeps the launch: the same output)."""
     from ds4.ops.linear_cuda import GemvCudaLinear
     g = gen(o + i)
     qw = _qweight(fmt, o, i, g)
@@ -196,7 +196,7 @@ def test_gemv_stages_the_fp8_simulation(fmt, o, i, monkeypatch):
     assert torch.isfinite(got).all() and torch.equal(got, want)
     lin = GemvCudaLinear()
     assert torch.equal(lin(x, qw, act_quant=True), want)
-    monkeypatch.setenv("DS4_ACT_QUANT", "kernel")
+    monkeypatch.setenv("DS4_ACT_QUANT", "staged")
     assert torch.equal(lin(x, qw, act_quant=True), want)
     monkeypatch.delenv("DS4_ACT_QUANT")
     if kernels.gemv_rmsnorm_ok(qw.fmt, o, i):  # q_norm, the simulation and the GEMV in one launch
@@ -212,8 +212,8 @@ def test_gemv_stages_the_fp8_simulation(fmt, o, i, monkeypatch):
 
 @pytest.mark.parametrize("mma", ["1", "all"])  # all: every FP8 GEMV on the tensor cores, so small's stage the simulation
 def test_qat_decode_on_the_kernel_gives_the_twins_logits(monkeypatch, mma):
-    """small, every fused kernel, numerics=qat: teacher-forced logits over a prompt and 24 steps with the simulation
-    in the GEMVs' staging (the default), with DS4_ACT_QUANT=kernel (its own launch) and with DS4_ACT_QUANT=torch (the
+    """small, every fused kernel, numerics=qat: teacher-forced logits over a prompt and 24 steps with the simulation's
+    own launch (the default), with DS4_ACT_QUANT=staged (in the GEMVs' staging) and with DS4_ACT_QUANT=torch (the
     twin) are the same bits."""
     monkeypatch.setenv("DS4_MMA", mma)
     args = small()
@@ -226,9 +226,9 @@ def test_qat_decode_on_the_kernel_gives_the_twins_logits(monkeypatch, mma):
     monkeypatch.setenv("DS4_ACT_QUANT", "torch")
     want = Generator(model, 1, 80).teacher_forced_logits(prompt, cont)
     assert torch.equal(got, want), (got - want).abs().max()
-    monkeypatch.setenv("DS4_ACT_QUANT", "kernel")
-    launch = Generator(model, 1, 80).teacher_forced_logits(prompt, cont)
-    assert torch.equal(launch, want), (launch - want).abs().max()
+    monkeypatch.setenv("DS4_ACT_QUANT", "staged")
+    staged = Generator(model, 1, 80).teacher_forced_logits(prompt, cont)
+    assert torch.equal(staged, want), (staged - want).abs().max()
 
 
 def test_qat_cuda_graph_matches_eager():

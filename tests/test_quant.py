@@ -718,3 +718,14 @@ def test_qat_cuda_dispatch_runs_the_twin_on_cpu():
     assert not kernel_takes(x, 128)
     assert torch.equal(dispatched(x, 128), act_quant_sim(x, 128))
     assert torch.equal(dispatched(x, 64), act_quant_sim(x, 64))
+
+
+def test_qat_staging_is_opt_in_and_cuda_only(monkeypatch):
+    """qat_cuda.staged: the FP8 simulation goes into a GEMV's staging only with DS4_ACT_QUANT=staged and one CUDA bf16
+    row (here on the CPU: never, whatever the variable says)."""
+    from ds4.ops.qat_cuda import staged
+    x = torch.randn(1, 1024).to(torch.bfloat16)
+    monkeypatch.delenv("DS4_ACT_QUANT", raising=False)
+    assert not staged(x, "fp8t", 4096, 1024)
+    monkeypatch.setenv("DS4_ACT_QUANT", "staged")
+    assert not staged(x, "fp8t", 4096, 1024)  # a CPU row

@@ -6,8 +6,8 @@ whose epilogue also forms the next mHC site's streams and partials (ds4.kernels.
 Prefill (more tokens) and BF16 weights: dequantise (FP8 on the device in one launch, ds4.ops.dequant_cuda) + torch
 matmul (cuBLAS) — part of this implementation, chosen by shape only, never by tensor values.
 qat (act_quant=True): the activation is FP8-simulated per 128 channels, as the reference does, with the torch twin's
-bits: inside the one-row tensor-core GEMV's activation staging where it takes it, else one launch of the act_quant_sim
-kernel before the GEMV (ds4.ops.qat_cuda).
+bits: one launch of the act_quant_sim kernel before the GEMV, or with DS4_ACT_QUANT=staged (opt-in, not yet run on a
+GPU) inside the one-row tensor-core GEMV's activation staging where it takes it (ds4.ops.qat_cuda).
 Layout: `prepare` (at load, and when a loaded model is configured with this implementation) places the dense FP8
 projections' bytes in the tensor-core GEMV's fragment order, each word's bits permuted for a cheaper decode (fmt
 "fp8t", ds4.quant.tile_fp8_mma; experiments/decode_session45_h200.md), where the shapes allow, so that every warp
@@ -69,7 +69,7 @@ class GemvCudaLinear:
     name = "gemv_cuda"
 
     def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False, fold: HcFold | None = None) -> Tensor:
-        # qat: the FP8 simulation in the one-row tensor-core GEMV's staging where it takes it, else a launch before
+        # qat: the FP8 simulation by a launch before the GEMV, or (DS4_ACT_QUANT=staged) in its staging where it can
         staged = False
         if act_quant and w.fmt in ("fp8", "fp8t", "fp4"):
             staged = qat_staged(x, w.fmt, w.out_features, w.in_features)

@@ -4,10 +4,12 @@ input, instead of the torch twin's dozen launches before every FP8 / FP4 GEMV of
 decoded 3.6 times slower than plain on an H200: 372 against 104 us per layer, experiments/decode_session52_h200.md).
 Inputs the kernel does not take (CPU, other dtypes, a last dim the block does not divide) run the torch twin, chosen
 by shape and dtype only.
-Where a one-row tensor-core GEMV takes it (`staged`: ds4.kernels.act_quant_staged_ok), the simulation happens inside
-that GEMV's activation staging instead (act_quant=True: no launch at all; the same bits).
-DS4_ACT_QUANT (read per call, the ablations): unset or "staged" (the default: in the staging where it can, else the
-one launch), "kernel" (the one launch before every GEMV), "torch" (the twin everywhere).
+DS4_ACT_QUANT (read per call): unset or "kernel" (the default: the one launch before every FP8 / FP4 GEMV), "torch"
+(the twin everywhere, the ablation), or "staged" (opt-in, not yet run on a GPU: where a one-row tensor-core GEMV takes
+it, `staged` / ds4.kernels.act_quant_staged_ok, the simulation happens inside that GEMV's activation staging,
+act_quant=True, with no launch of its own; elsewhere the one launch). The staged kernels were written and compiled in
+session 53 when no GPU could be had; their GPU tests (tests/test_qat_cuda_gpu.py) have not run yet, so they are not
+the default (experiments/decode_session53_h200.md).
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ def kernel_takes(x: Tensor, block: int) -> bool:
 
 def staged(x: Tensor, fmt: str, rows: int, cols: int) -> bool:
     """Whether a GEMV of x by an [rows, cols] weight of `fmt` takes act_quant=True into its kernel's staging: one CUDA
-    bf16 row, DS4_ACT_QUANT unset or "staged", and ds4.kernels.act_quant_staged_ok (shapes only)."""
-    if os.environ.get("DS4_ACT_QUANT") not in (None, "", "staged"):
+    bf16 row, DS4_ACT_QUANT=staged (opt-in), and ds4.kernels.act_quant_staged_ok (shapes only)."""
+    if os.environ.get("DS4_ACT_QUANT") != "staged":
         return False
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1] == cols):
         return False

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Session 53, run 2 (one lent H200): numerics=qat's FP8 activation simulation inside the one-row tensor-core GEMVs'
-# activation staging (wq_a + wkv, q_norm + wq_b, wo_b with its hc fold; act_quant=True), on top of run 1's indexer
-# simulation in the kernels. GPU tests (staged = launch = twin bit for bit; the qat logits and graph tests; the q_up and
-# GEMV kernel tests), then the slope: plain, qat, qat with the launch (aqlaunch); a qat profile.
+# NOT RUN: session 53's planned run 2 (one lent H200), which got no machine (the device stopped answering, then none was
+# lent). For the next session: numerics=qat's FP8 activation simulation inside the one-row tensor-core GEMVs'
+# activation staging (DS4_ACT_QUANT=staged: wq_a + wkv, q_norm + wq_b, wo_b with its hc fold; act_quant=True). GPU tests
+# (staged = launch = twin bit for bit; the qat logits and graph tests; the q_up and GEMV kernel tests), then the slope:
+# plain, qat (the launch), qat with the staging (aqstaged); a qat profile with the staging.
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16
@@ -16,9 +17,9 @@ echo "kernels rc=$?"; tail -1 "$OUT/tests_run2.log"
 V=kernels+fused+graph+cap8192
 st bench
 timeout 200 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
-  --variants "$V,$V+qat,$V+qat+aqlaunch,$V,$V+qat" --out "$OUT/bench_run2.json" > "$OUT/bench_run2.log" 2>&1
+  --variants "$V,$V+qat,$V+qat+aqstaged,$V,$V+qat+aqstaged" --out "$OUT/bench_run2.json" > "$OUT/bench_run2.log" 2>&1
 echo "bench rc=$?"; grep -E "^per-layer" "$OUT/bench_run2.log"
 st profile
-timeout 60 python3 scripts/profile_step.py --layers 4 --variant kernels+fused+qat --out "$OUT/profile_qat_run2.json" \
+DS4_ACT_QUANT=staged timeout 60 python3 scripts/profile_step.py --layers 4 --variant kernels+fused+qat --out "$OUT/profile_qat_run2.json" \
   > "$OUT/profile_qat_run2.log" 2>&1; echo "profile rc=$?"; sed -n 3,16p "$OUT/profile_qat_run2.log"
 st done
