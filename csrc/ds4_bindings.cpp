@@ -245,6 +245,16 @@ bool moe_route_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, in
   return ds4::moe_route_ok(a);
 }
 
+bool moe_act_quant_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, bool gate_up) {
+  ds4::MoEArgs a;
+  a.fmt = (int)fmt;
+  a.n_tok = 1;
+  a.topk = (int)topk;
+  a.dim = (int)dim;
+  a.inter = (int)inter;
+  return ds4::moe_act_quant_ok(a, gate_up);
+}
+
 bool gemv_act_quant_ok_host(int64_t fmt, int64_t rows, int64_t cols) {
   return ds4::gemv_act_quant_ok((int)fmt, ds4::KERNEL_AUTO, 1, (int)rows, (int)cols, 0);
 }
@@ -330,7 +340,7 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
                        const std::optional<at::Tensor>& ptrs, int64_t fmt, int64_t expert_offset, int64_t n_local,
                        double limit, int64_t kernel, const std::optional<at::Tensor>& route_logits,
                        const std::optional<at::Tensor>& route_bias, const std::optional<at::Tensor>& tid2eid,
-                       const std::optional<at::Tensor>& token_ids, double route_scale) {
+                       const std::optional<at::Tensor>& token_ids, double route_scale, bool act_quant) {
   check_cuda(x, "x");
   check_cuda(w1, "w1");
   check_cuda(w3, "w3");
@@ -387,6 +397,12 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
     a.ids_out = static_cast<int64_t*>(ids->data_ptr());
     a.rw_out = static_cast<float*>(route_w->data_ptr());
   }
+  if (act_quant) {  // numerics=qat's simulation of x in the one-token tensor-core kernel's staging
+    ds4::MoEArgs one = a;
+    one.n_tok = 1;
+    TORCH_CHECK(N == 1 && !ptrs.has_value() && ds4::moe_act_quant_ok(one, true),
+                "ds4.moe_gate_up: act_quant needs one token on a tensor-core kernel that stages it (moe_act_quant_ok)");
+  }
   c10::cuda::CUDAGuard guard(x.device());
   auto h = at::empty({N * k, inter}, x.options());
   if (N == 0) return h;
@@ -399,7 +415,7 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
     c.ids = ids.has_value() ? static_cast<const int64_t*>(ids->data_ptr()) + t0 * k : nullptr;
     c.rw = route_w.has_value() ? static_cast<const float*>(route_w->data_ptr()) + t0 * k : nullptr;
     check_launch(ds4::launch_moe_gate_up(c, static_cast<const at::BFloat16*>(x.data_ptr()) + t0 * dim,
-                                         static_cast<at::BFloat16*>(h.data_ptr()) + t0 * k * inter, st),
+                                         static_cast<at::BFloat16*>(h.data_ptr()) + t0 * k * inter, st, act_quant),
                  "moe_gate_up");
   }
   return h;
@@ -413,7 +429,8 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
                     const std::optional<at::Tensor>& token_ids, double route_scale,
                     const std::optional<at::Tensor>& fold_res, const std::optional<at::Tensor>& fold_post,
                     const std::optional<at::Tensor>& fold_comb, const std::optional<at::Tensor>& fold_fn,
-                    const std::optional<at::Tensor>& fold_out, const std::optional<at::Tensor>& fold_part) {
+                    const std::optional<at::Tensor>& fold_out, const std::optional<at::Tensor>& fold_part,
+                    bool act_quant) {
   check_cuda(h, "h");
   check_cuda(w2, "w2");
   check_weight(w2, fmt, "w2");
@@ -471,6 +488,12 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
                     ds4::hc_fold_ok(1, (int)fmt, (int)dim, (int)inter, (int)topk, fold.n),
                 "ds4.moe_down: no fold at this shape (hc_fold_ok: one token, bf16 out, the tensor-core kernel)");
   }
+  if (act_quant) {  // numerics=qat's simulation of h in the one-token tensor-core kernel's staging
+    ds4::MoEArgs one = a;
+    one.n_tok = 1;
+    TORCH_CHECK(N == 1 && !ptrs.has_value() && ds4::moe_act_quant_ok(one, false),
+                "ds4.moe_down: act_quant needs one token on a tensor-core kernel that stages it (moe_act_quant_ok)");
+  }
   c10::cuda::CUDAGuard guard(h.device());
   auto out = at::empty({N, dim}, h.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (N == 0) return out;
@@ -486,7 +509,7 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
                                       add.has_value() ? static_cast<const char*>(add->data_ptr()) +
                                                             t0 * dim * add->element_size() : nullptr,
                                       static_cast<char*>(out.data_ptr()) + t0 * dim * esz, out_f32, st,
-                                      nfold == 6 ? &fold : nullptr),
+                                      nfold == 6 ? &fold : nullptr, act_quant),
                  "moe_down");
   }
   return out;
@@ -875,13 +898,15 @@ TORCH_LIBRARY(ds4, m) {
         "bool act_quant=False) -> Tensor");
   m.def("moe_gate_up(Tensor x, Tensor(a!)? ids, Tensor(b!)? route_w, Tensor w1, Tensor? s1, Tensor w3, Tensor? s3, "
         "Tensor? ptrs, int fmt, int expert_offset, int n_local, float limit, int kernel=0, Tensor? route_logits=None, "
-        "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0) -> Tensor");
+        "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0, "
+        "bool act_quant=False) -> Tensor");
   m.def("moe_down(Tensor h, Tensor? ids, int topk, Tensor w2, Tensor? s2, Tensor? ptrs, int fmt, "
         "int expert_offset, int n_local, Tensor? add, bool out_f32, int kernel=0, Tensor? route_logits=None, "
         "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0, "
         "Tensor? fold_res=None, Tensor? fold_post=None, Tensor? fold_comb=None, Tensor? fold_fn=None, "
-        "Tensor(c!)? fold_out=None, Tensor(d!)? fold_part=None) -> Tensor");
+        "Tensor(c!)? fold_out=None, Tensor(d!)? fold_part=None, bool act_quant=False) -> Tensor");
   m.def("moe_route_ok(int fmt, int topk, int dim, int inter, int n_experts) -> bool", &moe_route_ok_host);
+  m.def("moe_act_quant_ok(int fmt, int topk, int dim, int inter, bool gate_up) -> bool", &moe_act_quant_ok_host);
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
         "float route_scale, Tensor? logits=None, Tensor(a!)? comb=None, int iters=0, float hc_eps=0.0) "
         "-> (Tensor, Tensor)");

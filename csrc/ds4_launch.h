@@ -138,18 +138,24 @@ struct MoEArgs {
   int64_t* ids_out = nullptr;          // [1, topk]
   float* rw_out = nullptr;             // [1, topk]
 };
+// aq (launch_moe_gate_up / launch_moe_down; numerics=qat, opt-in DS4_ACT_QUANT=staged): x (gate+up) or h (down)
+// FP8-simulated per 128 values in the one-token tensor-core kernel's staging (act_quant_sim's bits) instead of a launch
+// before; only where moe_act_quant_ok (gate_up: x of dim values, else h of inter) says so: the tensor-core kernels,
+// the tiled layouts (fp4t routed, fp8t shared), rows of a multiple of 128. (A launch argument, not a MoEArgs field:
+// the kernels take MoEArgs by value, and a larger struct changed the plain kernels' register allocation.)
+bool moe_act_quant_ok(const MoEArgs& a, bool gate_up);
 // Whether the one-token kernels route for themselves at this shape (tensor-core kernels, n_experts and
 // topk within the shared-memory scratch and ROUTER_MAX_K).
 bool moe_route_ok(const MoEArgs& a);
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, dim]*/,
-                               void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st);
+                               void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st, bool aq = false);
 // out[t, :] = (add ? add[t, :] : 0) + sum over the local (token, slot) pairs of h[t*topk+j] @ w2[e]^T
 // (add fp32, or bf16 with a.add_bf16; the rounding order is down_store's in moe_dev.cuh). The one-token
 // tensor-core kernel reads ids (or routes from route_logits) before its PDL wait: they must not be
 // written by the launch right before (in the decode step they come from the router, before the
 // gate+up launch). fold (hc_fold_ok(1, ...); bf16 out): the epilogue also forms the hc fold's streams and partials.
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
-                            cudaStream_t st, const HcFold* fold = nullptr);
+                            cudaStream_t st, const HcFold* fold = nullptr, bool aq = false);
 
 // The whole one-token MoE FFN in one launch (moe_ffn.cu): r the routed experts (FMT_FP4T, ids and rw given,
 // one token), s the shared expert (FP8, one expert, its w1 / w3 / w2 set like launch_moe_gate_up's and

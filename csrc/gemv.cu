@@ -107,11 +107,11 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x, long x_ld, int n_tok, const uin
 // (K <= 8192: a few KB from L2), which costs less than the launch it replaces on the decode step's
 // critical path (H200: 132.3 against 137.3 us per layer, experiments/decode_session9_h200.md).
 constexpr int RMS_VPT = 4;  // 16-byte vectors per thread: K <= 8 * MMA_STREAM_THREADS * RMS_VPT
-// aq (numerics=qat, K % 128 == 0): the normed values then act_quant_sim(., 128)'s simulation (as stage_mma_rows'
-// aq; the loop's bound is the warp's).
-template <int FMT>
+// AQ (numerics=qat, K % 128 == 0): the normed values then act_quant_sim(., 128)'s simulation (as stage_mma_rows'
+// AQ; the loop's bound is the warp's).
+template <int FMT, bool AQ = false>
 __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv_bfloat16* x, int K,
-                                                  const void* nw, bool nw_f32, float eps, bool aq) {
+                                                  const void* nw, bool nw_f32, float eps) {
   __shared__ float red[MMA_STREAM_WARPS];
   const int nvec = K / 8;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -128,7 +128,7 @@ __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv
   for (int w = 0; w < MMA_STREAM_WARPS; ++w) t += red[w];  // fixed order: same value in every thread
   const float r = rsqrtf(t / (float)K + eps);
   // second pass: x again (L1 / L2 hits) rather than held in registers beside the weight prefetch
-  if (aq) {
+  if constexpr (AQ) {
     const int lane = threadIdx.x & 31;
 #pragma unroll 1
     for (int j = threadIdx.x; j - lane < nvec; j += MMA_STREAM_THREADS) {
@@ -208,8 +208,8 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
   st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, O);
   mma_part_zero(part, nt);
-  if constexpr (NORM) stage_mma_rmsnorm<FMT>(xs, x, K, nw, nw_f32 != 0, eps, AQ);
-  else stage_mma_rows<FMT>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K, AQ);
+  if constexpr (NORM) stage_mma_rmsnorm<FMT, AQ>(xs, x, K, nw, nw_f32 != 0, eps);
+  else stage_mma_rows<FMT, false, AQ>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K);
   __syncthreads();
   DS4_MARK(1);
   st.run(part);

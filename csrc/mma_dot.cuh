@@ -196,13 +196,13 @@ __device__ __forceinline__ uint4 mma_stage_vec(const uint4& in4) {
 // for mma_chunk, into shared memory rows of K. A thread issues up to 4 16-byte loads before it
 // converts and stores any (the staging sits between a kernel's PDL wait and its first MMA). CG: loads
 // through L2 only (ld.global.cg), for rows other blocks of the same launch wrote (moe_ffn.cu).
-// aq (numerics=qat, K % 128 == 0, blockDim % 32 == 0): the values staged are act_quant_sim(x, 128)'s (act_quant.cuh),
+// AQ (numerics=qat, K % 128 == 0, blockDim % 32 == 0): the values staged are act_quant_sim(x, 128)'s (act_quant.cuh),
 // the launch that would otherwise run before the kernel: vector i sits in thread i mod blockDim, so a 128-value block
 // is 16 consecutive lanes of one warp; the loop's bound is the warp's, so every lane takes part in the shuffles.
-template <int FMT, bool CG = false, typename RowFn>
-__device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, int nrows, int K, bool aq = false) {
+template <int FMT, bool CG = false, bool AQ = false, typename RowFn>
+__device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, int nrows, int K) {
   const int per = K / 8, total = nrows * per;
-  if (aq) {  // one vector at a time: few registers beside the weight rounds in flight (4 at once spilled)
+  if constexpr (AQ) {  // one vector at a time: few registers beside the weight rounds in flight (4 at once spilled)
     const int lane = threadIdx.x & 31;
 #pragma unroll 1
     for (int i = threadIdx.x; i - lane < total; i += blockDim.x) {

@@ -92,12 +92,13 @@ __device__ __forceinline__ void routed_pair_tiles(const MoEArgs& a, unsigned m, 
 
 // A block's one-token gate+up over np (w1, w3) tile pairs (local tiles 2 pl and 2 pl + 1, first rows row0[2 pl]) on
 // stream st, its first rounds already requested: x staged for FMT, the stream run, then
-// out(pl, row) = swiglu(gate, up) * weight(pl) for the rows < inter. Every thread of the block calls it.
-template <int FMT, typename Stream, typename WeightFn, typename OutFn>
+// out(pl, row) = swiglu(gate, up) * weight(pl) for the rows < inter. Every thread of the block calls it. AQ: x staged
+// FP8-simulated (stage_mma_rows' AQ).
+template <int FMT, bool AQ = false, typename Stream, typename WeightFn, typename OutFn>
 __device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x, int dim, __nv_bfloat16* xs,
                                               float* part, int np, const int* row0, int inter, float limit,
                                               WeightFn weight, OutFn out) {
-  stage_mma_rows<FMT>(xs, [=](int) { return x; }, 1, dim);
+  stage_mma_rows<FMT, false, AQ>(xs, [=](int) { return x; }, 1, dim);
   mma_part_zero(part, 2 * np);
   __syncthreads();
   st.run(part);
@@ -141,8 +142,8 @@ inline bool moe_layout_ok(const MoEArgs& a) {
 // The tensor-core half of launch_moe_gate_up / launch_moe_down (moe_mma.cu). moe_use_mma: 0 = the FMA kernels,
 // 1 = the tensor-core ones, -1 = an explicit tensor-core request (a.kernel) that does not apply.
 int moe_use_mma(const MoEArgs& a);
-cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st);
+cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq);
 cudaError_t launch_moe_down_mma(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
-                                cudaStream_t st, const HcFold* fold);
+                                cudaStream_t st, const HcFold* fold, bool aq);
 
 }  // namespace ds4

@@ -21,8 +21,9 @@ constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
 // The (w1, w3) row pairs of all local slots, 16 rows each: pair p = u * RT + rt (local slot u,
 // row tile rt of `inter`). Block b streams pairs [b * ppb, (b + 1) * ppb) as local tiles 2 pl (w1) and
 // 2 pl + 1 (w3) (ppb: the pairs split evenly over the grid, from the device's count of local slots).
-// Epilogue: h[slot, row] = swiglu(gate, up) * route weight.
-template <int FMT, int U, int W>
+// Epilogue: h[slot, row] = swiglu(gate, up) * route weight. AQ (numerics=qat, the launch's aq): x staged
+// FP8-simulated.
+template <int FMT, int U, int W, bool AQ = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
 moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
   ds4_pdl::begin();  // expert ids, route weights (or the router's logits) and x come from the previous kernels
@@ -46,7 +47,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),
                                   a.s13_ld, reinterpret_cast<uint8_t*>(xs + a.dim));
   st.prefetch();
-  gate_up_pairs<FMT>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
+  gate_up_pairs<FMT, AQ>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
                      [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; });
 }
 
@@ -58,8 +59,9 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 // before. Contract (ds4_launch.h): a down launch's ids are not written by the launch just before it.
 // FOLD (bf16 out, one token): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its
 // buffers after the stream's in shared memory; at most 2 blocks per SM (128 registers: the epilogue spilled
-// at depth 2's 64, and V4's 256 down tiles fill 2 blocks per SM either way).
-template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false>
+// at depth 2's 64, and V4's 256 down tiles fill 2 blocks per SM either way). AQ (numerics=qat, the launch's aq): h
+// staged FP8-simulated.
+template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false, bool AQ = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, W>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
                     void* __restrict__ out, int tpb, const HcFold fold, int pre) {
@@ -97,7 +99,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   ds4_pdl::begin();  // h and add come from the previous kernels
   st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, a.dim);
-  stage_mma_rows<FMT>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
+  stage_mma_rows<FMT, false, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   mma_part_zero(part, nt);
   __syncthreads();
   st.run(part);
@@ -158,13 +160,13 @@ static int moe_wave(const MoEArgs& a, int wave, bool gate_up) {
   return std::max(1, wave * pct / 100);
 }
 
-template <int FMT, int U, int W>
+template <int FMT, int U, int W, bool AQ = false>
 static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const long smem = 4L * mma_part_floats(MMA_STREAM_MAX_TILES) + 2L * a.dim + mma_stream_smem<FMT, U, W>();
   if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
-    if (smem > MOE_MMA_SMEM_CAP) return gate_up_mma_go<FMT, 8 / W, W>(a, x, h, st);
+    if (smem > MOE_MMA_SMEM_CAP) return gate_up_mma_go<FMT, 8 / W, W, AQ>(a, x, h, st);
   }
-  auto kern = moe_gate_up_mma_kernel<FMT, U, W>;
+  auto kern = moe_gate_up_mma_kernel<FMT, U, W, AQ>;
   cudaError_t e = set_smem(kern, smem);
   if (e != cudaSuccess) return e;
   // pairs for the most local slots (topk); at most MMA_STREAM_MAX_TILES / 2 per block
@@ -177,17 +179,17 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
                          reinterpret_cast<__nv_bfloat16*>(h));
 }
 
-template <int FMT, int U, int W, bool F32, bool FOLD = false>
+template <int FMT, int U, int W, bool F32, bool FOLD = false, bool AQ = false>
 static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
                                const HcFold& fold = HcFold{}) {
   const int T = (a.dim + 15) / 16;
-  auto kern = moe_down_mma_kernel<FMT, U, W, F32, FOLD>;
+  auto kern = moe_down_mma_kernel<FMT, U, W, F32, FOLD, AQ>;
   auto smem_for = [&](int tpb) {
     return 4L * mma_part_floats(tpb) + 2L * a.topk * a.inter + mma_stream_smem<FMT, U, W>() +
            (FOLD ? 4L * hc_fold_smem_floats(tpb, fold.n, fold.mix) : 0L);
   };
   if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
-    if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32, FOLD>(a, h, add, out, st, fold);
+    if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32, FOLD, AQ>(a, h, add, out, st, fold);
   }
   cudaError_t e = set_smem(kern, smem_for(1));
   if (e != cudaSuccess) return e;
@@ -229,7 +231,25 @@ static int gate_up_depth(const MoEArgs& a) {
 // experiments/decode_session34_h200.md).
 static int down_depth(const MoEArgs& a) { return depth_knob_or_rule("DS4_DOWN_DEPTH", a.inter); }
 
-cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
+// numerics=qat's staged instances (the launches' aq) exist for the tiled layouts only, at fewer depths than the plain ones (compile
+// time): gate+up at 8 where its rule or knob asks for 8, else 4 (the routed default); the downs at 2 (their rule's).
+bool moe_act_quant_ok(const MoEArgs& a, bool gate_up) {
+  return a.n_tok == 1 && fmt_tiled(a.fmt) && moe_use_mma(a) == 1 && moe_layout_ok(a) &&
+         (gate_up ? a.dim : a.inter) % 128 == 0;
+}
+
+cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq) {
+  if (aq) {
+    if (!moe_act_quant_ok(a, true)) return cudaErrorInvalidValue;
+    using CW = std::integral_constant<int, FP4T_W>;
+    auto go = [&](auto u) {
+      constexpr int U = decltype(u)::value;
+      return a.fmt == FMT_FP8T ? gate_up_mma_go<FMT_FP8T, U, CW::value, true>(a, x, h, st)
+                               : gate_up_mma_go<FMT_FP4T, U, CW::value, true>(a, x, h, st);
+    };
+    return gate_up_depth(a) >= 8 ? go(std::integral_constant<int, 8 / FP4T_W>{})
+                                 : go(std::integral_constant<int, 4 / FP4T_W>{});
+  }
   if (fmt_tiled(a.fmt)) {
     if (!moe_layout_ok(a)) return cudaErrorInvalidValue;
     return with_tiled_shape(gate_up_depth(a), [&](auto, auto u) {
@@ -260,7 +280,13 @@ bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, long fold_smem) {
 // with or without the hc fold.
 template <bool F32, bool FOLD>
 static cudaError_t down_mma(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
-                            const HcFold& fold) {
+                            const HcFold& fold, bool aq) {
+  if (aq) {  // (moe_act_quant_ok: the tiled layouts) at depth 2
+    if (!moe_act_quant_ok(a, false)) return cudaErrorInvalidValue;
+    constexpr int U = 2 / FP4T_W;
+    return a.fmt == FMT_FP8T ? down_mma_go<FMT_FP8T, U, FP4T_W, F32, FOLD, true>(a, h, add, out, st, fold)
+                             : down_mma_go<FMT_FP4T, U, FP4T_W, F32, FOLD, true>(a, h, add, out, st, fold);
+  }
   if (fmt_tiled(a.fmt)) {
     if (!moe_layout_ok(a)) return cudaErrorInvalidValue;
     return with_tiled_shape(down_depth(a), [&](auto, auto u) {
@@ -278,10 +304,10 @@ static cudaError_t down_mma(const MoEArgs& a, const void* h, const void* add, vo
 }
 
 cudaError_t launch_moe_down_mma(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
-                                cudaStream_t st, const HcFold* fold) {
-  if (fold != nullptr) return down_mma<false, true>(a, h, add, out, st, *fold);
-  return out_f32 ? down_mma<true, false>(a, h, add, out, st, HcFold{})
-                 : down_mma<false, false>(a, h, add, out, st, HcFold{});
+                                cudaStream_t st, const HcFold* fold, bool aq) {
+  if (fold != nullptr) return down_mma<false, true>(a, h, add, out, st, *fold, aq);
+  return out_f32 ? down_mma<true, false>(a, h, add, out, st, HcFold{}, aq)
+                 : down_mma<false, false>(a, h, add, out, st, HcFold{}, aq);
 }
 
 }  // namespace ds4

@@ -210,6 +210,42 @@ def test_gemv_stages_the_fp8_simulation(fmt, o, i, monkeypatch):
         kernels.gemv(torch.cat([x, x]), qw.weight, qw.scale, qw.fmt, act_quant=True)
 
 
+@pytest.mark.parametrize("dims", [(4096, 2048), (512, 256)])
+def test_moe_kernels_stage_the_fp8_simulation(dims):
+    """act_quant=True on the one-token tensor-core MoE kernels (fp4t routed top-6, an fp8t shared expert): x (gate+up)
+    and h (down) FP8-simulated in the staging, the same bits as the act_quant_sim launch before the plain kernels."""
+    from test_kernels_gpu import make_experts, rand_fp8_weight
+    from ds4.quant import tile_fp8_mma
+    dim, inter = dims
+    g = gen(dim + inter)
+    (w1, s1, w3, s3, w2, s2), _ = make_experts(16, dim, inter, g, "fp4t")
+    ids = torch.tensor([[33, 40, 47, 32, 35, 44]], device=DEV)
+    rw = torch.rand(1, 6, device=DEV, generator=g) + 0.1
+    x = _wide_range(1, dim, 128, seed=dim + 1)
+    assert kernels.moe_act_quant_ok("fp4t", 6, dim, inter, True) and kernels.moe_act_quant_ok("fp4t", 6, dim, inter,
+                                                                                                False)
+    poison()
+    h = kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4t", 32, 16, 10.0, act_quant=True)
+    want = kernels.moe_gate_up(kernels.act_quant_sim(x, 128), ids, rw, w1, s1, w3, s3, "fp4t", 32, 16, 10.0)
+    assert torch.equal(h, want)
+    y = kernels.moe_down(h, ids, 6, w2, s2, "fp4t", 32, 16, None, True, act_quant=True)
+    want = kernels.moe_down(kernels.act_quant_sim(h, 128), ids, 6, w2, s2, "fp4t", 32, 16, None, True)
+    assert torch.isfinite(y).all() and torch.equal(y, want)
+    if dim < 4096:
+        return
+    (a1, t1), (a3, t3), (a2, t2) = (rand_fp8_weight(o, i, g) for o, i in ((inter, dim), (inter, dim), (dim, inter)))
+    a1, a3, a2 = (tile_fp8_mma(a) for a in (a1, a3, a2))
+    assert kernels.moe_act_quant_ok("fp8t", 1, dim, inter, True)
+    hs = kernels.moe_gate_up(x, None, None, a1, t1, a3, t3, "fp8t", 0, 1, 10.0, act_quant=True)
+    assert torch.equal(hs, kernels.moe_gate_up(kernels.act_quant_sim(x, 128), None, None, a1, t1, a3, t3, "fp8t", 0, 1,
+                                               10.0))
+    ys = kernels.moe_down(hs, None, 1, a2, t2, "fp8t", 0, 1, None, True, act_quant=True)
+    assert torch.equal(ys, kernels.moe_down(kernels.act_quant_sim(hs, 128), None, 1, a2, t2, "fp8t", 0, 1, None, True))
+    with pytest.raises(RuntimeError, match="act_quant needs one token"):
+        kernels.moe_gate_up(torch.cat([x, x]), ids.repeat(2, 1), rw.repeat(2, 1), w1, s1, w3, s3, "fp4t", 32, 16, 10.0,
+                            act_quant=True)
+
+
 @pytest.mark.parametrize("mma", ["1", "all"])  # all: every FP8 GEMV on the tensor cores, so small's stage the simulation
 def test_qat_decode_on_the_kernel_gives_the_twins_logits(monkeypatch, mma):
     """small, every fused kernel, numerics=qat: teacher-forced logits over a prompt and 24 steps with the simulation's

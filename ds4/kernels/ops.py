@@ -157,32 +157,36 @@ def _tiled_check(fmt: str, *ws: Tensor) -> None:
 def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tensor, s1: Tensor | None,
                 w3: Tensor, s3: Tensor | None, fmt: str, expert_offset: int = 0, n_local: int | None = None,
                 limit: float = 10.0, ptrs: Tensor | None = None, kernel: str = "auto",
-                route: InKernelRoute | None = None) -> Tensor:
+                route: InKernelRoute | None = None, act_quant: bool = False) -> Tensor:
     """h [N*k, inter] bf16 = silu(min(x@w1[e]^T, lim)) * clamp(x@w3[e]^T, +-lim) * route_w, per slot.
 
     ids int64 [N, k] (global expert ids; slots outside [offset, offset+n_local) are skipped and
     their h rows left unwritten), or None for one (shared) expert. ptrs: int64 [n_local, 3] device
     addresses of bf16 (w1, w3, w2) per expert (then w1/w3 only give the shapes). route (one token):
-    the kernel routes from the router's logits itself and writes ids [1, k] and route_w [1, k]."""
+    the kernel routes from the router's logits itself and writes ids [1, k] and route_w [1, k].
+    act_quant (numerics=qat; one token where moe_act_quant_ok(..., gate_up=True)): x FP8-simulated in the kernel's
+    staging (act_quant_sim(x, 128)'s bits)."""
     if n_local is None:
         n_local = w1.shape[0] if w1.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
     _tiled_check(fmt, w1, w3)
     r = route or InKernelRoute(None, None, None, None, 1.0)
     return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, f, expert_offset, n_local, limit, k,
-                              r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale))
+                              r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale), bool(act_quant))
 
 
 def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | None, fmt: str,
              expert_offset: int = 0, n_local: int | None = None, add: Tensor | None = None,
              out_f32: bool = True, ptrs: Tensor | None = None, kernel: str = "auto",
-             route: InKernelRoute | None = None, fold=None) -> Tensor:
+             route: InKernelRoute | None = None, fold=None, act_quant: bool = False) -> Tensor:
     """y [N, dim] = add + sum over local slots (t, j) of h[t*k+j] @ w2[ids[t, j]]^T, fp32 accumulation.
     `add` fp32: with a bf16 output (out_f32=False) the sum is rounded to bf16 before `add` is added (the
     reference's shared-expert output added to the fp32 routed sum). `add` bf16 (the finished shared
     expert's output): bf16(sum + add), the fp32 sum not rounded first — the same block output.
     route (one token): the kernel routes from the router's logits itself (ids only gives the shape).
-    fold (one token, bf16 out, hc_fold_ok("moe_down", ...)): an ds4.ops.base.HcFold the epilogue fills."""
+    fold (one token, bf16 out, hc_fold_ok("moe_down", ...)): an ds4.ops.base.HcFold the epilogue fills.
+    act_quant (numerics=qat; one token where moe_act_quant_ok(..., gate_up=False)): h FP8-simulated in the kernel's
+    staging."""
     if n_local is None:
         n_local = w2.shape[0] if w2.dim() == 3 else 1
     k, f = _kernel(kernel), _fmt(fmt)
@@ -193,7 +197,7 @@ def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | 
         raise ValueError("moe_down: no fold at this shape / format (one token, bf16 out, hc_fold_ok)")
     fa = fold.args() if fold is not None else (None,) * 6
     return _ops().moe_down(h, ids, topk, w2, s2, ptrs, f, expert_offset, n_local, add, out_f32, k,
-                           r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale), *fa)
+                           r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale), *fa, bool(act_quant))
 
 
 def moe_ffn(x: Tensor, ids: Tensor, route_w: Tensor, w1, w3, w2, shared_w1, shared_w3, shared_w2,
@@ -227,6 +231,12 @@ def moe_ffn_ok(topk: int, dim: int, inter: int, shared_inter: int, fold_n: int =
 def moe_route_ok(fmt: str, topk: int, dim: int, inter: int, n_experts: int) -> bool:
     """Whether the one-token MoE kernels can route for themselves (InKernelRoute) at this shape (host-only)."""
     return fmt in FMT and bool(_ops().moe_route_ok(FMT[fmt], topk, dim, inter, n_experts))
+
+
+def moe_act_quant_ok(fmt: str, topk: int, dim: int, inter: int, gate_up: bool) -> bool:
+    """Whether one token's moe_gate_up (gate_up) / moe_down takes act_quant=True (numerics=qat's FP8 simulation in
+    its staging; host-only): the tensor-core kernels, the tiled layouts, rows of a multiple of 128."""
+    return fmt in FMT and bool(_ops().moe_act_quant_ok(FMT[fmt], topk, dim, inter, bool(gate_up)))
 
 
 def router(x: Tensor, gate: Tensor, bias: Tensor | None, tid2eid: Tensor | None, token_ids: Tensor | None,

@@ -58,7 +58,9 @@ moe=fp4_topk
   device a group at a time, one grouped GEMM per matrix and group), and the shared expert on its device-dequantised
   weights — chosen by shape only. A prompt's router logits are one fp32 GEMM (the reference's).
   qat (act_quant=True): supported by FP8-simulating x and h between the two launches (ds4.ops.qat_cuda: one
-  launch each, the torch twin's bits; the one-launch FFN is the plain-numerics one).
+  launch each, the torch twin's bits; the one-launch FFN is the plain-numerics one), or with DS4_ACT_QUANT=staged
+  (opt-in, not yet run on a GPU) inside the one-token tensor-core kernels' staging where they take it
+  (kernels.moe_act_quant_ok: the tiled layouts).
 
 moe=bf16_cache (seed phase 5, an ablation): like fp4_topk, but experts that were selected keep a
   dequantised BF16 copy (LRU, size cap, free-memory guard, frozen after warm-up); cached experts run
@@ -82,7 +84,7 @@ from ds4.ops.base import HcFold, MoEWeights, QWeight
 from ds4.ops.dequant_cuda import dense
 from ds4.ops.linear_cuda import fp8_tile_mode, lay_fp8
 from ds4.ops.moe_torch import pairs_by_expert, shared_block, swiglu
-from ds4.ops.qat_cuda import act_quant_sim
+from ds4.ops.qat_cuda import act_quant_sim, staging_on
 from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
@@ -111,6 +113,12 @@ def chunked_tokens() -> int:
 
 def _act_quant_sim(t: Tensor) -> Tensor:
     return act_quant_sim(t, 128)
+
+
+def _stages(n_tok: int, fmt: str, topk: int, dim: int, inter: int, gate_up: bool) -> bool:
+    """qat with DS4_ACT_QUANT=staged (opt-in): whether this one-token launch (gate_up: of x [1, dim], else the down
+    of h [topk, inter]) FP8-simulates its input in its staging (kernels.moe_act_quant_ok) instead of a launch before."""
+    return n_tok == 1 and staging_on() and kernels.moe_act_quant_ok(fmt, topk, dim, inter, gate_up)
 
 
 def _bf16(x: Tensor) -> Tensor:
@@ -361,15 +369,18 @@ class Fp4TopkMoE:
                          shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None,
                          fold: HcFold | None = None, partial: bool = False) -> Tensor:
         fmt = mw.w1.fmt
-        xq = _act_quant_sim(x) if act_quant else x
+        k = ids.shape[1]
+        aqx = act_quant and _stages(x.shape[0], fmt, k, x.shape[-1], mw.w1.weight.shape[-2], True)
+        xq = _act_quant_sim(x) if act_quant and not aqx else x
         # the chosen experts' down projections into L2 while gate+up streams (site "d"; ids are on the device
         # already unless the kernels route themselves)
         if route is None:
             l2.issue("d", [t for t in (mw.w2.weight, mw.w2.scale) if t is not None], x, ids, mw.expert_offset)
         h = kernels.moe_gate_up(_bf16(xq), ids, weights.float().contiguous(), mw.w1.weight, mw.w1.scale,
                                 mw.w3.weight, mw.w3.scale, fmt, mw.expert_offset, mw.w1.weight.shape[0],
-                                mw.swiglu_limit, route=route)
-        if act_quant:
+                                mw.swiglu_limit, route=route, act_quant=aqx)
+        aqh = act_quant and _stages(x.shape[0], fmt, k, mw.w2.weight.shape[-2], h.shape[-1], False)
+        if act_quant and not aqh:
             h = _act_quant_sim(h)
         add = None
         if shared is not None:  # the finished shared expert (bf16) added in the epilogue: a bf16 block output
@@ -382,7 +393,8 @@ class Fp4TopkMoE:
             fold = None
         # fp32 out: the routed sum, or with a sliced shared expert (partial) the routed + shared partial sum
         y = kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt, mw.expert_offset,
-                             mw.w2.weight.shape[0], add, add is None or partial, route=route, fold=fold)
+                             mw.w2.weight.shape[0], add, add is None or partial, route=route, fold=fold,
+                             act_quant=aqh)
         if fold is not None:
             fold.fused = True
         return y
@@ -413,17 +425,19 @@ class Fp4TopkMoE:
 
     def _shared_h(self, x: Tensor, mw: MoEWeights, act_quant: bool) -> Tensor:
         w1, w3 = mw.shared_w1, mw.shared_w3
-        xq = _act_quant_sim(x) if act_quant and w1.fmt != "bf16" else x
+        aq = act_quant and w1.fmt != "bf16" and _stages(x.shape[0], w1.fmt, 1, x.shape[-1], w1.weight.shape[-2], True)
+        xq = _act_quant_sim(x) if act_quant and w1.fmt != "bf16" and not aq else x
         return kernels.moe_gate_up(_bf16(xq), None, None, w1.weight, w1.scale, w3.weight, w3.scale, w1.fmt, 0, 1,
-                                   mw.swiglu_limit)
+                                   mw.swiglu_limit, act_quant=aq)
 
     def _shared_down(self, h: Tensor, mw: MoEWeights, act_quant: bool, add: Tensor | None) -> Tensor:
         w2 = mw.shared_w2
-        if act_quant and w2.fmt != "bf16":
+        aq = act_quant and w2.fmt != "bf16" and _stages(h.shape[0], w2.fmt, 1, w2.weight.shape[-2], h.shape[-1], False)
+        if act_quant and w2.fmt != "bf16" and not aq:
             h = _act_quant_sim(h)
         # with `add`: bf16(add + bf16(shared)) in the down kernel's epilogue (the reference's rounding)
         add = None if add is None else add.float().contiguous()
-        return kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, add, False)
+        return kernels.moe_down(h, None, 1, w2.weight, w2.scale, w2.fmt, 0, 1, add, False, act_quant=aq)
 
     def shared_up(self, x: Tensor, mw: MoEWeights, act_quant: bool = False) -> SharedUp | None:
         if not (x.is_cuda and 1 <= x.shape[0] <= PREFILL_TOKENS):

@@ -5,8 +5,8 @@ decoded 3.6 times slower than plain on an H200: 372 against 104 us per layer, ex
 Inputs the kernel does not take (CPU, other dtypes, a last dim the block does not divide) run the torch twin, chosen
 by shape and dtype only.
 DS4_ACT_QUANT (read per call): unset or "kernel" (the default: the one launch before every FP8 / FP4 GEMV), "torch"
-(the twin everywhere, the ablation), or "staged" (opt-in, not yet run on a GPU: where a one-row tensor-core GEMV takes
-it, `staged` / ds4.kernels.act_quant_staged_ok, the simulation happens inside that GEMV's activation staging,
+(the twin everywhere, the ablation), or "staged" (opt-in, not yet run on a GPU: where a one-token tensor-core GEMV or MoE kernel takes it, `staged` /
+ds4.kernels.act_quant_staged_ok / moe_act_quant_ok, the simulation happens inside that kernel's activation staging,
 act_quant=True, with no launch of its own; elsewhere the one launch). The staged kernels were written and compiled in
 session 53 when no GPU could be had; their GPU tests (tests/test_qat_cuda_gpu.py) have not run yet, so they are not
 the default (experiments/decode_session53_h200.md).
@@ -27,10 +27,16 @@ def kernel_takes(x: Tensor, block: int) -> bool:
             and x.shape[-1] % block == 0)
 
 
+def staging_on() -> bool:
+    """DS4_ACT_QUANT=staged: the simulation goes into the one-token tensor-core kernels' staging where they take it."""
+    return os.environ.get("DS4_ACT_QUANT") == "staged"
+
+
 def staged(x: Tensor, fmt: str, rows: int, cols: int) -> bool:
     """Whether a GEMV of x by an [rows, cols] weight of `fmt` takes act_quant=True into its kernel's staging: one CUDA
-    bf16 row, DS4_ACT_QUANT=staged (opt-in), and ds4.kernels.act_quant_staged_ok (shapes only)."""
-    if os.environ.get("DS4_ACT_QUANT") != "staged":
+    bf16 row, DS4_ACT_QUANT=staged (opt-in), and ds4.kernels.act_quant_staged_ok (shapes only). (The MoE kernels ask
+    ds4.kernels.moe_act_quant_ok: ds4.ops.moe_cuda.)"""
+    if not staging_on():
         return False
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1] == cols):
         return False

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # NOT RUN: session 53's planned run 2 (one lent H200), which got no machine (the device stopped answering, then none was
 # lent). For the next session: numerics=qat's FP8 activation simulation inside the one-row tensor-core GEMVs'
-# activation staging (DS4_ACT_QUANT=staged: wq_a + wkv, q_norm + wq_b, wo_b with its hc fold; act_quant=True). GPU tests
+# activation staging (DS4_ACT_QUANT=staged: wq_a + wkv, q_norm + wq_b, wo_b with its hc fold, the MoE kernels; act_quant=True). GPU tests
 # (staged = launch = twin bit for bit; the qat logits and graph tests; the q_up and GEMV kernel tests), then the slope:
 # plain, qat (the launch), qat with the staging (aqstaged); a qat profile with the staging.
 set -u
