@@ -234,25 +234,25 @@ at::Tensor gemv_rmsnorm(const at::Tensor& x, const at::Tensor& w, const std::opt
   return out;
 }
 
-bool moe_route_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, int64_t n_experts) {
+// The MoEArgs of one token's launch at a shape, for the host-only questions below.
+static ds4::MoEArgs one_token_moe(int64_t fmt, int64_t topk, int64_t dim, int64_t inter) {
   ds4::MoEArgs a;
   a.fmt = (int)fmt;
   a.n_tok = 1;
   a.topk = (int)topk;
   a.dim = (int)dim;
   a.inter = (int)inter;
+  return a;
+}
+
+bool moe_route_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, int64_t n_experts) {
+  ds4::MoEArgs a = one_token_moe(fmt, topk, dim, inter);
   a.n_experts = (int)n_experts;
   return ds4::moe_route_ok(a);
 }
 
 bool moe_act_quant_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, bool gate_up) {
-  ds4::MoEArgs a;
-  a.fmt = (int)fmt;
-  a.n_tok = 1;
-  a.topk = (int)topk;
-  a.dim = (int)dim;
-  a.inter = (int)inter;
-  return ds4::moe_act_quant_ok(a, gate_up);
+  return ds4::moe_act_quant_ok(one_token_moe(fmt, topk, dim, inter), gate_up);
 }
 
 bool gemv_act_quant_ok_host(int64_t fmt, int64_t rows, int64_t cols) {

@@ -25,6 +25,24 @@ def randn(*shape, g: torch.Generator, dtype=torch.float32, scale: float = 1.0) -
     return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
 
 
+def rand_qweight(fmt: str, o: int, i: int, g: torch.Generator):
+    """A random CUDA ds4.ops.base.QWeight [o, i]: fp8 (E4M3 bytes without NaN, the stored layout), fp8t (the same laid
+    out for the tensor cores) or fp4 (E2M1 pairs), E8M0 scales 2^-11 .. 2^-4."""
+    from ds4.ops.base import QWeight
+    if fmt in ("fp8", "fp8t"):
+        wb = torch.randint(0, 256, (o, i), device=DEV, dtype=torch.uint8, generator=g)
+        w = torch.where((wb & 0x7F) == 0x7F, wb - 1, wb).view(torch.float8_e4m3fn)
+        s = torch.randint(116, 124, (-(-o // 128), -(-i // 128)), device=DEV, dtype=torch.uint8, generator=g)
+    else:
+        w = torch.randint(-128, 128, (o, i // 2), device=DEV, dtype=torch.int8, generator=g)
+        s = torch.randint(116, 124, (o, i // 32), device=DEV, dtype=torch.uint8, generator=g)
+    qw = QWeight("fp8" if fmt == "fp8t" else fmt, w, s.view(torch.float8_e8m0fnu))
+    if fmt == "fp8t":
+        from ds4.ops.linear_cuda import lay_fp8
+        return lay_fp8(qw, "1", "rand_qweight", "w")
+    return qw
+
+
 def ll_sum_expected(parts: list[torch.Tensor], round_bf16: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """comm=ll's all-reduce arithmetic in torch: partials (rounded to bf16 first with round_bf16) summed in fp32
     in rank order, the sum rounded to bf16 with round_bf16, cast to out_dtype."""

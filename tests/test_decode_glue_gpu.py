@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_common import BF16, DEV, TOL, gen, poison, randn, rel, require_extension
+from gpu_common import BF16, DEV, TOL, gen, poison, rand_qweight, randn, rel, require_extension
 
 pytestmark = pytest.mark.gpu
 kernels_attn = require_extension("ds4.kernels_attn")  # skips this module without CUDA
@@ -612,20 +612,12 @@ def test_q_up_folds_q_norm_into_the_gemv(fmt, o, i, wdt, mma_all, monkeypatch):
     """q_norm + wq_b in one launch (attn.q_up with linear=gemv_cuda) = the rms_norm launch followed by the
     same tensor-core GEMV, bit for bit (same norm arithmetic and order), and the fp32 reference within TOL."""
     from ds4.kernels import gemv_rmsnorm_ok
-    from ds4.ops.base import QWeight
     from ds4.ops.linear_cuda import GemvCudaLinear
     from ds4.quant import dequant_fp4, dequant_fp8
     if mma_all:  # shapes the auto rule keeps on the FMA kernel: the tensor cores made the rule
         monkeypatch.setenv("DS4_MMA", "all")
     g = gen(o + i)
-    if fmt == "fp8":
-        wb = torch.randint(0, 256, (o, i), device=DEV, dtype=torch.uint8, generator=g)
-        w = torch.where((wb & 0x7F) == 0x7F, wb - 1, wb).view(torch.float8_e4m3fn)
-        s = torch.randint(116, 124, (-(-o // 128), -(-i // 128)), device=DEV, dtype=torch.uint8, generator=g)
-    else:
-        w = torch.randint(-128, 128, (o, i // 2), device=DEV, dtype=torch.int8, generator=g)
-        s = torch.randint(116, 124, (o, i // 32), device=DEV, dtype=torch.uint8, generator=g)
-    qw = QWeight(fmt, w, s.view(torch.float8_e8m0fnu))
+    qw = rand_qweight(fmt, o, i, g)
     qa = randn(1, i, g=g, dtype=BF16, scale=3.0)
     nw = (1 + 0.1 * randn(i, g=g)).to(wdt)
     assert gemv_rmsnorm_ok(fmt, o, i)

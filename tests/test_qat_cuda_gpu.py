@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_common import BF16, DEV, TOL, gen, poison, randn, rel, require_extension
+from gpu_common import BF16, DEV, TOL, gen, poison, rand_qweight, randn, rel, require_extension
 
 pytestmark = pytest.mark.gpu
 kernels = require_extension("ds4.kernels")  # skips this module without CUDA
@@ -164,21 +164,6 @@ def test_indexer_scores_simulate_the_query_in_its_staging(B, T):
     assert rel(unsimulated[fin], ref[fin]) > 10 * rel(got[fin], ref[fin])
 
 
-def _qweight(fmt: str, o: int, i: int, g: torch.Generator):
-    """A random CUDA QWeight: fp8 (stored layout), fp8t (laid out for the tensor cores) or fp4, E8M0 scales 2^-11..2^-4."""
-    from ds4.ops.base import QWeight
-    from ds4.ops.linear_cuda import lay_fp8
-    if fmt in ("fp8", "fp8t"):
-        wb = torch.randint(0, 256, (o, i), device=DEV, dtype=torch.uint8, generator=g)
-        w = torch.where((wb & 0x7F) == 0x7F, wb - 1, wb).view(torch.float8_e4m3fn)
-        s = torch.randint(116, 124, (-(-o // 128), -(-i // 128)), device=DEV, dtype=torch.uint8, generator=g)
-    else:
-        w = torch.randint(-128, 128, (o, i // 2), device=DEV, dtype=torch.int8, generator=g)
-        s = torch.randint(116, 124, (o, i // 32), device=DEV, dtype=torch.uint8, generator=g)
-    qw = QWeight("fp8" if fmt == "fp8t" else fmt, w, s.view(torch.float8_e8m0fnu))
-    return lay_fp8(qw, "1", "test", "w") if fmt == "fp8t" else qw
-
-
 @pytest.mark.parametrize("fmt,o,i", [("fp8t", 4096, 4096), ("fp8t", 32768, 1024), ("fp8", 4096, 4096),
                                      ("fp8", 16384, 1024), ("fp8t", 7168, 8192), ("fp4", 2048, 4096)])
 def test_gemv_stages_the_fp8_simulation(fmt, o, i, monkeypatch):
@@ -187,7 +172,7 @@ def test_gemv_stages_the_fp8_simulation(fmt, o, i, monkeypatch):
     DS4_ACT_QUANT=staged (the default keeps the launch: the same output)."""
     from ds4.ops.linear_cuda import GemvCudaLinear
     g = gen(o + i)
-    qw = _qweight(fmt, o, i, g)
+    qw = rand_qweight(fmt, o, i, g)
     x = _wide_range(1, i, 128, seed=o * 7 + i)
     assert kernels.act_quant_staged_ok(qw.fmt, o, i)
     poison()
