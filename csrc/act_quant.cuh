@@ -8,6 +8,7 @@
 #include <cuda_fp8.h>
 
 #include "ds4_common.cuh"
+#include "pow2_scale.cuh"
 
 namespace ds4 {
 
@@ -29,8 +30,7 @@ __device__ __forceinline__ float act_quant_amax(const uint4& v, float (&f)[8]) {
 // act_quant's scale s = 2^(e - 127) of a block's amax, as its biased exponent e: ceil(log2(max(amax, 1e-4) *
 // fp32(1/448))) by the reference's bit trick (the product's exponent, + 1 if its mantissa is non-zero).
 __device__ __forceinline__ uint32_t act_quant_exp(float amax) {
-  const uint32_t p = __float_as_uint(__fmul_rn(fmaxf(amax, 1e-4f), 1.0f / 448.0f));
-  return ((p >> 23) & 0xffu) + ((p & 0x7fffffu) != 0u);
+  return pow2_ceil_exp(__fmul_rn(fmaxf(amax, 1e-4f), 1.0f / 448.0f));
 }
 
 // The simulated values of the 8 bf16 in v (16 bytes), a lane's share of a block of B values held by B / 8

@@ -141,13 +141,13 @@ __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv
       v = act_quant_vec<128>(v);
       if (j < nvec) *reinterpret_cast<uint4*>(dst + (long)j * 8) = mma_stage_vec<FMT>(v);
     }
-    return;
-  }
+  } else {
 #pragma unroll 1
-  for (int j = threadIdx.x; j < nvec; j += MMA_STREAM_THREADS) {
-    float w[8];
-    ds4_norm::load8_weight(nw, nw_f32, j * 8, w);
-    *reinterpret_cast<uint4*>(dst + (long)j * 8) = mma_stage_vec<FMT>(ds4_norm::scale8(xv[j], r, w));
+    for (int j = threadIdx.x; j < nvec; j += MMA_STREAM_THREADS) {
+      float w[8];
+      ds4_norm::load8_weight(nw, nw_f32, j * 8, w);
+      *reinterpret_cast<uint4*>(dst + (long)j * 8) = mma_stage_vec<FMT>(ds4_norm::scale8(xv[j], r, w));
+    }
   }
 }
 
@@ -410,6 +410,13 @@ static cudaError_t with_dense_mma_aq(int fmt, int depth, F f) {
   return fmt == FMT_FP8 ? go(integral_constant<int, FMT_FP8>{}) : go(integral_constant<int, FMT_FP4>{});
 }
 
+// Host: f(fmt, cw, u, aq) (std::integral_constant each) at with_dense_mma's shapes, or with aq at with_dense_mma_aq's.
+template <typename F>
+static cudaError_t with_dense_mma_for(bool aq, int fmt, int K, int depth, F f) {
+  if (aq) return with_dense_mma_aq(fmt, depth, [&](auto fc, auto cw, auto u) { return f(fc, cw, u, std::true_type{}); });
+  return with_dense_mma(fmt, K, depth, [&](auto fc, auto cw, auto u) { return f(fc, cw, u, std::false_type{}); });
+}
+
 bool gemv_act_quant_ok(int fmt, int kernel, int n_tok, int O, int K, int group_rows) {
   return (fmt_fp8(fmt) || fmt == FMT_FP4) && group_rows <= 0 && K % 128 == 0 && layout_shape_ok(fmt, O, K) &&
          aq_shape_ok(fmt, K, mma_depth(K, false)) && gemv_takes_mma(fmt, kernel, n_tok, O, K, group_rows);
@@ -424,15 +431,9 @@ cudaError_t launch_gemv(int fmt, int kernel, const void* x, long x_ld, int n_tok
   if (aq && !gemv_act_quant_ok(fmt, kernel, n_tok, O, K, group_rows)) return cudaErrorInvalidValue;
   if (kernel == KERNEL_MMA && !gemv_mma_fits(fmt, n_tok, K, group_rows)) return cudaErrorInvalidValue;
   if (gemv_takes_mma(fmt, kernel, n_tok, O, K, group_rows)) {
-    const int depth = mma_depth(K, group_rows > 0);
-    if (aq)
-      return with_dense_mma_aq(fmt, depth, [&](auto f, auto cw, auto u) {
-        constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
-        return gemv_mma_go<F, U, CW, false, false, true>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
-      });
-    return with_dense_mma(fmt, K, depth, [&](auto f, auto cw, auto u) {
+    return with_dense_mma_for(aq, fmt, K, mma_depth(K, group_rows > 0), [&](auto f, auto cw, auto u, auto a) {
       constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
-      return gemv_mma_go<F, U, CW>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
+      return gemv_mma_go<F, U, CW, false, false, decltype(a)::value>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st);
     });
   }
   if (group_rows > 0 && group_rows % (GEMV_WARPS * 2) != 0) return cudaErrorInvalidValue;
@@ -568,15 +569,10 @@ cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const voi
     return cudaErrorInvalidValue;
   if (skip.pos != nullptr && (skip.ratio < 1 || skip.k < 1 || skip.rows < 16 || skip.rows % 16 || skip.rows >= O))
     return cudaErrorInvalidValue;
-  if (aq)
-    return with_dense_mma_aq(fmt, mma_depth(K, false), [&](auto f, auto cw, auto u) {
-      constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
-      return gemv_mma_go<F, U, CW, true, false, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps, {},
-                                                      skip);
-    });
-  return with_dense_mma(fmt, K, mma_depth(K, false), [&](auto f, auto cw, auto u) {
+  return with_dense_mma_for(aq, fmt, K, mma_depth(K, false), [&](auto f, auto cw, auto u, auto a) {
     constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
-    return gemv_mma_go<F, U, CW, true>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32, eps, {}, skip);
+    return gemv_mma_go<F, U, CW, true, false, decltype(a)::value>(x, W, S, s_ld, out, out_f32, O, K, 0, st, nw, nw_f32,
+                                                                  eps, {}, skip);
   });
 }
 
@@ -598,15 +594,10 @@ cudaError_t launch_gemv_fold(int fmt, const void* x, const void* W, const void* 
   if (!hc_fold_ok(0, fmt, O, K, 1, fold.n) || fold.mix != (2 + fold.n) * fold.n ||
       (aq && !gemv_act_quant_ok(fmt, KERNEL_AUTO, 1, O, K, 0)))
     return cudaErrorInvalidValue;
-  if (aq)
-    return with_dense_mma_aq(fmt, mma_depth(K, false), [&](auto f, auto cw, auto u) {
-      constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
-      return gemv_mma_go<F, U, CW, false, true, true>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr, false, 0.f,
-                                                      fold);
-    });
-  return with_dense_mma(fmt, K, mma_depth(K, false), [&](auto f, auto cw, auto u) {
+  return with_dense_mma_for(aq, fmt, K, mma_depth(K, false), [&](auto f, auto cw, auto u, auto a) {
     constexpr int F = decltype(f)::value, CW = decltype(cw)::value, U = decltype(u)::value;
-    return gemv_mma_go<F, U, CW, false, true>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr, false, 0.f, fold);
+    return gemv_mma_go<F, U, CW, false, true, decltype(a)::value>(x, W, S, s_ld, out, false, O, K, 0, st, nullptr,
+                                                                  false, 0.f, fold);
   });
 }
 

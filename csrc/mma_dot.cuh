@@ -215,22 +215,22 @@ __device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, in
       v = act_quant_vec<128>(v);
       if (i < total) *reinterpret_cast<uint4*>(dst + (long)i * 8) = mma_stage_vec<FMT>(v);
     }
-    return;
-  }
-  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
-    uint4 in4[4];
+  } else {
+    for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
+      uint4 in4[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int i = i0 + j * blockDim.x, r = i / per;
-      if (i < total) {
-        const uint4* p = reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
-        in4[j] = CG ? __ldcg(p) : *p;
+      for (int j = 0; j < 4; ++j) {
+        const int i = i0 + j * blockDim.x, r = i / per;
+        if (i < total) {
+          const uint4* p = reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
+          in4[j] = CG ? __ldcg(p) : *p;
+        }
       }
-    }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int i = i0 + j * blockDim.x;
-      if (i < total) *reinterpret_cast<uint4*>(dst + (long)i * 8) = mma_stage_vec<FMT>(in4[j]);
+      for (int j = 0; j < 4; ++j) {
+        const int i = i0 + j * blockDim.x;
+        if (i < total) *reinterpret_cast<uint4*>(dst + (long)i * 8) = mma_stage_vec<FMT>(in4[j]);
+      }
     }
   }
 }

@@ -7,6 +7,7 @@
 
 #include "../cp_async.cuh"
 #include "../pdl.cuh"
+#include "../pow2_scale.cuh"
 #include "attn_launch.h"
 
 namespace ds4_attn {
@@ -129,42 +130,41 @@ __device__ __forceinline__ void hadamard_fp4_warp(float (&v)[VPL], int lane) {
   }
 #pragma unroll
   for (int o = 1; o < LPB; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const uint32_t p = __float_as_uint(__fmul_rn(fmaxf(m, 6.f * 0x1p-126f), (float)(1.0 / 6.0)));
-  const float s = __uint_as_float((((p >> 23) & 0xffu) + ((p & 0x7fffffu) != 0u)) << 23);
+  const float s = __uint_as_float(ds4::pow2_ceil_exp(__fmul_rn(fmaxf(m, 6.f * 0x1p-126f), (float)(1.0 / 6.0))) << 23);
 #pragma unroll
   for (int i = 0; i < VPL; ++i) v[i] = bf16r(__fmul_rn(e2m1_round(fminf(fmaxf(__fdiv_rn(v[i], s), -6.f), 6.f)), s));
 }
 
-// hadamard_fp4_warp on a row of d bf16 (uint16_t) or fp32 (bf16 values) in shared or global memory, in place; the
-// whole warp calls it (d: hadamard_fp4_ok). The caller orders the row's writes before and after (__syncwarp or a
-// barrier).
+// hadamard_fp4_warp on a row of d bf16 (uint16_t) or fp32 (bf16 values) in shared or global memory: src -> dst (the
+// same row for in place); the whole warp calls it (d: hadamard_fp4_ok). The caller orders the row's writes before and
+// after (__syncwarp or a barrier).
 template <int VPL, typename T>
-__device__ __forceinline__ void hadamard_fp4_row_vpl(T* row, int lane) {
+__device__ __forceinline__ void hadamard_fp4_row_vpl(const T* src, T* dst, int lane) {
   float v[VPL];
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
     if constexpr (sizeof(T) == 2)
-      v[i] = __uint_as_float((uint32_t)row[lane * VPL + i] << 16);
+      v[i] = __uint_as_float((uint32_t)src[lane * VPL + i] << 16);
     else
-      v[i] = row[lane * VPL + i];
+      v[i] = src[lane * VPL + i];
   }
   hadamard_fp4_warp<VPL>(v, lane);
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
     if constexpr (sizeof(T) == 2)
-      row[lane * VPL + i] = (T)(__float_as_uint(v[i]) >> 16);  // bf16 values: the upper half is exact
+      dst[lane * VPL + i] = (T)(__float_as_uint(v[i]) >> 16);  // bf16 values: the upper half is exact
     else
-      row[lane * VPL + i] = v[i];
+      dst[lane * VPL + i] = v[i];
   }
 }
 
 template <typename T>
-__device__ __forceinline__ void hadamard_fp4_row(T* row, int d, int lane) {
+__device__ __forceinline__ void hadamard_fp4_row(const T* src, T* dst, int d, int lane) {
   switch (d) {
-    case 32: hadamard_fp4_row_vpl<1>(row, lane); break;
-    case 64: hadamard_fp4_row_vpl<2>(row, lane); break;
-    case 128: hadamard_fp4_row_vpl<4>(row, lane); break;
-    case 256: hadamard_fp4_row_vpl<8>(row, lane); break;
+    case 32: hadamard_fp4_row_vpl<1>(src, dst, lane); break;
+    case 64: hadamard_fp4_row_vpl<2>(src, dst, lane); break;
+    case 128: hadamard_fp4_row_vpl<4>(src, dst, lane); break;
+    case 256: hadamard_fp4_row_vpl<8>(src, dst, lane); break;
     default: break;  // (launches check hadamard_fp4_ok)
   }
 }

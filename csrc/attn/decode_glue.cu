@@ -40,10 +40,7 @@ __device__ __forceinline__ float wload(const void* w, bool w_f32, int i) { retur
 
 // s = 2^ceil(log2(amax * fp32(1/448))) with the reference's bit trick (ds4.quant.qat._pow2_ceil_scale).
 __device__ __forceinline__ float fp8_pow2_scale(float amax) {
-  const float p = fmaxf(amax, 1e-4f) * (1.0f / 448.0f);
-  const uint32_t bits = __float_as_uint(p);
-  const uint32_t e = (bits >> 23) & 0xFFu, m = bits & 0x7FFFFFu;
-  return __uint_as_float((e + (m != 0u ? 1u : 0u)) << 23);
+  return __uint_as_float(ds4::pow2_ceil_exp(fmaxf(amax, 1e-4f) * (1.0f / 448.0f)) << 23);
 }
 
 __device__ __forceinline__ float fp8_roundtrip(float x, float s) {
@@ -93,7 +90,7 @@ __device__ void finish_entry(float* v, int w, const float* wt, const float* trig
   }
   __syncthreads();
   if (quant == QUANT_HADAMARD_FP4) {  // fp4_act_quant_sim(hadamard(c), 32): the entry is one row of one warp
-    if (threadIdx.x < 32) hadamard_fp4_row(v, w, threadIdx.x);
+    if (threadIdx.x < 32) hadamard_fp4_row(v, v, w, threadIdx.x);
     __syncthreads();
   }
   if (quant == QUANT_FP8_NOPE) {  // act_quant_sim(c[..., :w-R], 64): one warp per block of 64 dims
@@ -194,23 +191,16 @@ __global__ void __launch_bounds__(128) head_rope_kernel(const __nv_bfloat16* __r
   for (int c = threadIdx.x; c < D; c += blockDim.x) out[base + c] = __float2bfloat16(hv[c]);
 }
 
-// numerics=qat's Hadamard + FP4 simulation of rows of d values (attn_common.cuh hadamard_fp4_warp): a warp per row.
+// numerics=qat's Hadamard + FP4 simulation of rows of d values (attn_common.cuh hadamard_fp4_row): a warp per row.
 // The indexer's prompt query (its decode query gets it in the scores kernel's q staging).
 constexpr int HFP4_THREADS = 128;
 
-template <int VPL>
 __global__ void __launch_bounds__(HFP4_THREADS) hadamard_fp4_kernel(const uint16_t* __restrict__ x,
-                                                                   uint16_t* __restrict__ out, long N) {
+                                                                   uint16_t* __restrict__ out, long N, int d) {
   ds4_pdl::begin();
   const long r = (long)blockIdx.x * (HFP4_THREADS / 32) + (threadIdx.x >> 5);
   if (r >= N) return;  // (a whole warp: the butterfly's shuffles need all 32 lanes)
-  const int lane = threadIdx.x & 31;
-  float v[VPL];
-#pragma unroll
-  for (int i = 0; i < VPL; ++i) v[i] = __uint_as_float((uint32_t)x[r * 32 * VPL + lane * VPL + i] << 16);
-  hadamard_fp4_warp<VPL>(v, lane);
-#pragma unroll
-  for (int i = 0; i < VPL; ++i) out[r * 32 * VPL + lane * VPL + i] = (uint16_t)(__float_as_uint(v[i]) >> 16);
+  hadamard_fp4_row(x + r * d, out + r * d, d, threadIdx.x & 31);
 }
 
 __global__ void __launch_bounds__(GLUE_THREADS) kv_store_kernel(const __nv_bfloat16* __restrict__ kv,
@@ -427,15 +417,8 @@ cudaError_t launch_hadamard_fp4(const void* x, void* out, long N, int d, cudaStr
   if (N == 0) return cudaSuccess;
   const long blocks = (N + HFP4_THREADS / 32 - 1) / (HFP4_THREADS / 32);
   if (blocks > 0x7fffffffL) return cudaErrorInvalidValue;
-  const uint16_t* xi = static_cast<const uint16_t*>(x);
-  uint16_t* o = static_cast<uint16_t*>(out);
-  const dim3 grid((unsigned)blocks), threads(HFP4_THREADS);
-  switch (d) {
-    case 32: return ds4_pdl::launch(hadamard_fp4_kernel<1>, grid, threads, 0, st, xi, o, N);
-    case 64: return ds4_pdl::launch(hadamard_fp4_kernel<2>, grid, threads, 0, st, xi, o, N);
-    case 128: return ds4_pdl::launch(hadamard_fp4_kernel<4>, grid, threads, 0, st, xi, o, N);
-    default: return ds4_pdl::launch(hadamard_fp4_kernel<8>, grid, threads, 0, st, xi, o, N);
-  }
+  return ds4_pdl::launch(hadamard_fp4_kernel, dim3((unsigned)blocks), dim3(HFP4_THREADS), 0, st,
+                         static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), N, d);
 }
 
 cudaError_t launch_kv_store(const void* kv, const void* weight, bool w_f32, const int64_t* pos, const float* freqs,

@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
       }
       if (q_fp4) {  // numerics=qat: the reference's Hadamard + FP4 of the rotated head (its lanes read other lanes' pairs)
         __syncwarp();
-        hadamard_fp4_row(qs + h * LD, d, lane);
+        hadamard_fp4_row(qs + h * LD, qs + h * LD, d, lane);
       }
     }
     qr = qs;
