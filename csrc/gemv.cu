@@ -286,10 +286,15 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
       return gemv_mma_go<FMT, 8 / CW, CW, NORM, FOLD, AQ>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st, nw, nw_f32,
                                                           eps, fold, skip);
   }
-  // one resident wave (register-bound occupancy), the tiles split evenly over it
+  // one resident wave (register-bound occupancy), the tiles split evenly over it. An AQ instance takes its plain
+  // twin's wave: the tiles per block set how a tile's rounds are cut over the warps, so the twin's split gives the
+  // same fp32 sums as the plain kernel after the act_quant_sim launch (the same bits), whatever registers ptxas gave
+  // the AQ instance (with more than the twin's, part of the grid waits for a second wave: slower, not other bits)
+  auto twin = gemv_mma_kernel<FMT, U, CW, NORM, FOLD, false>;
   cudaError_t e = set_smem(kern, smem_for(1));
+  if (e == cudaSuccess && AQ) e = set_smem(twin, smem_for(1));
   if (e != cudaSuccess) return e;
-  int tpb = mma_tiles_per_block(T, resident_wave(kern, MMA_STREAM_THREADS, smem_for(1)));
+  int tpb = mma_tiles_per_block(T, resident_wave(twin, MMA_STREAM_THREADS, smem_for(1)));
   while (tpb > 1 && smem_for(tpb) > SMEM_CAP) tpb /= 2;  // many small groups: more blocks instead
   const int blocks = (T + tpb - 1) / tpb;
   const long smem = smem_for(tpb);
@@ -390,10 +395,12 @@ static bool gemv_takes_mma(int fmt, int kernel, int n_tok, int O, int K, int gro
 
 // numerics=qat's kernels with the FP8 activation simulation in their staging (AQ) exist at fewer shapes than the
 // plain ones (each instance costs compile time): the tiled FP8 layout's run width or width 2 (FP8 / FP4), the register
-// stream at depth 8 or 2 (a depth-4 request takes 2; the default rule asks for 8 or 2, mma_depth_default). Elsewhere
-// the caller runs the act_quant_sim launch first (gemv_act_quant_ok says which).
+// stream at depth 8 or 2 (the default rule's two, mma_depth_default). Only at the plain launch's own depth: the depth
+// sets the stream's rounds in flight (U), and with them the twin whose wave cuts the tiles (gemv_mma_go), so another
+// depth would sum in another order. Elsewhere (DS4_MMA_DEPTH / DS4_LONG_ROW_DEPTH 4, DS4_MMA_LOAD=smem) the caller
+// runs the act_quant_sim launch first (gemv_act_quant_ok says which).
 static bool aq_shape_ok(int fmt, int K, int depth) {
-  return depth > 0 && (fmt == FMT_FP8T || mma_width(fmt, K, mma_max_width()) == 2);
+  return (depth == 8 || depth == 2) && (fmt == FMT_FP8T || mma_width(fmt, K, mma_max_width()) == 2);
 }
 
 template <typename F>

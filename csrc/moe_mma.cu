@@ -167,11 +167,13 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
     if (smem > MOE_MMA_SMEM_CAP) return gate_up_mma_go<FMT, 8 / W, W, AQ>(a, x, h, st);
   }
   auto kern = moe_gate_up_mma_kernel<FMT, U, W, AQ>;
+  auto twin = moe_gate_up_mma_kernel<FMT, U, W, false>;  // AQ: the plain twin's wave (as gemv_mma_go: the same bits)
   cudaError_t e = set_smem(kern, smem);
+  if (e == cudaSuccess && AQ) e = set_smem(twin, smem);
   if (e != cudaSuccess) return e;
   // pairs for the most local slots (topk); at most MMA_STREAM_MAX_TILES / 2 per block
   const int pairs = a.topk * ((a.inter + 15) / 16);
-  int grid = std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem), true), pairs);
+  int grid = std::min(moe_wave(a, resident_wave(twin, MMA_STREAM_THREADS, smem), true), pairs);
   const int floor_grid = (pairs + MMA_STREAM_MAX_TILES / 2 - 1) / (MMA_STREAM_MAX_TILES / 2);
   if (grid < floor_grid) grid = floor_grid;
   if ((e = launch_spacer_before('u', st)) != cudaSuccess) return e;
@@ -191,9 +193,11 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
   if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
     if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32, FOLD, AQ>(a, h, add, out, st, fold);
   }
+  auto twin = moe_down_mma_kernel<FMT, U, W, F32, FOLD, false>;  // AQ: the plain twin's wave (the same bits)
   cudaError_t e = set_smem(kern, smem_for(1));
+  if (e == cudaSuccess && AQ) e = set_smem(twin, smem_for(1));
   if (e != cudaSuccess) return e;
-  int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(kern, MMA_STREAM_THREADS, smem_for(1)), false), T));
+  int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(twin, MMA_STREAM_THREADS, smem_for(1)), false), T));
   while (FOLD && tpb > 1 && smem_for(tpb) > MOE_MMA_SMEM_CAP) tpb /= 2;
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
@@ -231,32 +235,29 @@ static int gate_up_depth(const MoEArgs& a) {
 // experiments/decode_session34_h200.md).
 static int down_depth(const MoEArgs& a) { return depth_knob_or_rule("DS4_DOWN_DEPTH", a.inter); }
 
-// numerics=qat's staged instances (the launches' aq) exist for the tiled layouts only, at fewer depths than the plain ones (compile
-// time): gate+up at 8 where its rule or knob asks for 8, else 4 (the routed default); the downs at 2 (their rule's).
+// numerics=qat's staged instances (the launches' aq) exist for the tiled layouts only: gate+up at every depth of the
+// plain launch (with_tiled_shape), the downs at 2 alone (their rule's; a depth-0 request is 2 in the tiled layouts), to
+// bound compile time. A staged launch takes the plain launch's depth and its twin's wave (gate_up_mma_go /
+// down_mma_go), so that its warps sum in the plain kernel's order; where the down's depth is another (DS4_DOWN_DEPTH
+// 4 or 8, inter > 2048's rule) the caller runs the act_quant_sim launch first.
 bool moe_act_quant_ok(const MoEArgs& a, bool gate_up) {
   return a.n_tok == 1 && fmt_tiled(a.fmt) && moe_use_mma(a) == 1 && moe_layout_ok(a) &&
-         (gate_up ? a.dim : a.inter) % 128 == 0;
+         (gate_up ? a.dim : a.inter) % 128 == 0 && (gate_up || down_depth(a) < 4);
 }
 
 cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq) {
-  if (aq) {
-    if (!moe_act_quant_ok(a, true)) return cudaErrorInvalidValue;
-    using CW = std::integral_constant<int, FP4T_W>;
-    auto go = [&](auto u) {
-      constexpr int U = decltype(u)::value;
-      return a.fmt == FMT_FP8T ? gate_up_mma_go<FMT_FP8T, U, CW::value, true>(a, x, h, st)
-                               : gate_up_mma_go<FMT_FP4T, U, CW::value, true>(a, x, h, st);
-    };
-    return gate_up_depth(a) >= 8 ? go(std::integral_constant<int, 8 / FP4T_W>{})
-                                 : go(std::integral_constant<int, 4 / FP4T_W>{});
-  }
+  if (aq && !moe_act_quant_ok(a, true)) return cudaErrorInvalidValue;
   if (fmt_tiled(a.fmt)) {
     if (!moe_layout_ok(a)) return cudaErrorInvalidValue;
-    return with_tiled_shape(gate_up_depth(a), [&](auto, auto u) {
-      constexpr int U = decltype(u)::value;
-      return a.fmt == FMT_FP8T ? gate_up_mma_go<FMT_FP8T, U, FP4T_W>(a, x, h, st)
-                               : gate_up_mma_go<FMT_FP4T, U, FP4T_W>(a, x, h, st);
-    });
+    auto go = [&](auto aqc) {
+      return with_tiled_shape(gate_up_depth(a), [&](auto, auto u) {
+        constexpr int U = decltype(u)::value;
+        constexpr bool AQ = decltype(aqc)::value;
+        return a.fmt == FMT_FP8T ? gate_up_mma_go<FMT_FP8T, U, FP4T_W, AQ>(a, x, h, st)
+                                 : gate_up_mma_go<FMT_FP4T, U, FP4T_W, AQ>(a, x, h, st);
+      });
+    };
+    return aq ? go(std::true_type{}) : go(std::false_type{});
   }
   return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), gate_up_depth(a), [&](auto cw, auto u) {
     constexpr int CW = decltype(cw)::value, U = decltype(u)::value;

@@ -15,7 +15,7 @@ kernels_attn = require_extension("ds4.kernels_attn")
 from ds4.model.args import small, tiny, v4_flash  # noqa: E402
 from ds4.model.rope import inv_freq  # noqa: E402
 from ds4.model.transformer import Transformer  # noqa: E402
-from ds4.ops.attn_cuda import FusedCudaIndexer  # noqa: E402
+from ds4.ops.attn_cuda import FusedCudaAttention, FusedCudaIndexer  # noqa: E402
 from ds4.ops.attn_torch import TorchIndexer  # noqa: E402
 from ds4.ops.qat_cuda import act_quant_sim, kernel_takes  # noqa: E402
 from ds4.quant import act_quant_sim as act_quant_sim_torch  # noqa: E402
@@ -193,12 +193,45 @@ def test_gemv_stages_the_fp8_simulation(fmt, o, i, monkeypatch):
         assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="act_quant needs one row"):
         kernels.gemv(torch.cat([x, x]), qw.weight, qw.scale, qw.fmt, act_quant=True)
+    # depth 4 (a knob): no staged instance at the plain launch's depth, so not staged (it would sum in another order);
+    # GemvCudaLinear then takes the launch even with DS4_ACT_QUANT=staged
+    monkeypatch.setenv("DS4_MMA_DEPTH", "4")
+    assert not kernels.act_quant_staged_ok(qw.fmt, o, i)
+    want4 = kernels.gemv(kernels.act_quant_sim(x, 128), qw.weight, qw.scale, qw.fmt)
+    monkeypatch.setenv("DS4_ACT_QUANT", "staged")
+    assert torch.equal(lin(x, qw, act_quant=True), want4)
+    with pytest.raises(RuntimeError, match="act_quant needs one row"):
+        kernels.gemv(x, qw.weight, qw.scale, qw.fmt, act_quant=True)
 
 
-@pytest.mark.parametrize("dims", [(4096, 2048), (512, 256)])
-def test_moe_kernels_stage_the_fp8_simulation(dims):
+def test_staged_q_up_with_a_row_skip_keeps_the_launch_bits(monkeypatch):
+    """The merged wq_b + indexer wq_b at V4's shape under qat with DS4_ACT_QUANT=staged and a RowSkip: the zeros come
+    after the whole staged GEMV (the skip's spread of the kept tiles over the grid would sum them in another order),
+    so q_up gives the launch path's bits at every position, and zeros in the index rows where the skip applies."""
+    from ds4.ops.base import RowSkip
+    from ds4.ops.linear_cuda import GemvCudaLinear
+    g = gen(41)
+    o, i, rows = 40960, 1024, 32768
+    qw = rand_qweight("fp8t", o, i, g)
+    nw = (1 + 0.1 * randn(i, g=g)).to(BF16)
+    lin, attn = GemvCudaLinear(), FusedCudaAttention()
+    for p in (100, 2047, 2051):  # (p + 1) // 4 visible entries: the top-k of 512 takes all of them at 100 and 2047
+        qa = randn(1, i, g=g, dtype=BF16, scale=3.0)
+        skip = RowSkip(torch.tensor([p], device=DEV), 4, 512, rows)
+        monkeypatch.delenv("DS4_ACT_QUANT", raising=False)
+        want = attn.q_up(qa, nw, 1e-6, qw, lin, True, skip)
+        monkeypatch.setenv("DS4_ACT_QUANT", "staged")
+        poison()
+        got = attn.q_up(qa, nw, 1e-6, qw, lin, True, skip)
+        assert torch.equal(got, want), p
+        assert bool((got[:, rows:] == 0).all()) == ((p + 1) // 4 <= 512), p
+
+
+@pytest.mark.parametrize("dims", [(4096, 2048), (512, 256)])  # the routed gate+up at depth 4 / 2
+def test_moe_kernels_stage_the_fp8_simulation(dims, monkeypatch):
     """act_quant=True on the one-token tensor-core MoE kernels (fp4t routed top-6, an fp8t shared expert): x (gate+up)
-    and h (down) FP8-simulated in the staging, the same bits as the act_quant_sim launch before the plain kernels."""
+    and h (down) FP8-simulated in the staging, the same bits as the act_quant_sim launch before the plain kernels; a
+    down at a depth with no staged instance (DS4_DOWN_DEPTH=4) is not staged."""
     from test_kernels_gpu import make_experts, rand_fp8_weight
     from ds4.quant import tile_fp8_mma
     dim, inter = dims
@@ -229,6 +262,10 @@ def test_moe_kernels_stage_the_fp8_simulation(dims):
     with pytest.raises(RuntimeError, match="act_quant needs one token"):
         kernels.moe_gate_up(torch.cat([x, x]), ids.repeat(2, 1), rw.repeat(2, 1), w1, s1, w3, s3, "fp4t", 32, 16, 10.0,
                             act_quant=True)
+    monkeypatch.setenv("DS4_DOWN_DEPTH", "4")
+    assert not kernels.moe_act_quant_ok("fp4t", 6, dim, inter, False)
+    with pytest.raises(RuntimeError, match="act_quant needs one token"):
+        kernels.moe_down(h, ids, 6, w2, s2, "fp4t", 32, 16, None, True, act_quant=True)
 
 
 @pytest.mark.parametrize("mma", ["1", "all"])  # all: every FP8 GEMV on the tensor cores, so small's stage the simulation

@@ -729,3 +729,22 @@ def test_qat_staging_is_opt_in_and_cuda_only(monkeypatch):
     assert not staged(x, "fp8t", 4096, 1024)
     monkeypatch.setenv("DS4_ACT_QUANT", "staged")
     assert not staged(x, "fp8t", 4096, 1024)  # a CPU row
+
+
+def test_act_quant_mode_refuses_unknown_values(monkeypatch):
+    """DS4_ACT_QUANT: unset or empty is "kernel"; kernel / torch / staged as named; any other value is an error, not
+    the default in silence."""
+    from ds4.ops.qat_cuda import act_quant_sim as dispatched
+    from ds4.ops.qat_cuda import mode, staging_on
+    monkeypatch.delenv("DS4_ACT_QUANT", raising=False)
+    assert mode() == "kernel" and not staging_on()
+    monkeypatch.setenv("DS4_ACT_QUANT", "")
+    assert mode() == "kernel"
+    for m in ("kernel", "torch", "staged"):
+        monkeypatch.setenv("DS4_ACT_QUANT", m)
+        assert mode() == m and staging_on() == (m == "staged")
+    monkeypatch.setenv("DS4_ACT_QUANT", "stage")
+    with pytest.raises(ValueError, match="DS4_ACT_QUANT='stage'"):
+        staging_on()
+    with pytest.raises(ValueError, match="expected one of kernel, torch, staged"):
+        dispatched(torch.zeros(1, 128, dtype=torch.bfloat16))

@@ -98,7 +98,8 @@ def gemv_deferred(x: Tensor, ring: Tensor, weight: Tensor, pos: Tensor) -> Tenso
 def act_quant_staged_ok(fmt: str, rows: int, cols: int) -> bool:
     """Whether the one-row gemv / gemv_rmsnorm / gemv_fold of an [rows, cols] weight of `fmt` take act_quant=True
     (numerics=qat's FP8 activation simulation in their staging; host-only: the tensor-core kernel at the shapes
-    csrc/gemv.cu's aq_shape_ok names, cols % 128 == 0; reads DS4_MMA and the depth knobs like gemv's auto)."""
+    csrc/gemv.cu's aq_shape_ok names: the plain launch's depth 8 or 2, cols % 128 == 0; reads DS4_MMA and the depth
+    knobs like gemv's auto)."""
     return fmt in ("fp8", "fp8t", "fp4") and bool(_ops().gemv_act_quant_ok(FMT[fmt], rows, cols))
 
 
@@ -235,7 +236,8 @@ def moe_route_ok(fmt: str, topk: int, dim: int, inter: int, n_experts: int) -> b
 
 def moe_act_quant_ok(fmt: str, topk: int, dim: int, inter: int, gate_up: bool) -> bool:
     """Whether one token's moe_gate_up (gate_up) / moe_down takes act_quant=True (numerics=qat's FP8 simulation in
-    its staging; host-only): the tensor-core kernels, the tiled layouts, rows of a multiple of 128."""
+    its staging; host-only): the tensor-core kernels, the tiled layouts, rows of a multiple of 128, a down at depth 2
+    (DS4_DOWN_DEPTH and its rule read like the launch's)."""
     return fmt in FMT and bool(_ops().moe_act_quant_ok(FMT[fmt], topk, dim, inter, bool(gate_up)))
 
 

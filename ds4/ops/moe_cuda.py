@@ -115,10 +115,12 @@ def _act_quant_sim(t: Tensor) -> Tensor:
     return act_quant_sim(t, 128)
 
 
-def _stages(n_tok: int, fmt: str, topk: int, dim: int, inter: int, gate_up: bool) -> bool:
+def _stages(n_tok: int, t: Tensor, fmt: str, topk: int, dim: int, inter: int, gate_up: bool) -> bool:
     """qat with DS4_ACT_QUANT=staged (opt-in): whether this one-token launch (gate_up: of x [1, dim], else the down
-    of h [topk, inter]) FP8-simulates its input in its staging (kernels.moe_act_quant_ok) instead of a launch before."""
-    return n_tok == 1 and staging_on() and kernels.moe_act_quant_ok(fmt, topk, dim, inter, gate_up)
+    of h [topk, inter]; t that input) FP8-simulates its input in its staging (kernels.moe_act_quant_ok) instead of a
+    launch before. A bf16 input only: the staging simulates the bf16 values the kernel reads, the launch the input's."""
+    return (n_tok == 1 and t.dtype == torch.bfloat16 and staging_on()
+            and kernels.moe_act_quant_ok(fmt, topk, dim, inter, gate_up))
 
 
 def _bf16(x: Tensor) -> Tensor:
@@ -370,7 +372,7 @@ class Fp4TopkMoE:
                          fold: HcFold | None = None, partial: bool = False) -> Tensor:
         fmt = mw.w1.fmt
         k = ids.shape[1]
-        aqx = act_quant and _stages(x.shape[0], fmt, k, x.shape[-1], mw.w1.weight.shape[-2], True)
+        aqx = act_quant and _stages(x.shape[0], x, fmt, k, x.shape[-1], mw.w1.weight.shape[-2], True)
         xq = _act_quant_sim(x) if act_quant and not aqx else x
         # the chosen experts' down projections into L2 while gate+up streams (site "d"; ids are on the device
         # already unless the kernels route themselves)
@@ -379,7 +381,7 @@ class Fp4TopkMoE:
         h = kernels.moe_gate_up(_bf16(xq), ids, weights.float().contiguous(), mw.w1.weight, mw.w1.scale,
                                 mw.w3.weight, mw.w3.scale, fmt, mw.expert_offset, mw.w1.weight.shape[0],
                                 mw.swiglu_limit, route=route, act_quant=aqx)
-        aqh = act_quant and _stages(x.shape[0], fmt, k, mw.w2.weight.shape[-2], h.shape[-1], False)
+        aqh = act_quant and _stages(x.shape[0], h, fmt, k, mw.w2.weight.shape[-2], h.shape[-1], False)
         if act_quant and not aqh:
             h = _act_quant_sim(h)
         add = None
@@ -425,14 +427,16 @@ class Fp4TopkMoE:
 
     def _shared_h(self, x: Tensor, mw: MoEWeights, act_quant: bool) -> Tensor:
         w1, w3 = mw.shared_w1, mw.shared_w3
-        aq = act_quant and w1.fmt != "bf16" and _stages(x.shape[0], w1.fmt, 1, x.shape[-1], w1.weight.shape[-2], True)
+        aq = act_quant and w1.fmt != "bf16" and _stages(x.shape[0], x, w1.fmt, 1, x.shape[-1], w1.weight.shape[-2],
+                                                        True)
         xq = _act_quant_sim(x) if act_quant and w1.fmt != "bf16" and not aq else x
         return kernels.moe_gate_up(_bf16(xq), None, None, w1.weight, w1.scale, w3.weight, w3.scale, w1.fmt, 0, 1,
                                    mw.swiglu_limit, act_quant=aq)
 
     def _shared_down(self, h: Tensor, mw: MoEWeights, act_quant: bool, add: Tensor | None) -> Tensor:
         w2 = mw.shared_w2
-        aq = act_quant and w2.fmt != "bf16" and _stages(h.shape[0], w2.fmt, 1, w2.weight.shape[-2], h.shape[-1], False)
+        aq = act_quant and w2.fmt != "bf16" and _stages(h.shape[0], h, w2.fmt, 1, w2.weight.shape[-2], h.shape[-1],
+                                                        False)
         if act_quant and w2.fmt != "bf16" and not aq:
             h = _act_quant_sim(h)
         # with `add`: bf16(add + bf16(shared)) in the down kernel's epilogue (the reference's rounding)

@@ -4,12 +4,14 @@ input, instead of the torch twin's dozen launches before every FP8 / FP4 GEMV of
 decoded 3.6 times slower than plain on an H200: 372 against 104 us per layer, experiments/decode_session52_h200.md).
 Inputs the kernel does not take (CPU, other dtypes, a last dim the block does not divide) run the torch twin, chosen
 by shape and dtype only.
-DS4_ACT_QUANT (read per call): unset or "kernel" (the default: the one launch before every FP8 / FP4 GEMV), "torch"
-(the twin everywhere, the ablation), or "staged" (opt-in, not yet run on a GPU: where a one-token tensor-core GEMV or MoE kernel takes it, `staged` /
+DS4_ACT_QUANT (read per call; any other value is an error): unset or "kernel" (the default: the one launch before
+every FP8 / FP4 GEMV), "torch" (the twin everywhere, the ablation), or "staged" (opt-in, not yet run on a GPU: where a
+one-token tensor-core GEMV or MoE kernel takes it at the plain launch's own depth, `staged` /
 ds4.kernels.act_quant_staged_ok / moe_act_quant_ok, the simulation happens inside that kernel's activation staging,
-act_quant=True, with no launch of its own; elsewhere the one launch). The staged kernels were written and compiled in
-session 53 when no GPU could be had; their GPU tests (tests/test_qat_cuda_gpu.py) have not run yet, so they are not
-the default (experiments/decode_session53_h200.md).
+act_quant=True, with no launch of its own, and with the launch path's bits; elsewhere the one launch). The staged
+kernels were written and compiled in session 53 when no GPU could be had; their GPU tests
+(tests/test_qat_cuda_gpu.py) have not run yet, so they are not the default (experiments/decode_session53_h200.md;
+session 54 fixed two ways the staged launch could sum in another order than the plain one, found by reading).
 """
 from __future__ import annotations
 
@@ -27,9 +29,21 @@ def kernel_takes(x: Tensor, block: int) -> bool:
             and x.shape[-1] % block == 0)
 
 
+ACT_QUANT_MODES = ("kernel", "torch", "staged")
+
+
+def mode() -> str:
+    """DS4_ACT_QUANT's value ("kernel" where unset or empty); any other value than ACT_QUANT_MODES' is an error, not
+    the default in silence (a misspelt "stage" would otherwise measure the launch under the staging's name)."""
+    m = os.environ.get("DS4_ACT_QUANT") or "kernel"
+    if m not in ACT_QUANT_MODES:
+        raise ValueError(f"DS4_ACT_QUANT={m!r}: expected one of {', '.join(ACT_QUANT_MODES)} (or unset: kernel)")
+    return m
+
+
 def staging_on() -> bool:
     """DS4_ACT_QUANT=staged: the simulation goes into the one-token tensor-core kernels' staging where they take it."""
-    return os.environ.get("DS4_ACT_QUANT") == "staged"
+    return mode() == "staged"
 
 
 def staged(x: Tensor, fmt: str, rows: int, cols: int) -> bool:
@@ -46,7 +60,7 @@ def staged(x: Tensor, fmt: str, rows: int, cols: int) -> bool:
 
 def act_quant_sim(x: Tensor, block: int = 128) -> Tensor:
     """e4m3(x / s) s per row and block of `block` values (ds4.quant.act_quant_sim, the same bits)."""
-    if kernel_takes(x, block) and os.environ.get("DS4_ACT_QUANT") != "torch":
+    if mode() != "torch" and kernel_takes(x, block):
         from ds4 import kernels
         return kernels.act_quant_sim(x.contiguous(), block)
     return act_quant_sim_torch(x, block)
