@@ -334,10 +334,12 @@ def _rank_group(rank, world, port):
         dist.destroy_process_group()
 
 
-def _tp_worker(rank, world, port, comm, experts, shared, ar_fold, path):
+def _tp_worker(rank, world, port, comm, experts, shared, ar_fold, mma, path):
     import json
     from ds4 import dist as ddist
     os.environ["DS4_AR_FOLD"] = "1" if ar_fold else "0"
+    if mma:
+        os.environ["DS4_MMA"] = mma
     with _rank_group(rank, world, port) as dev:
         args = small()
         job = json.load(open(path))
@@ -356,18 +358,20 @@ def _tp_worker(rank, world, port, comm, experts, shared, ar_fold, path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("comm,experts,shared,ar_fold", [
-    ("nccl", "ep", "replicate", False), ("symm_mem", "ep", "replicate", False), ("symm_mem", "tp", "replicate", False),
-    ("ll", "tp", "replicate", False), ("ll", "tp", "tp", False), ("ll", "tp", "replicate", True),
-    ("ll", "tp", "tp", True)],
+@pytest.mark.parametrize("comm,experts,shared,ar_fold,mma", [
+    ("nccl", "ep", "replicate", False, None), ("symm_mem", "ep", "replicate", False, None),
+    ("symm_mem", "tp", "replicate", False, None), ("ll", "tp", "replicate", False, None),
+    ("ll", "tp", "tp", False, None), ("ll", "tp", "replicate", True, None), ("ll", "tp", "tp", True, None),
+    ("ll", "tp", "tp", False, "all")],
     ids=["nccl-experts_ep", "symm_mem-experts_ep", "symm_mem-experts_tp", "ll-experts_tp", "ll-experts_tp-shared_tp",
-         "ll-experts_tp-arfold", "ll-experts_tp-shared_tp-arfold"])
-def test_tp2_agrees_with_tp1_on_small(comm, experts, shared, ar_fold, small_weights, tmp_path):
+         "ll-experts_tp-arfold", "ll-experts_tp-shared_tp-arfold", "ll-experts_tp-shared_tp-mma_all"])
+def test_tp2_agrees_with_tp1_on_small(comm, experts, shared, ar_fold, mma, small_weights, tmp_path):
     """tp=2 teacher-forced on tp=1's 128 greedy tokens agrees >= 99% on confident steps; the CUDA-graph step
     (collectives captured) gives the same tokens as eager tp=2. experts=tp: the routed experts sliced along
     their intermediate dim (parallel.experts=tp), through the kernels; shared=tp: the shared expert too
-    (parallel.shared_expert=tp); comm=ll: ds4's all-reduce kernel; ar_fold: with the hc fold formed by it
-    (DS4_AR_FOLD=1; with a replicated shared expert the FFN's fold falls to the shared expert's down kernel)."""
+    (parallel.shared_expert=tp); comm=ll: ds4's all-reduce kernel; ar_fold: with the hc fold formed by it after the
+    sum (DS4_AR_FOLD=1); mma=all (DS4_MMA=all, the ranks only): small's one-token FP8 products on the tensor cores, as
+    the full model's take them (small's shapes alone would leave wq_b, wo_b and the shared expert on the FMA kernels)."""
     import json
     import torch.multiprocessing as mp
     args = small()
@@ -377,7 +381,7 @@ def test_tp2_agrees_with_tp1_on_small(comm, experts, shared, ar_fold, small_weig
     ref_logits = rg.teacher_forced_logits(prompt, ref)
     path = str(tmp_path / "job.json")
     json.dump({"prompt": prompt, "ref": ref}, open(path, "w"))
-    mp.start_processes(_tp_worker, args=(2, _free_port(), comm, experts, shared, ar_fold, path), nprocs=2,
+    mp.start_processes(_tp_worker, args=(2, _free_port(), comm, experts, shared, ar_fold, mma, path), nprocs=2,
                        start_method="spawn")
     res = json.load(open(path))
     overall, confident, n = _agreement(torch.tensor(res["tf"]), ref_logits)
