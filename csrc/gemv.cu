@@ -583,7 +583,7 @@ cudaError_t launch_gemv_rmsnorm(int fmt, const void* x, const void* W, const voi
   });
 }
 
-bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, long fold_smem);  // moe_mma.cu
+bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, int n);  // moe_mma.cu
 
 bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) {
   if (!(n == 1 || n == 2 || n == 4) || rows < 16 || rows % 16 != 0) return false;
@@ -593,7 +593,7 @@ bool hc_fold_ok(int kind, int fmt, int rows, int cols, int topk, int n) {
     return (fmt_fp8(fmt) || fmt == FMT_FP4) && layout_shape_ok(fmt, rows, cols) && mma_shape_ok(fmt, cols) &&
            mma_auto(fmt, cols, rows) &&
            4L * mma_part_floats(1) + 2L * cols + fold <= SMEM_CAP;
-  return kind == 1 && moe_down_fold_ok(fmt, topk, rows, cols, fold);
+  return kind == 1 && moe_down_fold_ok(fmt, topk, rows, cols, n);
 }
 
 cudaError_t launch_gemv_fold(int fmt, const void* x, const void* W, const void* S, int s_ld, void* out, int O, int K,

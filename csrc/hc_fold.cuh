@@ -17,14 +17,14 @@
 namespace ds4 {
 
 // Shared-memory floats of a block's fold buffers for up to nt tiles (see HcFoldSmem; the kernels size and
-// lay them out for their tiles per block and index them with the block's own tile count).
-__host__ __device__ constexpr long hc_fold_smem_floats(int nt, int n, int mix) {
+// lay them out for their tiles per block and index them with the block's own tile count) in blocks of `threads`.
+__host__ __device__ constexpr long hc_fold_smem_floats(int nt, int n, int mix, int threads = MMA_STREAM_THREADS) {
   return (long)nt * 16 * n * mix                  // fn slice
          + ((long)nt * 16 * n + 1) / 2            // res slice (bf16)
          + 16                                     // post, comb (n + n * n <= 20; padded to 16 B blocks below)
          + 16                                     // (pad)
          + (long)nt * 16                          // y of the block's rows, as stored
-         + (long)(MMA_STREAM_THREADS / 4 + 1) * (mix + 1)  // one reduction slot per lane quad and mix (+1: pad)
+         + (long)(threads / 4 + 1) * (mix + 1)    // one reduction slot per lane quad and mix (+1: pad)
          + 8;                                     // alignment slack
 }
 
@@ -33,7 +33,7 @@ struct HcFoldSmem {
   __nv_bfloat16* res;   // [n][nt * 16]
   float* pc;            // post [n] then comb [n * n]
   float* ys;            // [nt * 16]
-  float* red;           // [mix + 1][quads + 1]: quads = blockDim.x / 4 <= MMA_STREAM_THREADS / 4, one pad column
+  float* red;           // [mix + 1][quads + 1]: quads = blockDim.x / 4 (hc_fold_smem_floats' threads / 4), one pad column
 };
 
 __device__ __forceinline__ HcFoldSmem hc_fold_smem(float* base, int nt, int n, int mix) {

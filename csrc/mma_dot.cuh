@@ -249,8 +249,8 @@ constexpr int MMA_STREAM_WARPS = 8;  // warps per block of every kernel that use
 constexpr int MMA_STREAM_THREADS = 32 * MMA_STREAM_WARPS;
 constexpr int MMA_STREAM_MAX_TILES = 32;  // 16-row tiles per block (shared memory for the partial sums)
 
-// Floats of the partial sums of nt tiles (MmaStream::run's `part`).
-__host__ __device__ constexpr int mma_part_floats(int nt) { return nt * MMA_STREAM_WARPS * 16; }
+// Floats of the partial sums of nt tiles (MmaStream::run's `part`) for blocks of nw warps.
+__host__ __device__ constexpr int mma_part_floats(int nt, int nw = MMA_STREAM_WARPS) { return nt * nw * 16; }
 
 // 16 zero uint4 in shared memory (one array per kernel): the B values of the lanes that carry none in
 // MmaStream. Those lanes then issue the same LDS as the others; a predicated load instead needs its 4-16
@@ -283,7 +283,9 @@ __device__ __forceinline__ uint4* mma_zero_b() {
 // FMT_FP4T / FMT_FP8T (tiled): a tile's rows lie where they lie in the row-major layout (16 rows x rowb bytes from
 // row0 * rowb), but inside it the 16-B chunk of (round r, chunk w, row half h, lane) sits at
 // ((r W + w) 2 + h) 512 + lane 16: each load of a warp reads 512 contiguous bytes (W must be FP4T_W).
-template <int FMT, int U, int W, typename TileFn>
+// NW: the block's warps (MMA_STREAM_WARPS, or a kernel of its own size: the rounds are cut over NW warps and part holds
+// NW partials per tile).
+template <int FMT, int U, int W, typename TileFn, int NW = MMA_STREAM_WARPS>
 struct MmaStream {
   static constexpr int SC = fmt_fp4(FMT) ? W : 1;  // scale registers per slot
   static constexpr bool TILED = fmt_tiled(FMT);
@@ -304,8 +306,8 @@ struct MmaStream {
       : tile(f), xbase(xb), nseg(nseg_), nr(nr_), s_ld(s_ld_), rowb(rowb_) {
     const int warp = threadIdx.x >> 5;
     const long total = (long)nt * nseg * nr;
-    const long beg = total * warp / MMA_STREAM_WARPS;
-    n = left = (int)(total * (warp + 1) / MMA_STREAM_WARPS - beg);
+    const long beg = total * warp / NW;
+    n = left = (int)(total * (warp + 1) / NW - beg);
     lr = (int)(beg % nr);
     const long ts = beg / nr;
     ls = (int)(ts % nseg);
@@ -447,7 +449,7 @@ struct MmaStream {
             acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
             acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
             if (t == 0) {
-              float* dst = part + (((m >> 17) & 0x3ffu) * MMA_STREAM_WARPS + warp) * 16;
+              float* dst = part + (((m >> 17) & 0x3ffu) * NW + warp) * 16;
               dst[g] = acc0 * Mma<FMT>::POST;
               dst[g + 8] = acc1 * Mma<FMT>::POST;
             }
@@ -626,31 +628,34 @@ struct MmaSmemStream {
 };
 
 // The kernels' stream: U > 0 rounds in flight per warp in registers (MmaStream), U == 0 the
-// shared-memory stages (MmaSmemStream; sbuf: mma_stream_smem bytes of dynamic shared memory).
-template <int FMT, int U, int W, typename TileFn>
+// shared-memory stages (MmaSmemStream; sbuf: mma_stream_smem bytes of dynamic shared memory). NW: the block's
+// warps (the register stream only).
+template <int FMT, int U, int W, int NW = MMA_STREAM_WARPS, typename TileFn>
 __device__ __forceinline__ auto mma_stream(TileFn f, const __nv_bfloat16* xbase, int nt, int nseg, int nr, long rowb,
                                            int s_ld, uint8_t* sbuf) {
   if constexpr (U == 0) {
+    static_assert(NW == MMA_STREAM_WARPS, "the shared-memory stream is laid out for MMA_STREAM_WARPS warps");
     uint8_t* b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(sbuf) + 15) & ~uintptr_t(15));
     return MmaSmemStream<FMT, W, TileFn>(f, nt, nseg, nr, rowb, s_ld, b);
   } else {
-    return MmaStream<FMT, U, W, TileFn>(f, xbase, nt, nseg, nr, rowb, s_ld);
+    return MmaStream<FMT, U, W, TileFn, NW>(f, xbase, nt, nseg, nr, rowb, s_ld);
   }
 }
 
 // Values of a row one round covers (W chunks per lane, 4 lanes per row).
 template <int FMT, int W> __host__ __device__ constexpr int mma_round_vals() { return 4 * W * Mma<FMT>::VALS; }
 
-// Zeroes the partial sums of nt tiles (before the block's first barrier).
-__device__ __forceinline__ void mma_part_zero(float* part, int nt) {
-  for (int i = threadIdx.x; i < mma_part_floats(nt); i += blockDim.x) part[i] = 0.f;
+// Zeroes the partial sums of nt tiles (before the block's first barrier; blocks of nw warps).
+__device__ __forceinline__ void mma_part_zero(float* part, int nt, int nw = MMA_STREAM_WARPS) {
+  for (int i = threadIdx.x; i < mma_part_floats(nt, nw); i += blockDim.x) part[i] = 0.f;
 }
 
-// Row r of local tile tl: the warps' partial sums added in a fixed order (deterministic).
+// Row r of local tile tl: the NW warps' partial sums added in a fixed order (deterministic).
+template <int NW = MMA_STREAM_WARPS>
 __device__ __forceinline__ float mma_part_sum(const float* part, int tl, int r) {
   float y = 0.f;
 #pragma unroll
-  for (int w = 0; w < MMA_STREAM_WARPS; ++w) y += part[(tl * MMA_STREAM_WARPS + w) * 16 + r];
+  for (int w = 0; w < NW; ++w) y += part[(tl * NW + w) * 16 + r];
   return y;
 }
 

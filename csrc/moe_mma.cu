@@ -61,13 +61,33 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 // buffers after the stream's in shared memory; at most 2 blocks per SM (128 registers: the epilogue spilled
 // at depth 2's 64, and V4's 256 down tiles fill 2 blocks per SM either way). AQ (numerics=qat, the launch's aq): h
 // staged FP8-simulated.
+// The down kernels' warps per block on the register stream: MMA_STREAM_WARPS, or 16 in an alt build
+// (-DDS4_DOWN_WARPS=16; written in session 54 without a GPU, not measured: experiments/session54_no_device.md). Why
+// try: V4's dim of 4096 is 256 tiles, one per block, about 2 blocks per SM, so the routed down runs 16 warps per SM
+// (4 per scheduler; ncu, session 49: issue slots 40 % busy, no eligible warp on 59 % of cycles) whatever its
+// registers would allow. Blocks of 16 warps at 64 registers (the fold's epilogue too, which then may spill) cut each
+// tile's rounds over twice the warps, 2 blocks and 32 warps per SM. The partial sums then add 16 warps per row.
+#ifndef DS4_DOWN_WARPS
+#define DS4_DOWN_WARPS 8
+#endif
+static_assert(DS4_DOWN_WARPS == MMA_STREAM_WARPS || DS4_DOWN_WARPS == 2 * MMA_STREAM_WARPS,
+              "DS4_DOWN_WARPS: 8 or 16");
+template <int U> __host__ __device__ constexpr int down_warps() { return U == 0 ? MMA_STREAM_WARPS : DS4_DOWN_WARPS; }
+template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_blocks() {
+  return down_warps<U>() == MMA_STREAM_WARPS ? (FOLD ? 2 : mma_min_blocks<U, W>())
+         : FOLD                              ? 2
+         : mma_min_blocks<U, W>() >= 2       ? mma_min_blocks<U, W>() / 2
+                                             : 1;
+}
+
 template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false, bool AQ = false>
-__global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, W>()))
+__global__ void __launch_bounds__(32 * down_warps<U>(), (down_min_blocks<U, W, FOLD>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
                     void* __restrict__ out, int tpb, const HcFold fold, int pre) {
   extern __shared__ float4 smem4[];
+  constexpr int NW = down_warps<U>();
   float* part = reinterpret_cast<float*>(smem4);
-  __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb));
+  __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(tpb, NW));
   __shared__ const uint8_t* s_w[32];
   __shared__ const uint8_t* s_s[32];
   __shared__ int s_slot[32], s_ids[32];
@@ -85,8 +105,8 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   __syncthreads();
   const int t0 = blockIdx.x * tpb, nt = min(tpb, (a.dim + 15) / 16 - t0);
   auto tile = [=](int tl, int u) { return MmaTile{s_w[u], s_s[u], hs + (long)u * a.inter, (t0 + tl) * 16, a.dim}; };
-  auto st = mma_stream<FMT, U, W>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
-                                  a.s2_ld, reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter));
+  auto st = mma_stream<FMT, U, W, NW>(tile, hs, nt, nU, a.inter / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.inter),
+                                      a.s2_ld, reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter));
   const int pre_rounds = pre < 0 ? (1 << 30) : pre;  // mma_prefetch_rounds
   st.prefetch(pre_rounds);
   // the fold's buffers after the stream's (recomputed where used: nothing of the fold stays live in registers
@@ -100,14 +120,14 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, a.dim);
   stage_mma_rows<FMT, false, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
-  mma_part_zero(part, nt);
+  mma_part_zero(part, nt, NW);
   __syncthreads();
   st.run(part);
   __syncthreads();
   for (int i = threadIdx.x; i < nt * 16; i += blockDim.x) {
     const int r = t0 * 16 + i;
     if (r < a.dim) {
-      const float y = down_store<OUT_F32>(out, r, add, a.add_bf16, mma_part_sum(part, i >> 4, i & 15));
+      const float y = down_store<OUT_F32>(out, r, add, a.add_bf16, mma_part_sum<NW>(part, i >> 4, i & 15));
       if constexpr (FOLD) fs().ys[i] = y;
     }
   }
@@ -185,10 +205,11 @@ template <int FMT, int U, int W, bool F32, bool FOLD = false, bool AQ = false>
 static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
                                const HcFold& fold = HcFold{}) {
   const int T = (a.dim + 15) / 16;
+  constexpr int threads = 32 * down_warps<U>();
   auto kern = moe_down_mma_kernel<FMT, U, W, F32, FOLD, AQ>;
   auto smem_for = [&](int tpb) {
-    return 4L * mma_part_floats(tpb) + 2L * a.topk * a.inter + mma_stream_smem<FMT, U, W>() +
-           (FOLD ? 4L * hc_fold_smem_floats(tpb, fold.n, fold.mix) : 0L);
+    return 4L * mma_part_floats(tpb, down_warps<U>()) + 2L * a.topk * a.inter + mma_stream_smem<FMT, U, W>() +
+           (FOLD ? 4L * hc_fold_smem_floats(tpb, fold.n, fold.mix, threads) : 0L);
   };
   if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
     if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32, FOLD, AQ>(a, h, add, out, st, fold);
@@ -197,12 +218,12 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
   cudaError_t e = set_smem(kern, smem_for(1));
   if (e == cudaSuccess && AQ) e = set_smem(twin, smem_for(1));
   if (e != cudaSuccess) return e;
-  int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(twin, MMA_STREAM_THREADS, smem_for(1)), false), T));
+  int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(twin, threads, smem_for(1)), false), T));
   while (FOLD && tpb > 1 && smem_for(tpb) > MOE_MMA_SMEM_CAP) tpb /= 2;
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
   if ((e = launch_spacer_before('d', st)) != cudaSuccess) return e;
-  return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(MMA_STREAM_THREADS), smem, st, a,
+  return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(threads), smem, st, a,
                          reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb, fold, mma_prefetch_rounds(true));
 }
 
@@ -267,14 +288,17 @@ cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cud
   });
 }
 
-bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, long fold_smem) {
+bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, int n) {
   MoEArgs a;
   a.fmt = fmt;
   a.topk = topk;
   a.dim = dim;
   a.inter = inter;
+  // at one tile per block, the partial sums and the fold's reduction slots for the register stream's warps (the
+  // most a down block has)
+  const long fold_smem = 4L * hc_fold_smem_floats(1, n, (2 + n) * n, 32 * DS4_DOWN_WARPS);
   return topk >= 1 && moe_use_mma(a) == 1 &&
-         4L * mma_part_floats(1) + 2L * topk * inter + fold_smem <= MOE_MMA_SMEM_CAP;
+         4L * mma_part_floats(1, DS4_DOWN_WARPS) + 2L * topk * inter + fold_smem <= MOE_MMA_SMEM_CAP;
 }
 
 // The one-token tensor-core down launch of a.fmt (the tiled layouts at their own run width), fp32 or bf16 out,
