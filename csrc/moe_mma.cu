@@ -51,16 +51,6 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
                      [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; });
 }
 
-// Row tiles of `dim`, each the sum over the local slots (segments) of their w2 rows times h; block b
-// streams tiles [b * tpb, (b + 1) * tpb).
-// The expert ids are read, and the first weight rounds loaded, before the PDL wait: in the decode step
-// the ids come from the router, two launches back (the gate+up kernel in between waits for the router
-// before it lets this kernel launch), so they are final here; only h and add come from the kernel right
-// before. Contract (ds4_launch.h): a down launch's ids are not written by the launch just before it.
-// FOLD (bf16 out, one token): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its
-// buffers after the stream's in shared memory; at most 2 blocks per SM (128 registers: the epilogue spilled
-// at depth 2's 64, and V4's 256 down tiles fill 2 blocks per SM either way). AQ (numerics=qat, the launch's aq): h
-// staged FP8-simulated.
 // The down kernels' warps per block on the register stream: MMA_STREAM_WARPS, or 16 in an alt build
 // (-DDS4_DOWN_WARPS=16; written in session 54 without a GPU, not measured: experiments/session54_no_device.md). Why
 // try: V4's dim of 4096 is 256 tiles, one per block, about 2 blocks per SM, so the routed down runs 16 warps per SM
@@ -80,6 +70,16 @@ template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_bl
                                              : 1;
 }
 
+// Row tiles of `dim`, each the sum over the local slots (segments) of their w2 rows times h; block b
+// streams tiles [b * tpb, (b + 1) * tpb).
+// The expert ids are read, and the first weight rounds loaded, before the PDL wait: in the decode step
+// the ids come from the router, two launches back (the gate+up kernel in between waits for the router
+// before it lets this kernel launch), so they are final here; only h and add come from the kernel right
+// before. Contract (ds4_launch.h): a down launch's ids are not written by the launch just before it.
+// FOLD (bf16 out, one token): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its
+// buffers after the stream's in shared memory; at most 2 blocks per SM (of 8 warps, 128 registers: the epilogue spilled
+// at depth 2's 64, and V4's 256 down tiles fill 2 blocks per SM either way). AQ (numerics=qat, the launch's aq): h
+// staged FP8-simulated.
 template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false, bool AQ = false>
 __global__ void __launch_bounds__(32 * down_warps<U>(), (down_min_blocks<U, W, FOLD>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
