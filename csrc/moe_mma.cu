@@ -55,8 +55,10 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 // (-DDS4_DOWN_WARPS=16; written in session 54 without a GPU, not measured: experiments/session54_no_device.md). Why
 // try: V4's dim of 4096 is 256 tiles, one per block, about 2 blocks per SM, so the routed down runs 16 warps per SM
 // (4 per scheduler; ncu, session 49: issue slots 40 % busy, no eligible warp on 59 % of cycles) whatever its
-// registers would allow. Blocks of 16 warps at 64 registers (the fold's epilogue too, which then may spill) cut each
-// tile's rounds over twice the warps, 2 blocks and 32 warps per SM. The partial sums then add 16 warps per row.
+// registers would allow. Blocks of 16 warps at 64 registers (depth 2, the rule's; the fold's epilogue too, which then
+// spills about 100 bytes after the MMA loop) cut each tile's rounds over twice the warps, 2 blocks and 32 warps per
+// SM; the partial sums then add 16 warps per row. Half the blocks of 8 warps' floor, the fold's the same as the plain
+// down's (so both get the same wave, tiles per block and sums; at depth 4 / 8 one block per SM).
 #ifndef DS4_DOWN_WARPS
 #define DS4_DOWN_WARPS 8
 #endif
@@ -65,7 +67,6 @@ static_assert(DS4_DOWN_WARPS == MMA_STREAM_WARPS || DS4_DOWN_WARPS == 2 * MMA_ST
 template <int U> __host__ __device__ constexpr int down_warps() { return U == 0 ? MMA_STREAM_WARPS : DS4_DOWN_WARPS; }
 template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_blocks() {
   return down_warps<U>() == MMA_STREAM_WARPS ? (FOLD ? 2 : mma_min_blocks<U, W>())
-         : FOLD                              ? 2
          : mma_min_blocks<U, W>() >= 2       ? mma_min_blocks<U, W>() / 2
                                              : 1;
 }
@@ -137,8 +138,9 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
 static bool moe_mma_ok(const MoEArgs& a) {
   if ((!fmt_fp8(a.fmt) && !fmt_fp4(a.fmt)) || a.ptrs || a.n_tok != 1 || a.topk > 32) return false;
   if (!mma_shape_ok(a.fmt, a.dim) || !mma_shape_ok(a.fmt, a.inter)) return false;
-  const long part = 4L * mma_part_floats(MMA_STREAM_MAX_TILES);
-  return part + 2L * a.dim <= MOE_MMA_SMEM_CAP && part + 2L * a.topk * a.inter <= MOE_MMA_SMEM_CAP;
+  const long part = 4L * mma_part_floats(MMA_STREAM_MAX_TILES);  // (the downs': for their blocks' warps)
+  return part + 2L * a.dim <= MOE_MMA_SMEM_CAP &&
+         4L * mma_part_floats(MMA_STREAM_MAX_TILES, DS4_DOWN_WARPS) + 2L * a.topk * a.inter <= MOE_MMA_SMEM_CAP;
 }
 
 // 0: use the FMA kernels; 1: use the MMA kernels; -1: an explicit MMA request that does not apply

@@ -168,6 +168,7 @@ logs_of() {  # the log names a stage writes
     tp2|tp4) echo "bench_$1" ;;
     seed) echo "seed_1gpu compare_1gpu" ;;
     seed_tp2) echo "seed_tp2 compare_tp2" ;;
+    pytest_alt) echo pytest ;;  # (the alt build's run writes the same log)
     *) echo "$1" ;;
   esac
 }
