@@ -327,4 +327,16 @@ inline cudaError_t set_smem(KernelT k, long bytes) {
   return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
 }
 
+// Host: set_smem for kern, and into `wave` the blocks of one resident wave of `twin` at `smem`: kern itself, or for
+// numerics=qat's staged (AQ) instances their plain twin, whose grid they launch with so that their warps cut the
+// rounds, and sum, as the plain kernel does whatever registers ptxas gave them (with more, part of the grid waits for
+// a second wave: slower, not other bits).
+template <typename KernelT>
+inline cudaError_t twin_wave(KernelT kern, KernelT twin, int threads, long smem, int& wave) {
+  cudaError_t e = set_smem(kern, smem);
+  if (e == cudaSuccess && twin != kern) e = set_smem(twin, smem);
+  wave = resident_wave(twin, threads, smem);
+  return e;
+}
+
 }  // namespace ds4

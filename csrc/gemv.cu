@@ -286,15 +286,11 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
       return gemv_mma_go<FMT, 8 / CW, CW, NORM, FOLD, AQ>(x, W, S, s_ld, out, out_f32, O, K, group_rows, st, nw, nw_f32,
                                                           eps, fold, skip);
   }
-  // one resident wave (register-bound occupancy), the tiles split evenly over it. An AQ instance takes its plain
-  // twin's wave: the tiles per block set how a tile's rounds are cut over the warps, so the twin's split gives the
-  // same fp32 sums as the plain kernel after the act_quant_sim launch (the same bits), whatever registers ptxas gave
-  // the AQ instance (with more than the twin's, part of the grid waits for a second wave: slower, not other bits)
-  auto twin = gemv_mma_kernel<FMT, U, CW, NORM, FOLD, false>;
-  cudaError_t e = set_smem(kern, smem_for(1));
-  if (e == cudaSuccess && AQ) e = set_smem(twin, smem_for(1));
+  // one resident wave (register-bound occupancy; an AQ instance its plain twin's), the tiles split evenly over it
+  int wave = 0;
+  cudaError_t e = twin_wave(kern, gemv_mma_kernel<FMT, U, CW, NORM, FOLD, false>, MMA_STREAM_THREADS, smem_for(1), wave);
   if (e != cudaSuccess) return e;
-  int tpb = mma_tiles_per_block(T, resident_wave(twin, MMA_STREAM_THREADS, smem_for(1)));
+  int tpb = mma_tiles_per_block(T, wave);
   while (tpb > 1 && smem_for(tpb) > SMEM_CAP) tpb /= 2;  // many small groups: more blocks instead
   const int blocks = (T + tpb - 1) / tpb;
   const long smem = smem_for(tpb);

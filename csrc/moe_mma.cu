@@ -189,13 +189,12 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
     if (smem > MOE_MMA_SMEM_CAP) return gate_up_mma_go<FMT, 8 / W, W, AQ>(a, x, h, st);
   }
   auto kern = moe_gate_up_mma_kernel<FMT, U, W, AQ>;
-  auto twin = moe_gate_up_mma_kernel<FMT, U, W, false>;  // AQ: the plain twin's wave (as gemv_mma_go: the same bits)
-  cudaError_t e = set_smem(kern, smem);
-  if (e == cudaSuccess && AQ) e = set_smem(twin, smem);
+  int wave = 0;  // (an AQ instance: its plain twin's, twin_wave)
+  cudaError_t e = twin_wave(kern, moe_gate_up_mma_kernel<FMT, U, W, false>, MMA_STREAM_THREADS, smem, wave);
   if (e != cudaSuccess) return e;
   // pairs for the most local slots (topk); at most MMA_STREAM_MAX_TILES / 2 per block
   const int pairs = a.topk * ((a.inter + 15) / 16);
-  int grid = std::min(moe_wave(a, resident_wave(twin, MMA_STREAM_THREADS, smem), true), pairs);
+  int grid = std::min(moe_wave(a, wave, true), pairs);
   const int floor_grid = (pairs + MMA_STREAM_MAX_TILES / 2 - 1) / (MMA_STREAM_MAX_TILES / 2);
   if (grid < floor_grid) grid = floor_grid;
   if ((e = launch_spacer_before('u', st)) != cudaSuccess) return e;
@@ -216,11 +215,10 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
   if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
     if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32, FOLD, AQ>(a, h, add, out, st, fold);
   }
-  auto twin = moe_down_mma_kernel<FMT, U, W, F32, FOLD, false>;  // AQ: the plain twin's wave (the same bits)
-  cudaError_t e = set_smem(kern, smem_for(1));
-  if (e == cudaSuccess && AQ) e = set_smem(twin, smem_for(1));
+  int wave = 0;  // (an AQ instance: its plain twin's, twin_wave)
+  cudaError_t e = twin_wave(kern, moe_down_mma_kernel<FMT, U, W, F32, FOLD, false>, threads, smem_for(1), wave);
   if (e != cudaSuccess) return e;
-  int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, resident_wave(twin, threads, smem_for(1)), false), T));
+  int tpb = mma_tiles_per_block(T, std::min(moe_wave(a, wave, false), T));
   while (FOLD && tpb > 1 && smem_for(tpb) > MOE_MMA_SMEM_CAP) tpb /= 2;
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
