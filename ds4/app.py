@@ -7,7 +7,6 @@ multirun the failing job is recorded (metrics.json status=failed) and the sweep 
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 import traceback
@@ -198,7 +197,11 @@ def model_args(spec: RunSpec) -> ModelArgs:
                 raise UserError(f"weights.path={spec.weights_path}: no such directory")
             if not (p / "config.json").is_file():
                 raise UserError(f"weights.path={spec.weights_path}: no config.json there (not a HF checkpoint)")
-            args = ModelArgs.from_hf_config(json.loads((p / "config.json").read_text()))
+            from ds4.weights.checkpoint import CheckpointError, checkpoint_args
+            try:  # the formats as the loader will hold them (the memory check counts them): where config.json
+                args = checkpoint_args(p)  # is silent, the stored dtypes; transformers naming, BF16
+            except CheckpointError as e:
+                raise UserError(str(e)) from None
         else:
             args = preset(spec.model)
         if spec.model_overrides:

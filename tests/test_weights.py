@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ds4.model.args import tiny
-from ds4.weights.checkpoint import INDEX_FILE, CheckpointError, load_checkpoint
+from ds4.model.args import ModelArgs, tiny
+from ds4.weights.checkpoint import INDEX_FILE, CheckpointError, checkpoint_args, load_checkpoint
 from ds4.weights.hf_naming import dense_args, dequant_weight, hf_to_official, official_to_hf
 from ds4.weights.schema import E8M0, FP4_PACKED, FP8, expected_tensors, local_tensors
 from ds4.weights.synthetic import random_weights
@@ -131,6 +131,74 @@ def test_load_without_mtp(ckpt):
     _, loaded = load_checkpoint(ckpt, include_mtp=False, progress=False)
     assert loaded and not any(n.startswith("mtp.") for n in loaded)
     assert set(loaded) == set(expected_tensors(ARGS, include_mtp=False))
+
+
+def test_load_fewer_layers(ckpt, weights, tmp_path):
+    # model.n_layers=N: the layers past N are neither read nor reported as unexpected
+    args2 = ARGS.with_layers(2)
+    args, part = load_checkpoint(ckpt, args=args2, include_mtp=False, progress=False)
+    assert args == args2 and list(part) == list(expected_tensors(args2, include_mtp=False))
+    assert not any(n.startswith("layers.2.") for n in part)
+    for n in part:
+        assert torch.equal(_bytes(part[n]), _bytes(weights[n])), n
+    # a layer beyond the checkpoint's own count is still unexpected
+    bad = _copy(ckpt, tmp_path)
+    _edit_shard(bad, "layers.1.attn_norm.weight", lambda t: t.update({"layers.9.attn_norm.weight": torch.ones(8)}))
+    with pytest.raises(CheckpointError, match="unexpected tensor layers.9.attn_norm.weight"):
+        load_checkpoint(bad, args=args2, include_mtp=False, progress=False)
+
+
+def test_extra_mtp_stages_ignored_without_mtp(ckpt, tmp_path):
+    # a checkpoint with another MTP head (V4-Flash-0731's three DSpark stages, spec §1.5) loads its backbone
+    root = _copy(ckpt, tmp_path)
+    _edit_shard(root, "mtp.0.norm.weight", lambda t: t.update({"mtp.2.markov_head.weight": torch.ones(4, 8)}))
+    _, part = load_checkpoint(root, include_mtp=False, progress=False)
+    assert set(part) == set(expected_tensors(ARGS, include_mtp=False))
+    _expect_error(root, "unexpected tensor mtp.2.markov_head.weight")  # with MTP asked for, it is one
+
+
+def test_expert_format_from_the_shards_when_config_is_silent(ckpt, tmp_path):
+    # the first HF revision's config.json has no expert_dtype, its experts are FP4 (spec §14.1)
+    root = _copy(ckpt, tmp_path)
+    cfg = json.loads((root / "config.json").read_text())
+    assert cfg.pop("expert_dtype") == "fp4"
+    (root / "config.json").write_text(json.dumps(cfg))
+    assert checkpoint_args(root) == ARGS
+    args, _ = load_checkpoint(root, progress=False)
+    assert args == ARGS
+    # a config that names a format keeps it; shards that disagree are reported
+    (root / "config.json").write_text(json.dumps({**cfg, "expert_dtype": "fp8"}))
+    assert checkpoint_args(root).expert_dtype == "fp8"
+    _expect_error(root, "tensor layers.0.ffn.experts.0.w1.weight: expected dtype F8_E4M3, found I8")
+
+
+@pytest.mark.parametrize("experts", ["fp4", "fp8"])
+def test_bf16_projections_with_quantised_experts_round_trip(tmp_path, experts):
+    args = ARGS.replace(weight_dtype="bf16", expert_dtype=experts)
+    w = random_weights(args, seed=1, include_mtp=False)
+    write_checkpoint(tmp_path / "c", args, w, tokenizer=False)
+    got_args, got = load_checkpoint(tmp_path / "c", include_mtp=False, progress=False)
+    assert got_args == args
+    assert_bit_equal(w, got)
+
+
+def test_config_errors_name_the_file(ckpt, tmp_path):
+    root = _copy(ckpt, tmp_path)
+    cfg = json.loads((root / "config.json").read_text())
+    del cfg["hidden_size"]
+    (root / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config.json: missing field 'hidden_size'"):
+        checkpoint_args(root)
+
+
+def test_default_rope_type_is_plain_rope():
+    cfg = ARGS.to_hf_config()
+    cfg["rope_scaling"] = {"rope_type": "default", "rope_theta": 50000.0}
+    args = ModelArgs.from_hf_config(cfg)
+    assert args.rope_factor == 1.0 and args.compress_rope_theta == 50000.0
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="unsupported rope scaling"):
+        ModelArgs.from_hf_config(cfg)
 
 
 # ---- bad checkpoints ---------------------------------------------------------------------

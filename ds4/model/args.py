@@ -131,6 +131,8 @@ class ModelArgs:
         rp = cfg.get("rope_parameters") or {}
         if isinstance(rp.get("compress"), dict):  # written by transformers >= 5.23
             rs = {**rp["compress"], **rs}
+        if (rs.get("type") or rs.get("rope_type")) == "default":  # plain RoPE (transformers' name): no YaRN fields
+            rs = {k: v for k, v in rs.items() if k == "rope_theta"}
         ratios = cfg.get("compress_ratios")
         if ratios is None and cfg.get("layer_types"):
             rates = cfg.get("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
@@ -168,7 +170,7 @@ class ModelArgs:
             weight_dtype=weight_dtype, expert_dtype=expert_dtype,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 1048576)),
         )
-        if (rs.get("type") or rs.get("rope_type")) not in ("yarn", None):
+        if (rs.get("type") or rs.get("rope_type")) not in ("yarn", "default", None):
             raise ValueError(f"unsupported rope scaling {rs}")
         kw.update(overrides)
         return cls(**kw)
@@ -207,6 +209,7 @@ class ModelArgs:
         if quantized and self.weight_dtype == "fp8":
             cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                           "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+        if quantized:  # also beside BF16 projections: without it the experts' format would read back as theirs
             cfg["expert_dtype"] = self.expert_dtype
         return cfg
 

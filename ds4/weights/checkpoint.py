@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,9 +208,11 @@ def _check(problems: list[str], ent: StEntry, name: str, allowed: tuple[torch.dt
         problems.append(f"{ent.file}: tensor {name}: expected shape {list(shape)}, found {list(ent.shape)}")
 
 
-def _plan_official(args, entries, include_mtp, problems) -> dict[str, _Source]:
+def _plan_official(args, entries, include_mtp, problems, trimmed: range) -> dict[str, _Source]:
     full = expected_tensors(args, include_mtp=True)
     for key, ent in entries.items():
+        if _layer_of(key) in trimmed or (not include_mtp and key.startswith("mtp.")):
+            continue  # not read: a layer model.n_layers trimmed away, or the MTP head (of any variant) unused
         if key not in full:
             problems.append(f"{ent.file}: unexpected tensor {key}")
     plan = {}
@@ -222,7 +225,7 @@ def _plan_official(args, entries, include_mtp, problems) -> dict[str, _Source]:
     return plan
 
 
-def _plan_transformers(args, entries, problems) -> dict[str, _Source]:
+def _plan_transformers(args, entries, problems, trimmed: range) -> dict[str, _Source]:
     full = expected_tensors(args, include_mtp=False)
     E, inter, d = args.n_routed_experts, args.moe_inter_dim, args.dim
     plan: dict[str, _Source] = {}
@@ -234,8 +237,8 @@ def _plan_transformers(args, entries, problems) -> dict[str, _Source]:
 
     for key, ent in entries.items():
         name, stacked = hf_key_to_official(key)
-        if name.startswith("mtp."):
-            continue  # transformers ignores MTP weights
+        if name.startswith("mtp.") or _layer_of(name) in trimmed:
+            continue  # transformers ignores MTP weights; a layer model.n_layers trimmed away is not read
         if stacked:
             layer = int(name.split(".")[1])
             if layer >= args.n_layers:
@@ -260,6 +263,48 @@ def _plan_transformers(args, entries, problems) -> dict[str, _Source]:
     return plan
 
 
+_LAYER_NAME = re.compile(r"layers\.(\d+)(?:\.|$)")
+
+
+def _layer_of(name: str) -> int:
+    """N for an official name `layers.N...`, else -1."""
+    m = _LAYER_NAME.match(name)
+    return int(m.group(1)) if m else -1
+
+
+# The routed experts' format by the stored dtype of an official-naming expert weight.
+_EXPERT_FORMATS = {"I8": "fp4", "F8_E4M3": "fp8", "BF16": "bf16"}
+
+
+def checkpoint_args(path: str | os.PathLike, scan=None) -> ModelArgs:
+    """The ModelArgs of the checkpoint at `path`, from its config.json and, where the config is silent, its
+    safetensors headers; transformers naming gives `dense_args` (what `load_checkpoint` returns).
+
+    A config without `expert_dtype` has the experts' format from the stored dtype: the first HF revision's
+    config has none though its experts are FP4 (spec §14.1), and the official convert's FP8 experts drop it
+    (spec §10.4). A config that names a format keeps it; a shard that disagrees is then a problem the loader
+    reports. `scan`: `scan_checkpoint(path)`'s result, if the caller has it."""
+    root = Path(path)
+    cfg, entries, _ = scan if scan is not None else scan_checkpoint(root)
+    if not cfg:
+        raise CheckpointError(f"{root}: no config.json (pass args explicitly)")
+    try:
+        args = ModelArgs.from_hf_config(cfg)
+    except KeyError as e:
+        raise CheckpointError(f"{root / 'config.json'}: missing field {e.args[0]!r} "
+                              "(a HF DeepSeek-V4 config.json is expected)") from None
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{root / 'config.json'}: {e}") from None
+    if detect_naming(entries) == "transformers":
+        return dense_args(args)
+    if cfg.get("expert_dtype") is None and (cfg.get("quantization_config") or {}).get("expert_dtype") is None:
+        ent = entries.get("layers.0.ffn.experts.0.w1.weight")
+        fmt = _EXPERT_FORMATS.get(ent.dtype) if ent is not None else None
+        if fmt is not None:
+            args = args.replace(expert_dtype=fmt)
+    return args
+
+
 def load_checkpoint(path: str | os.PathLike, args: ModelArgs | None = None, rank: int = 0, world: int = 1,
                     device="cpu", include_mtp: bool = True, progress: bool = True,
                     dtype_policy: str = "keep", experts: str = "ep",
@@ -267,28 +312,28 @@ def load_checkpoint(path: str | os.PathLike, args: ModelArgs | None = None, rank
     """Validate then read rank `rank`'s tensors of the checkpoint at `path` (official naming out); routed
     experts in the layout `experts` (schema.EXPERT_LAYOUTS), the shared expert in `shared` (SHARED_LAYOUTS).
 
-    args: taken from `config.json` unless given (transformers naming: always `dense_args`).
+    args: `checkpoint_args(path)` unless given (transformers naming: always `dense_args`); args with fewer layers
+    than the checkpoint (`ModelArgs.with_layers`) read and check only those layers.
     dtype_policy: "keep" = stored dtypes (a transformers F32 checkpoint stays F32);
     "schema" = cast floating tensors to the dtype `expected_tensors` names.
     Returns (args, name -> tensor on `device`) in `local_tensors` order."""
     if dtype_policy not in DTYPE_POLICIES:
         raise ValueError(f"dtype_policy must be one of {DTYPE_POLICIES}, got {dtype_policy!r}")
     root = Path(path)
-    cfg, entries, problems = scan_checkpoint(root)
+    scan = scan_checkpoint(root)
+    cfg, entries, problems = scan
     if args is None:
-        if not cfg:
-            raise CheckpointError(f"{root}: no config.json (pass args explicitly)")
-        try:
-            args = ModelArgs.from_hf_config(cfg)
-        except (KeyError, ValueError, TypeError) as e:
-            raise CheckpointError(f"config.json: cannot build ModelArgs: {e!r}") from None
+        args = checkpoint_args(root, scan)
+    # Layers the args leave out (model.n_layers=N below the checkpoint's count) are neither read nor checked.
+    stored = cfg.get("num_hidden_layers", args.n_layers) if cfg else args.n_layers
+    trimmed = range(args.n_layers, stored if isinstance(stored, int) else args.n_layers)
     naming = detect_naming(entries)
     if naming == "transformers":
         args = dense_args(args)
         include_mtp = False
-        plan = _plan_transformers(args, entries, problems)
+        plan = _plan_transformers(args, entries, problems, trimmed)
     else:
-        plan = _plan_official(args, entries, include_mtp, problems)
+        plan = _plan_official(args, entries, include_mtp, problems, trimmed)
     if problems:
         _raise(root, problems)
 
@@ -357,5 +402,5 @@ def _apply_policy(t: Tensor, spec: TensorSpec, policy: str) -> Tensor:
     return t
 
 
-__all__ = ["CheckpointError", "load_checkpoint", "scan_checkpoint", "read_safetensors_header", "detect_naming",
+__all__ = ["CheckpointError", "checkpoint_args", "load_checkpoint", "scan_checkpoint", "read_safetensors_header", "detect_naming",
            "ST_DTYPES", "ST_NAMES"]
