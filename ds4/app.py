@@ -261,6 +261,8 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     log(f"  numerics {spec.numerics}, {reduce}, runtime {spec.runtime}, tp {spec.tp}")
 
     tok = load_tokenizer(spec.tokenizer, args.vocab_size)
+    missing = spec.tokenizer is not None and tok.name == "byte"
+    log(f"  tokenizer {tok.name}" + (f" (no tokenizer files in {spec.tokenizer})" if missing else ""))
     task = _task_module(spec.task)
     plan = task.prepare(spec, args, tok)              # input checks, still before the weights
     t0 = time.perf_counter()

@@ -131,13 +131,14 @@ class HFTokenizer:
 
 
 def has_tokenizer_files(path: str | os.PathLike | None) -> bool:
-    return path is not None and any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+    return path is not None and any((Path(path).expanduser() / f).is_file() for f in TOKENIZER_FILES)
 
 
 def load_tokenizer(path: str | os.PathLike | None, vocab_size: int):
     """The checkpoint's tokenizer (offline, no remote code) or the built-in ByteTokenizer."""
     if not has_tokenizer_files(path):
         return ByteTokenizer(vocab_size)
+    path = Path(path).expanduser()  # `~/ckpt`, as the weights' path takes it
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     if len(tok) > vocab_size:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,10 @@ def group_name(tracking: dict, job: JobInfo) -> str | None:
     return None
 
 
+class TrackingError(ValueError):
+    """A tracking setup that cannot run here (printed as one line)."""
+
+
 class Tracker:
     """A wandb run for one job, or nothing (tracking=none)."""
 
@@ -75,7 +80,11 @@ class Tracker:
         self._wandb = None
         if tracking.get("name") != "wandb":
             return
-        import wandb  # lazy: the GPU machine has no wandb and runs with tracking=none
+        try:
+            import wandb  # lazy: the GPU machine has no wandb and runs with tracking=none
+        except ImportError as e:
+            raise TrackingError(f"tracking=wandb needs wandb ({e}); install it (pip install wandb) or run with "
+                               "tracking=none") from None
         self._wandb = wandb
         tags = [f"{k}={v}" for k, v in sorted(job.choices.items())] + [str(t) for t in tracking.get("tags") or []]
         self.run = wandb.init(
@@ -121,19 +130,30 @@ def write_metrics(output_dir: str, record: dict) -> Path:
 
 class SweepSummary(Callback):
     """After a multirun: one line per job, and a non-zero exit when any job failed (each failed
-    job was recorded and the others still ran)."""
+    job was recorded and the others still ran). Only this sweep's jobs count: a reused sweep directory's older
+    metrics.json files (written before the sweep started) are left out."""
+
+    started: float = 0.0
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = math.floor(time.time()) - 1  # a second's slack for file systems that keep whole seconds
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
-        records = []
+        records, older = [], 0
         for p in sorted(sweep.rglob(METRICS)):
             try:
+                if p.stat().st_mtime < self.started:
+                    older += 1
+                    continue
                 records.append(json.loads(p.read_text()))
             except (OSError, ValueError):
                 continue
         failed = [r for r in records if r.get("status") != "ok"]
         print(f"\nds4 sweep: {len(records)} jobs in {sweep}, {len(failed)} failed"
               f"  (table and chart: python -m ds4.compare {sweep})")
+        if older:
+            print(f"  ({older} metrics.json of an earlier sweep in this directory left out; ds4.compare reads them too)")
         for r in failed:
             print(f"  failed: {r.get('override_dirname') or r.get('output_dir')}: {r.get('error')}")
         if failed:

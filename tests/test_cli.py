@@ -5,6 +5,7 @@ The bench/eval tasks run in-process (same code after Hydra) to keep the suite sh
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -190,6 +191,93 @@ def test_chat_prompt_has_one_bos():
     ids = prepare(spec, None, tok).prompt_ids
     assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
     assert ids[:2] == tok.encode(tok.encode_chat([{"role": "user", "content": "Hi"}]))[:2]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["task.chat=off"], "task.chat must be true or false, got 'off'"),
+    (["task.stop_at_eos=no"], "task.stop_at_eos must be true or false"),
+    (["task.top_k=-1"], "top_k -1"),
+    (["task.top_p=0"], "top_p 0.0"),
+    (["task.temperature=warm"], "task.temperature must be a number, got 'warm'"),
+    (["task=bench", "task.warmup=-5"], "task.warmup must be >= 0"),
+    (["task=bench", "task.fidelity=off"], "task.fidelity must be true or false"),
+    (["task=bench", "task.reference_numerics=fp8"], "task.reference_numerics=fp8"),
+    (["task=bench", "task.prefill_lens=[8,x]"], "task.prefill_lens: 'x'"),
+    (["task=eval", "task.max_tokens=1"], "task.max_tokens must be >= 2"),
+])
+def test_task_options_checked_before_the_weights(overrides, message):
+    from ds4.tasks.common import InputError
+    from ds4.tokenizer import load_tokenizer
+    spec = _spec(*overrides)
+    task = app._task_module(spec.task)
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        task.prepare(spec, app.model_args(spec), load_tokenizer(None, 512))
+
+
+def test_bench_prefill_points():
+    from ds4.tasks import bench
+    from ds4.tokenizer import load_tokenizer
+    tok = load_tokenizer(None, 512)
+    # a point must leave a position to decode: max_seq_len itself is skipped with a note, not a failed job
+    spec = _spec("task=bench", "max_seq_len=64", "max_new_tokens=8", "task.prompt_len=8", "task.prefill_lens=[63,64]")
+    plan = bench.prepare(spec, app.model_args(spec), tok)
+    assert plan.prefill_lens == [63] and any("64" in n and "shorter than max_seq_len" in n for n in plan.notes)
+    spec = _spec("task=bench", "task.prefill_lens=16")  # one number: one point
+    assert bench.prepare(spec, app.model_args(spec), tok).prefill_lens == [16]
+
+
+def test_bench_at_batch_2_leaves_out_the_batch_1_byte_figures():
+    res = app.execute(_spec("task=bench", "batch=2", "max_batch=2", "max_new_tokens=3", "task.prefill_lens=[]",
+                            "task.prompt_len=4", "profile=false", "task.fidelity=false", "task.copy_bytes=67108864",
+                            "model.n_layers=1"), {}, log=lambda *_: None)
+    f = res["figures"]
+    assert f["batch"] == 2 and f["decode_tok_s"] > 0 and "copy_gb_s" in f
+    assert not {"bytes_per_token", "achieved_gb_s", "bw_ratio"} & set(f)
+    assert any("batch 2" in n for n in res["notes"])
+
+
+def test_is_reference_needs_the_reference_reduce_and_runtime():
+    from types import SimpleNamespace
+    from ds4.tasks.common import is_reference, reference_impls
+    ops = SimpleNamespace(chosen=reference_impls())
+    ref = _spec()
+    assert is_reference(SimpleNamespace(ops=ops, spec=ref), "plain")
+    for over in ({"tp": 2, "reduce": "bf16"}, {"runtime": "cuda_graph"}, {"numerics": "qat"}):
+        spec = dataclasses.replace(ref, **over)
+        assert not is_reference(SimpleNamespace(ops=ops, spec=spec), "plain"), over
+    assert is_reference(SimpleNamespace(ops=ops, spec=dataclasses.replace(ref, tp=2, reduce="fp32")), "plain")
+
+
+def test_tokenizer_path_with_a_tilde(tmp_path, monkeypatch):
+    from ds4.tokenizer import load_tokenizer, write_tokenizer_files
+    write_tokenizer_files(tmp_path / "ckpt")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_tokenizer("~/ckpt", 512).name.startswith("hf:")
+
+
+def test_wandb_missing_is_one_clear_error(monkeypatch):
+    from ds4 import tracking
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` then raises ImportError
+    job = tracking.JobInfo(output_dir=".")
+    with pytest.raises(tracking.TrackingError, match="tracking=none"):
+        tracking.Tracker({"name": "wandb"}, job, {}, "generate")
+
+
+def test_sweep_summary_counts_only_this_sweeps_jobs(tmp_path, capsys):
+    from omegaconf import OmegaConf
+    from ds4.tracking import SweepSummary
+    old = tmp_path / "0" / "metrics.json"
+    old.parent.mkdir()
+    old.write_text(json.dumps({"status": "failed", "error": "an earlier sweep's", "override_dirname": "moe=x"}))
+    os.utime(old, (1e9, 1e9))
+    cb = SweepSummary()
+    cb.on_multirun_start(OmegaConf.create({}))
+    new = tmp_path / "1" / "metrics.json"
+    new.parent.mkdir()
+    new.write_text(json.dumps({"status": "ok"}))
+    cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))  # no exit: nothing failed
+    out = capsys.readouterr().out
+    assert "1 jobs" in out and "0 failed" in out and "1 metrics.json of an earlier sweep" in out
 
 
 def test_graph_figures_reported_apart():

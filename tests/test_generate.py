@@ -52,6 +52,20 @@ def test_sampling_seeded_and_filters():
     assert 1350 < n1 < 1650
 
 
+def test_sampling_edges():
+    # top-p keeps the smallest prefix whose mass reaches top_p: [.5, .25, .25] at 0.5 is token 0 alone
+    half = torch.tensor([[0.5, 0.25, 0.25]]).log()
+    draws = [int(sample(half, Sampling(1.0, top_p=0.5), torch.Generator().manual_seed(i))) for i in range(200)]
+    assert set(draws) == {0}
+    # a tiny temperature is greedy, not NaN
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    assert int(sample(logits, Sampling(1e-45), torch.Generator().manual_seed(0))) == 1
+    with pytest.raises(ValueError, match="top_k -1"):
+        Sampling(top_k=-1)
+    with pytest.raises(ValueError, match=r"top_p 0.0 \(in \(0, 1\]"):
+        Sampling(1.0, top_p=0.0)
+
+
 def test_two_stage_argmax_is_torch_argmax():
     """The chunked argmax returns the first maximal index, like torch.argmax: random rows, rows whose
     maximum repeats across and inside chunks, bf16 ties, shapes not divisible by the chunk."""

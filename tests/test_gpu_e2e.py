@@ -231,6 +231,23 @@ def test_batch1_graph_matches_eager(defer):
     assert first is None, f"graph and eager tokens part at step {first} of {len(outs[0])}"
 
 
+def test_teacher_forced_logits_replay_the_captured_step():
+    """Fidelity under runtime=cuda_graph measures the captured step (Generator.teacher_forced_logits replays the
+    'logits' graph): its logits agree with eager decode's over 300 teacher-forced steps of tiny (window wraps and
+    compressor emissions), and the positions it leaves are the device's."""
+    impls = Impls(**_FUSED)
+    args, w = _tiny_weights_for(impls, seed=4)
+    prompt, cont = [5, 6, 7, 8, 9], [(37 * i + 11) % args.vocab_size for i in range(300)]
+    got = {}
+    for runtime in ("eager", "cuda_graph"):
+        g = Generator(_model(args, w, impls), 1, 400, runtime=runtime)
+        got[runtime] = g.teacher_forced_logits(prompt, cont).float()
+        assert list(g.graphs) == ([(1, "logits")] if runtime == "cuda_graph" else [])
+    assert got["eager"].shape == got["cuda_graph"].shape == (300, args.vocab_size)
+    assert torch.equal(got["eager"].argmax(-1), got["cuda_graph"].argmax(-1))
+    assert (got["eager"] - got["cuda_graph"]).abs().max().item() < 0.05
+
+
 def test_fp8t_layout_decodes_as_fp8(monkeypatch):
     """linear=gemv_cuda lays tiny's dense FP8 projections out as fp8t at load (DS4_FP8_TILE unset: auto), and
     moe=fp4_topk its shared experts; the merged weights' row views in the same storage and format, the indexer reading

@@ -113,11 +113,16 @@ class Generator:
         return sample(logits, sampling, gen)
 
     def teacher_forced_logits(self, prompt: list[int], continuation: list[int]) -> Tensor:
-        """Logits predicting continuation[i] at step i, feeding the given tokens through decode."""
+        """Logits predicting continuation[i] at step i, feeding the given tokens through the decode step the
+        runtime runs (runtime=cuda_graph: the captured step, so fidelity measures what the run decodes with)."""
+        step = self.graph_step(1, "logits") if self.runtime == "cuda_graph" else None
         logits = [self.prefill([prompt])[0]]
         dev = self.model.device
         for t in continuation[:-1]:
-            logits.append(self.decode(torch.tensor([t], device=dev))[0])
+            tok = torch.tensor([t], device=dev)
+            logits.append(self.decode(tok)[0] if step is None else self.replay(step, tok)[0].clone())
+        if step is not None:
+            self.check_positions()
         return torch.stack(logits)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),

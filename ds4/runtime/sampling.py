@@ -17,8 +17,12 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"invalid sampling settings {self}")
+        bad = [f"{k} {v} ({rule})" for k, v, ok, rule in (
+            ("temperature", self.temperature, self.temperature >= 0, "0 = greedy, else > 0"),
+            ("top_k", self.top_k, self.top_k >= 0, "0 = off, else >= 1"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1], 1 = off")) if not ok]
+        if bad:
+            raise ValueError("invalid sampling settings: " + "; ".join(bad))
 
     @property
     def greedy(self) -> bool:
@@ -48,14 +52,16 @@ def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None = None
     """logits [B, V] fp32 -> token ids [B] int64."""
     if s.greedy:
         return argmax(logits)
-    logits = logits.float() / s.temperature
+    logits = logits.float()
+    # the max subtracted first: a tiny temperature then sends the others to -inf, not every logit to inf (NaN)
+    logits = (logits - logits.amax(-1, keepdim=True)) / s.temperature
     if s.top_k:
         kth = logits.topk(min(s.top_k, logits.shape[-1]), -1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     if s.top_p < 1:
         sp, si = probs.sort(-1, descending=True)
-        drop = sp.cumsum(-1) - sp > s.top_p          # keep the smallest prefix whose mass reaches top_p
+        drop = sp.cumsum(-1) - sp >= s.top_p         # keep the smallest prefix whose mass reaches top_p
         probs = probs.scatter(-1, si, sp.masked_fill(drop, 0))
     # Gumbel-max in its exponential form (as the official generate.py): argmax(p / E), E ~ Exp(1).
     noise = torch.empty_like(probs).exponential_(1, generator=generator)

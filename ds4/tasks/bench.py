@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4.tasks.common import (Context, RunSpec, copy_bandwidth, decode_figures, fidelity_plan, graph_figures,
-                              greedy_fidelity, peak_memory, sync)
-from ds4.tasks.generate import InputError, check_lengths
+from ds4.tasks.common import (Context, InputError, RunSpec, check_fidelity_opts, copy_bandwidth, decode_figures,
+                              fidelity_plan, graph_figures, greedy_fidelity, opt_int, peak_memory, sync)
+from ds4.tasks.generate import check_lengths
 
 
 @dataclass
@@ -33,22 +33,35 @@ def _random_prompt(n: int, vocab: int, seed: int, bos: int | None) -> list[int]:
 
 def prepare(spec: RunSpec, args, tokenizer) -> Plan:
     o, notes = spec.task_opts, []
+    # the options run() reads, checked here, before the weights load
+    opt_int(o, "warmup", 0, lo=0)
+    opt_int(o, "copy_bytes", 1 << 30, lo=1)
+    opt_int(o, "fidelity_tokens", 16, lo=1)
+    check_fidelity_opts(o)
     if o.get("prompt_len") is None:
         ids = tokenizer.encode(spec.prompt, add_bos=True)
     else:
-        n = int(o["prompt_len"])
-        if n < 1:
-            raise InputError(f"task.prompt_len must be >= 1, got {n}")
+        n = opt_int(o, "prompt_len", 32, lo=1)
         if n > spec.max_seq_len:
             raise InputError(f"task.prompt_len={n} is longer than max_seq_len={spec.max_seq_len}")
         ids = _random_prompt(n, args.vocab_size, spec.seed, tokenizer.bos_id)
     check_lengths(len(ids), spec, spec.max_new_tokens)
+    if int(o.get("warmup", 0)) >= spec.max_new_tokens - 1:  # the steps timed are those after the warm-up
+        notes.append(f"task.warmup={o.get('warmup')} leaves no decode step of {spec.max_new_tokens - 1} "
+                     "out of TPOT: every step is timed")
+    points = o.get("prefill_lens") or []
+    if isinstance(points, (int, str)):  # task.prefill_lens=8192: one point
+        points = [points]
     lens = []
-    for n in o.get("prefill_lens") or []:
-        if int(n) <= spec.max_seq_len:
-            lens.append(int(n))
+    for n in points:
+        if isinstance(n, float) and n.is_integer():
+            n = int(n)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"task.prefill_lens: {n!r} is not a prompt length (an integer >= 1)")
+        if n < spec.max_seq_len:  # a prompt takes at most max_seq_len - 1 positions (one is left to decode)
+            lens.append(n)
         else:
-            notes.append(f"prefill point {n} skipped: above max_seq_len={spec.max_seq_len}")
+            notes.append(f"prefill point {n} skipped: a prompt must be shorter than max_seq_len={spec.max_seq_len}")
     return Plan(ids, lens, notes)
 
 
@@ -80,16 +93,20 @@ def run(ctx: Context, plan: Plan) -> dict:
     for n in plan.prefill_lens:
         fig[f"prefill_tok_s_L{n}"] = _prefill_tok_s(ctx, n)
 
-    context = len(plan.prompt_ids) + spec.max_new_tokens // 2   # the middle of the decode
-    fig["bytes_context"] = context
-    fig["bytes_per_token"] = int(ctx.model.bytes_per_token(context))
+    notes = list(plan.notes)
     fig["copy_gb_s"] = copy_bandwidth(spec.device, int(o.get("copy_bytes", 1 << 30)))
-    if fig.get("tpot_ms"):
-        fig["achieved_gb_s"] = fig["bytes_per_token"] / (fig["tpot_ms"] / 1e3) / 1e9
-        fig["bw_ratio"] = fig["achieved_gb_s"] / fig["copy_gb_s"]
+    if spec.batch == 1:
+        context = len(plan.prompt_ids) + spec.max_new_tokens // 2   # the middle of the decode
+        fig["bytes_context"] = context
+        fig["bytes_per_token"] = int(ctx.model.bytes_per_token(context))
+        if fig.get("tpot_ms"):
+            fig["achieved_gb_s"] = fig["bytes_per_token"] / (fig["tpot_ms"] / 1e3) / 1e9
+            fig["bw_ratio"] = fig["achieved_gb_s"] / fig["copy_gb_s"]
+    else:  # the routed experts a step reads depend on how the rows' choices overlap: no one byte count
+        notes.append(f"batch {spec.batch}: bytes/token, achieved GB/s and bw_ratio are batch-1 figures, "
+                     "not reported")
     fig.update(peak_memory(spec.device))
 
-    notes = list(plan.notes)
     ref_numerics, skipped = fidelity_plan(ctx)
     if skipped:
         notes.append(skipped)

@@ -22,6 +22,47 @@ from ds4.profile import Profiler
 from ds4.registry import Impls, Ops
 
 
+class InputError(ValueError):
+    """Bad input found before the weights load (printed as one line)."""
+
+
+# ---- task options (task.*): read and checked in a task's prepare, before the weights load -------------------
+NUMERICS = ("plain", "qat")
+
+
+def opt_bool(o: dict, key: str, default: bool) -> bool:
+    v = o.get(key, default)
+    if not isinstance(v, bool):  # Hydra passes `task.chat=off` as the string 'off', which bool() takes as true
+        raise InputError(f"task.{key} must be true or false, got {v!r}")
+    return v
+
+
+def opt_int(o: dict, key: str, default: int, lo: int | None = None) -> int:
+    v = o.get(key, default)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InputError(f"task.{key} must be an integer, got {v!r}")
+    if lo is not None and v < lo:
+        raise InputError(f"task.{key} must be >= {lo}, got {v}")
+    return v
+
+
+def opt_float(o: dict, key: str, default: float) -> float:
+    v = o.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InputError(f"task.{key} must be a number, got {v!r}")
+    return float(v)
+
+
+def check_fidelity_opts(o: dict) -> None:
+    """The fidelity options of task=bench / eval (fidelity_plan and the comparison read them later)."""
+    opt_bool(o, "fidelity", True)
+    opt_float(o, "margin", 0.5)
+    if str(o.get("reference_numerics", "plain")) not in NUMERICS:
+        raise InputError(f"task.reference_numerics={o.get('reference_numerics')}: choose one of {', '.join(NUMERICS)}")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything a job needs, as plain data (built from the Hydra config by ds4.app)."""
@@ -189,7 +230,11 @@ def reference_impls() -> dict[str, str]:
 
 
 def is_reference(ctx: Context, ref_numerics: str) -> bool:
-    return dict(ctx.ops.chosen) == reference_impls() and ctx.spec.numerics == ref_numerics
+    """The run is the torch reference itself: the torch implementations, the reference numerics, the eager runtime
+    and (tensor-parallel) the fp32 reduce."""
+    s = ctx.spec
+    return (dict(ctx.ops.chosen) == reference_impls() and s.numerics == ref_numerics and s.runtime == "eager"
+            and (s.tp == 1 or s.reduce == "fp32"))
 
 
 def fidelity_plan(ctx: Context) -> tuple[str, str | None]:
@@ -197,7 +242,7 @@ def fidelity_plan(ctx: Context) -> tuple[str, str | None]:
     (task.fidelity=false, or this run is the torch reference) — None when it is measured."""
     o = ctx.spec.task_opts
     ref_numerics = str(o.get("reference_numerics", "plain"))
-    if not o.get("fidelity", True):
+    if not opt_bool(o, "fidelity", True):
         return ref_numerics, "fidelity off (task.fidelity=false)"
     if is_reference(ctx, ref_numerics):
         return ref_numerics, "fidelity skipped: this run is the torch reference"
@@ -208,11 +253,20 @@ def fidelity_plan(ctx: Context) -> tuple[str, str | None]:
 def reference_generator(ctx: Context, ref_numerics: str):
     """The torch reference on the same loaded weights: inside the block the model runs with the
     torch implementations (and `ref_numerics`), then its own are restored. Nothing is copied, so
-    fidelity costs no extra weight memory (and works under tensor parallelism with the same ranks)."""
+    fidelity costs no extra weight memory (and works under tensor parallelism with the same ranks). Tensor-parallel
+    all-reduces sum in fp32 inside the block, whatever the run's `reduce` (every comm holds fp32 buffers)."""
     from ds4.registry import torch_reference_ops
     from ds4.runtime.generate import Generator
+    comm = ctx.model.comm
+    saved = getattr(comm, "reduce_dtype", None)
     with ctx.model.configured(ops=torch_reference_ops(), numerics=ref_numerics):
-        yield Generator(ctx.model, max_batch=1, max_seq_len=ctx.spec.max_seq_len)
+        try:
+            if saved is not None:
+                comm.reduce_dtype = torch.float32
+            yield Generator(ctx.model, max_batch=1, max_seq_len=ctx.spec.max_seq_len)
+        finally:
+            if saved is not None:
+                comm.reduce_dtype = saved
 
 
 def greedy_fidelity(ctx: Context, prompt: list[int], n_tokens: int, margin: float, ref_numerics: str) -> dict:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import torch.nn.functional as F
 
-from ds4.tasks.common import (Context, RunSpec, compare_logits, fidelity_plan, peak_memory, reference_generator,
-                              sync)
-from ds4.tasks.generate import InputError
+from ds4.tasks.common import (Context, InputError, RunSpec, check_fidelity_opts, compare_logits, fidelity_plan,
+                              opt_int, peak_memory, reference_generator, sync)
 
 BUILTIN_TEXT = (
     "The history of computing is a story of machines that learned to do more with less. Early "
@@ -32,6 +31,7 @@ class Plan:
 
 def prepare(spec: RunSpec, args, tokenizer) -> Plan:
     o = spec.task_opts
+    check_fidelity_opts(o)
     path = o.get("text_file")
     if path:
         p = Path(str(path)).expanduser()
@@ -40,7 +40,7 @@ def prepare(spec: RunSpec, args, tokenizer) -> Plan:
         text, source = p.read_text(encoding="utf-8", errors="replace"), str(p)
     else:
         text, source = BUILTIN_TEXT, "built-in paragraph"
-    limit = min(int(o.get("max_tokens", 256)), spec.max_seq_len)
+    limit = min(opt_int(o, "max_tokens", 256, lo=2), spec.max_seq_len)
     ids = tokenizer.encode(text, add_bos=True)[:limit]
     if len(ids) < 2:
         raise InputError(f"{source} encodes to {len(ids)} token(s); perplexity needs at least 2")

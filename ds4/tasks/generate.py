@@ -3,16 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds4.tasks.common import Context, RunSpec, decode_figures, graph_figures, peak_memory
+from ds4.runtime.sampling import Sampling
+from ds4.tasks.common import (Context, InputError, RunSpec, decode_figures, graph_figures, opt_bool, opt_float,
+                              opt_int, peak_memory)
 
-
-class InputError(ValueError):
-    """Bad input found before the weights load (printed as one line)."""
+__all__ = ["InputError", "Plan", "check_lengths", "prepare", "run"]
 
 
 @dataclass
 class Plan:
     prompt_ids: list[int]
+    sampling: Sampling
+    stop_at_eos: bool
 
 
 def check_lengths(n_prompt: int, spec: RunSpec, new_tokens: int) -> None:
@@ -23,26 +25,38 @@ def check_lengths(n_prompt: int, spec: RunSpec, new_tokens: int) -> None:
                          f"max_seq_len={spec.max_seq_len}; raise max_seq_len or lower max_new_tokens")
 
 
+def sampling_of(spec: RunSpec) -> Sampling:
+    o = spec.task_opts
+    try:
+        return Sampling(temperature=opt_float(o, "temperature", 0.0), top_k=opt_int(o, "top_k", 0),
+                        top_p=opt_float(o, "top_p", 1.0), seed=spec.seed)
+    except InputError:
+        raise
+    except ValueError as e:
+        raise InputError(f"task: {e}") from None
+
+
 def prepare(spec: RunSpec, args, tokenizer) -> Plan:
-    text, chat = spec.prompt, bool(spec.task_opts.get("chat"))
+    o = spec.task_opts
+    sampling, stop_at_eos = sampling_of(spec), opt_bool(o, "stop_at_eos", True)
+    text, chat = spec.prompt, opt_bool(o, "chat", False)
     if chat:  # the chat encoding starts with the BOS text itself (spec §12)
         text = tokenizer.encode_chat([{"role": "user", "content": text}])
     ids = tokenizer.encode(text, add_bos=not chat)
     if not ids:
         raise InputError("the prompt encodes to no tokens")
     check_lengths(len(ids), spec, spec.max_new_tokens)
-    return Plan(ids)
+    return Plan(ids, sampling, stop_at_eos)
 
 
 def run(ctx: Context, plan: Plan) -> dict:
-    from ds4.runtime.sampling import Sampling
-    spec, o = ctx.spec, ctx.spec.task_opts
-    sampling = Sampling(temperature=float(o.get("temperature", 0.0)), top_k=int(o.get("top_k", 0)),
-                        top_p=float(o.get("top_p", 1.0)), seed=spec.seed)
-    out = ctx.gen().generate([plan.prompt_ids] * spec.batch, spec.max_new_tokens, sampling,
-                             stop_at_eos=bool(o.get("stop_at_eos", True)))
+    spec = ctx.spec
+    out = ctx.gen().generate([plan.prompt_ids] * spec.batch, spec.max_new_tokens, plan.sampling,
+                             stop_at_eos=plan.stop_at_eos)
     figures = decode_figures(out, spec.batch)
     figures.update(graph_figures(ctx.gen()))
     figures.update(peak_memory(spec.device))
+    notes = ["timed with the stage profiler on (profile=true), which adds events to every step; task=bench times "
+             "its headline TPOT with it off"] if ctx.profiler.enabled else []
     return {"figures": figures, "prompt_ids": plan.prompt_ids, "generated_ids": out.tokens,
-            "text": ctx.tokenizer.decode(out.tokens[0]), "profile": ctx.profiler.summary()}
+            "text": ctx.tokenizer.decode(out.tokens[0]), "profile": ctx.profiler.summary(), "notes": notes}
