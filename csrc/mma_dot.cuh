@@ -310,8 +310,11 @@ struct MmaStream {
     n = left = (int)(total * (warp + 1) / NW - beg);
     lr = (int)(beg % nr);
     const long ts = beg / nr;
-    ls = (int)(ts % nseg);
-    lt = (int)(ts / nseg);
+    // nseg 0 (a down launch of parallel.experts=ep on a rank none of whose experts the token chose): no rounds, so
+    // the cursor is never read, but a remainder by zero would be undefined
+    const int nsg = nseg > 0 ? nseg : 1;
+    ls = (int)(ts % nsg);
+    lt = (int)(ts / nsg);
     if (n > 0) seek();
     if (threadIdx.x < 16) mma_zero_b()[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
   }
