@@ -182,6 +182,18 @@ def test_bf16_projections_with_quantised_experts_round_trip(tmp_path, experts):
     assert_bit_equal(w, got)
 
 
+def test_official_naming_fp32_checkpoint_loads(tmp_path):
+    # a dequantised checkpoint saved in FP32 (official naming): its BF16 tensors stored as F32
+    args = ARGS.replace(weight_dtype="bf16", expert_dtype="bf16")
+    w = random_weights(args, seed=2, include_mtp=False)
+    f32 = {k: (v.float() if v.dtype == torch.bfloat16 else v) for k, v in w.items()}
+    write_checkpoint(tmp_path / "c", args, f32, tokenizer=False)
+    _, got = load_checkpoint(tmp_path / "c", include_mtp=False, progress=False)
+    assert got["layers.0.attn.wq_a.weight"].dtype == torch.float32
+    _, got = load_checkpoint(tmp_path / "c", include_mtp=False, progress=False, dtype_policy="schema")
+    assert_bit_equal(w, got)
+
+
 def test_config_errors_name_the_file(ckpt, tmp_path):
     root = _copy(ckpt, tmp_path)
     cfg = json.loads((root / "config.json").read_text())

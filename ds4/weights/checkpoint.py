@@ -4,7 +4,7 @@ Layout: `config.json`, `model.safetensors.index.json` (weight_map) + shards, or 
 `model.safetensors`. Two namings are accepted:
 
 * official — the release (`embed.weight`, `layers.N.attn.wq_a.weight` + `.scale`, ...), FP8/FP4
-  or dense; dtypes must match `expected_tensors` exactly.
+  or dense; dtypes must match `expected_tensors` (where it says BF16, F32 is taken too).
 * transformers — keys under `model.` (module or `save_pretrained` spelling, see hf_naming);
   dense BF16 or F32 weights, routed experts stacked or not. Returned renamed to the official
   naming with `dense_args(args)` (no `.scale` tensors).
@@ -220,7 +220,9 @@ def _plan_official(args, entries, include_mtp, problems, trimmed: range) -> dict
         if name not in entries:
             problems.append(f"missing tensor {name} (expected {_st(spec.dtype)} {list(spec.shape)})")
             continue
-        _check(problems, entries[name], name, (spec.dtype,), spec.shape)
+        # BF16 tensors may be stored as F32 (a dequantised FP32 checkpoint), as the transformers naming allows
+        allowed = (spec.dtype, torch.float32) if spec.dtype == torch.bfloat16 else (spec.dtype,)
+        _check(problems, entries[name], name, allowed, spec.shape)
         plan[name] = _Source(name)
     return plan
 
