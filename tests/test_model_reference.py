@@ -182,6 +182,49 @@ def test_mtp_forward():
     assert not torch.allclose(out, m.mtp_logits(h, seq[1:]))
 
 
+def test_qat_simulates_activations_only_before_quantised_weights(monkeypatch):
+    """Spec §2: under qat an FP8 / FP4 GEMM sees FP8-simulated activations, a BF16 weight the plain product: a
+    dense checkpoint's routed experts take none; the MTP block's FP8 e_proj / h_proj take it."""
+    import ds4.ops.moe_torch as moe_torch
+    a = tiny()
+    seen = []
+
+    def spy(x, block, *rest, **kw):
+        seen.append(tuple(x.shape))
+        return real(x, block, *rest, **kw)
+
+    real = moe_torch.act_quant_sim
+    monkeypatch.setattr(moe_torch, "act_quant_sim", spy)
+    seq = [[(5 * i + 1) % a.vocab_size for i in range(12)]]
+    Generator(build(a.replace(weight_dtype="bf16", expert_dtype="bf16"), "qat"), 1, 32).prefill(seq)
+    assert seen == []  # BF16 experts: no simulation before their GEMMs
+    Generator(build(a, "qat"), 1, 32).prefill(seq)
+    assert seen  # FP4 experts: x and h simulated
+    m = build(a, "qat", mtp=True)
+    seq = torch.tensor([4, 8, 15, 16, 23, 42, 7, 9])
+    g = Generator(m, 1, 32)
+    g.state.reset_row(0)
+    _, h = m.prefill(seq[:-1], g.state, 0, return_hidden=True)
+    lin = m.ops.linear
+
+    class Spy:  # records each product's weight format and act_quant; everything else is the implementation's
+        calls = []
+
+        def __call__(self, x, w, act_quant=False, **kw):
+            self.calls.append((w.fmt, act_quant))
+            return lin(x, w, act_quant, **kw)
+
+        def __getattr__(self, name):
+            return getattr(lin, name)
+
+    m.ops.linear = spy_lin = Spy()
+    try:
+        m.mtp_logits(h, seq[1:])
+    finally:
+        m.ops.linear = lin
+    assert spy_lin.calls[:2] == [("fp8", True), ("fp8", True)]  # e_proj, h_proj
+
+
 def test_state_reset_between_sequences():
     """A new sequence must not see the previous one's compressor state (spec §14.17)."""
     a = tiny()

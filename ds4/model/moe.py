@@ -82,6 +82,9 @@ class MoE(WeightsModule):
         router's launch finishes."""
         moe = self.ops.moe
         rk = {} if ride is None else {"ride": ride}
+        # qat's FP8 activation simulation before the routed GEMMs: FP8 / FP4 experts only (spec §2: a BF16 weight, a
+        # dense checkpoint's, takes the plain product; the shared expert's implementations check their own format)
+        aq = self.qat and self.mw.w1.fmt != "bf16"
         ffn_ok = getattr(moe, "ffn_ok", None)
         if self.comm.world == 1 and ffn_ok is not None and ffn_ok(x, self.mw, self.qat):
             # routed and shared experts in one launch (nothing is reduced over ranks after it, so it may fold); with
@@ -108,17 +111,17 @@ class MoE(WeightsModule):
                 raise RuntimeError("a sliced shared expert (parallel.shared_expert=tp) needs the tensor-parallel comm")
             with self.prof("moe.routed"):
                 if up is not None:  # the shared partial (bf16) added in the down kernel's epilogue, fp32 out
-                    y = moe.routed(x, w, ids, self.mw, act_quant=self.qat, shared=up, partial=True)
+                    y = moe.routed(x, w, ids, self.mw, act_quant=aq, shared=up, partial=True)
                 else:
-                    y = moe.routed(x, w, ids, self.mw, act_quant=self.qat)
+                    y = moe.routed(x, w, ids, self.mw, act_quant=aq)
                     y = y + moe.shared(x, self.mw, act_quant=self.qat).float()
             with self.prof("comm.moe"):
                 return self.comm.all_reduce(y, "moe", out_dtype=x.dtype, fold=fold)
         if up is not None and self.comm.world == 1:
             with self.prof("moe.routed"):  # nothing to reduce: returns (routed + shared.float()).to(x.dtype)
-                return moe.routed(x, w, ids, self.mw, act_quant=self.qat, shared=up, fold=fold)
+                return moe.routed(x, w, ids, self.mw, act_quant=aq, shared=up, fold=fold)
         with self.prof("moe.routed"):
-            y = moe.routed(x, w, ids, self.mw, act_quant=self.qat)
+            y = moe.routed(x, w, ids, self.mw, act_quant=aq)
         with self.prof("comm.moe"):
             y = self.comm.all_reduce(y, "moe")
         with self.prof("moe.shared"):  # returns (y + shared.float()).to(x.dtype); the block output: may fold

@@ -326,7 +326,8 @@ class Transformer(WeightsModule):
         a, S = self.args, h.shape[0]
         e = rms_norm(self.embed[next_ids].to(self.dtype), blk.enorm, a.norm_eps)
         hh = rms_norm(h, blk.hnorm, a.norm_eps)
-        x = self.ops.linear(e, blk.e_proj).unsqueeze(1) + self.ops.linear(hh, blk.h_proj)
+        aq = blk.attn.qat  # (the linear implementations simulate FP8 activations only before FP8 / FP4 weights)
+        x = self.ops.linear(e, blk.e_proj, act_quant=aq).unsqueeze(1) + self.ops.linear(hh, blk.h_proj, act_quant=aq)
         st = blk.attn.alloc_state(1, S, self.dtype, self.device)
         _, carry = blk(x, next_ids, lambda attn, xx, fold, qkv_a: attn.prefill(xx, st, 0, fold, qkv_a))
         x = blk.finish_streams(carry)
