@@ -62,6 +62,8 @@ CASES = [
     (0, dict()),
     (1, dict(n_layers=4, compress_ratios=(4, 16, 0, 4, 0), n_hash_layers=1, o_groups=4, o_lora_rank=128)),
     (2, dict(n_layers=3, compress_ratios=(16, 4, 4, 0), n_hash_layers=3, index_topk=5, window_size=8)),
+    # a SwiGLU limit the synthetic activations cross (gate and up reach about 5), so its clamps really act
+    (3, dict(swiglu_limit=1.0)),
 ]
 
 
@@ -70,7 +72,8 @@ def test_parity_with_transformers(seed, over):
     args = tiny().replace(**over)
     w = random_weights(args, seed=seed, include_mtp=False)
     steps = 300
-    prompts = [list(range(3, 3 + 13)), [(7 * i + seed) % args.vocab_size for i in range(30)]]
+    # prompt lengths 13 + 4 * seed and 30 + seed: every remainder mod 4 over the cases (the compressors' partial window)
+    prompts = [list(range(3, 3 + 13 + 4 * seed)), [(7 * i + seed) % args.vocab_size for i in range(30 + seed)]]
     model = Transformer(args, torch_reference_ops(), "plain", torch.float32)
     model.load_weights(w)
     toks, logits = ds4_greedy(model, prompts, steps)
