@@ -7,6 +7,7 @@ multirun the failing job is recorded (metrics.json status=failed) and the sweep 
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -19,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ds4 import dist as ddist
 from ds4 import tracking
 from ds4.model.args import ModelArgs, preset
-from ds4.registry import COMPONENTS, Impls, ImplUnavailable, build_ops
+from ds4.registry import COMPONENTS, Impls, ImplUnavailable, Setup, build_ops
 from ds4.tasks.common import Context, RunSpec, format_figures, reset_memory
 from ds4.weights.schema import EXPERT_LAYOUTS, SHARED_LAYOUTS
 
@@ -227,9 +228,12 @@ def load_weights(spec: RunSpec, args: ModelArgs) -> tuple[ModelArgs, dict]:
     """This rank's tensors only (slices and owned experts); MTP is not used by decode."""
     if spec.weights_kind == "checkpoint":
         from ds4.weights.checkpoint import load_checkpoint
+        # a bf16 run holds F32-stored tensors (a dequantised FP32 checkpoint) as the schema's BF16: the CUDA
+        # implementations take BF16 weights, and the torch ones convert them to the activations' dtype anyway
+        policy = "schema" if spec.dtype == torch.bfloat16 else "keep"
         return load_checkpoint(str(Path(str(spec.weights_path)).expanduser()), args=args, device=spec.device,
                                rank=spec.rank, world=spec.tp, include_mtp=False, progress=spec.rank == 0,
-                               experts=spec.experts, shared=spec.shared_expert)
+                               experts=spec.experts, shared=spec.shared_expert, dtype_policy=policy)
     from ds4.weights.synthetic import random_weights
     return args, random_weights(args, seed=spec.weights_seed, device=spec.device, rank=spec.rank, world=spec.tp,
                                 include_mtp=False, experts=spec.experts, shared=spec.shared_expert)
@@ -245,9 +249,12 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
         raise UserError(f"max_seq_len={spec.max_seq_len} exceeds the model's max_position_embeddings="
                         f"{args.max_position_embeddings}")
     check_setup(spec, args)
-    ops = build_ops(spec.impls, spec.device)          # raises before any weights load
+    # raises before any weights load; the notes say what the choices leave to other code for this setup
+    ops = build_ops(spec.impls, spec.device, Setup(spec.dtype, spec.max_batch, args.weight_dtype))
     record["resolved"] = dict(ops.chosen)
     record["notes"] = {c: ops.notes[c] for c in ops.notes}
+    # the DS4_* switches (ablations, diagnostics) change what runs under the same names: recorded and printed
+    record["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DS4_")}
     log(f"ds4 {spec.task}: model={spec.model if spec.weights_kind == 'synthetic' else spec.weights_path} "
         f"({args.n_layers} layers, dim {args.dim}), weights={spec.weights_kind}, device={spec.device}, "
         f"dtype={str(spec.dtype).removeprefix('torch.')}")
@@ -255,10 +262,14 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     for c in COMPONENTS:
         note = ops.notes[c]
         log(f"  {c:<9}{ops.chosen[c]:<12}" + (f"({note})" if note != ops.chosen[c] else ""))
-    reduce = (f"reduce {spec.reduce}, comm {spec.comm}, experts {spec.experts}, shared expert {spec.shared_expert}"
+    peer = (f" (sums of up to {ddist.PEER_MAX_NUMEL} values; larger ones, a prompt's, over NCCL)"
+            if spec.comm in ("symm_mem", "ll") else "")
+    reduce = (f"reduce {spec.reduce}, comm {spec.comm}{peer}, experts {spec.experts}, shared expert {spec.shared_expert}"
               if spec.tp > 1
               else "reduce (world 1: no reduction)")
     log(f"  numerics {spec.numerics}, {reduce}, runtime {spec.runtime}, tp {spec.tp}")
+    if record["env"]:
+        log("  environment " + " ".join(f"{k}={v}" for k, v in record["env"].items()))
 
     tok = load_tokenizer(spec.tokenizer, args.vocab_size)
     missing = spec.tokenizer is not None and tok.name == "byte"

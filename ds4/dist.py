@@ -94,11 +94,13 @@ def symm_dtypes(reduce_dtype: torch.dtype) -> list[torch.dtype]:
 
 
 COMMS = ("nccl", "symm_mem", "ll")
+# comm=symm_mem / ll: the largest sum (values) their peer buffers take; a larger one (a prompt's) goes over NCCL
+PEER_MAX_NUMEL = 1 << 16
 
 
 class TensorParallel:
     def __init__(self, reduce: str = "fp32", comm: str = "nccl", group=None, device: torch.device | None = None,
-                 max_numel: int = 1 << 16):
+                 max_numel: int = PEER_MAX_NUMEL):
         if reduce not in REDUCE_DTYPES:
             raise ValueError(f"reduce must be one of {sorted(REDUCE_DTYPES)}, got {reduce!r}")
         if comm not in COMMS:

@@ -1,9 +1,11 @@
 """(component, name) -> implementation. The only place where config names become code.
 
 Each entry has a factory (builds the implementation object), a check (returns None when it can
-run on a device, else the reason), and a priority used by `auto` (highest available wins).
-An explicit choice that cannot run raises `ImplUnavailable` before any weights are loaded;
-only `auto` falls back, and it reports what it chose and why.
+run on a device, else the reason), the activation dtypes its kernels take, and a priority used by
+`auto` (highest available wins). An explicit choice that cannot run raises `ImplUnavailable` before
+any weights are loaded; only `auto` falls back, and it reports what it chose and why. What an entry
+leaves to other code for the run's setup (`Setup`: decode rows past its kernels' limit, BF16 dense
+weights) is said in its note, which the run prints.
 
 Nothing here is mutated at run time: the table is filled once at import by `_builtin()`.
 """
@@ -23,6 +25,18 @@ class ImplUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Setup:
+    """What a run asks of its implementations, known before the weights load."""
+    dtype: torch.dtype | None = None  # the activations' dtype (None: not checked)
+    max_batch: int = 1                # decode rows
+    weight_dtype: str = "fp8"         # the dense projections' stored format (ModelArgs.weight_dtype)
+
+
+def _no_caveats(_setup: Setup) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
 class Entry:
     component: str
     name: str
@@ -30,6 +44,17 @@ class Entry:
     check: Callable[[torch.device], str | None]
     priority: int = 0
     description: str = ""
+    dtypes: tuple[torch.dtype, ...] = ()  # activation dtypes its kernels take (empty: any)
+    caveats: Callable[[Setup], list[str]] = _no_caveats  # what other code runs for this setup, said in the note
+
+    def unavailable(self, device: torch.device, setup: Setup | None) -> str | None:
+        """None when it can run on `device` for `setup`, else the reason."""
+        why = self.check(device)
+        if why is None and setup is not None and setup.dtype is not None and self.dtypes \
+                and setup.dtype not in self.dtypes:
+            takes = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            why = f"its kernels take {takes} activations (dtype={str(setup.dtype).removeprefix('torch.')})"
+        return why
 
     def build(self):
         mod, attr = self.target.split(":")
@@ -104,23 +129,28 @@ def entry(component: str, name: str) -> Entry:
     return _ENTRIES[component][name]
 
 
-def resolve(component: str, name: str, device: torch.device) -> tuple[Entry, str]:
-    """The entry to use and a one-line note saying why. Raises ImplUnavailable for an explicit
-    choice that cannot run here."""
+def resolve(component: str, name: str, device: torch.device, setup: Setup | None = None) -> tuple[Entry, str]:
+    """The entry to use and a one-line note saying why (and, for `setup`, what other code it leaves some cases to).
+    Raises ImplUnavailable for an explicit choice that cannot run here."""
     if name == "auto":
         tried = []
         for e in sorted(_ENTRIES[component].values(), key=lambda e: -e.priority):
-            why = e.check(device)
+            why = e.unavailable(device, setup)
             if why is None:
                 skipped = "; ".join(tried)
-                return e, f"auto -> {e.name}" + (f" (skipped {skipped})" if skipped else "")
+                return e, _with_caveats(e, f"auto -> {e.name}" + (f" (skipped {skipped})" if skipped else ""), setup)
             tried.append(f"{e.name}: {why}")
         raise ImplUnavailable(f"{component}=auto: nothing can run here ({'; '.join(tried)})")
     e = entry(component, name)
-    why = e.check(device)
+    why = e.unavailable(device, setup)
     if why is not None:
         raise ImplUnavailable(f"{component}={name} cannot run here: {why}")
-    return e, name if e.name == name else f"{name} -> {e.name} (alias)"
+    return e, _with_caveats(e, name if e.name == name else f"{name} -> {e.name} (alias)", setup)
+
+
+def _with_caveats(e: Entry, note: str, setup: Setup | None) -> str:
+    said = e.caveats(setup) if setup is not None else []
+    return note + "".join(f"; {c}" for c in said)
 
 
 @dataclass(frozen=True)
@@ -145,11 +175,13 @@ class Ops:
     notes: dict[str, str]    # component -> how it was resolved
 
 
-def build_ops(impls: Impls, device: torch.device | str) -> Ops:
+def build_ops(impls: Impls, device: torch.device | str, setup: Setup | None = None) -> Ops:
+    """The implementations for `impls` on `device`; with `setup`, also checked against the run's activation dtype,
+    and their notes say what they leave to other code for it (decode rows past their kernels', BF16 weights)."""
     device = torch.device(device)
     objs, chosen, notes = {}, {}, {}
     for f in fields(Impls):
-        e, note = resolve(f.name, getattr(impls, f.name), device)
+        e, note = resolve(f.name, getattr(impls, f.name), device, setup)
         objs[f.name] = e.build()
         chosen[f.name] = e.name
         notes[f.name] = note

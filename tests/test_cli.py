@@ -280,6 +280,14 @@ def test_sweep_summary_counts_only_this_sweeps_jobs(tmp_path, capsys):
     assert "1 jobs" in out and "0 failed" in out and "1 metrics.json of an earlier sweep" in out
 
 
+def test_ds4_switches_are_recorded_and_printed(monkeypatch):
+    monkeypatch.setenv("DS4_SPARSE_MAX_SPLITS", "8")
+    rec, lines = {}, []
+    app.execute(_spec("max_new_tokens=2", "model.n_layers=1", "profile=false"), rec, log=lines.append)
+    assert rec["env"]["DS4_SPARSE_MAX_SPLITS"] == "8"
+    assert any(line.startswith("  environment ") and "DS4_SPARSE_MAX_SPLITS=8" in line for line in lines)
+
+
 def test_graph_figures_reported_apart():
     from types import SimpleNamespace
     from ds4.tasks.common import format_figures, graph_figures

@@ -1,6 +1,7 @@
 """Option files <-> registered implementations, one to one; resolution rules (no silent fallback)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,51 @@ def test_other_groups_match_what_the_app_runs(group):
     key = "kind" if group == "weights" else "name"
     for stem, body in files.items():
         assert body.get(key) == stem
+
+
+def _runnable(monkeypatch, component: str, name: str):
+    """The registered entry as if its extension could run here (its check passes): the setup rules alone."""
+    e = registry.entry(component, name)
+    runnable = dataclasses.replace(e, check=lambda _device: None)
+    monkeypatch.setitem(registry._ENTRIES[component], e.name, runnable)
+    return runnable
+
+
+def test_explicit_choice_refuses_an_activation_dtype_its_kernels_do_not_take(monkeypatch):
+    # dtype=float32 on CUDA: the fused attention's kernels take bf16 only; it would have run the torch twins
+    _runnable(monkeypatch, "attn", "fused_cuda")
+    cuda = torch.device("cuda")
+    with pytest.raises(ImplUnavailable, match=r"attn=fused cannot run here: its kernels take bfloat16 activations "
+                                              r"\(dtype=float32\)"):
+        registry.resolve("attn", "fused", cuda, registry.Setup(dtype=torch.float32))
+    entry, note = registry.resolve("attn", "auto", cuda, registry.Setup(dtype=torch.float32))
+    assert entry.name == "torch" and "fused_cuda: its kernels take bfloat16" in note
+    assert registry.resolve("attn", "fused", cuda, registry.Setup(dtype=torch.bfloat16))[0].name == "fused_cuda"
+    _runnable(monkeypatch, "hc", "fused_cuda")  # the mHC kernels take fp32 too, not fp16
+    assert registry.resolve("hc", "fused_cuda", cuda, registry.Setup(dtype=torch.float32))[0].name == "fused_cuda"
+    with pytest.raises(ImplUnavailable, match="float16"):
+        registry.resolve("hc", "fused_cuda", cuda, registry.Setup(dtype=torch.float16))
+
+
+def test_notes_say_what_a_choice_leaves_to_other_code(monkeypatch):
+    cuda = torch.device("cuda")
+    for c, n in (("indexer", "fused_cuda"), ("attn", "fused_cuda"), ("linear", "gemv_cuda"), ("moe", "bf16_cache")):
+        _runnable(monkeypatch, c, n)
+    note = registry.resolve("indexer", "fused_cuda", cuda, registry.Setup(torch.bfloat16, max_batch=32))[1]
+    assert "decode batch 32 > 16: the torch reference's scores" in note
+    assert registry.resolve("indexer", "fused_cuda", cuda, registry.Setup(torch.bfloat16, max_batch=4))[1] == \
+        "fused_cuda"
+    assert "> 8: the compressors' projection" in registry.resolve("attn", "fused_cuda", cuda,
+                                                                    registry.Setup(max_batch=9))[1]
+    note = registry.resolve("linear", "gemv_cuda", cuda, registry.Setup(weight_dtype="bf16"))[1]
+    assert "BF16 dense weights: torch matmuls" in note
+    assert "the torch reference's experts" in registry.resolve("moe", "bf16_cache", cuda, registry.Setup())[1]
+
+
+def test_registry_limits_are_the_implementations():
+    # the registry listings repeat the limits (importing the implementations would load the CUDA wrappers)
+    from ds4.ops import attn_cuda, attn_cuda_registry, cuda_registry, linear_cuda, moe_cuda
+    assert attn_cuda_registry.GEMV_MAX_ROWS == attn_cuda.GEMV_MAX_ROWS
+    assert attn_cuda_registry.INDEXER_MAX_ROWS == attn_cuda.INDEXER_MAX_ROWS
+    assert cuda_registry.GEMV_MAX_TOKENS == linear_cuda.PREFILL_TOKENS
+    assert cuda_registry.BF16_CACHE_MAX_TOKENS == moe_cuda.PREFILL_TOKENS

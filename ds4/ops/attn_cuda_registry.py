@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ds4.registry import Entry
+from ds4.registry import Entry, Setup
 
 
 def check(device: torch.device) -> str | None:
@@ -28,19 +28,43 @@ def check_attn(device: torch.device) -> str | None:
     return why
 
 
+BF16 = (torch.bfloat16,)
+# (the limits ds4.ops.attn_cuda holds; not imported from it: that would load the CUDA wrappers)
+GEMV_MAX_ROWS = 8       # attn_cuda.GEMV_MAX_ROWS: the compressor projection and the indexer's head weights
+INDEXER_MAX_ROWS = 16   # attn_cuda.INDEXER_MAX_ROWS: the indexer's scores
+
+
+def _attn_caveats(s: Setup) -> list[str]:
+    if s.max_batch > GEMV_MAX_ROWS:
+        return [f"decode batch {s.max_batch} > {GEMV_MAX_ROWS}: the compressors' projection by torch matmuls"]
+    return []
+
+
+def _indexer_caveats(s: Setup) -> list[str]:
+    if s.max_batch > INDEXER_MAX_ROWS:
+        return [f"decode batch {s.max_batch} > {INDEXER_MAX_ROWS}: the torch reference's scores and head weights"]
+    if s.max_batch > GEMV_MAX_ROWS:
+        return [f"decode batch {s.max_batch} > {GEMV_MAX_ROWS}: the head weights by torch matmuls"]
+    return []
+
+
 def entries(_shared_check=None):
     return [
         (Entry("attn", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaAttention", check_attn, 10,
                "CUDA decode attention side: q norm/RoPE, window KV write, compressor step, position-masked MQA "
                "flash-decoding (keys loaded once for all heads, BF16 MMA, top-k gather, sink and output "
-               "de-rotation in the combine); prefill-sized calls use the torch twins"), ("fused",)),
+               "de-rotation in the combine); prefill-sized calls use the torch twins", dtypes=BF16,
+               caveats=_attn_caveats), ("fused",)),
         (Entry("attn", "fused_cuda_wo_bf16", "ds4.ops.attn_cuda:MergedWoAttention", check_attn, 5,
                "fused_cuda with the seed's phase-6 output projection: wo_b.wo_a precomputed in BF16 (reads 4x "
-               "the bytes; an ablation option, never chosen by auto over fused_cuda)"), ()),
-        (Entry("indexer", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaIndexer", check, 10,
+               "the bytes; an ablation option, never chosen by auto over fused_cuda)", dtypes=BF16,
+               caveats=_attn_caveats), ()),
+        # (check_attn: its head weights run on the ds4 extension's BF16 GEMV too)
+        (Entry("indexer", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaIndexer", check_attn, 10,
                "CUDA indexer: q RoPE, position-masked scores over the whole GPU (keys split over blocks, BF16 "
-               "MMA, fused ReLU-weighted head sum), radix-select top-k; prefill uses the torch reference"), ()),
+               "MMA, fused ReLU-weighted head sum), radix-select top-k; prefill uses the torch reference",
+               dtypes=BF16, caveats=_indexer_caveats), ()),
         (Entry("hc", "fused_cuda", "ds4.ops.hc_cuda:FusedCudaHC", check, 10,
                "CUDA mHC: split fp32 matvec + finishing kernel (Sinkhorn, weighted sum, block RMSNorm), fused "
-               "post"), ()),
+               "post", dtypes=(torch.bfloat16, torch.float32)), ()),
     ]
