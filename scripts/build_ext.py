@@ -15,10 +15,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__ + "\n\n    -q   quiet (no compiler output)")
+        return 0
     from ds4 import kernels, kernels_attn
     for mod in (kernels, kernels_attn):  # the GEMV/MoE extension and the attention/indexer/mHC one
         t0 = time.time()
-        mod.load(verbose="-q" not in sys.argv)
+        try:
+            mod.load(verbose="-q" not in sys.argv)
+        except (RuntimeError, OSError) as e:  # no CUDA torch, no nvcc / ninja, a compile error: one line, exit 1
+            print(f"build_ext: {mod.__name__} cannot be built here: {e}", file=sys.stderr)
+            return 1
         print(f"{mod.__name__} CUDA extension ready in {mod.build_dir()} ({time.time() - t0:.1f} s)")
     return 0
 
