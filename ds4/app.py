@@ -116,7 +116,9 @@ def build_spec(cfg: DictConfig) -> RunSpec:
         if device.type == "cuda":
             device = torch.device("cuda", e.local_rank)
     prompt = _get(cfg, "prompt")
-    if not isinstance(prompt, str):
+    if prompt is None:  # prompt=null: no text (generation from BOS alone), not the text "None"
+        prompt = ""
+    elif not isinstance(prompt, str):  # prompt=123: Hydra's number back to its text
         prompt = str(prompt)
     batch = _int(cfg, "batch", 1)
     max_batch = _int(cfg, "max_batch", 1)

@@ -288,6 +288,10 @@ def test_ds4_switches_are_recorded_and_printed(monkeypatch):
     assert any(line.startswith("  environment ") and "DS4_SPARSE_MAX_SPLITS=8" in line for line in lines)
 
 
+def test_prompt_null_is_no_text():
+    assert _spec("prompt=null").prompt == "" and _spec("prompt=123").prompt == "123"
+
+
 def test_graph_figures_reported_apart():
     from types import SimpleNamespace
     from ds4.tasks.common import format_figures, graph_figures
