@@ -34,7 +34,7 @@ def _random_prompt(n: int, vocab: int, seed: int, bos: int | None) -> list[int]:
 def prepare(spec: RunSpec, args, tokenizer) -> Plan:
     o, notes = spec.task_opts, []
     # the options run() reads, checked here, before the weights load
-    opt_int(o, "warmup", 0, lo=0)
+    warmup = opt_int(o, "warmup", 0, lo=0)
     opt_int(o, "copy_bytes", 1 << 30, lo=1)
     opt_int(o, "fidelity_tokens", 16, lo=1)
     check_fidelity_opts(o)
@@ -46,9 +46,9 @@ def prepare(spec: RunSpec, args, tokenizer) -> Plan:
             raise InputError(f"task.prompt_len={n} is longer than max_seq_len={spec.max_seq_len}")
         ids = _random_prompt(n, args.vocab_size, spec.seed, tokenizer.bos_id)
     check_lengths(len(ids), spec, spec.max_new_tokens)
-    if int(o.get("warmup", 0)) >= spec.max_new_tokens - 1:  # the steps timed are those after the warm-up
-        notes.append(f"task.warmup={o.get('warmup')} leaves no decode step of {spec.max_new_tokens - 1} "
-                     "out of TPOT: every step is timed")
+    if 0 < warmup >= spec.max_new_tokens - 1:  # decode_figures times the steps after the warm-up, else all of them
+        notes.append(f"task.warmup={warmup} leaves no decode step of {spec.max_new_tokens - 1} out of TPOT: every "
+                     "step is timed")
     points = o.get("prefill_lens") or []
     if isinstance(points, (int, str)):  # task.prefill_lens=8192: one point
         points = [points]
