@@ -21,6 +21,7 @@ from ds4 import dist as ddist
 from ds4 import tracking
 from ds4.model.args import ModelArgs, preset
 from ds4.registry import COMPONENTS, Impls, ImplUnavailable, Setup, build_ops
+from ds4.registry import entry as registry_entry  # (app has its own `entry` names)
 from ds4.tasks.common import Context, RunSpec, format_figures, reset_memory
 from ds4.weights.schema import EXPERT_LAYOUTS, SHARED_LAYOUTS
 
@@ -183,12 +184,8 @@ def check_setup(spec: RunSpec, args: ModelArgs) -> None:
         reason = kernels.unavailable_reason()
         if reason is not None:
             raise UserError(f"parallel.comm=ll runs ds4's all-reduce kernel, which cannot run here: {reason}")
-    if spec.runtime == "cuda_graph":
-        if spec.device.type != "cuda":
-            raise UserError("runtime=cuda_graph needs a CUDA device")
-        if spec.impls.moe == "bf16_cache":
-            raise UserError("runtime=cuda_graph cannot capture moe=bf16_cache (its cache bookkeeping syncs "
-                            "with the host every layer); use moe=fp4_topk or runtime=eager")
+    if spec.runtime == "cuda_graph" and spec.device.type != "cuda":
+        raise UserError("runtime=cuda_graph needs a CUDA device")
 
 
 def model_args(spec: RunSpec) -> ModelArgs:
@@ -252,7 +249,14 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
                         f"{args.max_position_embeddings}")
     check_setup(spec, args)
     # raises before any weights load; the notes say what the choices leave to other code for this setup
-    ops = build_ops(spec.impls, spec.device, Setup(spec.dtype, spec.max_batch, args.weight_dtype))
+    setup = Setup(spec.dtype, spec.max_batch, args.weight_dtype, args.n_activated_experts)
+    ops = build_ops(spec.impls, spec.device, setup)
+    if spec.runtime == "cuda_graph":  # a step that waits on the host cannot be captured
+        for c in COMPONENTS:
+            sync = registry_entry(c, ops.chosen[c]).decode_sync(setup)
+            if sync is not None:
+                raise UserError(f"runtime=cuda_graph cannot capture {c}={ops.chosen[c]}: a decode step syncs with "
+                                f"the host ({sync}); use runtime=eager, another {c}, or a smaller max_batch")
     record["resolved"] = dict(ops.chosen)
     record["notes"] = {c: ops.notes[c] for c in ops.notes}
     # the DS4_* switches (ablations, diagnostics) change what runs under the same names: recorded and printed

@@ -30,10 +30,15 @@ class Setup:
     dtype: torch.dtype | None = None  # the activations' dtype (None: not checked)
     max_batch: int = 1                # decode rows
     weight_dtype: str = "fp8"         # the dense projections' stored format (ModelArgs.weight_dtype)
+    topk: int = 6                     # routed experts per token (ModelArgs.n_activated_experts)
 
 
 def _no_caveats(_setup: Setup) -> list[str]:
     return []
+
+
+def _no_sync(_setup: Setup) -> str | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class Entry:
     description: str = ""
     dtypes: tuple[torch.dtype, ...] = ()  # activation dtypes its kernels take (empty: any)
     caveats: Callable[[Setup], list[str]] = _no_caveats  # what other code runs for this setup, said in the note
+    # why its decode step waits on the host for this setup (said in the note; runtime=cuda_graph refuses it), or None
+    decode_sync: Callable[[Setup], str | None] = _no_sync
 
     def unavailable(self, device: torch.device, setup: Setup | None) -> str | None:
         """None when it can run on `device` for `setup`, else the reason."""
@@ -86,13 +93,21 @@ def _add(e: Entry, aliases: tuple[str, ...] = ()) -> None:
         _ALIASES[e.component][a] = e.name
 
 
+def _dequant_moe_sync(s: Setup) -> str | None:
+    from ds4.ops.moe_torch import GATHER_MAX_ROWS
+    if s.max_batch * s.topk > GATHER_MAX_ROWS:
+        return (f"batch {s.max_batch} x {s.topk} experts > {GATHER_MAX_ROWS} pairs: the experts grouped by their "
+                "counts, read on the host, per layer")
+    return None
+
+
 def _builtin() -> None:
     _add(Entry("attn", "torch", "ds4.ops.attn_torch:TorchAttention", _always, 0,
                "plain PyTorch attention (q path, window KV, compressor, sparse attention, o-proj)"))
     _add(Entry("indexer", "torch", "ds4.ops.attn_torch:TorchIndexer", _always, 0, "plain PyTorch lightning indexer"))
     _add(Entry("hc", "torch", "ds4.ops.hc_torch:TorchHC", _always, 0, "plain PyTorch mHC pre/post/head + Sinkhorn"))
     _add(Entry("moe", "dequant", "ds4.ops.moe_torch:DequantMoE", _always, 0,
-               "seed phase 1: dequantise the selected experts, torch matmuls"))
+               "seed phase 1: dequantise the selected experts, torch matmuls", decode_sync=_dequant_moe_sync))
     _add(Entry("linear", "dequant", "ds4.ops.linear_torch:DequantLinear", _always, 0,
                "seed phase 1: dequantise FP8 weights, torch matmul"))
     # CUDA options are listed by modules kept beside their kernels; each has entries(check).
@@ -149,7 +164,10 @@ def resolve(component: str, name: str, device: torch.device, setup: Setup | None
 
 
 def _with_caveats(e: Entry, note: str, setup: Setup | None) -> str:
-    said = e.caveats(setup) if setup is not None else []
+    said = [] if setup is None else e.caveats(setup)
+    sync = None if setup is None else e.decode_sync(setup)
+    if sync is not None:
+        said.append(f"a decode step syncs with the host ({sync})")
     return note + "".join(f"; {c}" for c in said)
 
 

@@ -107,3 +107,14 @@ def test_limits(weights):
         g.generate([list(range(2, 20))], 4)
     out = g.generate([list(range(2, 12))], 50, stop_at_eos=False)
     assert out.truncated and len(out.tokens[0]) == 16 - 10
+
+
+def test_captured_step_refuses_another_batch():
+    """A step captured at batch 2 fed one token would broadcast it over both rows (copy_), and the host's count of
+    positions would leave the device's; it is refused before any replay."""
+    from ds4.runtime.cuda_graph import CudaGraphStep
+    step = object.__new__(CudaGraphStep)  # (capturing needs a GPU; the check comes before anything captured)
+    step.batch = 2
+    with pytest.raises(ValueError, match=r"\(1,\) tokens for a step captured at batch 2"):
+        step(torch.tensor([9]))
+

@@ -127,10 +127,18 @@ def test_notes_say_what_a_choice_leaves_to_other_code(monkeypatch):
     assert "the torch reference's experts" in registry.resolve("moe", "bf16_cache", cuda, registry.Setup())[1]
 
 
-def test_registry_limits_are_the_implementations():
-    # the registry listings repeat the limits (importing the implementations would load the CUDA wrappers)
-    from ds4.ops import attn_cuda, attn_cuda_registry, cuda_registry, linear_cuda, moe_cuda
-    assert attn_cuda_registry.GEMV_MAX_ROWS == attn_cuda.GEMV_MAX_ROWS
-    assert attn_cuda_registry.INDEXER_MAX_ROWS == attn_cuda.INDEXER_MAX_ROWS
-    assert cuda_registry.GEMV_MAX_TOKENS == linear_cuda.PREFILL_TOKENS
-    assert cuda_registry.BF16_CACHE_MAX_TOKENS == moe_cuda.PREFILL_TOKENS
+def test_decode_host_syncs_are_said(monkeypatch):
+    # the torch reference's MoE groups its experts by counts read on the host past 64 (row, expert) pairs: a decode
+    # step of batch 17 at tiny's 4 experts a token syncs every layer (runtime=cuda_graph refuses it, app.execute)
+    cpu = torch.device("cpu")
+    assert registry.entry("moe", "dequant").decode_sync(registry.Setup(max_batch=16, topk=4)) is None
+    note = registry.resolve("moe", "dequant", cpu, registry.Setup(max_batch=17, topk=4))[1]
+    assert "a decode step syncs with the host (batch 17 x 4 experts > 64 pairs" in note
+    _runnable(monkeypatch, "moe", "fp4_topk")
+    _runnable(monkeypatch, "moe", "bf16_cache")
+    cuda = torch.device("cuda")
+    assert registry.entry("moe", "fp4_topk").decode_sync(registry.Setup(max_batch=128)) is None
+    assert "batch 129 > 128" in registry.resolve("moe", "fp4_topk", cuda, registry.Setup(max_batch=129))[1]
+    monkeypatch.setenv("DS4_MOE_CHUNKED_TOKENS", "4")  # a prompt knob that moves the decode's limit to 8 rows
+    assert "batch 9 > 8" in registry.entry("moe", "fp4_topk").decode_sync(registry.Setup(max_batch=9))
+    assert "cache bookkeeping" in registry.resolve("moe", "bf16_cache", cuda, registry.Setup())[1]

@@ -29,18 +29,18 @@ def check_attn(device: torch.device) -> str | None:
 
 
 BF16 = (torch.bfloat16,)
-# (the limits ds4.ops.attn_cuda holds; not imported from it: that would load the CUDA wrappers)
-GEMV_MAX_ROWS = 8       # attn_cuda.GEMV_MAX_ROWS: the compressor projection and the indexer's head weights
-INDEXER_MAX_ROWS = 16   # attn_cuda.INDEXER_MAX_ROWS: the indexer's scores
 
 
+# (the limits are read from ds4.ops.attn_cuda when an entry is resolved: its factory imports the module right after)
 def _attn_caveats(s: Setup) -> list[str]:
+    from ds4.ops.attn_cuda import GEMV_MAX_ROWS
     if s.max_batch > GEMV_MAX_ROWS:
         return [f"decode batch {s.max_batch} > {GEMV_MAX_ROWS}: the compressors' projection by torch matmuls"]
     return []
 
 
 def _indexer_caveats(s: Setup) -> list[str]:
+    from ds4.ops.attn_cuda import GEMV_MAX_ROWS, INDEXER_MAX_ROWS
     if s.max_batch > INDEXER_MAX_ROWS:
         return [f"decode batch {s.max_batch} > {INDEXER_MAX_ROWS}: the torch reference's scores and head weights"]
     if s.max_batch > GEMV_MAX_ROWS:

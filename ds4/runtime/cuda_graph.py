@@ -124,6 +124,8 @@ class CudaGraphStep:
     def __call__(self, tok: Tensor, positions: Sequence[int] | None = None) -> Tensor:
         """Feed tokens [batch] at the rows' positions (host ints: where state.pos stands, see phase) and replay:
         next tokens (greedy modes) or logits."""
+        if tuple(tok.shape) != (self.batch,):  # copy_ would broadcast one token over every row
+            raise ValueError(f"{tuple(tok.shape)} tokens for a step captured at batch {self.batch}")
         phase = self.phase(positions)
         self.tok.copy_(tok)
         self.graphs[phase].replay()

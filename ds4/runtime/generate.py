@@ -127,6 +127,7 @@ class Generator:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  stop_at_eos: bool = True, eos_check_every: int = 8) -> GenerateOutput:
+        self._check(prompts)  # before a capture below, which would fail less clearly
         dev = self.model.device
         cuda = dev.type == "cuda"
         gen = torch.Generator(device=dev).manual_seed(sampling.seed) if not sampling.greedy else None
