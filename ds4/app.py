@@ -386,9 +386,12 @@ def run(cfg: DictConfig) -> dict:
         if main:
             print(f"metrics: {path}")
         return record
-    if unexpected:
+    if unexpected:  # every rank's own (under torchrun each rank may fail differently)
+        where = f"rank {ddist.env().rank}: " if not main else ""
         sys.stderr.write(record.get("traceback", ""))
-    sys.stderr.write(f"ds4: error: {error}\n")
+        sys.stderr.write(f"ds4: error: {where}{error}\n")
+    elif main:  # a clean error is the same on every rank: said once
+        sys.stderr.write(f"ds4: error: {error}\n")
     sys.stderr.flush()
     if not job.multirun:
         sys.exit(2)

@@ -182,6 +182,18 @@ def test_torchrun_tp2_on_cpu(experts, tmp_path):
     assert r.stdout.count("metrics:") == 1  # only rank 0 reports
 
 
+def test_torchrun_clean_error_said_once(tmp_path):
+    """A setup error is the same on every rank: rank 0 alone prints it (README: only rank 0 prints)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ds4",
+                        "parallel.tp=2", "parallel.shared_expert=tp", "tracking=none", "device=cpu",
+                        f"hydra.run.dir={tmp_path}/tp2"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env=env)
+    assert r.returncode != 0
+    assert r.stderr.count("ds4: error:") == 1 and "does not fit this model" in r.stderr, r.stderr[-2000:]
+
+
 def test_chat_prompt_has_one_bos():
     """task.chat=true: the chat encoding already starts with the BOS text; no second BOS."""
     from ds4.tasks.generate import prepare

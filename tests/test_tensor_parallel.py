@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ds4.model.args import tiny
+from ds4.model.args import small, tiny
 from ds4.model.transformer import Transformer
 from ds4.registry import torch_reference_ops
 from ds4.runtime.generate import Generator
@@ -187,6 +187,12 @@ def test_bad_tp_setups():
     from ds4.weights.schema import local_tensors
     with pytest.raises(ValueError, match="divide"):
         local_tensors(tiny(), rank=0, world=3)
+    # o-groups that do not split although every tensor's cut would (o_lora_rank 256: wo_a's scale rows are whole
+    # at 4 ranks): before, the weights loaded and the attention failed with half a group per rank
+    with pytest.raises(ValueError, match="4 ranks must divide the model's o_groups 2"):
+        local_tensors(tiny().replace(o_lora_rank=256), rank=0, world=4)
+    with pytest.raises(ValueError, match="o_groups 4"):
+        local_tensors(small(), rank=0, world=8)
 
 
 def test_indexer_is_replicated():

@@ -102,6 +102,9 @@ def run(ctx: Context, plan: Plan) -> dict:
         if fig.get("tpot_ms"):
             fig["achieved_gb_s"] = fig["bytes_per_token"] / (fig["tpot_ms"] / 1e3) / 1e9
             fig["bw_ratio"] = fig["achieved_gb_s"] / fig["copy_gb_s"]
+        if spec.tp > 1:
+            notes.append(f"tp={spec.tp}: bytes/token, achieved GB/s and bw_ratio are rank 0's (its slices; with "
+                         "experts=ep its experts' expected share, while each step waits for the busier rank)")
     else:  # the routed experts a step reads depend on how the rows' choices overlap: no one byte count
         notes.append(f"batch {spec.batch}: bytes/token, achieved GB/s and bw_ratio are batch-1 figures, "
                      "not reported")

@@ -216,6 +216,12 @@ def local_tensors(a: ModelArgs, rank: int = 0, world: int = 1, include_mtp: bool
         raise ValueError(f"experts={experts!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
     if shared not in SHARED_LAYOUTS:
         raise ValueError(f"shared={shared!r}: choose one of {', '.join(SHARED_LAYOUTS)}")
+    # the split of whole heads, o-groups and vocabulary rows (spec §10.4); the tensors' own cuts do not always show
+    # it (an o-group's wo_a rows are whole 128-row scale blocks only at o_lora_rank 128)
+    bad = [f"{what} {n}" for what, n in (("heads", a.n_heads), ("o_groups", a.o_groups), ("vocab_size", a.vocab_size))
+           if n % world]
+    if bad:
+        raise ValueError(f"{world} ranks must divide the model's {', '.join(bad)}")
     out = {}
     for name, spec in expected_tensors(a, include_mtp).items():
         if shared == "tp" and _SHARED_EXPERT.search(name):  # (rank_slice refuses a cut inside a scale block)
