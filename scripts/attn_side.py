@@ -29,6 +29,9 @@ def sides(timeline: dict) -> list[tuple[float, float]]:
 
 
 def main() -> None:
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        raise SystemExit(f"usage: python scripts/attn_side.py PROFILE.json (scripts/profile_step.py --timeline --out)\n"
+                         f"{__doc__ or ''}".rstrip())
     profile = json.load(open(sys.argv[1]))
     for name in ("timeline", "timeline_long_context"):
         if profile.get(name):

@@ -172,6 +172,8 @@ def main() -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip timing the torch references")
     ap.add_argument("--only", default=None, help="time only the ops whose name contains this text, e.g. 'topk'")
     args = ap.parse_args()
+    from ds4 import kernels
+    kernels.require("bench_attn")
     from ds4 import kernels_attn
     t0 = time.time()
     why = kernels_attn.unavailable_reason()

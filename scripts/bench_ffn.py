@@ -53,7 +53,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    kernels.load()
+    kernels.require("bench_ffn")
     g = torch.Generator(device=DEV).manual_seed(0)
     bw = copy_bandwidth()
     E, dim, inter, k = 256, 4096, 2048, 6

@@ -138,7 +138,7 @@ def main() -> int:
                     help="[mma wNdM] rows: comma-separated DS4_MMA_W (N) / DS4_MMA_DEPTH (M) pairs, e.g. w2d8,w2d4; "
                          "M = 0: the shared-memory stream (DS4_MMA_LOAD=smem)")
     args = ap.parse_args()
-    kernels.load()
+    kernels.require("bench_kernels")
     n = args.tokens
     g = torch.Generator(device=DEV).manual_seed(0)
     bw = copy_bandwidth()

@@ -75,6 +75,8 @@ def main() -> None:
                          "timeline at such a position too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    from ds4 import kernels
+    kernels.require("profile_step")
     e = ddist.init("cuda", int(os.environ.get("WORLD_SIZE", 1)))
     if e.rank:  # every rank runs and profiles the same step; rank 0 reports
         sys.stdout = open(os.devnull, "w")

@@ -25,6 +25,9 @@ def opcode(line: str) -> str | None:
 
 
 def main() -> int:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__ or "usage: cuobjdump -sass X.o | python scripts/sass_ops.py [FUNCTION_REGEX]")
+        return 0
     pat = re.compile(sys.argv[1] if len(sys.argv) > 1 else ".")
     counts: Counter | None = None  # the current function's, None while it does not match
     out: list[tuple[str, Counter]] = []

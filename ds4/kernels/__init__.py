@@ -114,6 +114,13 @@ def unavailable_reason() -> str | None:
     return extension_reason("ds4", build_dir() / f"{EXT_NAME}.so", load)
 
 
-__all__ = ["load", "unavailable_reason", "is_loaded", "build_dir", "gemv", "gemv_deferred", "moe_gate_up", "moe_down",
+def require(who: str) -> None:
+    """For the GPU scripts: load the extension, or end the process with one line saying why it cannot run here."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"{who}: needs a CUDA GPU and the ds4 extension: {reason}")
+
+
+__all__ = ["load", "unavailable_reason", "require", "is_loaded", "build_dir", "gemv", "gemv_deferred", "moe_gate_up", "moe_down",
            "moe_ffn", "router", "argmax", "act_quant_sim", "act_quant_staged_ok", "dequant", "dequant_ok", "l2_prefetch",
            "all_reduce_ll", "all_reduce_ll_fold"]
