@@ -345,7 +345,8 @@ def run(cfg: DictConfig) -> dict:
     record = {"status": "failed", "error": None, "task": None, "output_dir": job.output_dir,
               "override_dirname": job.override_dirname, "overrides": job.overrides, "choices": job.choices,
               "resolved": {}, "notes": {}, "figures": {}, "profile": [], "prompt_ids": [], "generated_ids": [],
-              "torch": torch.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start))}
+              "torch": torch.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
+              "commit": tracking.source_commit()}
     tracker, error, unexpected, main = None, None, False, ddist.env().rank == 0
     try:
         spec = build_spec(cfg)

@@ -32,12 +32,17 @@ def load(root: str | Path) -> list[dict]:
             continue
         r["_path"] = str(p.parent.relative_to(root)) or "."
         recs.append(r)
-    # Label each job by the overrides that differ between jobs (the sweep axes).
+    # Label each job by the overrides that differ between jobs (the sweep axes); jobs of several sweeps with the same
+    # overrides also by their folder.
     sets = [set(r.get("overrides") or []) for r in recs]
     common = set.intersection(*sets) if sets else set()
     for r, s in zip(recs, sets):
         diff = [o for o in (r.get("overrides") or []) if o not in common]
         r["_label"] = ",".join(diff) or r.get("override_dirname") or r["_path"]
+    seen = [r["_label"] for r in recs]
+    for r in recs:
+        if seen.count(r["_label"]) > 1:
+            r["_label"] = f"{r['_label']} [{r['_path']}]"
     return recs
 
 
@@ -51,21 +56,45 @@ def _fmt(v, fmt: str) -> str:
     return "-"
 
 
-def add_speedup(recs: list[dict], baseline: str) -> None:
-    """figures['speedup'] = TPOT of the first job whose label contains `baseline` / this job's TPOT
-    (measured in the same sweep, so the same machine and session)."""
-    base = next((r for r in recs if baseline in r["_label"] and (r.get("figures") or {}).get("tpot_ms")), None)
-    if base is None:
-        print(f"ds4.compare: no finished job matches baseline {baseline!r}", file=sys.stderr)
-        return
+def _tpot(r: dict) -> float | None:
+    """A finished job's TPOT (ms), or None."""
+    t = (r.get("figures") or {}).get("tpot_ms")
+    ok = r.get("status") == "ok" and isinstance(t, (int, float)) and not isinstance(t, bool)
+    return t if ok and math.isfinite(t) and t > 0 else None
+
+
+def _rest(r: dict, keys: set[str]) -> list[str]:
+    """r's overrides apart from those of `keys`."""
+    return sorted(o for o in (r.get("overrides") or []) if o.split("=", 1)[0] not in keys)
+
+
+def add_speedup(recs: list[dict], baseline: str) -> list[str]:
+    """figures['speedup'] = the baseline's TPOT / this job's TPOT. A job's baseline is the finished job of the same
+    sweep folder whose overrides name `baseline` (e.g. experiment=seed_phase1) and are otherwise the job's own, so
+    the same machine, session and other settings (e.g. model.n_layers). Returns a note for each finished job that
+    has none."""
+    notes = []
     for r in recs:
-        f = r.get("figures") or {}
-        if f.get("tpot_ms"):
-            f["speedup"] = base["figures"]["tpot_ms"] / f["tpot_ms"]
+        if _tpot(r) is None:
+            continue
+        folder = Path(r["_path"]).parent
+        found = None
+        for b in recs:
+            keys = {o.split("=", 1)[0] for o in (b.get("overrides") or []) if baseline in o}
+            if (keys and Path(b["_path"]).parent == folder and _tpot(b) is not None
+                    and _rest(b, keys) == _rest(r, keys)):
+                found = b
+                break
+        if found is None:
+            notes.append(f"{r['_label']}: no finished {baseline} job with its other settings in {folder} "
+                         "(no speedup)")
+            continue
+        r["figures"]["speedup"] = _tpot(found) / _tpot(r)
+    return notes
 
 
-def _rows(recs: list[dict]) -> tuple[list[str], list[list[str]]]:
-    cols = COLUMNS + ([("speedup", "speedup", "{:.2f}x")] if any("speedup" in (r.get("figures") or {}) for r in recs) else [])
+def _rows(recs: list[dict], speedup: bool = False) -> tuple[list[str], list[list[str]]]:
+    cols = COLUMNS + ([("speedup", "speedup", "{:.2f}x")] if speedup else [])
     head = ["job", "status", "task"] + [c[0] for c in cols]
     rows = []
     for r in recs:
@@ -74,18 +103,27 @@ def _rows(recs: list[dict]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def markdown(recs: list[dict]) -> str:
-    """The same table as markdown, with the machine each job ran on."""
-    head, rows = _rows(recs)
+def _md(cell: str) -> str:
+    return str(cell).replace("|", "\\|")  # a bare | would split the cell (max|dlogit|)
+
+
+def markdown(recs: list[dict], speedup: bool = False, notes: list[str] = ()) -> str:
+    """The same table as markdown, with the machine, dates and commits of the jobs, failed jobs' errors and notes."""
+    head, rows = _rows(recs, speedup)
     gpus = sorted({str(r.get("gpu") or r.get("device") or "?") for r in recs})
-    out = [f"GPU: {', '.join(gpus)}; jobs: {len(recs)}", "", "| " + " | ".join(head) + " |",
-           "|" + "|".join("---" for _ in head) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out) + "\n"
+    started = sorted(str(r["started"]) for r in recs if r.get("started"))
+    commits = sorted({str(r.get("commit") or "not recorded") for r in recs})
+    out = [f"GPU: {', '.join(gpus)}; jobs: {len(recs)}"
+           + (f"; started {started[0]} .. {started[-1]}" if started else "") + f"; commit: {', '.join(commits)}",
+           "", "| " + " | ".join(_md(h) for h in head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(_md(c) for c in r) + " |" for r in rows]
+    extra = [f"- {r['_label']} failed: {r.get('error')}" for r in recs if r.get("status") != "ok"]
+    extra += [f"- {n}" for n in notes]
+    return "\n".join(out + ([""] + extra if extra else [])) + "\n"
 
 
-def table(recs: list[dict]) -> str:
-    head, rows = _rows(recs)
+def table(recs: list[dict], speedup: bool = False) -> str:
+    head, rows = _rows(recs, speedup)
     width = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda xs: "  ".join(str(x).ljust(w) if i < 3 else str(x).rjust(w) for i, (x, w) in enumerate(zip(xs, width)))
     out = [line(head), line(["-" * w for w in width])] + [line(r) for r in rows]
@@ -146,12 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     if not recs:
         print(f"ds4.compare: error: no metrics.json under {root}", file=sys.stderr)
         return 2
-    if a.baseline:
-        add_speedup(recs, a.baseline)
-    print(table(recs))
+    notes = add_speedup(recs, a.baseline) if a.baseline else []
+    print(table(recs, speedup=bool(a.baseline)))
+    for n in notes:
+        print(f"note: {n}")
     if a.md:
         Path(a.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.md).write_text(markdown(recs))
+        Path(a.md).write_text(markdown(recs, speedup=bool(a.baseline), notes=notes))
         print(f"markdown: {a.md}")
     if not a.no_plot:
         print(f"chart: {chart(recs, a.out or root / 'compare.png')}")

@@ -61,11 +61,29 @@ def config_dict(cfg: DictConfig) -> dict[str, Any]:
 def group_name(tracking: dict, job: JobInfo) -> str | None:
     if tracking.get("group"):
         return str(tracking["group"])
-    if job.ablation:
-        return job.ablation
-    if job.multirun and job.sweep_dir:
-        return "sweep-" + "_".join(Path(job.sweep_dir).parts[-2:])
+    sweep = "_".join(Path(job.sweep_dir).parts[-2:]) if job.multirun and job.sweep_dir else None
+    if job.ablation:  # one group per run of the ablation (the 1-GPU and tp=2 sweeps, reruns: apart)
+        return f"{job.ablation}-{sweep}" if sweep else job.ablation
+    if sweep:
+        return "sweep-" + sweep
     return None
+
+
+def source_commit() -> str | None:
+    """The commit of the ds4 source tree this process runs (`+dirty` with uncommitted changes to tracked files), for
+    the record; None outside a git checkout (an installed copy) or without git."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
 class TrackingError(ValueError):

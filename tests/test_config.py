@@ -135,3 +135,35 @@ def test_compare_reads_records(tmp_path):
     png = compare.chart(recs, tmp_path / "c.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert compare.main([str(tmp_path / "missing")]) == 2
+
+
+def _job(root: Path, path: str, overrides: list[str], tpot: float | None, status: str = "ok", **extra):
+    d = root / path
+    d.mkdir(parents=True)
+    fig = {} if tpot is None else {"tpot_ms": tpot, "decode_tok_s": 1000.0 / tpot}
+    (d / "metrics.json").write_text(json.dumps({"task": "bench", "status": status, "overrides": overrides,
+                                                "figures": fig, "error": None if status == "ok" else "x", **extra}))
+
+
+def test_compare_speedup_against_the_same_sweeps_baseline(tmp_path):
+    """Each job's speedup is against the baseline job of its own sweep folder with its other settings (the same
+    machine and session, e.g. the same model.n_layers); a failed or NaN baseline gives no speedup, and says so."""
+    e = lambda x: f"experiment={x}"
+    _job(tmp_path, "a/0", [e("seed_phase1"), "model.n_layers=4"], 40.0, started="2026-12-05T01:00:00", commit="abc")
+    _job(tmp_path, "a/1", [e("ds4_best"), "model.n_layers=4"], 0.4)
+    _job(tmp_path, "a/2", [e("seed_phase1"), "model.n_layers=8"], 80.0)
+    _job(tmp_path, "a/3", [e("ds4_best"), "model.n_layers=8"], 1.0)
+    _job(tmp_path, "b/0", [e("seed_phase1"), "model.n_layers=4"], None, status="failed")  # another sweep
+    _job(tmp_path, "b/1", [e("ds4_best"), "model.n_layers=4"], 0.5)
+    _job(tmp_path, "c/0", [e("seed_phase1"), "model.n_layers=4"], float("nan"))
+    _job(tmp_path, "c/1", [e("ds4_best"), "model.n_layers=4"], 0.5)
+    recs = compare.load(tmp_path)
+    notes = compare.add_speedup(recs, "seed_phase1")
+    sp = {r["_path"]: (r.get("figures") or {}).get("speedup") for r in recs}
+    assert sp["a/0"] == 1.0 and sp["a/1"] == 100.0 and sp["a/2"] == 1.0 and sp["a/3"] == 80.0
+    assert sp["b/1"] is None and sp["c/1"] is None and len(notes) == 2 and "no speedup" in notes[0]
+    assert len({r["_label"] for r in recs}) == len(recs)  # the same overrides in two sweeps: told apart by folder
+    md = compare.markdown(recs, speedup=True, notes=notes)
+    head = md.splitlines()[2]
+    assert "max\\|dlogit\\|" in head and head.count(" | ") + 2 == md.splitlines()[3].count("|")  # one cell each
+    assert "commit: abc, not recorded" in md and "started 2026-12-05T01:00:00" in md and "failed: x" in md

@@ -71,7 +71,7 @@ class GemvCudaLinear:
     def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False, fold: HcFold | None = None) -> Tensor:
         # qat: the FP8 simulation by a launch before the GEMV, or (DS4_ACT_QUANT=staged) in its staging where it can
         staged = False
-        if act_quant and w.fmt in ("fp8", "fp8t", "fp4"):
+        if act_quant and w.fmt != "bf16":  # every FP8 / FP4 layout (spec §2)
             staged = qat_staged(x, w.fmt, w.out_features, w.in_features)
             if not staged:
                 x = act_quant_sim(x, 128)
