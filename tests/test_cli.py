@@ -304,6 +304,20 @@ def test_prompt_null_is_no_text():
     assert _spec("prompt=null").prompt == "" and _spec("prompt=123").prompt == "123"
 
 
+def test_peak_rss_is_the_jobs():
+    """A multirun job after a larger one reports its own peak resident set, not the process's (Linux)."""
+    import sys as _sys
+    from ds4.tasks.common import peak_memory, reset_memory
+    if not _sys.platform.startswith("linux"):
+        pytest.skip("resets the peak through /proc")
+    big = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB resident
+    del big
+    before = peak_memory(torch.device("cpu"))["peak_rss_gib"]
+    reset_memory(torch.device("cpu"))
+    after = peak_memory(torch.device("cpu"))["peak_rss_gib"]
+    assert after < before - 0.2, (before, after)
+
+
 def test_graph_figures_reported_apart():
     from types import SimpleNamespace
     from ds4.tasks.common import format_figures, graph_figures

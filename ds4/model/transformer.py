@@ -306,6 +306,7 @@ class Transformer(WeightsModule):
         caller knows them from its own count of positions (`window_ends`); layers of any other ratio join their
         compressor branches late (Attention.decode's late_compress). None: not known, every layer joins them early."""
         pos = state.pos[: ids.shape[0]]
+        prefetch.discard_pending()  # (only a step that failed before its join leaves any)
 
         def attend(attn, x, st, fold, qkv_a, ride=None):
             late = window_ends is not None and attn.compressor is not None and attn.m not in window_ends

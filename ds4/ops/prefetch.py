@@ -82,6 +82,12 @@ def issue(site: str, tensors: Sequence[Tensor], x: Tensor, ids: Tensor | None = 
     return True
 
 
+def discard_pending() -> None:
+    """Forget the branches of a step that did not finish (a failed capture's; the next job's step must not join
+    them, and they hold that job's weights): called where a step starts, where the list is otherwise empty."""
+    _PENDING.clear()
+
+
 def join_pending() -> int:
     """Join every prefetch branch issued since the last call into the current stream (the end of a decode
     step); returns how many there were."""

@@ -197,14 +197,30 @@ def reset_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    try:  # Linux: "5" resets the process's peak resident set (VmHWM, ru_maxrss), so the next peak is this job's
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_kib() -> int:
+    """The process's peak resident set in KiB: VmHWM (which reset_memory resets on Linux), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
                 "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
-    # ru_maxrss is KiB on Linux and covers the whole process (not reset between multirun jobs).
-    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {"peak_rss_gib": _peak_rss_kib() / 2**20}
 
 
 # ---- fidelity --------------------------------------------------------------------------------
@@ -294,7 +310,7 @@ FIGURES = [  # key, label, format
     ("peak_mem_gib", "peak memory", "{:.3f} GiB"),
     ("graph_warmup_s", "CUDA graph warm-up", "{:.2f} s"), ("graph_capture_s", "CUDA graph capture", "{:.2f} s"),
     ("graph_pool_mib", "CUDA graph pool", "{:.1f} MiB"), ("graphs", "CUDA graphs captured", "{:.0f}"),
-    ("peak_reserved_gib", "peak reserved", "{:.3f} GiB"), ("peak_rss_gib", "peak RSS (process)", "{:.3f} GiB"),
+    ("peak_reserved_gib", "peak reserved", "{:.3f} GiB"), ("peak_rss_gib", "peak RSS (this job)", "{:.3f} GiB"),
     ("ppl", "perplexity", "{:.3f}"), ("ref_ppl", "reference perplexity", "{:.3f}"),
     ("eval_tokens", "tokens scored", "{:.0f}"),
     ("fid_top1", "fidelity top-1 agreement", "{:.4f}"),
