@@ -201,6 +201,47 @@ def depth_env(toks: set[str]) -> dict[str, str | None]:
             "DS4_SHARED_DEPTH": depth("shd")}
 
 
+# Every token run_variant and the helpers here read; the families below take a number or letters.
+PLAIN_TOKENS = frozenset({
+    "ref", "kernels", "fused", "wobf16", "graph", "qat", "aqtorch", "aqstaged", "ixqtorch", "nopack", "notile", "tile",
+    "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8", "k2048", "w1", "w2", "w4", "smem",
+    "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf", "kroute", "nohcr", "hcq", "pj", "late",
+    "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack",
+    "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
+NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
+TP_ONLY_TOKENS = frozenset({"bf16", "ll", "symm", "arf", "arfnp", "arfpack", "xar"})  # nothing to reduce at world 1
+
+
+def unknown_tokens(toks: set[str]) -> list[str]:
+    """The tokens no code here reads (a misspelt or retired one would time the variant without it, under its name)."""
+    def known(t: str) -> bool:
+        return (t in PLAIN_TOKENS or any(t.startswith(p) and t[len(p):].isdigit() for p in NUMBERED_TOKENS)
+                or (t.startswith("sp") and t[2:] != "" and set(t[2:]) <= set("gdu"))
+                or (t.startswith("pf") and t[2:] != "" and set(t[2:]) <= set(prefetch.SITES)))
+    return sorted(t for t in toks if not known(t))
+
+
+def check_variants(variants: list[str], world: int) -> list[str]:
+    """Errors that stop the run before anything loads: unknown tokens, and a variant without `kernels` after one
+    with it (the torch ops have no weight layout of their own: they would read the kernels' fp4t / fp8t bytes,
+    dequantised through the layout on every call, slower than the reference). Prints the tokens that do nothing at
+    one rank."""
+    errors, seen_kernels = [], False
+    for v in variants:
+        toks = set(v.split("+"))
+        bad = unknown_tokens(toks)
+        if bad:
+            errors.append(f"variant {v}: unknown token(s) {', '.join(bad)}")
+        if "kernels" in toks:
+            seen_kernels = True
+        elif seen_kernels:
+            errors.append(f"variant {v}: without kernels after a variant with them (list it first)")
+        idle = sorted(toks & TP_ONLY_TOKENS) if world == 1 else []
+        if idle:
+            print(f"note: variant {v}: {', '.join(idle)} change nothing at one rank", flush=True)
+    return errors
+
+
 def _number_token(toks: set[str], prefix: str, default: int) -> int:
     """N of a variant token prefix + digits (e.g. cap8192, shw50), the largest if several; else default."""
     return max([int(t[len(prefix):]) for t in toks if t.startswith(prefix) and t[len(prefix):].isdigit()] or [default])
@@ -365,8 +406,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # noidxskip: the indexer's scores computed for every row, also where the top-k selects all visible entries
     # unread (DS4_INDEXER_SKIP=0; the same indices)
     os.environ["DS4_INDEXER_SKIP"] = "0" if "noidxskip" in toks else "1"
-    for name, value in launch_order_env(toks).items():
-        _set_or_unset(name, value)
+    for var, value in launch_order_env(toks).items():
+        _set_or_unset(var, value)
     os.environ["DS4_AR_FOLD"] = "1" if "arf" in toks else "0"
     os.environ["DS4_AR_FOLD_PDL"] = "0" if "arfnp" in toks else "1"
     os.environ["DS4_AR_FOLD_SPREAD"] = "0" if "arfpack" in toks else "1"
@@ -376,8 +417,8 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_SHARED_WAVE"] = str(_number_token(toks, "shw", 100))
     # rwNN: the routed experts' tensor-core gate+up takes NN % of a resident wave (DS4_ROUTED_WAVE)
     os.environ["DS4_ROUTED_WAVE"] = str(_number_token(toks, "rw", 100))
-    for name, value in depth_env(toks).items():  # rdN, lrdN, dnN, shdN: per-kernel depths; else the library's rules
-        _set_or_unset(name, value)
+    for var, value in depth_env(toks).items():  # rdN, lrdN, dnN, shdN: per-kernel depths; else the library's rules
+        _set_or_unset(var, value)
     # pf: the L2 prefetch's default sites; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those
     # sites; neither: no prefetch (DS4_L2_PREFETCH)
     os.environ["DS4_L2_PREFETCH"] = _prefetch_sites(toks)
@@ -415,6 +456,13 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     }
 
 
+def _write_rows(out: str | None, dev: torch.device, kind: str, world: int, bw: float, rows: list[dict]) -> None:
+    if out:
+        gpu = torch.cuda.get_device_name(dev) if kind == "cuda" else "cpu"
+        with open(out, "w") as f:
+            json.dump({"gpu": gpu, "world": world, "copy_gb_s": bw, "rows": rows}, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="v4_flash")
@@ -431,6 +479,12 @@ def main():
                     help="comma list of shared-expert layouts (parallel.shared_expert: replicate, the default, or tp); "
                          "each loads the weights once more, rows of tp named VARIANT@shtp")
     a = ap.parse_args()
+    errors = check_variants(a.variants.split(","), int(os.environ.get("WORLD_SIZE", 1)))
+    n_model = preset(a.model).n_layers
+    errors += [f"--layers {n}: {a.model} has {n_model} layers" for n in (int(x) for x in a.layers.split(","))
+               if not 1 <= n <= n_model]
+    if errors:
+        ap.error("; ".join(errors))
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     e = ddist.init(kind, int(os.environ.get("WORLD_SIZE", 1)))
     dev = torch.device("cuda", e.local_rank) if kind == "cuda" else torch.device("cpu")
@@ -439,7 +493,7 @@ def main():
     rows = []
     for n in [int(x) for x in a.layers.split(",")]:
         args = preset(a.model)
-        args = args.with_layers(n) if n < args.n_layers else args
+        args = args.with_layers(n) if n < args.n_layers else args  # (n <= the model's: checked above)
         for lay, sh in itertools.product(a.experts.split(","), a.shared.split(",")):
             t0 = time.perf_counter()
             model = Transformer(args, build_ops(Impls(), dev), "plain", dtype, dev, e.rank, e.world)
@@ -458,6 +512,7 @@ def main():
                 rows.append(r)
                 if e.rank == 0:
                     print(json.dumps(r), flush=True)
+                    _write_rows(a.out, dev, kind, e.world, bw, rows)  # after every row: a cut run keeps its rows
             del model
             if kind == "cuda":
                 torch.cuda.empty_cache()
@@ -478,16 +533,16 @@ def main():
         if len(ns) == 2:
             for v in dict.fromkeys(r["variant"] for r in rows):  # in order, with the layout suffix
                 t = {r["n_layers"]: r for r in rows if r["variant"] == v and "tpot_ms" in r}
-                if len(t) == 2:
-                    bad = any(r.get("degenerate") for r in rows if r["variant"] == v)
-                    # the median's slope (the TPOT of BENCHMARKING.md), and the mean's (throughput, where steps differ)
-                    med, mean = ((t[ns[1]][k] - t[ns[0]][k]) * 1e3 / (ns[1] - ns[0])
-                                 for k in ("tpot_ms", "tpot_mean_ms"))
-                    print(f"per-layer {v}: {med:.1f} us/layer (mean: {mean:.1f})"
-                          + ("  [DEGENERATE TOKENS: a NaN state? not comparable]" if bad else ""))
-        if a.out:
-            json.dump({"gpu": gpu, "world": e.world, "copy_gb_s": bw, "rows": rows},
-                      open(a.out, "w"), indent=1)
+                if len(t) < 2:  # said, not left out: a variant that failed at one layer count has no slope
+                    failed = [str(n) for n in ns if n not in t]
+                    print(f"per-layer {v}: n/a (no TPOT at {', '.join(failed)} layers)")
+                    continue
+                bad = any(r.get("degenerate") for r in rows if r["variant"] == v)
+                # the median's slope (the TPOT of BENCHMARKING.md), and the mean's (throughput, where steps differ)
+                med, mean = ((t[ns[1]][k] - t[ns[0]][k]) * 1e3 / (ns[1] - ns[0])
+                             for k in ("tpot_ms", "tpot_mean_ms"))
+                print(f"per-layer {v}: {med:.1f} us/layer (mean: {mean:.1f})"
+                      + ("  [DEGENERATE TOKENS: a NaN state? not comparable]" if bad else ""))
     if e.world > 1:
         torch.distributed.destroy_process_group()
 

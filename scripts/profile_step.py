@@ -75,6 +75,12 @@ def main() -> None:
                          "timeline at such a position too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    # the tokens this script applies (bench_decode.py's others set DS4_* variables it does not: set those in the shell)
+    applied = {"kernels", "fused", "wobf16", "qat", "graph", "ll", "symm", "bf16", "shtp", "noidxm", "hwin", "noqskip"}
+    ignored = sorted(t for t in a.variant.split("+") if t not in applied and not (t[:3] == "cap" and t[3:].isdigit()))
+    if ignored:
+        ap.error(f"--variant {a.variant}: {', '.join(ignored)} would be ignored here (this script applies "
+                 f"{', '.join(sorted(applied))} and capN; set the other switches' DS4_* variables in the shell)")
     from ds4 import kernels
     kernels.require("profile_step")
     e = ddist.init("cuda", int(os.environ.get("WORLD_SIZE", 1)))

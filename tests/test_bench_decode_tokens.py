@@ -122,3 +122,14 @@ def test_defer_tokens_pick_their_layers(tokens, csa, hca):
     got = {(a.compressor is not None, a.indexer is not None): a.defer_compress
            for a in model.modules() if isinstance(a, Attention)}
     assert got == {(False, False): 0 if not {"defer4"} & tokens else 4, (True, True): csa, (True, False): hca}
+
+
+def test_unknown_and_misplaced_variants_are_refused(capsys):
+    bd = _bench_decode()
+    assert bd.unknown_tokens({"kernels", "fused", "graph", "cap8192", "rd4", "lrd2", "spgd", "pfqo", "deferh8"}) == []
+    assert bd.unknown_tokens({"kernels", "kernal", "rdx", "spx", "co60"}) == ["co60", "kernal", "rdx", "spx"]
+    assert bd.check_variants(["ref", "kernels+graph", "kernels+graph+noride"], 1) == []
+    errs = bd.check_variants(["kernels", "ref", "kernels+typo"], 1)
+    assert "variant ref: without kernels after a variant with them" in errs[0] and "typo" in errs[1]
+    bd.check_variants(["kernels+bf16+ll"], 1)
+    assert "bf16, ll change nothing at one rank" in capsys.readouterr().out
