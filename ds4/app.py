@@ -21,8 +21,7 @@ from ds4 import dist as ddist
 from ds4 import tracking
 from ds4.model.args import ModelArgs, preset
 from ds4.registry import COMPONENTS, Impls, ImplUnavailable, Setup, build_ops
-from ds4.registry import entry as registry_entry  # (app has its own `entry` names)
-from ds4.tasks.common import Context, RunSpec, format_figures, reset_memory
+from ds4.tasks.common import Context, RunSpec, format_figures, reset_memory, source_commit
 from ds4.weights.schema import EXPERT_LAYOUTS, SHARED_LAYOUTS
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -251,12 +250,10 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     # raises before any weights load; the notes say what the choices leave to other code for this setup
     setup = Setup(spec.dtype, spec.max_batch, args.weight_dtype, args.n_activated_experts)
     ops = build_ops(spec.impls, spec.device, setup)
-    if spec.runtime == "cuda_graph":  # a step that waits on the host cannot be captured
-        for c in COMPONENTS:
-            sync = registry_entry(c, ops.chosen[c]).decode_sync(setup)
-            if sync is not None:
-                raise UserError(f"runtime=cuda_graph cannot capture {c}={ops.chosen[c]}: a decode step syncs with "
-                                f"the host ({sync}); use runtime=eager, another {c}, or a smaller max_batch")
+    if spec.runtime == "cuda_graph" and ops.decode_syncs:  # a step that waits on the host cannot be captured
+        c, sync = next(iter(ops.decode_syncs.items()))
+        raise UserError(f"runtime=cuda_graph cannot capture {c}={ops.chosen[c]}: a decode step syncs with "
+                        f"the host ({sync}); use runtime=eager, another {c}, or a smaller max_batch")
     record["resolved"] = dict(ops.chosen)
     record["notes"] = {c: ops.notes[c] for c in ops.notes}
     # the DS4_* switches (ablations, diagnostics) change what runs under the same names: recorded and printed
@@ -346,7 +343,7 @@ def run(cfg: DictConfig) -> dict:
               "override_dirname": job.override_dirname, "overrides": job.overrides, "choices": job.choices,
               "resolved": {}, "notes": {}, "figures": {}, "profile": [], "prompt_ids": [], "generated_ids": [],
               "torch": torch.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
-              "commit": tracking.source_commit()}
+              "commit": source_commit()}
     tracker, error, unexpected, main = None, None, False, ddist.env().rank == 0
     try:
         spec = build_spec(cfg)

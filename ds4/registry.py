@@ -12,7 +12,7 @@ Nothing here is mutated at run time: the table is filled once at import by `_bui
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -191,19 +191,23 @@ class Ops:
     linear: object
     chosen: dict[str, str]   # component -> canonical name actually used
     notes: dict[str, str]    # component -> how it was resolved
+    decode_syncs: dict[str, str] = field(default_factory=dict)  # component -> why its decode step syncs (the Setup's)
 
 
 def build_ops(impls: Impls, device: torch.device | str, setup: Setup | None = None) -> Ops:
     """The implementations for `impls` on `device`; with `setup`, also checked against the run's activation dtype,
     and their notes say what they leave to other code for it (decode rows past their kernels', BF16 weights)."""
     device = torch.device(device)
-    objs, chosen, notes = {}, {}, {}
+    objs, chosen, notes, syncs = {}, {}, {}, {}
     for f in fields(Impls):
         e, note = resolve(f.name, getattr(impls, f.name), device, setup)
         objs[f.name] = e.build()
         chosen[f.name] = e.name
         notes[f.name] = note
-    return Ops(**objs, chosen=chosen, notes=notes)
+        sync = None if setup is None else e.decode_sync(setup)
+        if sync is not None:
+            syncs[f.name] = sync
+    return Ops(**objs, chosen=chosen, notes=notes, decode_syncs=syncs)
 
 
 def torch_reference_ops() -> Ops:

@@ -69,23 +69,6 @@ def group_name(tracking: dict, job: JobInfo) -> str | None:
     return None
 
 
-def source_commit() -> str | None:
-    """The commit of the ds4 source tree this process runs (`+dirty` with uncommitted changes to tracked files), for
-    the record; None outside a git checkout (an installed copy) or without git."""
-    import subprocess
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
-
-
 class TrackingError(ValueError):
     """A tracking setup that cannot run here (printed as one line)."""
 

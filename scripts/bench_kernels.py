@@ -30,7 +30,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds4 import kernels  # noqa: E402
 from ds4.ops.base import QWeight  # noqa: E402
 from ds4.quant import pack_fp4_mma, tile_fp4_mma, tile_fp8_mma  # noqa: E402
+from ds4.tasks.common import source_commit  # noqa: E402
 
 DEV = torch.device("cuda")
 L2_ROTATE_BYTES = 400 << 20
@@ -163,10 +163,7 @@ def main() -> int:
                   f"{r['GB_s']:>8.0f}{r['pct_copy']:>7.1f}{tgt:>8}")
         print(f"copy bandwidth {bw:.0f} GB/s (2 GiB D2D, read+write) on {torch.cuda.get_device_name()}")
         if args.out:
-            try:
-                commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-            except Exception:  # noqa: BLE001
-                commit = "?"
+            commit = source_commit() or "?"
             meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                     "commit": commit, "torch": torch.__version__, "cuda": torch.version.cuda,
                     "copy_GB_s": bw, "command": " ".join(sys.argv), "timing": "CUDA-graph replay median / calls",

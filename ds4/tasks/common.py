@@ -12,6 +12,7 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,6 +114,23 @@ class Context:
             self.generator = Generator(self.model, max_batch=self.spec.max_batch, max_seq_len=self.spec.max_seq_len,
                                        runtime=self.spec.runtime)
         return self.generator
+
+
+def source_commit() -> str | None:
+    """The commit of the ds4 source tree this process runs (`+dirty` with uncommitted changes to tracked files), for
+    records (metrics.json, benchmark JSON); None outside a git checkout (an installed copy) or without git."""
+    import subprocess
+    root = Path(__file__).resolve().parents[2]  # the repository (ds4/tasks/common.py)
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
 # ---- timing ----------------------------------------------------------------------------------
