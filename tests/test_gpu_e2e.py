@@ -134,6 +134,39 @@ def test_options_agree_with_reference_on_small(impls, env, small_weights, monkey
         assert ffn_calls[0] >= 255 * args.n_layers, ffn_calls
 
 
+def test_bf16_dense_weights_agree_with_reference_on_small(monkeypatch):
+    """weight_dtype=bf16 (BF16 dense projections, FP4 experts): every option fused, the dense GEMVs in the GEMV
+    launch's BF16 form; the bar of the options test above, and linear=gemv_cuda really launched it at decode."""
+    import dataclasses
+
+    from ds4.ops import linear_cuda
+
+    class Spy:  # linear=gemv_cuda's view of ds4.kernels, counting its BF16 GEMV launches
+        def __init__(self, real):
+            self.real, self.bf16 = real, 0
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def gemv(self, x, w, scale, fmt, *a, **kw):
+            self.bf16 += fmt == "bf16"
+            return self.real.gemv(x, w, scale, fmt, *a, **kw)
+
+    args = dataclasses.replace(small(), weight_dtype="bf16")
+    weights = random_weights(args, seed=1, device=DEV, include_mtp=False)
+    prompt = [(11 * i + 5) % args.vocab_size for i in range(32)]
+    ref = Generator(_model(args, weights), 1, 512)
+    toks = ref.generate([prompt], 256, stop_at_eos=False).tokens[0]
+    ref_logits = ref.teacher_forced_logits(prompt, toks)
+    fast = _model(args, weights, Impls(**_FUSED))
+    spy = Spy(linear_cuda.kernels)
+    monkeypatch.setattr(linear_cuda, "kernels", spy)
+    lf = Generator(fast, 1, 512).teacher_forced_logits(prompt, toks)
+    overall, confident, n = _agreement(lf.argmax(-1), ref_logits)
+    assert n >= 16 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
+    assert spy.bf16 >= 255 * args.n_layers, spy.bf16  # at least wo_b's, every layer of every decode step
+
+
 def _count_calls(obj, name: str) -> list[int]:
     """[calls] of obj.name from now on (0 and never counted where obj has no such method)."""
     calls, fn = [0], getattr(obj, name, None)

@@ -266,6 +266,29 @@ def test_linear_impl_and_grouped():
     assert rel(lin.grouped(xg, QWeight("fp8", wg, sg), 8), refg) <= TOL
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_linear_bf16_weights_take_the_gemv(rows):
+    """BF16 dense weights (weight_dtype=bf16) at decode: linear=gemv_cuda's one GEMV launch in its BF16 form, plain
+    and grouped (wo_a), within TOL of the fp32 product; float32 activations keep the reference's matmul exactly."""
+    from ds4.ops.linear_cuda import GemvCudaLinear
+    from ds4.ops.linear_torch import DequantLinear
+    lin = GemvCudaLinear()
+    g = gen(seed_of("linear_bf16", rows))
+    w = (torch.randn(1024, 4096, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    x = rand_x(rows, 4096, g)
+    y = lin(x.view(1, rows, 4096), QWeight("bf16", w))
+    assert rel(y.view(rows, -1), x.float() @ w.float().t()) <= TOL
+    assert torch.equal(y.view(rows, -1), kernels.gemv(x, w, None, "bf16"))  # the launch, not F.linear
+    wg = (torch.randn(8 * 128, 512, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    xg = rand_x(rows, 8 * 512, g).view(rows, 8, 512)
+    yg = lin.grouped(xg, QWeight("bf16", wg), 8)
+    refg = torch.einsum("ngi,gri->ngr", xg.float(), wg.float().view(8, 128, 512))
+    assert rel(yg, refg) <= TOL
+    assert torch.equal(yg.reshape(rows, -1), kernels.gemv(xg.reshape(rows, -1), wg, None, "bf16", groups=8))
+    x32 = x.float().view(1, rows, 4096)
+    assert torch.equal(lin(x32, QWeight("bf16", w)), DequantLinear()(x32, QWeight("bf16", w)))
+
+
 # ------------------------------------------------------------------------------------------ prefill dequantisation
 
 def _laid_weight(fmt, lead, o, i, g):

@@ -122,8 +122,11 @@ def test_notes_say_what_a_choice_leaves_to_other_code(monkeypatch):
         "fused_cuda"
     assert "> 8: the compressors' projection" in registry.resolve("attn", "fused_cuda", cuda,
                                                                     registry.Setup(max_batch=9))[1]
-    note = registry.resolve("linear", "gemv_cuda", cuda, registry.Setup(weight_dtype="bf16"))[1]
-    assert "BF16 dense weights: torch matmuls" in note
+    # BF16 dense weights take the GEMV's BF16 form with bf16 activations; float32 ones keep the reference's matmul
+    assert registry.resolve("linear", "gemv_cuda", cuda, registry.Setup(torch.bfloat16, weight_dtype="bf16"))[1] == \
+        "gemv_cuda"
+    note = registry.resolve("linear", "gemv_cuda", cuda, registry.Setup(torch.float32, weight_dtype="bf16"))[1]
+    assert "BF16 dense weights with float32 activations: torch matmuls" in note
     assert "the torch reference's experts" in registry.resolve("moe", "bf16_cache", cuda, registry.Setup())[1]
 
 

@@ -4,14 +4,17 @@ The notes' limits are read from the implementations' modules when an entry is re
 same module right after)."""
 from __future__ import annotations
 
+import torch
+
 from ds4.registry import Entry, Setup
 
 
 def _gemv_caveats(s: Setup) -> list[str]:
     from ds4.ops.linear_cuda import PREFILL_TOKENS
     out = []
-    if s.weight_dtype == "bf16":
-        out.append("BF16 dense weights: torch matmuls, as linear=dequant")
+    if s.weight_dtype == "bf16" and s.dtype not in (None, torch.bfloat16):
+        out.append(f"BF16 dense weights with {str(s.dtype).removeprefix('torch.')} activations: torch matmuls, "
+                   "as linear=dequant")
     if s.max_batch > PREFILL_TOKENS:
         out.append(f"decode batch {s.max_batch} > {PREFILL_TOKENS}: dequantise + torch matmul per step")
     return out
@@ -38,7 +41,7 @@ def entries(check):
     """check(device) -> None or the reason the compiled extension cannot run there."""
     return [
         (Entry("linear", "gemv_cuda", "ds4.ops.linear_cuda:GemvCudaLinear", check, 10,
-               "CUDA FP8/MXFP4 GEMV on stored bytes + E8M0 scales, 1-16 tokens (prefill: dequant + matmul)",
+               "CUDA FP8/MXFP4/BF16 GEMV on stored bytes + E8M0 scales, 1-16 tokens (prefill: dequant + matmul)",
                caveats=_gemv_caveats), ()),
         (Entry("moe", "fp4_topk", "ds4.ops.moe_cuda:Fp4TopkMoE", check, 10,
                "CUDA router + all top-k MXFP4 experts in two launches (ids on the device) + fused FP8 shared expert",

@@ -3,8 +3,11 @@
 Decode (<= PREFILL_TOKENS tokens): one launch of the CUDA GEMV (fp32 accumulation, BF16 out); with an hc
 fold (one row; hc=fused_cuda's default, DS4_HC_FOLD=0 turns it off, ds4.ops.hc_cuda) the tensor-core GEMV
 whose epilogue also forms the next mHC site's streams and partials (ds4.kernels.gemv_fold).
-Prefill (more tokens) and BF16 weights: dequantise (FP8 on the device in one launch, ds4.ops.dequant_cuda) + torch
-matmul (cuBLAS) — part of this implementation, chosen by shape only, never by tensor values.
+BF16 dense weights (weight_dtype=bf16, or a checkpoint's BF16 projections) at decode: the same GEMV launch in its BF16
+form (fp32 accumulation; with bf16 activations only, so that a float32 run keeps the reference's fp32 product).
+Prefill (more tokens) and what the launch does not take: dequantise (FP8 on the device in one launch,
+ds4.ops.dequant_cuda) + torch matmul (cuBLAS) — part of this implementation, chosen by shape and dtype only, never by
+tensor values.
 qat (act_quant=True): the activation is FP8-simulated per 128 channels, as the reference does, with the torch twin's
 bits: one launch of the act_quant_sim kernel before the GEMV, or with DS4_ACT_QUANT=staged (opt-in, not yet run on a
 GPU) inside the one-row tensor-core GEMV's activation staging where it takes it (ds4.ops.qat_cuda).
@@ -81,10 +84,23 @@ class GemvCudaLinear:
             fold.fused = True
             y = kernels.gemv_fold(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, fold, act_quant=staged)
             return y.view(*lead, w.out_features).to(x.dtype)
-        if w.fmt == "bf16" or x2.shape[0] > PREFILL_TOKENS or x2.shape[0] == 0:
+        if not self._launches(x2, w):
             return F.linear(x, dense(w, x.dtype))  # (staged needs one bf16 row on a CUDA GEMV: never here)
         y = kernels.gemv(x2.to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, act_quant=staged)
         return y.view(*lead, w.out_features).to(x.dtype)
+
+    @staticmethod
+    def _launches(x2: Tensor, w: QWeight, groups: int = 1) -> bool:
+        """Whether the GEMV launch takes these rows (shapes and dtypes only): 1..PREFILL_TOKENS rows; a BF16 weight
+        only bf16 [O, I] with bf16 activations, I a multiple of 8 and, grouped, whole 16-row warps' shares per group
+        (the launch's BF16 form)."""
+        if not 1 <= x2.shape[0] <= PREFILL_TOKENS:
+            return False
+        if w.fmt != "bf16":
+            return True
+        return (x2.dtype == torch.bfloat16 and w.weight.dtype == torch.bfloat16 and w.weight.dim() == 2
+                and w.weight.is_contiguous() and w.in_features % 8 == 0
+                and (groups == 1 or (w.out_features // groups) % 16 == 0))
 
     @staticmethod
     def _folds(x2: Tensor, w: QWeight, fold: HcFold) -> bool:
@@ -105,7 +121,7 @@ class GemvCudaLinear:
     def grouped(self, x: Tensor, w: QWeight, groups: int) -> Tensor:
         """Block-diagonal projection (wo_a): x [N, G, I], w [G*R, I] -> [N, G, R], one launch."""
         n = x.shape[0]
-        if w.fmt == "bf16" or n > PREFILL_TOKENS or n == 0:
+        if not self._launches(x.reshape(n, -1), w, groups):
             wd = dense(w, x.dtype).view(groups, -1, x.shape[-1])
             return torch.einsum("ngi,gri->ngr", x, wd)
         y = kernels.gemv(x.reshape(n, -1).to(torch.bfloat16).contiguous(), w.weight, w.scale, w.fmt, groups=groups)
