@@ -348,14 +348,42 @@ def test_hf_save_pretrained_loads(hf_model, weights, tmp_path):
     assert bf["layers.0.attn.wq_a.weight"].dtype == torch.bfloat16 and bf["hc_head_fn"].dtype == torch.float32
 
 
-def test_hf_module_naming_stacked_experts_world2(hf_model, weights, tmp_path):
+def test_hf_module_naming_stacked_experts_world2(hf_model, weights, tmp_path, monkeypatch):
     # state_dict naming written directly (stacked experts), as some converters produce
     save_file({k: v.contiguous() for k, v in hf_model.state_dict().items()}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(ARGS.to_hf_config(quantized=False)))
     ref = _dequantised(weights)
+    import safetensors
+    real_open, read = safetensors.safe_open, {}
+
+    class Recording:  # safe_open counting the elements read from each stacked tensor
+        def __init__(self, *a, **kw):
+            self.f = real_open(*a, **kw)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_slice(self, key):
+            sl = self.f.get_slice(key)
+
+            class Cut:
+                def __getitem__(_, idx):
+                    t = sl[idx]
+                    if ".mlp.experts." in key:
+                        read[key] = read.get(key, 0) + t.numel()
+                    return t
+            return Cut()
+    stacked = {k: v.numel() for k, v in hf_model.state_dict().items() if ".mlp.experts." in k}
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
     for experts in ("ep", "tp"):  # whole experts by id, or every expert's slice of its intermediate dim
         for rank in range(2):
+            read.clear()
             args, part = load_checkpoint(tmp_path, rank=rank, world=2, progress=False, experts=experts)
+            assert read == {k: n // 2 for k, n in stacked.items()}  # a rank reads its share of each, once
             local = local_tensors(args, rank, 2, include_mtp=False, experts=experts)
             assert list(part) == list(local)
             for n, (_, idx) in local.items():

@@ -354,15 +354,13 @@ def load_checkpoint(path: str | os.PathLike, args: ModelArgs | None = None, rank
         for fname in sorted(by_file):
             bar.set_postfix_str(fname)
             with safe_open(str(root / fname), framework="pt", device="cpu") as f:
-                stacked_cache: dict[str, tuple[int, Tensor]] = {}
+                stacked_cache: dict[tuple[str, str], tuple[int, Tensor]] = {}
                 for name in by_file[fname]:
                     src, (lspec, idx) = plan[name], local[name]
                     if src.expert is None:
                         t = f.get_slice(src.key)[idx]
                     else:
-                        t = _read_expert(f, src, args, world if experts == "ep" else 1, stacked_cache)
-                        if experts == "tp":  # this rank's slice of the expert, in storage of its own
-                            t = t[idx].clone()
+                        t = _read_expert(f, src, args, world if experts == "ep" else 1, stacked_cache, idx)
                     t = _apply_policy(t, full[name], dtype_policy)
                     if tuple(t.shape) != lspec.shape:
                         raise CheckpointError(f"{fname}: tensor {src.key}: read shape {list(t.shape)}, "
@@ -378,24 +376,26 @@ def load_checkpoint(path: str | os.PathLike, args: ModelArgs | None = None, rank
     return args, {name: out[name] for name in local}
 
 
-def _read_expert(f, src: _Source, args: ModelArgs, world: int, cache: dict) -> Tensor:
-    """One routed expert (whole) out of a stacked [E, ...] tensor; the owned range (world: the ranks the
-    experts are distributed over, 1 when every rank holds a slice of each) is read once."""
-    if src.key not in cache:
+def _read_expert(f, src: _Source, args: ModelArgs, world: int, cache: dict, idx: tuple[slice, ...]) -> Tensor:
+    """One routed expert out of a stacked [E, ...] tensor, cut by idx (this rank's slice of the expert under
+    experts=tp, whole slices otherwise). A part's block (w1's or w3's rows of gate_up, or down) is read once per
+    layer for the owned experts (world: the ranks the experts are distributed over, 1 when every rank holds a slice
+    of each) and already cut, so a rank reads only its share of the stacked tensor."""
+    if (src.key, src.part) not in cache:
         layer = src.key.rsplit(".experts", 1)[0]
-        for k in [k for k in cache if not k.startswith(layer + ".")]:
-            del cache[k]  # keep only the current layer's gate_up/down blocks
+        for k in [k for k in cache if not k[0].startswith(layer + ".")]:
+            del cache[k]  # keep only the current layer's blocks
         per = args.n_routed_experts // world
         lo = expert_owner(src.expert, args.n_routed_experts, world) * per
-        cache[src.key] = (lo, f.get_slice(src.key)[lo:lo + per])
-    lo, block = cache[src.key]
-    t = block[src.expert - lo]
-    inter = args.moe_inter_dim
-    if src.part == "w1":
-        t = t[:inter]
-    elif src.part == "w3":
-        t = t[inter:]
-    return t.clone()
+        rows, cols = idx
+        if src.part in ("w1", "w3"):  # gate_up stacks w1's rows, then w3's
+            inter = args.moe_inter_dim
+            r0, r1, step = rows.indices(inter)
+            off = 0 if src.part == "w1" else inter
+            rows = slice(off + r0, off + r1, step)
+        cache[(src.key, src.part)] = (lo, f.get_slice(src.key)[lo:lo + per, rows, cols])
+    lo, block = cache[(src.key, src.part)]
+    return block[src.expert - lo].clone()  # storage of its own (not a view of the layer's block)
 
 
 def _apply_policy(t: Tensor, spec: TensorSpec, policy: str) -> Tensor:
