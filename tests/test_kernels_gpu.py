@@ -711,13 +711,14 @@ def test_routed_gate_up_depth_default_and_knob(routed_depth, global_depth, round
         h = kernels.moe_gate_up(x, ids, weights, t1, s1, t3, s3, "fp4t", 32, 16, 10.0)
         torch.cuda.synchronize()
     names = [e.name.replace("(int)", "") for e in prof.events() if "moe_gate_up_mma_kernel" in e.name]
-    assert names and all(f"moe_gate_up_mma_kernel<4, {rounds}, 2>" in n for n in names), names
+    assert names and all(f"moe_gate_up_mma_kernel<4, {rounds}, 2, false>" in n for n in names), names
     loc = ((ids >= 32) & (ids < 48)).flatten()
     assert torch.isfinite(h[loc].float()).all() and rel(h[loc], h8[loc]) <= 1e-3
 
 
 def _launched(prof, kernel):
-    """The template arguments of the launches of `kernel` a profile recorded, e.g. "4, 2, 2"."""
+    """The template arguments of the launches of `kernel` a profile recorded, e.g. "4, 2, 2, false" (the trailing
+    bools: the kernel's forms, the last one AQ, numerics=qat's FP8 simulation in the staging, off here)."""
     names = [e.name.replace("(int)", "").replace("(bool)", "") for e in prof.events() if kernel + "<" in e.name]
     return sorted({n[n.index("<") + 1:n.index(">")] for n in names})
 
@@ -753,7 +754,7 @@ def test_long_row_and_down_depth_knobs(long_rows, down, global_depth, shared, mo
             y = kernels.gemv(x, w, s, "fp8", kernel="mma")
             torch.cuda.synchronize()
         want = glob or (long_rows if rule == "8" and long_rows else rule)
-        assert _launched(prof, "gemv_mma_kernel") == [f"1, {rounds(want)}, 2, false, false"], (o, i)
+        assert _launched(prof, "gemv_mma_kernel") == [f"1, {rounds(want)}, 2, false, false, false"], (o, i)
         assert rel(y, ref) <= TOL
     # the shared expert (FP8, one slot): gate+up K = dim (rule 8), down K = inter (rule 2)
     w1, s1 = rand_fp8_weight(inter, dim, g)
@@ -767,8 +768,8 @@ def test_long_row_and_down_depth_knobs(long_rows, down, global_depth, shared, mo
         h = kernels.moe_gate_up(x, None, None, w1, s1, w3, s3, "fp8", 0, 1, 10.0, kernel="mma")
         y = kernels.moe_down(h, None, 1, w2, s2, "fp8", 0, 1, None, False, kernel="mma")
         torch.cuda.synchronize()
-    assert _launched(prof, "moe_gate_up_mma_kernel") == [f"1, {rounds(shared or glob or long_rows or '8')}, 2"]
-    assert _launched(prof, "moe_down_mma_kernel") == [f"1, {rounds(down or glob or '2')}, 2, false, false"]
+    assert _launched(prof, "moe_gate_up_mma_kernel") == [f"1, {rounds(shared or glob or long_rows or '8')}, 2, false"]
+    assert _launched(prof, "moe_down_mma_kernel") == [f"1, {rounds(down or glob or '2')}, 2, false, false, false"]
     assert rel(y, a.to(torch.bfloat16).float() @ d2.t()) <= TOL
     # the routed experts (fp4t): gate+up by its own rule (4 where the rule says 8), down by DS4_DOWN_DEPTH
     (p1, s1, p3, s3, p2, s2), (e1, e3, e2) = make_experts(16, dim, inter, g, "fp4p")
@@ -780,8 +781,8 @@ def test_long_row_and_down_depth_knobs(long_rows, down, global_depth, shared, mo
         h = kernels.moe_gate_up(x, ids, weights, t1, s1, t3, s3, "fp4t", 32, 16, 10.0)
         y = kernels.moe_down(h, ids, 6, t2, s2, "fp4t", 32, 16, None, True)
         torch.cuda.synchronize()
-    assert _launched(prof, "moe_gate_up_mma_kernel") == [f"4, {rounds(glob or '4')}, 2"]
-    assert _launched(prof, "moe_down_mma_kernel") == [f"4, {rounds(down or glob or '2')}, 2, true, false"]
+    assert _launched(prof, "moe_gate_up_mma_kernel") == [f"4, {rounds(glob or '4')}, 2, false"]
+    assert _launched(prof, "moe_down_mma_kernel") == [f"4, {rounds(down or glob or '2')}, 2, true, false, false"]
     assert rel(y, ref_routed(x, weights, ids, e1, e3, e2, 32, 10.0)) <= TOL
 
 

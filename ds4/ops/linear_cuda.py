@@ -9,8 +9,8 @@ Prefill (more tokens) and what the launch does not take: dequantise (FP8 on the 
 ds4.ops.dequant_cuda) + torch matmul (cuBLAS) — part of this implementation, chosen by shape and dtype only, never by
 tensor values.
 qat (act_quant=True): the activation is FP8-simulated per 128 channels, as the reference does, with the torch twin's
-bits: one launch of the act_quant_sim kernel before the GEMV, or with DS4_ACT_QUANT=staged (opt-in, not yet run on a
-GPU) inside the one-row tensor-core GEMV's activation staging where it takes it (ds4.ops.qat_cuda).
+bits: one launch of the act_quant_sim kernel before the GEMV, or with DS4_ACT_QUANT=staged (opt-in, measured no
+faster) inside the one-row tensor-core GEMV's activation staging where it takes it (ds4.ops.qat_cuda).
 Layout: `prepare` (at load, and when a loaded model is configured with this implementation) places the dense FP8
 projections' bytes in the tensor-core GEMV's fragment order, each word's bits permuted for a cheaper decode (fmt
 "fp8t", ds4.quant.tile_fp8_mma; experiments/decode_session45_h200.md), where the shapes allow, so that every warp

@@ -59,7 +59,7 @@ moe=fp4_topk
   weights — chosen by shape only. A prompt's router logits are one fp32 GEMM (the reference's).
   qat (act_quant=True): supported by FP8-simulating x and h between the two launches (ds4.ops.qat_cuda: one
   launch each, the torch twin's bits; the one-launch FFN is the plain-numerics one), or with DS4_ACT_QUANT=staged
-  (opt-in, not yet run on a GPU) inside the one-token tensor-core kernels' staging where they take it
+  (opt-in, measured no faster) inside the one-token tensor-core kernels' staging where they take it
   (kernels.moe_act_quant_ok: the tiled layouts).
 
 moe=bf16_cache (seed phase 5, an ablation): like fp4_topk, but experts that were selected keep a

@@ -5,13 +5,12 @@ decoded 3.6 times slower than plain on an H200: 372 against 104 us per layer, ex
 Inputs the kernel does not take (CPU, other dtypes, a last dim the block does not divide) run the torch twin, chosen
 by shape and dtype only.
 DS4_ACT_QUANT (read per call; any other value is an error): unset or "kernel" (the default: the one launch before
-every FP8 / FP4 GEMV), "torch" (the twin everywhere, the ablation), or "staged" (opt-in, not yet run on a GPU: where a
-one-token tensor-core GEMV or MoE kernel takes it at the plain launch's own depth, `staged` /
-ds4.kernels.act_quant_staged_ok / moe_act_quant_ok, the simulation happens inside that kernel's activation staging,
-act_quant=True, with no launch of its own, and with the launch path's bits; elsewhere the one launch). The staged
-kernels were written and compiled in session 53 when no GPU could be had; their GPU tests
-(tests/test_qat_cuda_gpu.py) have not run yet, so they are not the default (experiments/decode_session53_h200.md;
-session 54 fixed two ways the staged launch could sum in another order than the plain one, found by reading).
+every FP8 / FP4 GEMV), "torch" (the twin everywhere, the ablation), or "staged" (opt-in: where a one-token
+tensor-core GEMV or MoE kernel takes it at the plain launch's own depth, `staged` / ds4.kernels.act_quant_staged_ok /
+moe_act_quant_ok, the simulation happens inside that kernel's activation staging, act_quant=True, with no launch of
+its own, and with the launch path's bits; elsewhere the one launch). Its GPU tests pass (tests/test_qat_cuda_gpu.py,
+session 56), and it drops qat's step from 104 to 72 kernels, but it decoded no faster on an H200 (120.4 / 120.4
+against 120.1 us per layer, experiments/decode_session56_h200.md), so the launch stays the default.
 """
 from __future__ import annotations
 
