@@ -224,3 +224,35 @@ def test_dequant_wrapper_refuses_bad_shapes_before_the_op():
         kernels.dequant(torch.zeros(16, 128, dtype=torch.int8), torch.zeros(8, 8, dtype=u8), "fp4t")
     with pytest.raises(ValueError, match=r"expected \(2, 2, 2\)"):
         kernels.dequant(torch.zeros(2, 130, 256, dtype=u8), torch.zeros(2, 1, 2, dtype=u8), "fp8")
+
+
+def test_build_lock_clears_an_interrupted_builds_leftover_and_serialises(monkeypatch, tmp_path, capsys):
+    """torch's JIT build leaves its `lock` file when killed midway, and every later build of that directory waited
+    on it forever; ds4's builds hold an OS lock (released when a process dies) and remove such a leftover. A second
+    build waits for the first and says so."""
+    import fcntl
+    import threading
+
+    import torch.utils.cpp_extension as cpp
+
+    from ds4 import kernels
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "a.cu").write_text("")
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "lock").write_text("")  # a killed build's leftover
+    seen = []
+    monkeypatch.setattr(torch.version, "cuda", "12.0")
+    monkeypatch.setattr(cpp, "load", lambda **kw: seen.append((build / "lock").exists()))
+    kernels.build_and_load("x", tmp_path / "csrc", ("a.cu",), build, False)
+    assert seen == [False] and "removing" in capsys.readouterr().err
+    with open(build / "ds4_build.lock", "w") as held:  # another process's build in progress
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t = threading.Thread(target=kernels.build_and_load, args=("x", tmp_path / "csrc", ("a.cu",), build, False))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and seen == [False]  # waiting, not building
+        fcntl.flock(held, fcntl.LOCK_UN)
+    t.join(10)
+    assert not t.is_alive() and seen == [False, False]
+    assert "waiting for another process's build" in capsys.readouterr().err

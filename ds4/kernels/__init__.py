@@ -12,8 +12,10 @@ and the package's CPU paths never import the extension.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -51,12 +53,37 @@ def build_and_load(name: str, csrc: Path, sources: tuple[str, ...], directory: P
     # TORCH_CUDA_ARCH_LIST would make torch add its own -gencode flags too; ours are explicit.
     archs = os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
     try:
-        _load(name=name, sources=[str(csrc / s) for s in sources], extra_cflags=["-O3"],
-              extra_cuda_cflags=_cuda_flags_for(archs), extra_include_paths=[str(csrc)],
-              build_directory=str(directory), is_python_module=False, verbose=verbose)
+        with _build_lock(directory):
+            _load(name=name, sources=[str(csrc / s) for s in sources], extra_cflags=["-O3"],
+                  extra_cuda_cflags=_cuda_flags_for(archs), extra_include_paths=[str(csrc)],
+                  build_directory=str(directory), is_python_module=False, verbose=verbose)
     finally:
         if archs is not None:
             os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """Serialise ds4's builds into `directory` with an OS file lock, which dies with its process. torch's own
+    `lock` file there does not: a build killed midway (Ctrl-C, a timeout) leaves it, and every later build of the
+    directory then waits on it forever, in silence (session 56 lost a device run so). Holding this lock, no ds4
+    build runs, so a `lock` file is such a leftover, and is removed with a note. Other processes wait here, then
+    find the library built (ninja has nothing to do)."""
+    import fcntl
+    with open(directory / "ds4_build.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"ds4: waiting for another process's build in {directory}", file=sys.stderr, flush=True)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                print(f"ds4: removing {stale}, left by a build that was interrupted", file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 @functools.lru_cache(maxsize=None)
