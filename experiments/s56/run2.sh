@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 56, run 2 (one lent H200; NOT RUN: the call that carried it spent its 600 s waiting on a build lock, see
-# experiments/decode_session56_h200.md). Every call re-sends the tree with new file times, so both builds compile
-# again (about 2 minutes side by side); plan about 8 device minutes.
+# experiments/decode_session56_h200.md). A call re-sends the tree, apparently with new file times, so plan for both
+# builds compiling again (about 2 minutes side by side); plan about 8 device minutes.
 # experiments/s54/next_down16.sh trimmed to one call: the MoE down kernels in 16-warp blocks (alt build
 # -DDS4_DOWN_WARPS=16, csrc/moe_mma.cu): the MoE / fold / one-launch-FFN kernel tests on the alt build, then the
 # slope in both builds (two passes each). 16 becomes the default only if the slope gains beyond the passes' spread.
