@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 56, run 2 (one lent H200; NOT RUN: the call that carried it spent its 600 s waiting on a build lock, see
+# Session 56, run 2 (one lent H200; NOT RUN: the call that carried it returned nothing (likeliest: a build lock), see
 # experiments/decode_session56_h200.md). A call re-sends the tree, apparently with new file times, so plan for both
 # builds compiling again (about 2 minutes side by side); plan about 8 device minutes.
 # experiments/s54/next_down16.sh trimmed to one call: the MoE down kernels in 16-warp blocks (alt build
