@@ -306,9 +306,8 @@ def test_prompt_null_is_no_text():
 
 def test_peak_rss_is_the_jobs():
     """A multirun job after a larger one reports its own peak resident set, not the process's (Linux)."""
-    import sys as _sys
     from ds4.tasks.common import peak_memory, reset_memory
-    if not _sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         pytest.skip("resets the peak through /proc")
     big = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB resident
     del big
