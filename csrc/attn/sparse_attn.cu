@@ -26,12 +26,19 @@
 
 namespace ds4_attn {
 
-constexpr int SP_KC = 32;        // keys per block
+// Keys per chunk (one block's step). DS4_SP_KC=16 (an alt build; session 57's A/B) halves a block's loads, S and
+// P.V at a short context, where only ceil(visible keys / KC) blocks per head tile have work, at the cost of twice the
+// splits for the combine to merge on a long one.
+#ifndef DS4_SP_KC
+#define DS4_SP_KC 32
+#endif
+constexpr int SP_KC = DS4_SP_KC;  // keys per block
 constexpr int SP_WARPS = 8;
 constexpr int SP_THREADS = SP_WARPS * 32;
 constexpr int SP_ROWS_PER_WARP = SP_KC / SP_WARPS;
 constexpr int SP_MAX_ROPE = 512;  // RoPE dims the q_prep table holds
 constexpr int SP_MAX_SPLITS = 64;  // sparse_nsplit's default cap
+static_assert(SP_KC % 16 == 0 && SP_KC % SP_WARPS == 0 && SP_KC <= 64, "DS4_SP_KC: 16, 32, 48 or 64");
 
 // Splits of a row's keys (blocks per head tile): one per SP_KC keys up to SP_MAX_SPLITS, beyond that each block takes
 // several chunks (split, split + nsplit, ...). DS4_SPARSE_MAX_SPLITS (read per call; the ablation) sets the cap.
