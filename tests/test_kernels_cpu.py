@@ -256,3 +256,19 @@ def test_build_lock_clears_an_interrupted_builds_leftover_and_serialises(monkeyp
     t.join(10)
     assert not t.is_alive() and seen == [False, False]
     assert "waiting for another process's build" in capsys.readouterr().err
+
+
+def test_attention_extension_takes_its_own_nvcc_flags_where_set(monkeypatch):
+    """DS4_ATTN_NVCC_FLAGS overrides DS4_NVCC_FLAGS for the attention extension alone (set and empty means none), so
+    one process can load each extension from a build of its own ablation flags without rebuilding either."""
+    monkeypatch.setenv("DS4_NVCC_FLAGS", "-DMAIN_ONLY=1")
+    monkeypatch.delenv("DS4_ATTN_NVCC_FLAGS", raising=False)
+    main = kernels._cuda_flags_for("9.0")
+    assert "-DMAIN_ONLY=1" in main and main[-1] == "-gencode=arch=compute_90,code=sm_90"
+    assert "-DMAIN_ONLY=1" in kernels._cuda_flags_for("9.0", "DS4_ATTN_NVCC_FLAGS")  # unset: the shared flags
+    monkeypatch.setenv("DS4_ATTN_NVCC_FLAGS", "")
+    assert "-DMAIN_ONLY=1" not in kernels._cuda_flags_for("9.0", "DS4_ATTN_NVCC_FLAGS")
+    monkeypatch.setenv("DS4_ATTN_NVCC_FLAGS", "-DATTN_ONLY=1")
+    attn = kernels._cuda_flags_for("9.0", "DS4_ATTN_NVCC_FLAGS")
+    assert "-DATTN_ONLY=1" in attn and "-DMAIN_ONLY=1" not in attn
+    assert "-DATTN_ONLY=1" not in kernels._cuda_flags_for("9.0")

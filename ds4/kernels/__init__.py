@@ -39,9 +39,11 @@ def build_dir() -> Path:
     return Path(os.environ.get("DS4_EXT_BUILD_DIR", REPO / ".ext_build"))
 
 
-def build_and_load(name: str, csrc: Path, sources: tuple[str, ...], directory: Path, verbose: bool) -> None:
+def build_and_load(name: str, csrc: Path, sources: tuple[str, ...], directory: Path, verbose: bool,
+                   flags_env: str = "DS4_NVCC_FLAGS") -> None:
     """JIT-build (ninja, only what changed) and load one ds4 extension for TORCH_CUDA_ARCH_LIST
-    (default "8.0;9.0"); shared by every ds4 extension. Raises RuntimeError with the reason."""
+    (default "8.0;9.0"); shared by every ds4 extension. Extra nvcc flags come from the variable `flags_env`
+    (see _cuda_flags_for). Raises RuntimeError with the reason."""
     if torch.version.cuda is None:
         raise RuntimeError("torch is a CPU-only build (torch.version.cuda is None)")
     from torch.utils.cpp_extension import load as _load
@@ -55,7 +57,7 @@ def build_and_load(name: str, csrc: Path, sources: tuple[str, ...], directory: P
     try:
         with _build_lock(directory):
             _load(name=name, sources=[str(csrc / s) for s in sources], extra_cflags=["-O3"],
-                  extra_cuda_cflags=_cuda_flags_for(archs), extra_include_paths=[str(csrc)],
+                  extra_cuda_cflags=_cuda_flags_for(archs, flags_env), extra_include_paths=[str(csrc)],
                   build_directory=str(directory), is_python_module=False, verbose=verbose)
     finally:
         if archs is not None:
@@ -93,10 +95,14 @@ def load(verbose: bool = False) -> None:
     from ds4.kernels import _fake  # noqa: F401  registers fake impls once the ops exist
 
 
-def _cuda_flags_for(archs: str | None) -> list[str]:
+def _cuda_flags_for(archs: str | None, flags_env: str = "DS4_NVCC_FLAGS") -> list[str]:
     # DS4_NVCC_FLAGS: extra nvcc flags for an ablation build (e.g. a -D switch of the CUDA sources); give such
-    # a build its own DS4_EXT_BUILD_DIR / DS4_ATTN_EXT_BUILD_DIR so it never overwrites the default one
-    flags = ["-O3", "-lineinfo", *os.environ.get("DS4_NVCC_FLAGS", "").split()]
+    # a build its own DS4_EXT_BUILD_DIR / DS4_ATTN_EXT_BUILD_DIR so it never overwrites the default one.
+    # flags_env (DS4_ATTN_NVCC_FLAGS for the attention extension) overrides it for one extension where set, empty
+    # included, so one process can load each extension from a build of its own flags. The flags are part of
+    # torch's build hash: a process whose flags differ from the folder's build rebuilds it (about 2 minutes).
+    extra = os.environ.get(flags_env, os.environ.get("DS4_NVCC_FLAGS", ""))
+    flags = ["-O3", "-lineinfo", *extra.split()]
     for a in (archs or DEFAULT_ARCHS).replace(",", ";").replace(" ", ";").split(";"):
         a = a.strip().replace("+PTX", "")
         if a:

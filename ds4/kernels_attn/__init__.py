@@ -33,7 +33,7 @@ def build_dir() -> Path:
 def load(verbose: bool = False) -> None:
     """Build (if needed) and load the extension; registers the ops and their fake implementations."""
     from ds4.kernels import build_and_load
-    build_and_load(EXT_NAME, CSRC, SOURCES, build_dir(), verbose)
+    build_and_load(EXT_NAME, CSRC, SOURCES, build_dir(), verbose, flags_env="DS4_ATTN_NVCC_FLAGS")
     from ds4.kernels_attn import _fake  # noqa: F401  fake impls once the schemas exist
 
 
