@@ -54,10 +54,10 @@ echo "kc16 tests rc=$?: $(grep -E 'passed|failed' "$W/tests_kc16.log" | tail -1)
 grep -E "^FAILED" "$W/tests_down16.log" "$W/tests_kc16.log" | head -8
 [ "$(sos)" != "$SO0" ] && { echo "tests REBUILT an extension"; SO0=$(sos); }
 st bench_b
-for c in default down16 kc16 both; do [ "$(el)" -lt 500 ] && bench $c b; done
+for c in default down16 kc16 both; do [ "$(el)" -lt 290 ] && bench $c b; done
 st profile
 for c in default kc16; do
-  [ "$(el)" -lt 540 ] || break
+  [ "$(el)" -lt 330 ] || break
   run_as $c timeout 45 python3 scripts/profile_step.py --layers 8 --variant kernels+fused --timeline \
     --long-context 65536 --out "$W/profile_$c.json" > "$W/profile_$c.log" 2>&1
   echo "profile $c rc=$?"; grep -E "step wall|^sparse_(chunk|combine)_kernel" "$W/profile_$c.log" | head -6
