@@ -57,7 +57,7 @@ st bench_b
 for c in default down16 kc16 both; do [ "$(el)" -lt 290 ] && bench $c b; done
 st profile
 for c in default kc16; do
-  [ "$(el)" -lt 330 ] || break
+  [ "$(el)" -lt 290 ] || break
   run_as $c timeout 45 python3 scripts/profile_step.py --layers 8 --variant kernels+fused --timeline \
     --long-context 65536 --out "$W/profile_$c.json" > "$W/profile_$c.log" 2>&1
   echo "profile $c rc=$?"; grep -E "step wall|^sparse_(chunk|combine)_kernel" "$W/profile_$c.log" | head -6
