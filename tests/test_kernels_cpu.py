@@ -272,3 +272,30 @@ def test_attention_extension_takes_its_own_nvcc_flags_where_set(monkeypatch):
     attn = kernels._cuda_flags_for("9.0", "DS4_ATTN_NVCC_FLAGS")
     assert "-DATTN_ONLY=1" in attn and "-DMAIN_ONLY=1" not in attn
     assert "-DATTN_ONLY=1" not in kernels._cuda_flags_for("9.0")
+
+
+def test_build_says_it_compiles_when_the_library_is_missing_or_older_than_its_sources(monkeypatch, tmp_path, capsys):
+    """torch's JIT build is silent for minutes: ds4 says before a build that will compile (no library, or a source
+    newer than it) and nothing when the library is current."""
+    import os
+
+    import torch.utils.cpp_extension as cpp
+
+    from ds4 import kernels
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "a.cu").write_text("")
+    (src / "b.cuh").write_text("")
+    build = tmp_path / "build"
+    build.mkdir()
+    monkeypatch.setattr(torch.version, "cuda", "12.0")
+    monkeypatch.setattr(cpp, "load", lambda **kw: (build / "x.so").write_text(""))
+    kernels.build_and_load("x", src, ("a.cu",), build, False)
+    assert "compiling the x CUDA extension" in capsys.readouterr().err  # no library yet
+    kernels.build_and_load("x", src, ("a.cu",), build, False)
+    assert "compiling" not in capsys.readouterr().err  # current
+    t = (build / "x.so").stat().st_mtime
+    os.utime(src / "b.cuh", (t + 5, t + 5))  # a header changed after the build
+    monkeypatch.setattr(cpp, "load", lambda **kw: None)
+    kernels.build_and_load("x", src, ("a.cu",), build, False)
+    assert "compiling the x CUDA extension" in capsys.readouterr().err

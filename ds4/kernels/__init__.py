@@ -16,6 +16,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -56,12 +57,28 @@ def build_and_load(name: str, csrc: Path, sources: tuple[str, ...], directory: P
     archs = os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
     try:
         with _build_lock(directory):
+            # torch compiles in silence (minutes for ds4_ext): say so before a build that will surely compile, and
+            # after any load that took long (a change of flags or of torch also recompiles, unseen from here)
+            if _stale(directory / f"{name}.so", csrc):
+                print(f"ds4: compiling the {name} CUDA extension into {directory} (first use, or its sources "
+                      "changed); this takes a few minutes", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
             _load(name=name, sources=[str(csrc / s) for s in sources], extra_cflags=["-O3"],
                   extra_cuda_cflags=_cuda_flags_for(archs, flags_env), extra_include_paths=[str(csrc)],
                   build_directory=str(directory), is_python_module=False, verbose=verbose)
+            if (dt := time.perf_counter() - t0) > 10:
+                print(f"ds4: {name} CUDA extension ready after {dt:.0f} s", file=sys.stderr, flush=True)
     finally:
         if archs is not None:
             os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+
+
+def _stale(so: Path, csrc: Path) -> bool:
+    """The built library is missing or older than a source or header under csrc (ninja will compile)."""
+    if not so.exists():
+        return True
+    newest = max((p.stat().st_mtime for p in csrc.rglob("*") if p.suffix in {".cu", ".cuh", ".cpp", ".h"}), default=0)
+    return so.stat().st_mtime < newest
 
 
 @contextlib.contextmanager
