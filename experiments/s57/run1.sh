@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# VOID (see experiments/decode_session57_h200.md): the bench function set the alt folders but not DS4_NVCC_FLAGS, so
+# every alt process rebuilt the folder it loaded with the default flags. run2.sh / run3.sh are the fixed forms.
 # Session 57, run 1 (one lent H200, one call): two build-time A/Bs against the default build, in one alt build.
 #   down16: the MoE down kernels in 16-warp blocks (-DDS4_DOWN_WARPS=16, csrc/moe_mma.cu; session 54's idea, never run)
 #   kc16:   the attention chunk kernel at 16 keys per block (-DDS4_SP_KC=16, csrc/attn/sparse_attn.cu)
