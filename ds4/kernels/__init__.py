@@ -74,10 +74,12 @@ def build_and_load(name: str, csrc: Path, sources: tuple[str, ...], directory: P
 
 
 def _stale(so: Path, csrc: Path) -> bool:
-    """The built library is missing or older than a source or header under csrc (ninja will compile)."""
+    """The built library is missing or older than a source or header in csrc or a shared header in CSRC's root
+    (the attention extension's csrc/attn includes those): ninja will compile."""
     if not so.exists():
         return True
-    newest = max((p.stat().st_mtime for p in csrc.rglob("*") if p.suffix in {".cu", ".cuh", ".cpp", ".h"}), default=0)
+    files = [*csrc.glob("*"), *CSRC.glob("*.cuh"), *CSRC.glob("*.h")]
+    newest = max((p.stat().st_mtime for p in files if p.suffix in {".cu", ".cuh", ".cpp", ".h"}), default=0)
     return so.stat().st_mtime < newest
 
 
