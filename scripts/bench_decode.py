@@ -88,10 +88,10 @@ launch; a diagnostic, outputs unchanged), qat (numerics=qat: the official refere
 simulations; plain without it), aqtorch (DS4_ACT_QUANT=torch: with qat, the FP8 activation simulation by its torch
 twin, about a dozen launches, instead of the one-launch kernel; the same bits), aqstaged (DS4_ACT_QUANT=staged: with
 qat, the simulation inside the activation staging of the one-row tensor-core GEMVs that take it (wq_a + wkv, q_norm +
-wq_b, wo_b) and the MoE kernels instead of its launch before them; opt-in, measured no faster in session 56; the same
-bits),
-ixqtorch (DS4_INDEXER_QAT=torch: with qat, the indexer's Hadamard + FP4 simulation of its keys and decode query by
-the torch twin instead of inside the compressor step and scores kernels, the default since session 53).
+wq_b, wo_b) and the MoE kernels instead of its launch before them; opt-in, measured no faster in session 56; the
+same bits), ixqtorch (DS4_INDEXER_QAT=torch: with qat, the indexer's Hadamard + FP4 simulation of its keys and
+decode query by the torch twin instead of inside the compressor step and scores kernels, the default since session
+53).
 On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.

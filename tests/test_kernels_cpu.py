@@ -226,7 +226,21 @@ def test_dequant_wrapper_refuses_bad_shapes_before_the_op():
         kernels.dequant(torch.zeros(2, 130, 256, dtype=u8), torch.zeros(2, 1, 2, dtype=u8), "fp8")
 
 
-def test_build_lock_clears_an_interrupted_builds_leftover_and_serialises(monkeypatch, tmp_path, capsys):
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    """(csrc, build): a source folder with a.cu and b.cuh and an empty build folder, for ds4.kernels.build_and_load
+    with torch taken for a CUDA build (each test replaces torch's load)."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "a.cu").write_text("")
+    (src / "b.cuh").write_text("")
+    build = tmp_path / "build"
+    build.mkdir()
+    monkeypatch.setattr(torch.version, "cuda", "12.0")
+    return src, build
+
+
+def test_build_lock_clears_an_interrupted_builds_leftover_and_serialises(monkeypatch, fake_build, capsys):
     """torch's JIT build leaves its `lock` file when killed midway, and every later build of that directory waited
     on it forever; ds4's builds hold an OS lock (released when a process dies) and remove such a leftover. A second
     build waits for the first and says so."""
@@ -236,19 +250,15 @@ def test_build_lock_clears_an_interrupted_builds_leftover_and_serialises(monkeyp
     import torch.utils.cpp_extension as cpp
 
     from ds4 import kernels
-    (tmp_path / "csrc").mkdir()
-    (tmp_path / "csrc" / "a.cu").write_text("")
-    build = tmp_path / "build"
-    build.mkdir()
+    src, build = fake_build
     (build / "lock").write_text("")  # a killed build's leftover
     seen = []
-    monkeypatch.setattr(torch.version, "cuda", "12.0")
     monkeypatch.setattr(cpp, "load", lambda **kw: seen.append((build / "lock").exists()))
-    kernels.build_and_load("x", tmp_path / "csrc", ("a.cu",), build, False)
+    kernels.build_and_load("x", src, ("a.cu",), build, False)
     assert seen == [False] and "removing" in capsys.readouterr().err
     with open(build / "ds4_build.lock", "w") as held:  # another process's build in progress
         fcntl.flock(held, fcntl.LOCK_EX)
-        t = threading.Thread(target=kernels.build_and_load, args=("x", tmp_path / "csrc", ("a.cu",), build, False))
+        t = threading.Thread(target=kernels.build_and_load, args=("x", src, ("a.cu",), build, False))
         t.start()
         t.join(0.5)
         assert t.is_alive() and seen == [False]  # waiting, not building
@@ -274,7 +284,8 @@ def test_attention_extension_takes_its_own_nvcc_flags_where_set(monkeypatch):
     assert "-DATTN_ONLY=1" not in kernels._cuda_flags_for("9.0")
 
 
-def test_build_says_it_compiles_when_the_library_is_missing_or_older_than_its_sources(monkeypatch, tmp_path, capsys):
+def test_build_says_it_compiles_when_the_library_is_missing_or_older_than_its_sources(monkeypatch, fake_build,
+                                                                                      capsys):
     """torch's JIT build is silent for minutes: ds4 says before a build that will compile (no library, or a source
     newer than it) and nothing when the library is current."""
     import os
@@ -282,13 +293,7 @@ def test_build_says_it_compiles_when_the_library_is_missing_or_older_than_its_so
     import torch.utils.cpp_extension as cpp
 
     from ds4 import kernels
-    src = tmp_path / "csrc"
-    src.mkdir()
-    (src / "a.cu").write_text("")
-    (src / "b.cuh").write_text("")
-    build = tmp_path / "build"
-    build.mkdir()
-    monkeypatch.setattr(torch.version, "cuda", "12.0")
+    src, build = fake_build
     monkeypatch.setattr(cpp, "load", lambda **kw: (build / "x.so").write_text(""))
     kernels.build_and_load("x", src, ("a.cu",), build, False)
     assert "compiling the x CUDA extension" in capsys.readouterr().err  # no library yet
