@@ -37,9 +37,9 @@ class SingleProcess:
         """Concatenate vocab-parallel logits [..., V/W] over ranks -> [..., V]."""
         return logits
 
-    def argmax(self, logits: Tensor) -> Tensor:
-        """Global argmax of vocab-parallel logits [N, V/W] -> global ids [N]."""
-        return argmax_first(logits)
+    def argmax(self, logits: Tensor, kernel: bool = False) -> Tensor:
+        """Global argmax of vocab-parallel logits [N, V/W] -> global ids [N] (kernel: as sampling.argmax's)."""
+        return argmax_first(logits, kernel=kernel)
 
 
 @dataclass
@@ -165,11 +165,11 @@ class TensorParallel:
         dist.all_gather(parts, logits.contiguous(), group=self.group)
         return torch.cat(parts, -1)
 
-    def argmax(self, logits: Tensor) -> Tensor:
+    def argmax(self, logits: Tensor, kernel: bool = False) -> Tensor:
         """The seed's distributed argmax: each rank offers (local max, global index); the largest
         value wins, ties go to the lowest global index. Sends 2 values per row per rank."""
         v_local = logits.shape[-1]
-        idx = argmax_first(logits)
+        idx = argmax_first(logits, kernel=kernel)
         val = logits.float().gather(-1, idx[..., None]).squeeze(-1)
         mine = torch.stack((val, (idx + self.rank * v_local).float()), -1)           # [N, 2]
         allp = [torch.empty_like(mine) for _ in range(self.world)]

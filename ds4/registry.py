@@ -53,6 +53,7 @@ class Entry:
     caveats: Callable[[Setup], list[str]] = _no_caveats  # what other code runs for this setup, said in the note
     # why its decode step waits on the host for this setup (said in the note; runtime=cuda_graph refuses it), or None
     decode_sync: Callable[[Setup], str | None] = _no_sync
+    ds4_ext: bool = False  # it runs the compiled ds4 (GEMV / MoE) extension
 
     def unavailable(self, device: torch.device, setup: Setup | None) -> str | None:
         """None when it can run on `device` for `setup`, else the reason."""
@@ -192,22 +193,26 @@ class Ops:
     chosen: dict[str, str]   # component -> canonical name actually used
     notes: dict[str, str]    # component -> how it was resolved
     decode_syncs: dict[str, str] = field(default_factory=dict)  # component -> why its decode step syncs (the Setup's)
+    # some choice runs the ds4 extension, so greedy decoding takes its argmax kernel too (ds4.runtime.sampling): the
+    # run's own choices decide, not whether an earlier job of the same process (a sweep) loaded the extension
+    ds4_ext: bool = False
 
 
 def build_ops(impls: Impls, device: torch.device | str, setup: Setup | None = None) -> Ops:
     """The implementations for `impls` on `device`; with `setup`, also checked against the run's activation dtype,
     and their notes say what they leave to other code for it (decode rows past their kernels', BF16 weights)."""
     device = torch.device(device)
-    objs, chosen, notes, syncs = {}, {}, {}, {}
+    objs, chosen, notes, syncs, ds4_ext = {}, {}, {}, {}, False
     for f in fields(Impls):
         e, note = resolve(f.name, getattr(impls, f.name), device, setup)
         objs[f.name] = e.build()
         chosen[f.name] = e.name
         notes[f.name] = note
+        ds4_ext |= e.ds4_ext
         sync = None if setup is None else e.decode_sync(setup)
         if sync is not None:
             syncs[f.name] = sync
-    return Ops(**objs, chosen=chosen, notes=notes, decode_syncs=syncs)
+    return Ops(**objs, chosen=chosen, notes=notes, decode_syncs=syncs, ds4_ext=ds4_ext)
 
 
 def torch_reference_ops() -> Ops:

@@ -118,3 +118,28 @@ def test_captured_step_refuses_another_batch():
     with pytest.raises(ValueError, match=r"\(1,\) tokens for a step captured at batch 2"):
         step(torch.tensor([9]))
 
+
+
+def test_greedy_argmax_kernel_is_the_runs_choice(weights, monkeypatch):
+    """The decode loop asks for the extension's argmax kernel exactly when the model's implementations use the
+    extension (Ops.ds4_ext), eager and under tensor parallelism's distributed argmax alike."""
+    import dataclasses
+
+    import ds4.runtime.generate as gen_mod
+    m = model(weights)
+    asked = []
+
+    def spy(logits, s, gen=None, kernel=False):
+        asked.append(kernel)
+        return sample(logits, s, gen)
+    monkeypatch.setattr(gen_mod, "sample", spy)
+    Generator(m, 1, 96).generate([[1, 2, 3]], 3, stop_at_eos=False)
+    assert asked and not any(asked)
+    m.ops = dataclasses.replace(m.ops, ds4_ext=True)
+    asked.clear()
+    Generator(m, 1, 96).generate([[1, 2, 3]], 3, stop_at_eos=False)
+    assert asked and all(asked)
+    seen = []
+    m.comm = type("TwoRanks", (), {"world": 2, "argmax": lambda self, x, kernel=False: seen.append(kernel) or argmax(x)})()
+    Generator(m, 1, 96).next_token(torch.randn(1, 50), Sampling(), None)
+    assert seen == [True]

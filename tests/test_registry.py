@@ -145,3 +145,34 @@ def test_decode_host_syncs_are_said(monkeypatch):
     monkeypatch.setenv("DS4_MOE_CHUNKED_TOKENS", "4")  # a prompt knob that moves the decode's limit to 8 rows
     assert "batch 9 > 8" in registry.entry("moe", "fp4_topk").decode_sync(registry.Setup(max_batch=9))
     assert "cache bookkeeping" in registry.resolve("moe", "bf16_cache", cuda, registry.Setup())[1]
+
+
+def test_ds4_ext_flag_follows_the_entry_check(monkeypatch):
+    """Entry.ds4_ext (the run's greedy argmax takes the ds4 extension's kernel where a choice has it) is set exactly
+    where the entry's own check loads the ds4 (GEMV / MoE) extension: every check is run with that extension
+    reporting a marker reason and everything else available."""
+    from ds4 import kernels, kernels_attn
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda: "ds4 extension marker")
+    monkeypatch.setattr(kernels_attn, "unavailable_reason", lambda: None)
+    cuda = torch.device("cuda")
+    flagged, checked = set(), set()
+    for c in COMPONENTS:
+        for n in registry.names(c):
+            e = registry.entry(c, n)
+            if e.ds4_ext:
+                flagged.add((c, n))
+            if e.check(cuda) == "ds4 extension marker":
+                checked.add((c, n))
+    assert flagged == checked and ("moe", "fp4_topk") in flagged and ("hc", "fused_cuda") not in flagged
+
+
+def test_ops_ds4_ext_is_the_runs_own_choice(monkeypatch):
+    """Ops.ds4_ext comes from the choices built, not from the process's state (a sweep's earlier job)."""
+    assert registry.torch_reference_ops().ds4_ext is False
+    _runnable(monkeypatch, "hc", "fused_cuda")  # a CUDA choice on the ds4_attn extension alone
+    monkeypatch.setattr(registry.Entry, "build", lambda self: self.name)  # no extension module is imported
+    cuda = torch.device("cuda")
+    assert registry.build_ops(registry.Impls(hc="fused_cuda"), cuda).ds4_ext is False
+    _runnable(monkeypatch, "linear", "gemv_cuda")
+    assert registry.build_ops(registry.Impls(hc="fused_cuda", linear="gemv_cuda"), cuda).ds4_ext is True

@@ -130,18 +130,6 @@ def _cuda_flags_for(archs: str | None, flags_env: str = "DS4_NVCC_FLAGS") -> lis
     return flags
 
 
-def is_loaded() -> bool:
-    return hasattr(torch.ops, "ds4") and hasattr(torch.ops.ds4, "gemv") and _has_op()
-
-
-def _has_op() -> bool:
-    try:
-        torch.ops.ds4.gemv.default  # noqa: B018
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def extension_reason(name: str, so_path: Path, load_fn) -> str | None:
     """Why the extension `name` cannot run here (CPU torch, no CUDA, compute capability < 8.0, not
     built under DS4_NO_JIT=1, build/load failure), or None. Shared by every ds4 extension."""
@@ -173,6 +161,6 @@ def require(who: str) -> None:
         raise SystemExit(f"{who}: needs a CUDA GPU and the ds4 extension: {reason}")
 
 
-__all__ = ["load", "unavailable_reason", "require", "is_loaded", "build_dir", "gemv", "gemv_deferred", "moe_gate_up", "moe_down",
+__all__ = ["load", "unavailable_reason", "require", "build_dir", "gemv", "gemv_deferred", "moe_gate_up", "moe_down",
            "moe_ffn", "router", "argmax", "act_quant_sim", "act_quant_staged_ok", "dequant", "dequant_ok", "l2_prefetch",
            "all_reduce_ll", "all_reduce_ll_fold"]

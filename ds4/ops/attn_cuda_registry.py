@@ -54,16 +54,16 @@ def entries(_shared_check=None):
                "CUDA decode attention side: q norm/RoPE, window KV write, compressor step, position-masked MQA "
                "flash-decoding (keys loaded once for all heads, BF16 MMA, top-k gather, sink and output "
                "de-rotation in the combine); prefill-sized calls use the torch twins", dtypes=BF16,
-               caveats=_attn_caveats), ("fused",)),
+               caveats=_attn_caveats, ds4_ext=True), ("fused",)),
         (Entry("attn", "fused_cuda_wo_bf16", "ds4.ops.attn_cuda:MergedWoAttention", check_attn, 5,
                "fused_cuda with the seed's phase-6 output projection: wo_b.wo_a precomputed in BF16 (reads 4x "
                "the bytes; an ablation option, never chosen by auto over fused_cuda)", dtypes=BF16,
-               caveats=_attn_caveats), ()),
+               caveats=_attn_caveats, ds4_ext=True), ()),
         # (check_attn: its head weights run on the ds4 extension's BF16 GEMV too)
         (Entry("indexer", "fused_cuda", "ds4.ops.attn_cuda:FusedCudaIndexer", check_attn, 10,
                "CUDA indexer: q RoPE, position-masked scores over the whole GPU (keys split over blocks, BF16 "
                "MMA, fused ReLU-weighted head sum), radix-select top-k; prefill uses the torch reference",
-               dtypes=BF16, caveats=_indexer_caveats), ()),
+               dtypes=BF16, caveats=_indexer_caveats, ds4_ext=True), ()),
         (Entry("hc", "fused_cuda", "ds4.ops.hc_cuda:FusedCudaHC", check, 10,
                "CUDA mHC: split fp32 matvec + finishing kernel (Sinkhorn, weighted sum, block RMSNorm), fused "
                "post", dtypes=(torch.bfloat16, torch.float32)), ()),

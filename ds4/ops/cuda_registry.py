@@ -42,12 +42,12 @@ def entries(check):
     return [
         (Entry("linear", "gemv_cuda", "ds4.ops.linear_cuda:GemvCudaLinear", check, 10,
                "CUDA FP8/MXFP4/BF16 GEMV on stored bytes + E8M0 scales, 1-16 tokens (prefill: dequant + matmul)",
-               caveats=_gemv_caveats), ()),
+               caveats=_gemv_caveats, ds4_ext=True), ()),
         (Entry("moe", "fp4_topk", "ds4.ops.moe_cuda:Fp4TopkMoE", check, 10,
                "CUDA router + all top-k MXFP4 experts in two launches (ids on the device) + fused FP8 shared expert",
-               decode_sync=_fp4_topk_sync), ()),
+               decode_sync=_fp4_topk_sync, ds4_ext=True), ()),
         (Entry("moe", "bf16_cache", "ds4.ops.moe_cuda:Bf16CacheMoE", check, 5,
                "seed phase 5: LRU cache of dequantised BF16 hot experts (host sync per layer) + BF16/FP4 kernels",
                caveats=_bf16_cache_caveats,
-               decode_sync=_bf16_cache_sync), ()),
+               decode_sync=_bf16_cache_sync, ds4_ext=True), ()),
     ]

@@ -108,9 +108,9 @@ class CudaGraphStep:
         logits = self.model.decode(self.tok, self.state, full_vocab=self.mode != "dist_argmax",
                                    window_ends=window_ends)
         if self.mode == "argmax":
-            return argmax(logits)
+            return argmax(logits, kernel=self.model.ops.ds4_ext)
         if self.mode == "dist_argmax":
-            return self.model.comm.argmax(logits)
+            return self.model.comm.argmax(logits, kernel=self.model.ops.ds4_ext)
         return logits
 
     def phase(self, positions: Sequence[int] | None) -> frozenset[int]:

@@ -108,9 +108,10 @@ class Generator:
     def next_token(self, logits: Tensor, sampling: Sampling, gen) -> Tensor:
         """Greedy under tensor parallelism takes the distributed argmax of vocab slices;
         everything else samples the full logits (every rank draws the same token: same seed)."""
+        kernel = self.model.ops.ds4_ext  # the run's choices pick the argmax (ds4.runtime.sampling.argmax)
         if sampling.greedy and self.model.comm.world > 1:
-            return self.model.comm.argmax(logits)
-        return sample(logits, sampling, gen)
+            return self.model.comm.argmax(logits, kernel=kernel)
+        return sample(logits, sampling, gen, kernel=kernel)
 
     def teacher_forced_logits(self, prompt: list[int], continuation: list[int]) -> Tensor:
         """Logits predicting continuation[i] at step i, feeding the given tokens through the decode step the

@@ -29,15 +29,16 @@ class Sampling:
         return self.temperature == 0
 
 
-def argmax(x: Tensor, chunk: int = 128) -> Tensor:
+def argmax(x: Tensor, chunk: int = 128, kernel: bool = False) -> Tensor:
     """x [..., V] -> int64 [...]: index of the first maximal value, as torch.argmax(-1).
 
-    Where the ds4 CUDA extension is already loaded (a CUDA implementation is in use) and x is a contiguous
-    fp32 [B <= 64, V] CUDA tensor: its one-launch argmax kernel (the same index, NaN counting as the
-    largest as in torch). Otherwise in two reductions (within chunks of `chunk` values, then over the
-    chunks' maxima): torch reduces one [1, V] row in one block, 36.7 us for V = 129280 on H200."""
-    if (x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and 1 <= x.shape[0] <= kernels.ARGMAX_MAX_ROWS
-            and x.shape[-1] >= 1 and kernels.is_loaded()):
+    kernel (the run's implementations use the ds4 extension: registry.Ops.ds4_ext) and x an fp32 [B <= 64, V]
+    CUDA tensor: the extension's one-launch argmax kernel (the same index, NaN counting as the largest as in
+    torch). Otherwise in two reductions (within chunks of `chunk` values, then over the chunks' maxima): torch
+    reduces one [1, V] row in one block, 36.7 us for V = 129280 on H200. The run says which: a job of a sweep
+    times the same argmax whether or not an earlier job of its process loaded the extension."""
+    if (kernel and x.is_cuda and x.dtype == torch.float32 and x.dim() == 2
+            and 1 <= x.shape[0] <= kernels.ARGMAX_MAX_ROWS and x.shape[-1] >= 1):
         return kernels.argmax(x.contiguous())
     v = x.shape[-1]
     if v % chunk or v < 4 * chunk:
@@ -48,10 +49,10 @@ def argmax(x: Tensor, chunk: int = 128) -> Tensor:
     return (c * chunk + i.squeeze(-1).gather(-1, c)).squeeze(-1)
 
 
-def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None = None) -> Tensor:
-    """logits [B, V] fp32 -> token ids [B] int64."""
+def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None = None, kernel: bool = False) -> Tensor:
+    """logits [B, V] fp32 -> token ids [B] int64 (kernel: greedy takes the extension's argmax, see argmax)."""
     if s.greedy:
-        return argmax(logits)
+        return argmax(logits, kernel=kernel)
     logits = logits.float()
     # the max subtracted first: a tiny temperature then sends the others to -inf, not every logit to inf (NaN)
     logits = (logits - logits.amax(-1, keepdim=True)) / s.temperature
