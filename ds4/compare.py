@@ -51,9 +51,16 @@ def _natural(s: str):
 
 
 def _fmt(v, fmt: str) -> str:
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-        return fmt.format(v)
+    """A figure's cell: "-" where it was not measured; nan / inf as such (a measured figure that went wrong)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return fmt.format(v) if math.isfinite(v) else str(float(v))
     return "-"
+
+
+def _cell(f: dict, key: str, fmt: str) -> str:
+    if key == "fid_top1_confident" and f.get("fid_confident_steps") == 0:
+        return "-"  # no step above task.margin: nothing to agree on (recorded as NaN)
+    return _fmt(f.get(key), fmt)
 
 
 def _tpot(r: dict) -> float | None:
@@ -99,7 +106,7 @@ def _rows(recs: list[dict], speedup: bool = False) -> tuple[list[str], list[list
     rows = []
     for r in recs:
         f = r.get("figures") or {}
-        rows.append([r["_label"], r.get("status", "?"), r.get("task") or "-"] + [_fmt(f.get(k), fmt) for _, k, fmt in cols])
+        rows.append([r["_label"], r.get("status", "?"), r.get("task") or "-"] + [_cell(f, k, fmt) for _, k, fmt in cols])
     return head, rows
 
 

@@ -162,6 +162,29 @@ def test_bench_reference_skips_fidelity_and_eval_ppl(tmp_path):
     assert torch.isfinite(torch.tensor(f["nll"]))
 
 
+def test_eval_says_where_the_text_is_cut(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("x" * 40)
+    res = app.execute(_spec("task=eval", f"task.text_file={text}", "task.max_tokens=12", "profile=false",
+                            "batch=2"), {}, log=lambda *_: None)
+    assert res["figures"]["eval_tokens"] == 11
+    assert "first 12 of 41 tokens" in res["notes"][0] and "batch=2 not used" in res["notes"][0]
+    res = app.execute(_spec("task=eval", f"task.text_file={text}", "profile=false"), {}, log=lambda *_: None)
+    assert res["notes"][0] == f"text: {text}" and res["figures"]["eval_tokens"] == 40
+
+
+def test_eval_far_off_logits_give_inf_ppl_and_fidelity(monkeypatch):
+    """A run whose logits are far off (mean NLL above exp's range) reports ppl inf and its fidelity figures instead of
+    failing with OverflowError."""
+    from ds4.model import transformer as T
+    logits = T.Transformer.logits
+    monkeypatch.setattr(T.Transformer, "logits",
+                        lambda self, h, *a, **k: logits(self, h, *a, **k) * (100 if self.numerics == "qat" else 1))
+    res = app.execute(_spec("task=eval", "task.max_tokens=12", "numerics=qat", "profile=false"), {}, log=lambda *_: None)
+    f = res["figures"]
+    assert f["nll"] > 710 and f["ppl"] == float("inf") and f["ref_ppl"] < float("inf") and f["fid_max_abs"] > 100
+
+
 @pytest.mark.parametrize("experts", ["ep", "tp"])
 def test_torchrun_tp2_on_cpu(experts, tmp_path):
     """`torchrun --nproc-per-node 2 -m ds4 parallel.tp=2` on gloo: rank 0 alone writes metrics.json,

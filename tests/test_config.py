@@ -167,3 +167,23 @@ def test_compare_speedup_against_the_same_sweeps_baseline(tmp_path):
     head = md.splitlines()[2]
     assert "max\\|dlogit\\|" in head and head.count(" | ") + 2 == md.splitlines()[3].count("|")  # one cell each
     assert "commit: abc, not recorded" in md and "started 2026-12-05T01:00:00" in md and "failed: x" in md
+
+
+def test_compare_shows_nonfinite_figures(tmp_path):
+    """A measured figure that is NaN or inf (a run with broken logits) is shown as such, not as "-" (not measured);
+    top-1 on confident steps with no confident step stays "-"."""
+    figs = [{"fid_top1": 0.65, "fid_top1_confident": 0.75, "fid_confident_steps": 45, "fid_kl": float("nan"),
+             "fid_max_abs": float("nan"), "ppl": float("inf")},
+            {"fid_top1": 0.8, "fid_top1_confident": float("nan"), "fid_confident_steps": 0, "fid_kl": 0.1,
+             "fid_max_abs": 3.0, "ppl": 10.0},
+            {"ppl": 10.0}]
+    for i, f in enumerate(figs):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "metrics.json").write_text(json.dumps(
+            {"task": "eval", "status": "ok", "overrides": [f"seed={i}"], "figures": f}))
+    head, rows = compare._rows(compare.load(tmp_path))
+    col = {h: i for i, h in enumerate(head)}
+    assert [rows[0][col[h]] for h in ("top-1", "top-1 conf", "KL", "max|dlogit|", "ppl")] == \
+        ["0.650", "0.750", "nan", "nan", "inf"]
+    assert rows[1][col["top-1 conf"]] == "-" and rows[1][col["KL"]] == "0.1"
+    assert rows[2][col["KL"]] == "-" and rows[2][col["top-1"]] == "-"

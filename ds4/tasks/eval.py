@@ -27,6 +27,7 @@ BUILTIN_TEXT = (
 class Plan:
     ids: list[int]
     source: str
+    note: str = ""      # what of the text is scored, where it is cut
 
 
 def prepare(spec: RunSpec, args, tokenizer) -> Plan:
@@ -40,11 +41,26 @@ def prepare(spec: RunSpec, args, tokenizer) -> Plan:
         text, source = p.read_text(encoding="utf-8", errors="replace"), str(p)
     else:
         text, source = BUILTIN_TEXT, "built-in paragraph"
-    limit = min(opt_int(o, "max_tokens", 256, lo=2), spec.max_seq_len)
-    ids = tokenizer.encode(text, add_bos=True)[:limit]
+    max_tokens = opt_int(o, "max_tokens", 256, lo=2)
+    limit = min(max_tokens, spec.max_seq_len)
+    full = tokenizer.encode(text, add_bos=True)
+    ids = full[:limit]
     if len(ids) < 2:
         raise InputError(f"{source} encodes to {len(ids)} token(s); perplexity needs at least 2")
-    return Plan(ids, source)
+    note = (f" (its first {len(ids)} of {len(full)} tokens: task.max_tokens={max_tokens}, "
+            f"max_seq_len={spec.max_seq_len})" if len(full) > len(ids) else "")
+    if spec.batch > 1:
+        note += f"; batch={spec.batch} not used: eval scores one sequence"
+    return Plan(ids, source, note)
+
+
+def _ppl(nll: float) -> float:
+    """exp(nll); inf where that overflows (mean NLL above ~709.78 nats: logits far off, which the fidelity
+    figures then show, rather than the job failing before them)."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return float("inf")
 
 
 def _nll(logits, targets) -> float:
@@ -61,15 +77,15 @@ def run(ctx: Context, plan: Plan) -> dict:
     sync(ctx.spec.device)
     secs = time.perf_counter() - t0
     nll = _nll(logits, cont)
-    fig = {"eval_tokens": len(cont), "nll": nll, "ppl": math.exp(nll), "eval_tok_s": len(cont) / secs}
-    notes = [f"text: {plan.source}"]
+    fig = {"eval_tokens": len(cont), "nll": nll, "ppl": _ppl(nll), "eval_tok_s": len(cont) / secs}
+    notes = [f"text: {plan.source}{plan.note}"]
     ref_numerics, skipped = fidelity_plan(ctx)
     if skipped:
         notes.append(skipped)
     else:
         with reference_generator(ctx, ref_numerics) as rgen:
             ref_logits = rgen.teacher_forced_logits(prompt, cont)
-        fig["ref_ppl"] = math.exp(_nll(ref_logits, cont))
+        fig["ref_ppl"] = _ppl(_nll(ref_logits, cont))
         fig.update(compare_logits(logits, ref_logits, float(o.get("margin", 0.5))))
     fig.update(peak_memory(ctx.spec.device))
     return {"figures": fig, "prompt_ids": plan.ids, "generated_ids": [], "text": None,
