@@ -173,6 +173,21 @@ def test_eval_says_where_the_text_is_cut(tmp_path):
     assert res["notes"][0] == f"text: {text}" and res["figures"]["eval_tokens"] == 40
 
 
+def test_compare_logits_definitions():
+    """Top-1 agreement (a step with a NaN logit agrees with nothing, though argmax would pick the NaN), the confident
+    steps by the reference's top-2 margin, the logit differences and KL(ref || run) in nats, against hand values."""
+    from ds4.tasks.common import compare_logits
+    ref = torch.tensor([[3.0, 1.0, 0.0], [1.0, 0.8, 0.0], [0.0, 2.0, 1.0]])
+    run = torch.tensor([[3.0, 1.0, 0.0], [0.5, 0.9, 0.0], [0.0, float("nan"), 1.0]])
+    f = compare_logits(run, ref, margin=0.5)
+    assert f["fid_steps"] == 3 and f["fid_top1"] == pytest.approx(1 / 3)
+    assert f["fid_confident_steps"] == 2 and f["fid_top1_confident"] == pytest.approx(0.5)
+    g = compare_logits(run[:2], ref[:2], margin=0.5)
+    p, q = ref[1].softmax(-1), run[1].softmax(-1)
+    assert g["fid_kl"] == pytest.approx(float((p * (p / q).log()).sum()) / 2, rel=1e-5)
+    assert g["fid_max_abs"] == pytest.approx(0.5) and g["fid_mean_abs"] == pytest.approx(0.6 / 6)
+
+
 def test_eval_far_off_logits_give_inf_ppl_and_fidelity(monkeypatch):
     """A run whose logits are far off (mean NLL above exp's range) reports ppl inf and its fidelity figures instead of
     failing with OverflowError."""

@@ -246,7 +246,8 @@ def compare_logits(test: torch.Tensor, ref: torch.Tensor, margin: float) -> dict
     """Teacher-forced comparison [T, V] vs [T, V]: top-1 agreement (all steps, and steps whose
     reference top-2 margin exceeds `margin`), max/mean abs logit difference, mean KL(ref || test)."""
     a, b = test.float().cpu(), ref.float().cpu()
-    agree = a.argmax(-1) == b.argmax(-1)
+    # argmax takes a NaN for the largest value: a step whose logits hold one agrees with nothing
+    agree = (a.argmax(-1) == b.argmax(-1)) & ~a.isnan().any(-1)
     top2 = b.topk(2, dim=-1).values
     confident = (top2[:, 0] - top2[:, 1]) > margin
     diff = (a - b).abs()
