@@ -295,13 +295,7 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     del weights
     record["load_s"] = time.perf_counter() - t0
     ctx = Context(spec=spec, args=args, ops=ops, model=model, tokenizer=tok, weights=None, profiler=profiler)
-    result = task.run(ctx, plan)
-    if spec.tp > 1 and spec.device.type == "cuda":  # every rank's peak, reported by rank 0
-        import torch.distributed as dist
-        peaks = [None] * spec.tp
-        dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(spec.device) / 2**30)
-        result.setdefault("figures", {})["peak_mem_gib_per_rank"] = peaks
-    return result
+    return task.run(ctx, plan)  # (each task reads the peak memory, every rank's under tensor parallelism)
 
 
 def report(result: dict, log=print) -> None:

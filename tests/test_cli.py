@@ -286,6 +286,18 @@ def test_bench_at_batch_2_leaves_out_the_batch_1_byte_figures():
     assert any("batch 2" in n for n in res["notes"])
 
 
+def test_bench_peak_memory_leaves_out_the_copy_buffers(monkeypatch):
+    """The copy-bandwidth measurement's buffers are the benchmark's, not the job's: peak memory is read before."""
+    from ds4.tasks import bench
+    order = []
+    peak, copy = bench.peak_memory, bench.copy_bandwidth
+    monkeypatch.setattr(bench, "peak_memory", lambda d: (order.append("peak"), peak(d))[1])
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda d, n: (order.append("copy"), copy(d, n))[1])
+    app.execute(_spec("task=bench", "max_new_tokens=3", "task.prefill_lens=[]", "task.prompt_len=4", "profile=false",
+                      "task.fidelity=false", "task.copy_bytes=8388608", "model.n_layers=1"), {}, log=lambda *_: None)
+    assert order == ["peak", "copy"]
+
+
 def test_is_reference_needs_the_reference_reduce_and_runtime():
     from types import SimpleNamespace
     from ds4.tasks.common import is_reference, reference_impls
@@ -363,3 +375,22 @@ def test_graph_figures_reported_apart():
     fig = graph_figures(SimpleNamespace(graphs={(1, "argmax"): g}))
     assert fig == {"graph_warmup_s": 1.5, "graph_capture_s": 0.25, "graph_pool_mib": 3.0, "graphs": 2}
     assert "CUDA graph capture" in format_figures(fig)
+
+
+def test_peak_memory_gathers_every_ranks_peak_at_the_same_point(monkeypatch):
+    """Under tensor parallelism on CUDA each task's peak-memory reading also gathers every rank's, at that point of the
+    task (before, the app gathered them after the task, with the copy buffers and the fidelity reference in them)."""
+    import torch.distributed as dist
+    from ds4.tasks.common import peak_memory
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 4 * 2**30)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+
+    def gather(out, obj):
+        out[:] = [obj, obj + 1]
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    f = peak_memory(torch.device("cuda"))
+    assert f == {"peak_mem_gib": 3.0, "peak_reserved_gib": 4.0, "peak_mem_gib_per_rank": [3.0, 4.0]}
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    assert "peak_mem_gib_per_rank" not in peak_memory(torch.device("cuda"))

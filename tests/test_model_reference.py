@@ -37,6 +37,12 @@ def test_v4_flash_sizes_on_meta():
     # KV at 8K context adds ~29 MB (spec §9, BF16 caches)
     kv = m.kv_bytes_per_token(8192)
     assert 28e6 < kv < 30e6, kv
+    # at the bench's default context (32 + 128 // 2 tokens) every CSA layer's top-k takes all of its 24 entries: a
+    # step needs neither the indexer's query rows and head weights nor its key scan
+    idx = 21 * (8192 * 1024 + 64 * 8 + 64 * 4096 * 2)
+    window, selected = 43 * 128 * 512 * 2, 21 * 24 * 512 * 2
+    assert m.bytes_per_token(96) == 11_217_580_396 - 3 * 24 - idx + window + selected
+    assert m.bytes_per_token(8192) == m.weight_bytes_per_token() + kv  # 2048 entries > 512: the indexer scores
 
 
 def test_yarn_ramp_matches_spec():

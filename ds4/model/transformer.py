@@ -348,8 +348,17 @@ class Transformer(WeightsModule):
 
     def bytes_per_token(self, context_len: int = 0) -> int:
         """Bytes one decode step (batch 1) must read at `context_len` tokens of context: the
-        weights (`weight_bytes_per_token`) plus the KV cache reads (spec §9)."""
-        return self.weight_bytes_per_token() + self.kv_bytes_per_token(context_len)
+        weights (`weight_bytes_per_token`) plus the KV cache reads (spec §9), less the indexer's query rows and head
+        weights of the CSA layers whose visible entries all fit in its top-k (`selects_all`: no score is needed)."""
+        unread = sum(b.attn.indexer.wq_b.nbytes() + b.attn.indexer.weights_proj.nbytes
+                     for i, b in enumerate(self.layers)
+                     if b.attn.indexer is not None and self.selects_all(i, context_len))
+        return self.weight_bytes_per_token() + self.kv_bytes_per_token(context_len) - unread
+
+    def selects_all(self, layer: int, context_len: int) -> bool:
+        """A CSA layer whose indexer top-k takes every visible compressed entry at `context_len` tokens."""
+        a = self.args
+        return a.layer_type(layer) == "csa" and context_len // a.ratio(layer) <= a.index_topk
 
     def weight_bytes_per_token(self) -> int:
         """Every weight once, except: one embedding row, one tid2eid row, the k selected of the
@@ -378,8 +387,9 @@ class Transformer(WeightsModule):
             n = context_len // m if m else 0
             if kind == "hca":
                 total += n * a.head_dim * elt
-            elif kind == "csa":
-                total += n * a.index_head_dim * elt + min(a.index_topk, n) * a.head_dim * elt
+            elif kind == "csa":  # the indexer's key scan only where the top-k must choose (selects_all)
+                scan = 0 if self.selects_all(i, context_len) else n * a.index_head_dim * elt
+                total += scan + min(a.index_topk, n) * a.head_dim * elt
         return total
 
 

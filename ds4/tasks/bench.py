@@ -94,6 +94,7 @@ def run(ctx: Context, plan: Plan) -> dict:
         fig[f"prefill_tok_s_L{n}"] = _prefill_tok_s(ctx, n)
 
     notes = list(plan.notes)
+    fig.update(peak_memory(spec.device))  # before the copy-bandwidth buffers, which are no part of the job's memory
     fig["copy_gb_s"] = copy_bandwidth(spec.device, int(o.get("copy_bytes", 1 << 30)))
     if spec.batch == 1:
         context = len(plan.prompt_ids) + spec.max_new_tokens // 2   # the middle of the decode
@@ -108,7 +109,6 @@ def run(ctx: Context, plan: Plan) -> dict:
     else:  # the routed experts a step reads depend on how the rows' choices overlap: no one byte count
         notes.append(f"batch {spec.batch}: bytes/token, achieved GB/s and bw_ratio are batch-1 figures, "
                      "not reported")
-    fig.update(peak_memory(spec.device))
 
     ref_numerics, skipped = fidelity_plan(ctx)
     if skipped:

@@ -234,11 +234,19 @@ def _peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
-def peak_memory(device: torch.device) -> dict[str, float]:
-    if device.type == "cuda":
-        return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-                "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
-    return {"peak_rss_gib": _peak_rss_kib() / 2**20}
+def peak_memory(device: torch.device) -> dict:
+    """Peak memory since the job's start (reset_memory). Under tensor parallelism on CUDA also every rank's peak, read
+    at the same point of the task (a collective: every rank calls it)."""
+    if device.type != "cuda":
+        return {"peak_rss_gib": _peak_rss_kib() / 2**20}
+    fig = {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+           "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, fig["peak_mem_gib"])
+        fig["peak_mem_gib_per_rank"] = peaks
+    return fig
 
 
 # ---- fidelity --------------------------------------------------------------------------------
