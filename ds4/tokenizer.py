@@ -29,6 +29,30 @@ BYTE_VOCAB = BYTE_OFFSET + 256
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
+def _checked_messages(messages) -> list[dict]:
+    """The conversation as encode_messages sees it after its merge_tool_messages step (for plain turns):
+    consecutive user turns become one user turn whose texts are joined with a blank line."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError("encode_chat: messages must be a list of {'role', 'content'} dicts, "
+                         f"got {type(messages).__name__}")
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"encode_chat: message {i} must be a dict with 'role' and 'content', "
+                             f"got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"encode_chat: unsupported role {role!r} (system, user, assistant)")
+        for key in ("content", "reasoning_content"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ValueError(f"encode_chat: message {i} {key} must be a string, got {type(m[key]).__name__}")
+        if role == "user" and out and out[-1]["role"] == "user":
+            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n\n" + (m.get("content") or "")}
+        else:
+            out.append({**m, "content": m.get("content") or ""})
+    return out
+
+
 def encode_chat(messages: list[dict], thinking: bool = False) -> str:
     """Prompt text for a conversation, as `encode_messages(..., thinking_mode)` of the official
     encoding_dsv4 builds it for plain system/user/assistant turns (no tools, drop_thinking):
@@ -36,25 +60,24 @@ def encode_chat(messages: list[dict], thinking: bool = False) -> str:
     `<bos>{system}<｜User｜>{user}<｜Assistant｜></think>` in chat mode; thinking mode ends the last
     user turn with `<think>` instead. Earlier assistant turns are `{content}<eos>` after their
     `</think>` (their reasoning is dropped); an assistant turn after the last user turn keeps
-    `{reasoning_content}</think>` in thinking mode. A user turn followed by another user turn
-    gets no assistant prefix."""
-    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    `{reasoning_content}</think>` in thinking mode. Consecutive user turns are one user turn, their
+    texts joined with a blank line (the official merge_tool_messages step)."""
+    messages = _checked_messages(messages)
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     out = BOS
     for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content") or ""
-        nxt = messages[i + 1].get("role") if i + 1 < len(messages) else None
+        role, content = m["role"], m["content"]
+        nxt = messages[i + 1]["role"] if i + 1 < len(messages) else None
         if role == "system":
             out += content
         elif role == "user":
             out += USER + content
             if nxt in (None, "assistant"):
                 out += ASSISTANT + (THINK_START if thinking and i >= last_user else THINK_END)
-        elif role == "assistant":
+        else:  # assistant
             if thinking and i > last_user:
                 out += (m.get("reasoning_content") or "") + THINK_END
             out += content + EOS
-        else:
-            raise ValueError(f"encode_chat: unsupported role {role!r} (system, user, assistant)")
     return out
 
 
@@ -93,12 +116,13 @@ class ByteTokenizer:
             if BYTE_OFFSET <= i < BYTE_VOCAB:
                 buf.append(i - BYTE_OFFSET)
                 continue
-            if buf:
-                out.append(buf.decode("utf-8", errors="replace"))
-                buf = bytearray()
             if 0 <= i < BYTE_OFFSET and not skip_special:
+                if buf:
+                    out.append(buf.decode("utf-8", errors="replace"))
+                    buf = bytearray()
                 out.append(SPECIAL_TOKENS[i])
-            # ids past the byte range are unused model ids: nothing to print
+            # skipped special ids and unused model ids (past the byte range) print nothing and, as in the HF
+            # byte-level decoder, do not split the bytes around them
         if buf:
             out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)

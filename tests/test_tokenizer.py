@@ -99,3 +99,32 @@ def test_chat_ids_via_tokenizer():
     tok = ByteTokenizer(512)
     ids = tok.encode(tok.encode_chat([{"role": "user", "content": "hi"}]))
     assert ids == [0, 2, 6 + ord("h"), 6 + ord("i"), 3, 5]
+
+
+def test_chat_consecutive_user_turns_merge():
+    """encode_messages' merge_tool_messages step makes consecutive user turns one turn, joined by a blank line."""
+    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert encode_chat(msgs) == f"{BOS}{USER}a\n\nb{ASSISTANT}{THINK_END}"
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "r1", "reasoning_content": "t1"},
+            {"role": "user", "content": "q2a"}, {"role": "user", "content": "q2b"}]
+    assert encode_chat(msgs, thinking=True) == \
+        f"{BOS}S{USER}q1{ASSISTANT}{THINK_END}r1{EOS}{USER}q2a\n\nq2b{ASSISTANT}{THINK_START}"
+
+
+@pytest.mark.parametrize("bad", ["hi", [("user", "hi")], [{"role": "user", "content": ["hi"]}],
+                                 [{"content": "hi"}]])
+def test_chat_bad_messages(bad):
+    with pytest.raises(ValueError, match="encode_chat"):
+        encode_chat(bad)
+
+
+def test_decode_joins_bytes_around_skipped_ids(hf_dir):
+    """A skipped special id or an unused id between the bytes of one character: both tokenizers print it whole."""
+    pytest.importorskip("transformers")
+    hf, byte = load_tokenizer(hf_dir, 512), ByteTokenizer(512)
+    e = [6 + b for b in "é".encode()]
+    for mid in (1, 3, 5, 300):
+        ids = [e[0], mid, e[1]]
+        assert byte.decode(ids) == hf.decode(ids) == "é", mid
+        assert byte.decode(ids, skip_special=False) == hf.decode(ids, skip_special=False)
