@@ -310,9 +310,9 @@ def report(result: dict, log=print) -> None:
     rows = result.get("profile") or []
     log("stage profile:")
     if rows:
-        log(f"  {'stage':<16}{'calls':>8}{'total ms':>12}{'mean us':>12}")
+        log(f"  {'stage':<24}{'calls':>8}{'total ms':>12}{'mean us':>12}")
         for r in rows:
-            log(f"  {r['stage']:<16}{r['calls']:>8}{r['total_ms']:>12.3f}{r['mean_us']:>12.1f}")
+            log(f"  {r['stage']:<24}{r['calls']:>8}{r['total_ms']:>12.3f}{r['mean_us']:>12.1f}")
     else:
         log("  (profiling off: run with profile=true)")
 

@@ -26,11 +26,23 @@ class Profiler:
         self.cuda = torch.device(device).type == "cuda"
         self._events: dict[str, list] = defaultdict(list)
         self._host: dict[str, list[float]] = defaultdict(list)
+        self._phase = ""
 
     def region(self, name: str):
         if not self.enabled:
             return _NULL
+        name = self._phase + name
         return self._cuda_region(name) if self.cuda else self._host_region(name)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Regions opened inside are recorded as `name:region` (Transformer.prefill: a prompt's calls apart from
+        the decode steps', whose regions keep their plain names)."""
+        outer, self._phase = self._phase, f"{name}:"
+        try:
+            yield
+        finally:
+            self._phase = outer
 
     __call__ = region
 
@@ -57,7 +69,8 @@ class Profiler:
         self._host.clear()
 
     def summary(self) -> list[dict]:
-        """Rows {stage, calls, total_ms, mean_us}, in STAGES order then alphabetical."""
+        """Rows {stage, calls, total_ms, mean_us}: the decode rows (plain names), then each phase's (`prefill:...`),
+        each in STAGES order then alphabetical."""
         if self.cuda and self._events:
             torch.cuda.synchronize()
         times: dict[str, list[float]] = {}
@@ -65,7 +78,10 @@ class Profiler:
             times[name] = [s.elapsed_time(e) / 1e3 for s, e in pairs]
         for name, ts in self._host.items():
             times[name] = list(ts)
-        order = [s for s in STAGES if s in times] + sorted(set(times) - set(STAGES))
+        def key(n: str):
+            ph, _, s = n.rpartition(":")
+            return ph, STAGES.index(s) if s in STAGES else len(STAGES), s
+        order = sorted(times, key=key)
         return [{"stage": n, "calls": len(times[n]), "total_ms": 1e3 * sum(times[n]),
                  "mean_us": 1e6 * sum(times[n]) / max(1, len(times[n]))} for n in order]
 
@@ -73,9 +89,9 @@ class Profiler:
         rows = self.summary()
         if not rows:
             return "(profiling off: run with profile=true)"
-        lines = [f"{'stage':<16}{'calls':>8}{'total ms':>12}{'mean us':>12}"]
+        lines = [f"{'stage':<24}{'calls':>8}{'total ms':>12}{'mean us':>12}"]
         for r in rows:
-            lines.append(f"{r['stage']:<16}{r['calls']:>8}{r['total_ms']:>12.3f}{r['mean_us']:>12.1f}")
+            lines.append(f"{r['stage']:<24}{r['calls']:>8}{r['total_ms']:>12.3f}{r['mean_us']:>12.1f}")
         return "\n".join(lines)
 
 

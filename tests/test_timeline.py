@@ -60,3 +60,20 @@ def test_one_step_takes_whole_replays():
         one_step(ks, 4)
     with pytest.raises(ValueError, match="whole replays"):
         one_step([], 0)  # a trace without kernels
+
+
+def test_ties_slack_and_a_path_short_of_the_first_kernel():
+    # identical timestamps: neither of two kernels starting together precedes the other; the later one joins
+    ks = [Kernel("A", 0, 0, 10), Kernel("A2", 1, 0, 10), Kernel("B", 0, 10, 20)]
+    path = critical_path(ks)
+    assert [k.name for k, _, _ in path][1:] == ["B"] and sum(c for _, c, _ in path) == 20
+    # strict: a kernel ending within `slack` after the next one started still precedes it (timestamp jitter)
+    ks = [Kernel("A", 0, 0, 10.4), Kernel("B", 0, 10, 20)]
+    assert [k.name for k, _, _ in critical_path(ks, strict=True)] == ["A", "B"]
+    assert [k.name for k, _, _ in critical_path(ks, strict=True, slack=0.3)] == ["B"]
+    # strict: a side kernel S that started first and ended after A started precedes nothing: the path starts at A,
+    # its charges 19 of the 20 us span (the overlapping rule reaches S: there the charges are the span)
+    ks = [Kernel("S", 1, 0, 1.8), Kernel("A", 0, 1, 10), Kernel("B", 0, 10.2, 20)]
+    strict = critical_path(ks, strict=True)
+    assert [k.name for k, _, _ in strict] == ["A", "B"] and sum(c for _, c, _ in strict) == 19
+    assert [k.name for k, _, _ in critical_path(ks)] == ["S", "A", "B"]

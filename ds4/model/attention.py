@@ -172,13 +172,17 @@ class Attention(WeightsModule):
         """qr [N, q_lora] -> q [N, H, D] before the per-head RMS and RoPE."""
         return self.ops.linear(qr, self.wq_b, act_quant=self.qat).unflatten(-1, (self.n_heads, self.args.head_dim))
 
-    def _out(self, o: Tensor, fold=None) -> Tensor:
-        """o [N, H, D] (already de-rotated) -> [N, dim]: grouped wo_a, wo_b, all-reduce. fold: the block's pending
-        mHC step (ds4.ops.base.HcFold), which wo_b's kernel may form on one rank, the all-reduce under tensor
-        parallelism (comm=ll, when the block asked for it: comm.folds_hc)."""
+    def _out(self, o: Tensor, fold=None, pos: Tensor | None = None) -> Tensor:
+        """o [N, H, D] (de-rotated here at positions `pos` when given, else already) -> [N, dim]: grouped wo_a, wo_b
+        (stage attn.out), all-reduce (stage comm.attn, outside attn.out). fold: the block's pending mHC step
+        (ds4.ops.base.HcFold), which wo_b's kernel may form on one rank, the all-reduce under tensor parallelism
+        (comm=ll, when the block asked for it: comm.folds_hc)."""
         one_rank = self.comm.world == 1
-        y = self.ops.attn.out_proj(o.flatten(-2), self.wo_a, self.wo_b, self.groups, self.ops.linear, self.qat,
-                                   fold if one_rank else None)
+        with self.prof("attn.out"):
+            if pos is not None:
+                o = rope_heads(o, pos, self.freqs, inverse=True)
+            y = self.ops.attn.out_proj(o.flatten(-2), self.wo_a, self.wo_b, self.groups, self.ops.linear, self.qat,
+                                       fold if one_rank else None)
         with self.prof("comm.attn"):
             return self.comm.all_reduce(y, "attn", fold=None if one_rank else fold)
 
@@ -227,9 +231,7 @@ class Attention(WeightsModule):
             with self.prof("attn.sparse"):
                 outs.append(self.ops.attn.sparse(q[None, a0:e0], keys[None], valid[None], sel_kv, sel_valid,
                                                  self.sink, self.scale)[0])
-        with self.prof("attn.out"):
-            o = rope_heads(torch.cat(outs, 0), pos, self.freqs, inverse=True)
-            return self._out(o, fold)
+        return self._out(torch.cat(outs, 0), fold, pos)
 
     # ---- decode: one token per row ------------------------------------------------------
     @property
@@ -330,8 +332,7 @@ class Attention(WeightsModule):
         with self.prof("attn.sparse"):
             o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs, eps,
                             **({} if ride is None else {"ride": ride}))
-        with self.prof("attn.out"):
-            out = self._out(o, fold)
+        out = self._out(o, fold)
         for br in late:
             br.join()
         return out

@@ -281,10 +281,11 @@ class Transformer(WeightsModule):
         S = ids.shape[0]
         if S > state.max_seq_len:
             raise ValueError(f"prompt of {S} tokens is longer than max_seq_len={state.max_seq_len}")
-        h = self._run_blocks(self._embed(ids), ids,
-                             lambda attn, x, st, fold, qkv_a: attn.prefill(x, st, row, fold, qkv_a), state)
-        state.pos[row] = S
-        out = self.logits(h[-1:], full_vocab=full_vocab)[0]
+        with self.prof.phase("prefill"):  # the stage table's prefill rows, apart from the decode steps'
+            h = self._run_blocks(self._embed(ids), ids,
+                                 lambda attn, x, st, fold, qkv_a: attn.prefill(x, st, row, fold, qkv_a), state)
+            state.pos[row] = S
+            out = self.logits(h[-1:], full_vocab=full_vocab)[0]
         return (out, h) if return_hidden else out
 
     @property

@@ -56,7 +56,8 @@ def run(ctx: Context, plan: Plan) -> dict:
     figures = decode_figures(out, spec.batch)
     figures.update(graph_figures(ctx.gen()))
     figures.update(peak_memory(spec.device))
+    # runtime=cuda_graph: the captured step holds no profiler events (its replays are no rows of the stage table)
     notes = ["timed with the stage profiler on (profile=true), which adds events to every step; task=bench times "
-             "its headline TPOT with it off"] if ctx.profiler.enabled else []
+             "its headline TPOT with it off"] if ctx.profiler.enabled and spec.runtime != "cuda_graph" else []
     return {"figures": figures, "prompt_ids": plan.prompt_ids, "generated_ids": out.tokens,
             "text": ctx.tokenizer.decode(out.tokens[0]), "profile": ctx.profiler.summary(), "notes": notes}
