@@ -12,6 +12,7 @@ from gpu_common import BF16, DEV, TOL, gen, poison, randn, rel, require_extensio
 
 pytestmark = pytest.mark.gpu
 kernels_attn = require_extension("ds4.kernels_attn")  # skips this module without CUDA
+require_extension("ds4.kernels")  # the router fold's routing check and the e2e rows use it too
 
 from ds4.ops.attn_torch import TorchAttention, TorchIndexer  # noqa: E402
 from ds4.ops.hc_torch import TorchHC  # noqa: E402
@@ -124,14 +125,13 @@ def test_hc_post_pre_router_fold(N, n, D, E):
         from ds4 import kernels
         from ds4.ops.base import MoEWeights
         from ds4.ops.moe_torch import route
-        if kernels.unavailable_reason() is None:
-            bias = torch.randn(E, device=DEV, generator=g) * 0.01
-            w, ids = kernels.router(xn, gate, bias, None, None, 6, 1.5, logits=lg)
-            mw = MoEWeights(gate=gate, bias=bias, tid2eid=None, w1=None, w2=None, w3=None, shared_w1=None,
-                            shared_w2=None, shared_w3=None, n_experts=E, expert_offset=0, topk=6, route_scale=1.5,
-                            swiglu_limit=10.0)
-            rw, rids = route(xn, None, mw, lg)
-            assert torch.equal(ids, rids) and torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
+        bias = torch.randn(E, device=DEV, generator=g) * 0.01
+        w, ids = kernels.router(xn, gate, bias, None, None, 6, 1.5, logits=lg)
+        mw = MoEWeights(gate=gate, bias=bias, tid2eid=None, w1=None, w2=None, w3=None, shared_w1=None,
+                        shared_w2=None, shared_w3=None, n_experts=E, expert_offset=0, topk=6, route_scale=1.5,
+                        swiglu_limit=10.0)
+        rw, rids = route(xn, None, mw, lg)
+        assert torch.equal(ids, rids) and torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("N,n,D,O", [(1, 4, 4096, 1536), (3, 4, 4096, 1536), (2, 2, 1024, 100), (1, 1, 256, 130),

@@ -560,20 +560,23 @@ def test_merged_wo_bf16_output_projection_on_gpu():
 # ---------------------------------------------------------------------------------------- layer level
 @pytest.mark.parametrize("numerics", ["plain", "qat"])
 def test_long_context_decode_agrees_with_torch(numerics):
-    """CSA, HCA and SWA layers after an 8200-token prompt (2050 compressed entries, top-64 really
-    selects), 96 teacher-forced steps crossing window wraps and compressor boundaries: the fused
-    attention side against the torch twins on the same weights (dense / MoE stay torch)."""
+    """CSA, HCA and SWA layers after an 8203-token prompt (not a multiple of 4 or 128; 2050 compressed entries, top-64
+    really selects), 260 teacher-forced steps crossing two window wraps, two HCA emissions and about 65 CSA ones: the
+    fused attention side against the torch twins on the same weights (dense / MoE stay torch). (Session 58, without a
+    GPU, moved it from an 8200-token prompt and 96 steps, which crossed no wrap and no HCA boundary.)"""
     args = small().replace(n_layers=3, compress_ratios=(4, 128, 0, 4), n_hash_layers=1)
     weights = random_weights(args, seed=3, device=DEV, include_mtp=False)
     model = Transformer(args, build_ops(Impls(), DEV), numerics, BF16, DEV)
     model.load_weights(weights)
     g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(0, args.vocab_size, (8200,), generator=g).tolist()
-    cont = torch.randint(0, args.vocab_size, (96,), generator=g).tolist()
-    ref = Generator(model, 1, 8400).teacher_forced_logits(prompt, cont)
+    prompt = torch.randint(0, args.vocab_size, (8203,), generator=g).tolist()
+    cont = torch.randint(0, args.vocab_size, (260,), generator=g).tolist()
+    steps = range(len(prompt), len(prompt) + len(cont) - 1)  # the decode steps' positions
+    assert len(prompt) % 4 and len(prompt) % 128 and sum((p + 1) % 128 == 0 for p in steps) >= 2  # wraps, HCA emits
+    ref = Generator(model, 1, 8500).teacher_forced_logits(prompt, cont)
     fused = build_ops(Impls(attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda"), DEV)
     with model.configured(ops=fused):
-        got = Generator(model, 1, 8400).teacher_forced_logits(prompt, cont)
+        got = Generator(model, 1, 8500).teacher_forced_logits(prompt, cont)
     # decode steps (step 0 is the prefill's logits). qat is looser: its FP8 simulations turn a one-ulp
     # difference before a quantisation into a whole FP8 step (2^-3 relative) of that value.
     err = rel(got[1:], ref[1:])
@@ -584,7 +587,7 @@ def test_long_context_decode_agrees_with_torch(numerics):
     agree = (got.argmax(-1) == ref.argmax(-1))
     print(f"{numerics}: top-1 agreement {agree.float().mean():.3f}, {agree[conf].float().mean():.3f} on "
           f"{int(conf.sum())} steps with margin > 2")
-    if numerics == "qat":  # measured 0.86 overall on this prompt (flat synthetic logits, see above)
+    if numerics == "qat":  # measured 0.86 overall on the earlier 8200-token prompt (flat synthetic logits, see above)
         assert agree.float().mean() >= 0.8, agree.float().mean()
         return
     assert agree.float().mean() >= 0.9, agree.float().mean()

@@ -18,6 +18,11 @@ from ds4.weights.synthetic import random_weights
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
+from gpu_common import require_extension  # noqa: E402
+
+# with CUDA here, an extension that cannot build fails this module (its rows would otherwise read as skips)
+require_extension("ds4.kernels")
+require_extension("ds4.kernels_attn")
 
 DEV = torch.device("cuda")
 
@@ -134,6 +139,42 @@ def test_options_agree_with_reference_on_small(impls, env, small_weights, monkey
         assert ffn_calls[0] >= 255 * args.n_layers, ffn_calls
 
 
+@pytest.mark.parametrize("impls", [dict(attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda"),
+                                   dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fused_cuda",
+                                        hc="fused_cuda")], ids=["attn,indexer,hc", "all-fused"])
+def test_qat_options_agree_with_reference_on_small(impls, small_weights):
+    """numerics=qat (issue #5's second numerics mode) end to end: the fused options against the torch reference under
+    qat, teacher-forced on its 256 greedy tokens. Overall >= 80 %, not 90: qat's FP8 simulations turn a one-ulp
+    difference before a quantisation into a whole FP8 step of that value (the 8K test's qat row measured 0.86 overall
+    for the same reason); confident steps >= 99 % as in plain. (Written in session 58 without a GPU.)"""
+    args = small()
+    prompt = [(13 * i + 7) % args.vocab_size for i in range(32)]
+    ref = Generator(_model(args, small_weights, numerics="qat"), 1, 512)
+    toks = ref.generate([prompt], 256, stop_at_eos=False).tokens[0]
+    ref_logits = ref.teacher_forced_logits(prompt, toks)
+    lf = Generator(_model(args, small_weights, Impls(**impls), numerics="qat"), 1, 512).teacher_forced_logits(prompt,
+                                                                                                           toks)
+    overall, confident, n = _agreement(lf.argmax(-1), ref_logits)
+    assert n >= 16 and confident >= 0.99 and overall >= 0.8, (overall, confident, n)
+
+
+def test_all_fused_agree_99_percent_with_a_confident_head(small_weights):
+    """Issue #5's bar as written: >= 99 % greedy agreement over 256 tokens on `small`, on every step. Synthetic
+    weights give flat next-token distributions whose near-ties bf16 rounding flips, so the LM head is scaled by 8
+    (exact in bf16): the reference is then confident on most steps (BENCHMARKING.md, fidelity). Teacher-forced on
+    the reference's greedy tokens, all options fused. (Written in session 58 without a GPU.)"""
+    args = small()
+    w = dict(small_weights)
+    w["head.weight"] = small_weights["head.weight"] * 8
+    prompt = [(17 * i + 3) % args.vocab_size for i in range(32)]
+    ref = Generator(_model(args, w), 1, 512)
+    toks = ref.generate([prompt], 256, stop_at_eos=False).tokens[0]
+    ref_logits = ref.teacher_forced_logits(prompt, toks)
+    lf = Generator(_model(args, w, Impls(**_FUSED)), 1, 512).teacher_forced_logits(prompt, toks)
+    overall, confident, n = _agreement(lf.argmax(-1), ref_logits)
+    assert len(toks) == 256 and overall >= 0.99, (overall, confident, n)
+
+
 def test_bf16_dense_weights_agree_with_reference_on_small(monkeypatch):
     """weight_dtype=bf16 (BF16 dense projections, FP4 experts): every option fused, the dense GEMVs in the GEMV
     launch's BF16 form; the bar of the options test above, and linear=gemv_cuda really launched it at decode."""
@@ -207,6 +248,8 @@ def _tiny_weights_for(impls: Impls, seed: int):
 @pytest.mark.parametrize("impls,graph_env,env", [
     pytest.param(Impls(), {}, {}, id="torch"),
     pytest.param(Impls(linear="gemv_cuda", moe="fp4_topk"), {}, {}, id="kernels"),
+    # every option fused, the library's defaults in both runtimes
+    pytest.param(Impls(**_FUSED), {}, {}, id="fused"),
     # the opt-in launch orders, in the graph only: eager (plain PDL order) is the reference
     pytest.param(Impls(**_FUSED), {"DS4_SHARED_FORK": "late", "DS4_ROUTE_IN_MOE": "1", "DS4_SIDE_PRIORITY": "high",
                                     "DS4_L2_PREFETCH": "all"}, {}, id="fused-optins"),
@@ -240,6 +283,28 @@ def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch)
         g = Generator(_model(args, w, impls), 2, 1100, runtime=runtime)
         outs.append(g.generate(prompts, 1000, stop_at_eos=False).tokens)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("late", [None, "1"], ids=["one_graph", "late_compress"])
+def test_cuda_graph_matches_eager_1000_steps_on_small(late, small_weights, monkeypatch):
+    """tiny's window (16) and ratios (4, 16) are not V4's: on `small` (window 128, ratios 4 and 128) two rows decode
+    1000 steps, crossing 8 window wraps, about 250 CSA and 8 HCA emissions, every option fused; the captured graph
+    (one, or one per compressor phase: DS4_LATE_COMPRESS=1) gives the eager tokens. (Written in session 58 without a
+    GPU.)"""
+    if late is None:
+        monkeypatch.delenv("DS4_LATE_COMPRESS", raising=False)
+    else:
+        monkeypatch.setenv("DS4_LATE_COMPRESS", late)
+    args = small()
+    prompts = [[(13 * i + 7) % args.vocab_size for i in range(32)], [300, 2, 9]]
+    assert args.window_size == 128 and set(args.compress_ratios) >= {4, 128}
+    outs = []
+    for runtime in ("eager", "cuda_graph"):
+        g = Generator(_model(args, small_weights, Impls(**_FUSED)), 2, 1100, runtime=runtime)
+        outs.append(g.generate(prompts, 1001, stop_at_eos=False).tokens)
+    for row in range(2):
+        first = next((i for i, (a, b) in enumerate(zip(outs[0][row], outs[1][row])) if a != b), None)
+        assert first is None, f"row {row}: graph and eager tokens part at step {first}"
 
 
 @pytest.mark.parametrize("defer", [0, 4], ids=["per_token", "deferred"])
