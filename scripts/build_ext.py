@@ -7,6 +7,7 @@
 Run it before parallel jobs so they only load the built library (never compile concurrently)."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ def main() -> int:
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(__doc__ + "\n\n    -q   quiet (no compiler output)")
         return 0
+    os.environ.pop("DS4_NO_JIT", None)  # (this script is the build DS4_NO_JIT=1 asks for)
     from ds4 import kernels, kernels_attn
     for mod in (kernels, kernels_attn):  # the GEMV/MoE extension and the attention/indexer/mHC one
         t0 = time.time()

@@ -304,3 +304,134 @@ def test_build_says_it_compiles_when_the_library_is_missing_or_older_than_its_so
     monkeypatch.setattr(cpp, "load", lambda **kw: None)
     kernels.build_and_load("x", src, ("a.cu",), build, False)
     assert "compiling the x CUDA extension" in capsys.readouterr().err
+
+
+# ninja's log as torch's "Error building extension" holds it: the source compiled beside the failed one finished last
+NINJA_LOG = """Error building extension 'x': [1/3] /usr/local/cuda/bin/nvcc -c /src/a.cu -o a.cuda.o
+FAILED: b.cuda.o
+/usr/local/cuda/bin/nvcc -MD -MF b.cuda.o.d -gencode=arch=compute_80,code=sm_80 -c /src/b.cu -o b.cuda.o
+/src/b.cu(2): error: identifier "undefined_symbol" is undefined
+      x[threadIdx.x] += undefined_symbol;
+                        ^
+
+1 error detected in the compilation of "/src/b.cu".
+[2/3] /usr/local/cuda/bin/nvcc -MD -MF c.cuda.o.d """ + "-isystem /long/include " * 40 + """-c /src/c.cu -o c.cuda.o
+ninja: build stopped: subcommand failed.
+"""
+
+
+def test_failed_build_says_the_compiler_error_in_one_line_every_time(monkeypatch, fake_build):
+    """The reason of a failed build holds the compiler's error (not the tail of ninja's log, another source's command
+    line), on one line; a second ask in the same process (torch would load the missing library, not build) says the
+    same, without trying again."""
+    import torch.utils.cpp_extension as cpp
+    src, build = fake_build
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    tries = []
+
+    def fail(**kw):
+        tries.append(1)
+        raise RuntimeError(NINJA_LOG)
+    monkeypatch.setattr(cpp, "load", fail)
+    load = lambda: kernels.build_and_load("x", src, ("a.cu",), build, False)  # noqa: E731
+    why = [kernels.extension_reason("x", build / "x.so", load) for _ in range(2)]
+    assert why[0] == why[1] and len(tries) == 1 and "\n" not in why[0]
+    assert 'b.cu(2): error: identifier "undefined_symbol" is undefined' in why[0] and "c.cu" not in why[0]
+
+
+@pytest.mark.parametrize("cc,archs,runs", [((9, 0), None, True), ((8, 6), None, True), ((12, 0), None, False),
+                                           ((8, 6), "9.0", False), ((10, 0), "8.0 9.0+PTX", True),
+                                           ((9, 0), "9.0a", True), ((10, 0), "9.0a+PTX", False)])
+def test_a_gpu_the_build_has_no_code_for_is_refused_before_any_launch(monkeypatch, cc, archs, runs):
+    monkeypatch.setattr(torch.version, "cuda", "12.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    if archs:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", archs)
+    why = kernels.extension_reason("x", Path("x.so"), lambda: None)
+    assert (why is None) == runs and (runs or "TORCH_CUDA_ARCH_LIST" in why)
+
+
+def test_arch_list_keeps_ptx():
+    assert [f for f in kernels._cuda_flags_for("8.0 9.0+PTX") if "gencode" in f] == [
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90"]
+
+
+def test_shared_headers_count_only_where_included(tmp_path):
+    """A header of csrc's root the extension's sources never include (e.g. a GEMV header, for csrc/attn) does not make
+    its build look stale, which printed "compiling ... a few minutes" on every load though ninja had nothing to do."""
+    import os
+    (tmp_path / "attn").mkdir()
+    (tmp_path / "used.cuh").write_text("")
+    (tmp_path / "unused.cuh").write_text("")
+    (tmp_path / "attn" / "a.cu").write_text('#include "../used.cuh"\n')
+    so = tmp_path / "x.so"
+    so.write_text("")
+    t = so.stat().st_mtime
+    for p in (tmp_path / "used.cuh", tmp_path / "unused.cuh", tmp_path / "attn" / "a.cu"):
+        os.utime(p, (t - 10, t - 10))
+    os.utime(tmp_path / "unused.cuh", (t + 5, t + 5))
+    assert not kernels._stale(so, tmp_path / "attn", ("a.cu",))
+    os.utime(tmp_path / "used.cuh", (t + 5, t + 5))
+    assert kernels._stale(so, tmp_path / "attn", ("a.cu",))
+
+
+def test_other_flags_say_they_compile_and_no_jit_never_compiles(monkeypatch, fake_build, capsys):
+    import os
+
+    import torch.utils.cpp_extension as cpp
+    src, build = fake_build
+    monkeypatch.delenv("DS4_NVCC_FLAGS", raising=False)
+    monkeypatch.delenv("DS4_NO_JIT", raising=False)
+    monkeypatch.setattr(cpp, "load", lambda **kw: (build / "x.so").write_text(""))
+    kernels.build_and_load("x", src, ("a.cu",), build, False)
+    capsys.readouterr()
+    monkeypatch.setenv("DS4_NVCC_FLAGS", "-DX=1")  # the folder's build has other flags: torch recompiles it
+    kernels.build_and_load("x", src, ("a.cu",), build, False)
+    assert "nvcc flags or torch differ" in capsys.readouterr().err
+    monkeypatch.setenv("DS4_NO_JIT", "1")
+    monkeypatch.setattr(cpp, "load", lambda **kw: pytest.fail("DS4_NO_JIT=1 compiled"))
+    loaded = []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    kernels.build_and_load("x", src, ("a.cu",), build, False)  # current: loaded as it is
+    assert loaded == [str(build / "x.so")]
+    t = (build / "x.so").stat().st_mtime
+    os.utime(src / "a.cu", (t + 5, t + 5))
+    with pytest.raises(RuntimeError, match="older than its sources"):
+        kernels.build_and_load("x", src, ("a.cu",), build, False)
+    monkeypatch.delenv("DS4_NVCC_FLAGS")
+    os.utime(src / "a.cu", (t - 5, t - 5))
+    with pytest.raises(RuntimeError, match="other nvcc flags"):
+        kernels.build_and_load("x", src, ("a.cu",), build, False)
+
+
+def test_attention_build_folder_follows_the_extension_folder(monkeypatch, tmp_path):
+    from ds4 import kernels_attn
+    monkeypatch.delenv("DS4_ATTN_EXT_BUILD_DIR", raising=False)
+    monkeypatch.setenv("DS4_EXT_BUILD_DIR", str(tmp_path))
+    assert kernels_attn.build_dir() == tmp_path / "attn"
+    monkeypatch.setenv("DS4_ATTN_EXT_BUILD_DIR", str(tmp_path / "elsewhere"))
+    assert kernels_attn.build_dir() == tmp_path / "elsewhere"
+
+
+@pytest.mark.skipif(not Path("/proc/self/cwd").exists() or shutil.which("sleep") is None, reason="needs Linux /proc")
+def test_build_lock_waits_for_an_orphaned_ninja_before_clearing_its_lock(monkeypatch, fake_build, capsys, tmp_path):
+    """A process killed alone (kill -9 of its pid) leaves its ninja building on in the folder: torch's `lock` is then
+    no leftover, and a second ninja beside it would rewrite the same objects; the next build waits for it."""
+    import time
+
+    import torch.utils.cpp_extension as cpp
+    src, build = fake_build
+    ninja = tmp_path / "ninja"  # a process named ninja working in the build folder
+    shutil.copy(shutil.which("sleep"), ninja)
+    orphan = subprocess.Popen([str(ninja), "1.5"], cwd=build)
+    (build / "lock").write_text("")
+    seen = []
+    monkeypatch.setattr(cpp, "load", lambda **kw: seen.append(orphan.poll()))
+    t0 = time.monotonic()
+    kernels.build_and_load("x", src, ("a.cu",), build, False)
+    assert seen == [0] and time.monotonic() - t0 >= 1  # built once the orphan had ended
+    assert "waiting for an orphaned build" in capsys.readouterr().err

@@ -4,9 +4,10 @@ the decode glue: RMSNorm, per-head norm + RoPE, window KV write, compressor step
 Kept apart from ``ds4.kernels`` (the GEMV/MoE extension) so the two build and load independently.
 Sources: ``csrc/attn/*.cu`` (launchers over raw pointers, CUDA headers only) + one binding file
 ``csrc/attn/attn_bindings.cpp`` registering ``torch.ops.ds4_attn.*`` with TORCH_LIBRARY. Built with
-ninja through ``torch.utils.cpp_extension.load`` into ``<repo>/.ext_build/attn`` (override with
-``DS4_ATTN_EXT_BUILD_DIR``) for ``TORCH_CUDA_ARCH_LIST`` (default "8.0;9.0"). Nothing here is needed
-or imported on a CPU machine unless a CUDA option is chosen; ``unavailable_reason()`` says why not.
+ninja through ``torch.utils.cpp_extension.load`` into ``<repo>/.ext_build/attn`` (``$DS4_EXT_BUILD_DIR/attn``
+where that is set; override with ``DS4_ATTN_EXT_BUILD_DIR``) for ``TORCH_CUDA_ARCH_LIST`` (default "8.0;9.0").
+Nothing here is needed or imported on a CPU machine unless a CUDA option is chosen; ``unavailable_reason()``
+says why not.
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ EXT_NAME = "ds4_attn_ext"
 
 
 def build_dir() -> Path:
-    return Path(os.environ.get("DS4_ATTN_EXT_BUILD_DIR", REPO / ".ext_build" / "attn"))
+    """$DS4_ATTN_EXT_BUILD_DIR, else attn/ under the GEMV/MoE extension's folder ($DS4_EXT_BUILD_DIR or
+    <repo>/.ext_build): a build of other flags or archs given a folder of its own keeps off the default build."""
+    from ds4.kernels import build_dir as ext_build_dir
+    return Path(os.environ.get("DS4_ATTN_EXT_BUILD_DIR", ext_build_dir() / "attn"))
 
 
 @functools.lru_cache(maxsize=None)
