@@ -160,6 +160,13 @@ def _one_of(cfg, key: str, choices: tuple[str, ...]) -> str:
     return v
 
 
+def index_len(args: ModelArgs, max_seq_len: int) -> int:
+    """The longest indexer cache (entries per row) of a CSA layer whose decode selects (more entries than
+    index_topk: Attention.decode's `select`), or 0: what the indexer's top-k scans every decode step."""
+    return max((n for i in range(args.n_layers) if args.layer_type(i) == "csa"
+                for n in [-(-max_seq_len // args.ratio(i))] if n > args.index_topk), default=0)
+
+
 def check_setup(spec: RunSpec, args: ModelArgs) -> None:
     """Setups that cannot run (tensor-parallel split, GPU memory, runtime) fail before any weights load."""
     from ds4.weights.schema import local_tensors
@@ -248,7 +255,8 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
                         f"{args.max_position_embeddings}")
     check_setup(spec, args)
     # raises before any weights load; the notes say what the choices leave to other code for this setup
-    setup = Setup(spec.dtype, spec.max_batch, args.weight_dtype, args.n_activated_experts)
+    setup = Setup(spec.dtype, spec.max_batch, args.weight_dtype, args.n_activated_experts,
+                  index_len(args, spec.max_seq_len))
     ops = build_ops(spec.impls, spec.device, setup)
     if spec.runtime == "cuda_graph" and ops.decode_syncs:  # a step that waits on the host cannot be captured
         c, sync = next(iter(ops.decode_syncs.items()))

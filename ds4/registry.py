@@ -31,6 +31,7 @@ class Setup:
     max_batch: int = 1                # decode rows
     weight_dtype: str = "fp8"         # the dense projections' stored format (ModelArgs.weight_dtype)
     topk: int = 6                     # routed experts per token (ModelArgs.n_activated_experts)
+    index_len: int = 0                # entries of a selecting CSA layer's indexer cache per row (0: none / unknown)
 
 
 def _no_caveats(_setup: Setup) -> list[str]:

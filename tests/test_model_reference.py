@@ -156,24 +156,29 @@ class _SyncDetector(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _decode_syncs(monkeypatch, batch: int) -> list[str]:
-    """The host reads of 6 decode steps of tiny at `batch` rows: ops that sync (the dispatcher sees them) and
-    Tensor.tolist (it does not reach the dispatcher)."""
+def _decode_syncs(monkeypatch, batch: int, numerics: str = "plain") -> list[str]:
+    """The host reads of 6 decode steps of tiny at `batch` rows: ops that sync (the dispatcher sees them) and the
+    calls that do not reach the dispatcher: Tensor.tolist / numpy / cpu (device -> host copies on a GPU) and
+    torch.cuda.synchronize."""
     a = tiny()
-    g = Generator(build(a), batch, 96)
+    g = Generator(build(a, numerics), batch, 96)
     g.prefill([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]] * (batch // 2) + [[5, 4]] * (batch % 2))
     tok = torch.arange(batch) + 3
-    tolist, reads = torch.Tensor.tolist, []
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t))
-    with _SyncDetector() as d:
-        for _ in range(6):  # crosses a CSA emission
-            tok = g.decode(tok).argmax(-1)
-    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    reads = []
+    with monkeypatch.context() as mp:
+        for owner, name in ((torch.Tensor, "tolist"), (torch.Tensor, "numpy"), (torch.Tensor, "cpu"),
+                            (torch.cuda, "synchronize")):
+            real = getattr(owner, name)
+            mp.setattr(owner, name, lambda *a, _n=name, _f=real, **k: reads.append(_n) or _f(*a, **k))
+        with _SyncDetector() as d:
+            for _ in range(6):  # crosses a CSA emission
+                tok = g.decode(tok).argmax(-1)
     return d.hits + reads
 
 
 def test_decode_step_has_no_host_sync(monkeypatch):
     assert _decode_syncs(monkeypatch, 2) == []
+    assert _decode_syncs(monkeypatch, 1, "qat") == []  # one row (the CUDA hc fold's size) and qat's simulations
     # the torch reference's MoE past 64 (row, expert) pairs groups its experts by counts read on the host (said in
     # its note, refused by runtime=cuda_graph: tests/test_registry.py)
     assert _decode_syncs(monkeypatch, 16) == []

@@ -176,3 +176,29 @@ def test_ops_ds4_ext_is_the_runs_own_choice(monkeypatch):
     assert registry.build_ops(registry.Impls(hc="fused_cuda"), cuda).ds4_ext is False
     _runnable(monkeypatch, "linear", "gemv_cuda")
     assert registry.build_ops(registry.Impls(hc="fused_cuda", linear="gemv_cuda"), cuda).ds4_ext is True
+
+
+def test_notes_say_the_decode_fallbacks_past_the_kernels_rows(monkeypatch):
+    """moe=fp4_topk past its 8-row kernels (router logits by a torch fp32 GEMM, experts in 8-row launches), the fused
+    indexer's top-k where the wide radix select does not fit (torch.topk), the fused attention's row skip past one row
+    (torch ops): each said in the note of the setup that takes it."""
+    from ds4 import kernels_attn
+    from ds4.app import index_len
+    from ds4.model.args import v4_flash
+    cuda = torch.device("cuda")
+    for c, n in (("moe", "fp4_topk"), ("indexer", "fused_cuda"), ("attn", "fused_cuda")):
+        _runnable(monkeypatch, c, n)
+    assert registry.resolve("moe", "fp4_topk", cuda, registry.Setup(torch.bfloat16, max_batch=8))[1] == "fp4_topk"
+    note = registry.resolve("moe", "fp4_topk", cuda, registry.Setup(torch.bfloat16, max_batch=16))[1]
+    assert "decode batch 16 > 8: the router's logits by a torch fp32 GEMM" in note
+    a = v4_flash()
+    assert index_len(a, 2048) == 0 and index_len(a, 2052) == 513 and index_len(a, 1 << 20) == 1 << 18
+    fits = {}
+    monkeypatch.setattr(kernels_attn, "topk_ok", lambda rows, T: fits[rows])
+    fits.update({4: True, 5: False})
+    s = dict(dtype=torch.bfloat16, index_len=index_len(a, 1 << 20))
+    assert registry.resolve("indexer", "fused_cuda", cuda, registry.Setup(max_batch=4, **s))[1] == "fused_cuda"
+    note = registry.resolve("indexer", "fused_cuda", cuda, registry.Setup(max_batch=5, **s))[1]
+    assert "over 262144 indexer entries a row: the top-k by torch.topk" in note
+    assert registry.resolve("attn", "fused_cuda", cuda, registry.Setup(max_batch=1, **s))[1] == "fused_cuda"
+    assert "zeroed by torch ops" in registry.resolve("attn", "fused_cuda", cuda, registry.Setup(max_batch=2, **s))[1]

@@ -34,18 +34,27 @@ BF16 = (torch.bfloat16,)
 # (the limits are read from ds4.ops.attn_cuda when an entry is resolved: its factory imports the module right after)
 def _attn_caveats(s: Setup) -> list[str]:
     from ds4.ops.attn_cuda import GEMV_MAX_ROWS
+    out = []
+    if s.max_batch > 1 and s.index_len:
+        out.append(f"decode batch {s.max_batch} > 1: q_norm apart from the merged wq_b GEMV, and the index query's "
+                   "skipped rows zeroed by torch ops after it")
     if s.max_batch > GEMV_MAX_ROWS:
-        return [f"decode batch {s.max_batch} > {GEMV_MAX_ROWS}: the compressors' projection by torch matmuls"]
-    return []
+        out.append(f"decode batch {s.max_batch} > {GEMV_MAX_ROWS}: the compressors' projection by torch matmuls")
+    return out
 
 
 def _indexer_caveats(s: Setup) -> list[str]:
     from ds4.ops.attn_cuda import GEMV_MAX_ROWS, INDEXER_MAX_ROWS
     if s.max_batch > INDEXER_MAX_ROWS:
         return [f"decode batch {s.max_batch} > {INDEXER_MAX_ROWS}: the torch reference's scores and head weights"]
+    out = []
     if s.max_batch > GEMV_MAX_ROWS:
-        return [f"decode batch {s.max_batch} > {GEMV_MAX_ROWS}: the head weights by torch matmuls"]
-    return []
+        out.append(f"decode batch {s.max_batch} > {GEMV_MAX_ROWS}: the head weights by torch matmuls")
+    from ds4 import kernels_attn  # (its check passed: the extension loads)
+    if s.index_len > kernels_attn.ONE_BLOCK_TOPK_LEN and not kernels_attn.topk_ok(s.max_batch, s.index_len):
+        out.append(f"decode batch {s.max_batch} over {s.index_len} indexer entries a row: the top-k by torch.topk "
+                   "(the wide top-k's blocks do not fit on this GPU at once, or DS4_TOPK_WIDE=0)")
+    return out
 
 
 def entries(_shared_check=None):

@@ -28,9 +28,22 @@ def _fp4_topk_sync(s: Setup) -> str | None:
     return None
 
 
-def _bf16_cache_caveats(_s: Setup) -> list[str]:
+def _fp4_topk_caveats(s: Setup) -> list[str]:
+    from ds4.ops.moe_cuda import PREFILL_TOKENS, chunked_tokens
+    if s.max_batch > max(PREFILL_TOKENS, chunked_tokens()):
+        return [f"decode batch {s.max_batch} > {max(PREFILL_TOKENS, chunked_tokens())}: the router's logits by a torch "
+                "fp32 GEMM, the experts by torch grouped GEMMs on dequantised weights"]
+    if s.max_batch > PREFILL_TOKENS:
+        return [f"decode batch {s.max_batch} > {PREFILL_TOKENS}: the router's logits by a torch fp32 GEMM, the experts "
+                f"in launches of {PREFILL_TOKENS} rows (each reading its experts again), the shared expert in line"]
+    return []
+
+
+def _bf16_cache_caveats(s: Setup) -> list[str]:
     from ds4.ops.moe_cuda import PREFILL_TOKENS
-    return [f"calls over {PREFILL_TOKENS} tokens (prompts): the torch reference's experts (moe=dequant)"]
+    when = f"prompts and decode batch {s.max_batch}" if s.max_batch > PREFILL_TOKENS else "prompts"
+    return [f"calls over {PREFILL_TOKENS} tokens ({when}): the torch reference's experts (moe=dequant) and router "
+            "logits (a torch fp32 GEMM)"]
 
 
 def _bf16_cache_sync(_s: Setup) -> str:
@@ -45,7 +58,7 @@ def entries(check):
                caveats=_gemv_caveats, ds4_ext=True), ()),
         (Entry("moe", "fp4_topk", "ds4.ops.moe_cuda:Fp4TopkMoE", check, 10,
                "CUDA router + all top-k MXFP4 experts in two launches (ids on the device) + fused FP8 shared expert",
-               decode_sync=_fp4_topk_sync, ds4_ext=True), ()),
+               caveats=_fp4_topk_caveats, decode_sync=_fp4_topk_sync, ds4_ext=True), ()),
         (Entry("moe", "bf16_cache", "ds4.ops.moe_cuda:Bf16CacheMoE", check, 5,
                "seed phase 5: LRU cache of dequantised BF16 hot experts (host sync per layer) + BF16/FP4 kernels",
                caveats=_bf16_cache_caveats,
