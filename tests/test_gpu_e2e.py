@@ -346,6 +346,63 @@ def test_teacher_forced_logits_replay_the_captured_step():
     assert (got["eager"] - got["cuda_graph"]).abs().max().item() < 0.05
 
 
+@pytest.mark.parametrize("attn", ["torch", "fused_cuda"])
+def test_capture_after_a_sequence_at_max_seq_len(attn):
+    """(Written without a GPU, not run.) A generate runs row 0 to max_seq_len - 1; a capture of another (batch, mode)
+    then warms up at positions 0, 1 (it warmed up from max_seq_len - 1, and the torch compressor step's
+    cache[pos // m] at max_seq_len is out of bounds: a device-side assert); the new graph decodes as eager."""
+    impls = Impls(attn=attn) if attn == "torch" else Impls(**_FUSED)
+    args, w = _tiny_weights_for(impls, seed=6)
+    outs = []
+    for runtime in ("eager", "cuda_graph"):
+        g = Generator(_model(args, w, impls), 2, 64, runtime=runtime)
+        assert g.generate([[1, 2, 3]], 100, stop_at_eos=False).truncated
+        outs.append(g.generate([[5, 6, 7], [9, 10]], 40, stop_at_eos=False).tokens)
+        g.check_positions()
+    assert outs[0] == outs[1]
+
+
+def test_sampled_generate_graph_matches_eager():
+    """(Written without a GPU, not run.) Seeded sampling ('logits' mode: the captured step returns the logits, the
+    sampler runs after each replay) draws the eager run's tokens, two rows at different positions."""
+    from ds4.runtime.sampling import Sampling
+    impls = Impls(**_FUSED)
+    args, w = _tiny_weights_for(impls, seed=7)
+    s = Sampling(temperature=0.8, top_k=40, top_p=0.95, seed=11)
+    outs = []
+    for runtime in ("eager", "cuda_graph"):
+        g = Generator(_model(args, w, impls), 2, 300, runtime=runtime)
+        outs.append(g.generate([[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]], 200, s, stop_at_eos=False).tokens)
+        assert list(g.graphs) == ([(2, "logits")] if runtime == "cuda_graph" else [])
+    assert outs[0] == outs[1]
+
+
+def test_graph_pool_figure_and_release():
+    """(Written without a GPU, not run.) pool_bytes is the reserved size of the graphs' private pools (the segments
+    torch's allocator holds for them), not the memory_allocated delta (the live outputs and whatever warm-up left
+    allocated); and nothing of a captured step stays allocated once its Generator is gone."""
+    import gc
+
+    from ds4.runtime.cuda_graph import pool_bytes
+    impls = Impls(**_FUSED)
+    args, w = _tiny_weights_for(impls, seed=8)
+    m = _model(args, w, impls)
+    Generator(m, 1, 256).generate([[5, 6, 7]], 4, stop_at_eos=False)  # eager: the default stream's cuBLAS workspace
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(DEV)
+    g = Generator(m, 1, 256, runtime="cuda_graph")
+    g.generate([[5, 6, 7]], 8, stop_at_eos=False)
+    step = g.graphs[(1, "argmax")]
+    pools = [pool_bytes(gr, DEV) for gr in step.graphs.values()]
+    assert step.pool_bytes == sum(pools) and all(p > 0 for p in pools)
+    del g, step
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated(DEV) - base < 1 << 20
+
+
 def test_fp8t_layout_decodes_as_fp8(monkeypatch):
     """linear=gemv_cuda lays tiny's dense FP8 projections out as fp8t at load (DS4_FP8_TILE unset: auto), and
     moe=fp4_topk its shared experts; the merged weights' row views in the same storage and format, the indexer reading

@@ -56,6 +56,17 @@ def late_compress_enabled() -> bool:
     return os.environ.get("DS4_LATE_COMPRESS", "0") == "1"
 
 
+def _clear_cublas_workspaces() -> None:
+    getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+
+
+def pool_bytes(graph, device: torch.device) -> int:
+    """Bytes reserved by a captured graph's private memory pool on `device` (the allocator's segments of that pool)."""
+    pool, idx = tuple(graph.pool()), device.index if device.index is not None else torch.cuda.current_device()
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", ())) == pool and s.get("device", idx) == idx)
+
+
 class CudaGraphStep:
     def __init__(self, model: Transformer, state: DecodeState, batch: int, mode: str, warmup: int = 2):
         """mode: 'argmax' (greedy, full vocab), 'dist_argmax' (greedy on vocab slices under TP),
@@ -78,31 +89,42 @@ class CudaGraphStep:
         model, state = self.model, self.state
         t0 = time.perf_counter()
         snapshot = ([{k: v.clone() for k, v in st.items()} for st in state.layers], state.pos.clone())
-        mem0 = torch.cuda.memory_allocated(model.device)  # after the snapshot: pool_bytes is the graphs'
-        side = torch.cuda.Stream(model.device)
-        side.wait_stream(torch.cuda.current_stream(model.device))
-        with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, NCCL communicators
-            for _ in range(warmup):
-                self._step(None)
-        torch.cuda.current_stream(model.device).wait_stream(side)
-        torch.cuda.synchronize(model.device)
-        self.warmup_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        # one private memory pool per graph: they replay in any order, so none may reuse another's blocks
-        self.graphs: dict[frozenset[int], torch.cuda.CUDAGraph] = {}
-        self.outs: dict[frozenset[int], Tensor] = {}
-        for phase in self.phases:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.outs[phase] = self._step(phase)
-            self.graphs[phase] = graph
-        torch.cuda.synchronize(model.device)
-        self.capture_s = time.perf_counter() - t1
-        self.pool_bytes = torch.cuda.memory_allocated(model.device) - mem0
-        for st, saved in zip(state.layers, snapshot[0]):  # undo the warm-up steps' writes
-            for k, v in st.items():
-                v.copy_(saved[k])
-        state.pos.copy_(snapshot[1])
+        try:
+            # the warm-up steps run at positions 0, 1, ...: the rows may stand anywhere (a sequence an earlier call
+            # ran to max_seq_len - 1), and a step past max_seq_len indexes past the compressed caches
+            state.pos.zero_()
+            side = torch.cuda.Stream(model.device)
+            side.wait_stream(torch.cuda.current_stream(model.device))
+            with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, NCCL communicators
+                for _ in range(warmup):
+                    self._step(None)
+            torch.cuda.current_stream(model.device).wait_stream(side)
+            torch.cuda.synchronize(model.device)
+            self.warmup_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            # one private memory pool per graph: they replay in any order, so none may reuse another's blocks
+            self.graphs: dict[frozenset[int], torch.cuda.CUDAGraph] = {}
+            self.outs: dict[frozenset[int], Tensor] = {}
+            # cuBLAS caches a workspace per (handle, stream): one made while capturing would stay allocated in the
+            # graph's pool (pinning it after the graph is gone); cleared before and after, as torch's cudagraph trees
+            # do, a capture's workspace is a block of its own pool (counted there, freed with it)
+            _clear_cublas_workspaces()
+            for phase in self.phases:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.outs[phase] = self._step(phase)
+                self.graphs[phase] = graph
+            _clear_cublas_workspaces()
+            torch.cuda.synchronize(model.device)
+            self.capture_s = time.perf_counter() - t1
+            # the pools' reserved bytes (live outputs and the freed intermediates a replay writes alike);
+            # memory_allocated counts only the tensors still referenced when the capture ends
+            self.pool_bytes = sum(pool_bytes(g, model.device) for g in self.graphs.values())
+        finally:
+            for st, saved in zip(state.layers, snapshot[0]):  # undo the warm-up steps' writes
+                for k, v in st.items():
+                    v.copy_(saved[k])
+            state.pos.copy_(snapshot[1])
 
     def _step(self, window_ends: frozenset[int] | None) -> Tensor:
         logits = self.model.decode(self.tok, self.state, full_vocab=self.mode != "dist_argmax",

@@ -83,15 +83,24 @@ class Generator:
 
     def decode(self, tokens: Tensor, full_vocab: bool = True) -> Tensor:
         """tokens [B] (device) -> logits [B, V]; every row advances one position."""
+        self._room(tokens.shape[0])
         out = self.model.decode(tokens, self.state, full_vocab)
         self._advance(tokens.shape[0])
         return out
 
     def replay(self, step: "CudaGraphStep", tokens: Tensor) -> Tensor:
         """One captured step (graph_step) on tokens [B] at the rows' positions; every row advances one position."""
+        self._room(tokens.shape[0])
         out = step(tokens, self.host_pos[: tokens.shape[0]])
         self._advance(tokens.shape[0])
         return out
+
+    def _room(self, batch: int) -> None:
+        """A step writes each row's position into the caches sized for max_seq_len: refused at max_seq_len (host ints;
+        past it the compressed caches are indexed out of bounds, which a captured step does not check)."""
+        if max(self.host_pos[:batch]) >= self.max_seq_len:
+            raise ValueError(f"decode at positions {self.host_pos[:batch]}: the state holds max_seq_len="
+                             f"{self.max_seq_len} positions")
 
     def _advance(self, batch: int) -> None:
         for row in range(batch):

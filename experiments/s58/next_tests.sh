@@ -6,7 +6,8 @@
 # - test_decode_glue_gpu.py -k long_context: the 8K test at an 8203-token prompt and 260 steps (two window wraps,
 #   two HCA emissions); its bars were set on the 8200 / 96 form
 # - test_gpu_e2e.py: the qat options against the reference on small, the 99 % bar with the LM head scaled by 8, the
-#   1000-step graph-vs-eager on small (window 128, ratio 128) and the default fused row of the tiny graph test
+#   1000-step graph-vs-eager on small (window 128, ratio 128) and the default fused row of the tiny graph test; the
+#   capture after a sequence at max_seq_len, seeded sampling graph vs eager, the graph pools' figure and release
 # A failing bar is a finding to record (the figure it printed), not a threshold to loosen without one.
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
@@ -26,4 +27,6 @@ run argmax 60 tests/test_kernels_gpu.py -k argmax
 run long_context 150 tests/test_decode_glue_gpu.py -k long_context
 run e2e_new 240 tests/test_gpu_e2e.py -k "qat_options or confident_head or 1000_steps_on_small"
 run graph_fused 90 "tests/test_gpu_e2e.py::test_cuda_graph_matches_eager_1000_steps[fused]"
+# the capture's warm-up at positions 0, 1 (a row at max_seq_len - 1 before), seeded sampling, the pools' figure
+run graph_new 120 tests/test_gpu_e2e.py -k "max_seq_len or sampled_generate or graph_pool"
 echo "--- summary"; cat "$OUT/summary.txt"

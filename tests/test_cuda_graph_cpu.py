@@ -1,0 +1,129 @@
+"""CudaGraphStep's capture bookkeeping on CPU: the torch.cuda calls it makes are stood in for (streams and synchronize
+no-ops, a 'capture' runs its body eagerly, which the restore must undo as it undoes the warm-up)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ds4.model.args import tiny
+from ds4.model.transformer import Transformer
+from ds4.registry import torch_reference_ops
+from ds4.runtime.cuda_graph import CudaGraphStep, pool_bytes
+from ds4.runtime.generate import Generator
+from ds4.weights.synthetic import random_weights
+
+
+class _Stream:
+    def wait_stream(self, s):
+        pass
+
+
+class _Graph:
+    made = 0
+
+    def __init__(self):
+        _Graph.made += 1
+        self.id = (0, _Graph.made)
+
+    def pool(self):
+        return self.id
+
+
+def _fake_cuda(mp, segments=()):
+    for name, value in {"Stream": lambda *a, **k: _Stream(), "stream": lambda s: contextlib.nullcontext(),
+                        "current_stream": lambda *a: _Stream(), "synchronize": lambda *a: None,
+                        "CUDAGraph": _Graph, "graph": lambda g, **k: contextlib.nullcontext(),
+                        "memory_snapshot": lambda *a, **k: list(segments), "current_device": lambda: 0}.items():
+        mp.setattr(torch.cuda, name, value, raising=False)
+
+
+def _capture(model, state, batch):
+    step = object.__new__(CudaGraphStep)  # (__init__ refuses a CPU model; _capture is what is tested)
+    step.model, step.state, step.batch, step.mode = model, state, batch, "logits"
+    step.tok = torch.zeros(batch, dtype=torch.long)
+    step.full = model.compress_ratios
+    step.phases = [step.full]
+    step._capture(2)
+    return step
+
+
+def test_capture_warms_up_inside_the_caches_and_restores_the_state(monkeypatch):
+    """A Generator whose row 0 stands at max_seq_len - 1 (a generate run to the limit) captures a step of another
+    batch or mode (teacher_forced_logits' (1, 'logits'), a generate at batch 2): the warm-up steps must not run at
+    max_seq_len and past (the torch compressor step writes cache[pos // m], out of bounds there), and every state
+    tensor and position is as it was afterwards."""
+    _fake_cuda(monkeypatch)
+    a = tiny()  # ratios 4 and 16; 64 positions: 16 and 4 compressed entries
+    m = Transformer(a, torch_reference_ops(), "plain", torch.float32)
+    m.load_weights(random_weights(a, seed=0, include_mtp=False))
+    g = Generator(m, 2, 64)
+    assert g.generate([[1, 2, 3]], 100, stop_at_eos=False).truncated
+    assert g.host_pos[0] == g.state.pos[0].item() == 63
+    before = [{k: v.clone() for k, v in st.items()} for st in g.state.layers]
+    seen, decode = [], m.decode
+    monkeypatch.setattr(m, "decode", lambda ids, st, *x, **k: (seen.append(st.pos[: ids.shape[0]].tolist()),
+                                                                decode(ids, st, *x, **k))[1])
+    _capture(m, g.state, 1)
+    assert max(p for ps in seen for p in ps) < 64, seen
+    assert all(torch.equal(v, before[i][k]) for i, st in enumerate(g.state.layers) for k, v in st.items())
+    g.check_positions()
+
+
+def test_pool_bytes_are_the_graphs_pool_segments(monkeypatch):
+    segs = [{"device": 0, "segment_pool_id": (0, 7), "total_size": 2 << 20},
+            {"device": 0, "segment_pool_id": (0, 7), "total_size": 20 << 20},
+            {"device": 0, "segment_pool_id": (0, 0), "total_size": 1 << 30},   # the default pool
+            {"device": 1, "segment_pool_id": (0, 7), "total_size": 4 << 20},   # another device
+            {"device": 0, "segment_pool_id": (0, 8), "total_size": 8 << 20}]   # another graph's
+    _fake_cuda(monkeypatch, segs)
+    g = _Graph()
+    g.id = (0, 7)
+    assert pool_bytes(g, torch.device("cuda", 0)) == 22 << 20
+    assert pool_bytes(g, torch.device("cuda")) == 22 << 20
+
+
+def test_eval_captures_before_its_clock_and_reports_the_graph_figures(monkeypatch):
+    """task=eval under runtime=cuda_graph: the (1, 'logits') step is captured before eval_tok_s's clock starts (it was
+    captured inside teacher_forced_logits, so the warm-up and capture counted as eval time), and its warm-up,
+    capture and pool are reported as the other tasks report them."""
+    from types import SimpleNamespace
+
+    from ds4.tasks import eval as ev
+    order = []
+    step = SimpleNamespace(warmup_s=2.0, capture_s=0.5, pool_bytes=1 << 20, graphs={frozenset(): 0})
+
+    class Gen:
+        graphs = {}
+
+        def graph_step(self, batch, mode):
+            order.append(("capture", batch, mode))
+            self.graphs[(batch, mode)] = step
+            return step
+
+        def teacher_forced_logits(self, prompt, cont):
+            order.append(("tf",))
+            return torch.zeros(len(cont), 8)
+
+    clock = iter(range(100))
+    monkeypatch.setattr(ev.time, "perf_counter", lambda: float(next(clock)))
+    gen = Gen()
+    spec = SimpleNamespace(runtime="cuda_graph", device=torch.device("cpu"), task_opts={"fidelity": False})
+    ctx = SimpleNamespace(spec=spec, gen=lambda: gen, profiler=SimpleNamespace(summary=lambda: []))
+    f = ev.run(ctx, ev.Plan(ids=[1, 2, 3, 4], source="x"))["figures"]
+    assert order == [("capture", 1, "logits"), ("tf",)]
+    assert f["graph_warmup_s"] == 2.0 and f["graph_capture_s"] == 0.5 and f["graph_pool_mib"] == 1.0
+
+
+def test_a_step_at_max_seq_len_is_refused():
+    """Generator.decode / replay (teacher_forced_logits' steps) refuse a row at max_seq_len before the step: past it the
+    compressed caches are indexed out of bounds (an IndexError in torch on CPU once pos // m passes the last entry,
+    silently up to then; unchecked in a captured step's kernels)."""
+    import pytest
+    a = tiny()
+    m = Transformer(a, torch_reference_ops(), "plain", torch.float32)
+    m.load_weights(random_weights(a, seed=0, include_mtp=False))
+    g = Generator(m, 1, 30)  # 8 entries of ratio 4: positions 30 and 31 would still fit, 32 not
+    with pytest.raises(ValueError, match="max_seq_len=30"):
+        g.teacher_forced_logits(list(range(1, 11)), list(range(5, 30)))
+    assert g.host_pos[0] == g.state.pos[0].item() == 30
