@@ -75,21 +75,29 @@ def _rest(r: dict, keys: set[str]) -> list[str]:
     return sorted(o for o in (r.get("overrides") or []) if o.split("=", 1)[0] not in keys)
 
 
+def _naming(r: dict, baseline: str) -> set[str]:
+    """The keys of r's overrides whose value names `baseline`."""
+    return {o.split("=", 1)[0] for o in (r.get("overrides") or []) if baseline in o}
+
+
 def add_speedup(recs: list[dict], baseline: str) -> list[str]:
     """figures['speedup'] = the baseline's TPOT / this job's TPOT. A job's baseline is the finished job of the same
-    sweep folder whose overrides name `baseline` (e.g. experiment=seed_phase1) and are otherwise the job's own, so
-    the same machine, session and other settings (e.g. model.n_layers). Returns a note for each finished job that
-    has none."""
+    sweep folder whose overrides name `baseline` (e.g. experiment=seed_phase1) on every key where a job of that
+    folder names it (`--baseline dequant` over moe x linear: moe=dequant and linear=dequant) and are otherwise the
+    job's own, so the same machine, session and other settings (e.g. model.n_layers). Returns a note for each
+    finished job that has none."""
+    axes: dict[Path, set[str]] = {}  # folder -> the keys whose values name the baseline there
+    for b in recs:
+        axes.setdefault(Path(b["_path"]).parent, set()).update(_naming(b, baseline))
     notes = []
     for r in recs:
         if _tpot(r) is None:
             continue
         folder = Path(r["_path"]).parent
-        found = None
+        keys, found = axes[folder], None
         for b in recs:
-            keys = {o.split("=", 1)[0] for o in (b.get("overrides") or []) if baseline in o}
-            if (keys and Path(b["_path"]).parent == folder and _tpot(b) is not None
-                    and _rest(b, keys) == _rest(r, keys)):
+            if (keys and Path(b["_path"]).parent == folder and _naming(b, baseline) == keys
+                    and _tpot(b) is not None and _rest(b, keys) == _rest(r, keys)):
                 found = b
                 break
         if found is None:

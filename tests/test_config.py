@@ -169,6 +169,24 @@ def test_compare_speedup_against_the_same_sweeps_baseline(tmp_path):
     assert "commit: abc, not recorded" in md and "started 2026-12-05T01:00:00" in md and "failed: x" in md
 
 
+def test_compare_baseline_names_the_name_on_every_axis(tmp_path):
+    """`--baseline dequant` over moe x linear: every job's baseline is moe=dequant,linear=dequant; where that job
+    failed none has one (each used to take the first job naming dequant on either axis, itself included)."""
+    jobs = [("dequant", "dequant", 8.0), ("dequant", "gemv_cuda", 4.0), ("fp4_topk", "dequant", 2.0),
+            ("fp4_topk", "gemv_cuda", 1.0)]
+    for sweep in ("ok", "failed"):
+        for i, (moe, lin, t) in enumerate(jobs):
+            failed = sweep == "failed" and i == 0
+            _job(tmp_path / sweep, f"s/{i}", [f"moe={moe}", f"linear={lin}"], None if failed else t,
+                 status="failed" if failed else "ok")
+    recs = compare.load(tmp_path / "ok")
+    assert compare.add_speedup(recs, "dequant") == []
+    assert [r["figures"]["speedup"] for r in sorted(recs, key=lambda r: r["_path"])] == [1.0, 2.0, 4.0, 8.0]
+    recs = compare.load(tmp_path / "failed")
+    notes = compare.add_speedup(recs, "dequant")
+    assert len(notes) == 3 and not any("speedup" in (r.get("figures") or {}) for r in recs)
+
+
 def test_compare_shows_nonfinite_figures(tmp_path):
     """A measured figure that is NaN or inf (a run with broken logits) is shown as such, not as "-" (not measured);
     top-1 on confident steps with no confident step stays "-"."""
