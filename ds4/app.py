@@ -168,21 +168,14 @@ def index_len(args: ModelArgs, max_seq_len: int) -> int:
 
 
 def check_setup(spec: RunSpec, args: ModelArgs) -> None:
-    """Setups that cannot run (tensor-parallel split, GPU memory, runtime) fail before any weights load."""
+    """Setups that cannot run (tensor-parallel split, runtime) fail before any weights load (GPU memory: check_memory,
+    once the implementations are resolved)."""
     from ds4.weights.schema import local_tensors
     try:
-        local = local_tensors(args, spec.rank, spec.tp, include_mtp=False, experts=spec.experts,
-                              shared=spec.shared_expert)
+        local_tensors(args, spec.rank, spec.tp, include_mtp=False, experts=spec.experts, shared=spec.shared_expert)
     except ValueError as e:
         raise UserError(f"parallel.tp={spec.tp} (experts {spec.experts}, shared expert {spec.shared_expert}) "
                         f"does not fit this model: {e}") from None
-    if spec.device.type == "cuda":  # fail before loading, not with an out-of-memory error minutes later
-        need = sum(ls.nbytes for ls, _ in local.values())
-        free = torch.cuda.mem_get_info(spec.device)[0]
-        if need > free:
-            raise UserError(f"the weights need {need / 2**30:.1f} GiB per GPU but {spec.device} has "
-                            f"{free / 2**30:.1f} GiB free; use more GPUs (torchrun ... parallel.tp=N) "
-                            "or fewer layers (model.n_layers=N)")
     if spec.comm in ("symm_mem", "ll") and spec.device.type != "cuda":
         raise UserError(f"parallel.comm={spec.comm} needs CUDA devices")
     if spec.comm == "ll" and spec.tp > 1:
@@ -192,6 +185,56 @@ def check_setup(spec: RunSpec, args: ModelArgs) -> None:
             raise UserError(f"parallel.comm=ll runs ds4's all-reduce kernel, which cannot run here: {reason}")
     if spec.runtime == "cuda_graph" and spec.device.type != "cuda":
         raise UserError("runtime=cuda_graph needs a CUDA device")
+
+
+def memory_need(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> list[tuple[str, int]]:
+    """(what, bytes) a rank's GPU holds at the run's peak beyond its activations: the weights as stored, the decode
+    state at (max_batch, max_seq_len) (every rank holds all of it: one KV head), the copy of it that a CUDA-graph
+    capture takes, the fidelity reference's batch-1 state beside it, attn=fused_cuda_wo_bf16's BF16 wo_b.wo_a."""
+    from ds4.model.transformer import Transformer
+    from ds4.tasks.common import reference_impls
+    from ds4.weights.schema import local_tensors
+    local = local_tensors(args, spec.rank, spec.tp, include_mtp=False, experts=spec.experts, shared=spec.shared_expert)
+    parts = [("weights", sum(ls.nbytes for ls, _ in local.values()))]
+    state = Transformer.state_bytes(args, spec.max_batch, spec.max_seq_len, spec.dtype)
+    parts.append((f"decode state (max_batch={spec.max_batch}, max_seq_len={spec.max_seq_len})", state))
+    if spec.runtime == "cuda_graph":  # CudaGraphStep._capture's snapshot of the whole state
+        parts.append(("its copy while the CUDA graph is captured", state))
+    o = spec.task_opts
+    ref = str(o.get("reference_numerics", "plain"))
+    is_ref = (chosen == reference_impls() and spec.numerics == ref and spec.runtime == "eager"
+              and (spec.tp == 1 or spec.reduce == "fp32"))
+    if spec.task in ("bench", "eval") and o.get("fidelity", True) is True and not is_ref:
+        parts.append(("the fidelity reference's decode state", Transformer.state_bytes(args, 1, spec.max_seq_len,
+                                                                                       spec.dtype)))
+    if chosen.get("attn") == "fused_cuda_wo_bf16":  # [dim, local heads x head_dim] BF16 per layer, formed in fp32
+        gr, i = args.o_groups // spec.tp * args.o_lora_rank, args.n_heads * args.head_dim // args.o_groups
+        per = args.dim * args.n_heads // spec.tp * args.head_dim
+        merged = args.n_layers * per * 2 + 4 * (gr * i + args.dim * gr + per)  # + one layer's fp32 operands
+        parts.append(("attn=fused_cuda_wo_bf16's BF16 wo_b.wo_a", merged))
+    return parts
+
+
+def check_memory(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> None:
+    """Fail before loading, not with an out-of-memory error minutes later. Under tensor parallelism every rank says
+    the same (the rank with the least room), so rank 0's one line names a shortage on any rank."""
+    if spec.device.type != "cuda":
+        return
+    parts = memory_need(spec, args, chosen)
+    need, free, where = sum(b for _, b in parts), torch.cuda.mem_get_info(spec.device)[0], str(spec.device)
+    import torch.distributed as dist
+    if spec.tp > 1 and dist.is_available() and dist.is_initialized():
+        room = [None] * dist.get_world_size()
+        dist.all_gather_object(room, (free - need, free, need))
+        r = min(range(len(room)), key=lambda k: room[k][0])
+        _, free, need = room[r]
+        where = f"rank {r}'s GPU"
+    if need > free:
+        size = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"  # noqa: E731
+        said = ", ".join(f"{what} {size(b)}" for what, b in parts if b)
+        raise UserError(f"this run needs {size(need)} per GPU ({said}) but {where} has {size(free)} free; use more "
+                        "GPUs (torchrun ... parallel.tp=N), fewer layers (model.n_layers=N), or a smaller max_seq_len "
+                        "or max_batch")
 
 
 def model_args(spec: RunSpec) -> ModelArgs:
@@ -262,6 +305,7 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
         c, sync = next(iter(ops.decode_syncs.items()))
         raise UserError(f"runtime=cuda_graph cannot capture {c}={ops.chosen[c]}: a decode step syncs with "
                         f"the host ({sync}); use runtime=eager, another {c}, or a smaller max_batch")
+    check_memory(spec, args, ops.chosen)
     record["resolved"] = dict(ops.chosen)
     record["notes"] = {c: ops.notes[c] for c in ops.notes}
     # the DS4_* switches (ablations, diagnostics) change what runs under the same names: recorded and printed

@@ -114,6 +114,8 @@ def test_failing_job_is_recorded_and_sweep_goes_on(tmp_path):
     (["parallel.experts=dp"], "parallel.experts=dp"),
     (["parallel.shared_expert=ep"], "parallel.shared_expert=ep"),
     (["parallel.comm=ll"], "parallel.comm=ll needs CUDA devices"),           # explicit, cannot run: before weights
+    (["+model.overrides.window_size=0"], "window_size must be >= 1"),          # else a traceback after the load
+    (["+model.overrides.n_heads=four"], "n_heads must be an integer, got 'four'"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, args, message):
     r = ds4(*args, "tracking=none", "device=cpu", cwd=tmp_path)
@@ -394,3 +396,60 @@ def test_peak_memory_gathers_every_ranks_peak_at_the_same_point(monkeypatch):
     assert f == {"peak_mem_gib": 3.0, "peak_reserved_gib": 4.0, "peak_mem_gib_per_rank": [3.0, 4.0]}
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
     assert "peak_mem_gib_per_rank" not in peak_memory(torch.device("cuda"))
+
+
+def test_memory_check_counts_what_the_run_allocates_after_the_load(monkeypatch):
+    """The GPU-memory check before loading counts the decode state at (max_batch, max_seq_len), the CUDA-graph
+    capture's copy of it, the fidelity reference's state and attn=fused_cuda_wo_bf16's BF16 wo_b.wo_a, not only the
+    stored weights: each of these setups passed a weights-only check and ran out of memory after the load."""
+    import dataclasses
+    from ds4.model.transformer import Transformer
+    from ds4.tasks.common import reference_impls
+    from ds4.weights.schema import local_tensors
+    G = 2**30
+
+    def check(free_gib, *overrides, **fields):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (int(free_gib * G), int(free_gib * G)))
+        spec = dataclasses.replace(_spec(*overrides), device=torch.device("cuda", 0), dtype=torch.bfloat16, **fields)
+        args = app.model_args(spec)
+        weights = sum(s.nbytes for s, _ in local_tensors(args, 0, spec.tp, include_mtp=False, experts=spec.experts,
+                                                          shared=spec.shared_expert).values())
+        chosen = {**reference_impls(), "attn": spec.impls.attn}
+        need = sum(b for _, b in app.memory_need(spec, args, chosen))
+        app.check_setup(spec, args)  # the split checks: these setups fit
+        with pytest.raises(app.UserError, match="per GPU"):
+            app.check_memory(spec, args, chosen)
+        return args, spec, weights, need
+
+    args, spec, weights, need = check(78, "model=v4_flash", "model.n_layers=20", "max_seq_len=262144", "max_batch=16")
+    state = Transformer.state_bytes(args, 16, 262144, torch.bfloat16)
+    assert weights < 78 * G < weights + state and need == weights + state
+    args, spec, weights, need = check(78, "model=v4_flash", "model.n_layers=22", "attn=fused_cuda_wo_bf16")
+    assert weights < 78 * G < need and need - weights > 22 * args.dim * args.n_heads * args.head_dim * 2
+    args, spec, weights, need = check(139, "model=v4_flash", "max_seq_len=1048576", "max_batch=8", "runtime=cuda_graph",
+                                      "task=bench", tp=2, experts="tp", shared_expert="tp")
+    state = Transformer.state_bytes(args, 8, 1048576, torch.bfloat16)
+    assert need == weights + 2 * state + Transformer.state_bytes(args, 1, 1048576, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (200 * G, 200 * G))  # the README's 4 layers fit
+    spec = dataclasses.replace(_spec("model=v4_flash", "model.n_layers=4"), device=torch.device("cuda", 0),
+                               dtype=torch.bfloat16)
+    app.check_memory(spec, app.model_args(spec), reference_impls())
+
+
+def test_memory_check_under_tp_names_the_rank_with_the_least_room(monkeypatch):
+    """Each rank checks its own GPU; the ranks agree on the one with the least room, so rank 0 (the only one that
+    prints) says it, and every rank stops before loading (not rank 1 alone, silently, with rank 0 loading on)."""
+    import dataclasses
+    import torch.distributed as dist
+    from ds4.tasks.common import reference_impls
+    G = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (500 * G, 500 * G))  # this rank (0): plenty
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+    def gather(out, obj, group=None):  # rank 1's GPU has 64 MiB free (small's weights alone are 0.2 GiB a rank)
+        out[0], out[1] = obj, (2**26 - obj[2], 2**26, obj[2])
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    spec = dataclasses.replace(_spec("model=small"), device=torch.device("cuda", 0), dtype=torch.bfloat16, tp=2)
+    with pytest.raises(app.UserError, match="rank 1's GPU has 64 MiB free"):
+        app.check_memory(spec, app.model_args(spec), reference_impls())

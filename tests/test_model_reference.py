@@ -301,6 +301,8 @@ def test_load_weights_consume_frees_the_stacked_expert_originals():
     consumed.load_weights(w, consume=True)
     routed = [k for k in w if ".experts." in k and ".shared_experts." not in k]
     assert routed == [] and 0 < len(w) < n0
+    # and each layer's other originals (merged or re-laid into new tensors the model holds) once it is loaded
+    assert not [k for k in w if k.startswith("layers.")]
     for a, b in zip(kept.layers, consumed.layers):
         assert torch.equal(a.ffn.mw.w1.weight, b.ffn.mw.w1.weight)
     with pytest.raises(TypeError, match="needs a dict"):
@@ -341,3 +343,14 @@ def test_moe_implementation_lays_out_its_experts_at_load_and_on_configure():
     ref.configure(ops=packing)
     assert ref.layers[-1].ffn.mw.w2.fmt == "fp4p"
     assert torch.equal(Generator(ref, 1, 32).prefill([seq])[0], want)
+
+
+@pytest.mark.parametrize("batch,max_seq_len", [(1, 64), (3, 1000)])
+def test_state_bytes_is_what_alloc_state_allocates(batch, max_seq_len):
+    """The memory check's count of the decode state (before any model exists) equals what alloc_state allocates."""
+    args = tiny()
+    m = Transformer(args, torch_reference_ops(), "plain", torch.float32)
+    m.load_weights(random_weights(args, seed=0, include_mtp=False))
+    st = m.alloc_state(batch, max_seq_len)
+    held = sum(v.nbytes for layer in st.layers for v in layer.values()) + st.pos.nbytes
+    assert Transformer.state_bytes(args, batch, max_seq_len, torch.float32) == held

@@ -18,6 +18,11 @@ SWA, CSA, HCA = "swa", "csa", "hca"
 CSA_RATIO = 4
 
 
+# int fields that may be 0 (every other int field is a size or count of at least 1)
+_MAY_BE_ZERO = frozenset({"n_hash_layers", "n_mtp_layers", "rope_head_dim", "beta_fast", "beta_slow",
+                          "hc_sinkhorn_iters", "bos_token_id", "eos_token_id"})
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int = 129280
@@ -64,6 +69,14 @@ class ModelArgs:
 
     def __post_init__(self):
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        for f in dataclasses.fields(self):  # types first: the checks below and the model compute with them
+            v, lo = getattr(self, f.name), 0 if f.name in _MAY_BE_ZERO else 1
+            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"invalid ModelArgs: {f.name} must be an integer, got {v!r}")
+            if f.type == "float" and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"invalid ModelArgs: {f.name} must be a number, got {v!r}")
+            if f.type == "int" and v < lo:
+                raise ValueError(f"invalid ModelArgs: {f.name} must be >= {lo}, got {v}")
         need = self.n_layers + self.n_mtp_layers
         if len(self.compress_ratios) < need:
             raise ValueError(f"compress_ratios has {len(self.compress_ratios)} entries, need n_layers + n_mtp_layers = {need}")

@@ -202,9 +202,10 @@ class Transformer(WeightsModule):
         the model's device are used as they are (no copy); others are moved. Routed experts are
         stacked per layer (one copy); each layer's per-expert originals are freed as soon as they
         are stacked when nothing else references them: the caller keeps no reference to `tensors`,
-        or passes consume=True (a dict: its tensors are moved to the device in place and its
-        per-expert entries removed as they are stacked; the full model's experts would otherwise be
-        held twice at the peak)."""
+        or passes consume=True (a dict: its tensors are moved to the device in place, its
+        per-expert entries removed as they are stacked, and each layer's other entries once the layer
+        is loaded; the full model's experts, and the originals of merged or re-laid projections, would
+        otherwise be held twice at the peak)."""
         if consume:
             if not isinstance(tensors, dict):
                 raise TypeError("load_weights(consume=True) needs a dict")
@@ -222,6 +223,10 @@ class Transformer(WeightsModule):
             self.take(f"hc_head_{part}", t, f"hc_head_{part}")
         for i, blk in enumerate(self.layers):
             blk.load(t, f"layers.{i}")
+            if consume:  # what the layer merged (wq_a + wkv, wq_b + the indexer's, wkv + wgate) or re-laid (fp8t) is
+                # held by the model in its new form: the dict's originals go now, not at the end of the load
+                for k in [k for k in t if k.startswith(f"layers.{i}.")]:
+                    del t[k]
         self.has_mtp = all(f"mtp.{j}.e_proj.weight" in t for j in range(len(self.mtp))) and len(self.mtp) > 0
         if self.has_mtp:
             for j, blk in enumerate(self.mtp):
@@ -230,6 +235,16 @@ class Transformer(WeightsModule):
     def alloc_state(self, max_batch: int, max_seq_len: int) -> DecodeState:
         layers = [b.attn.alloc_state(max_batch, max_seq_len, self.dtype, self.device) for b in self.layers]
         return DecodeState(layers, torch.zeros(max_batch, dtype=torch.long, device=self.device), max_seq_len)
+
+    @staticmethod
+    def state_bytes(args: ModelArgs, max_batch: int, max_seq_len: int, dtype: torch.dtype) -> int:
+        """The bytes alloc_state(max_batch, max_seq_len) allocates (formed on the meta device: nothing is allocated;
+        every rank holds all of it under tensor parallelism: one KV head). For the memory check before loading."""
+        n = max_batch * 8  # pos
+        for i in range(args.n_layers):
+            st = Attention(args, i, None, False, None).alloc_state(max_batch, max_seq_len, dtype, "meta")
+            n += sum(v.nbytes for v in st.values())
+        return n
 
     # ---- pieces -----------------------------------------------------------------------------
     def _embed(self, ids: Tensor) -> Tensor:
