@@ -192,7 +192,7 @@ def memory_need(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> list[
     state at (max_batch, max_seq_len) (every rank holds all of it: one KV head), the copy of it that a CUDA-graph
     capture takes, the fidelity reference's batch-1 state beside it, attn=fused_cuda_wo_bf16's BF16 wo_b.wo_a."""
     from ds4.model.transformer import Transformer
-    from ds4.tasks.common import reference_impls
+    from ds4.tasks.common import fidelity_plan_for
     from ds4.weights.schema import local_tensors
     local = local_tensors(args, spec.rank, spec.tp, include_mtp=False, experts=spec.experts, shared=spec.shared_expert)
     parts = [("weights", sum(ls.nbytes for ls, _ in local.values()))]
@@ -200,11 +200,7 @@ def memory_need(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> list[
     parts.append((f"decode state (max_batch={spec.max_batch}, max_seq_len={spec.max_seq_len})", state))
     if spec.runtime == "cuda_graph":  # CudaGraphStep._capture's snapshot of the whole state
         parts.append(("its copy while the CUDA graph is captured", state))
-    o = spec.task_opts
-    ref = str(o.get("reference_numerics", "plain"))
-    is_ref = (chosen == reference_impls() and spec.numerics == ref and spec.runtime == "eager"
-              and (spec.tp == 1 or spec.reduce == "fp32"))
-    if spec.task in ("bench", "eval") and o.get("fidelity", True) is True and not is_ref:
+    if spec.task in ("bench", "eval") and fidelity_plan_for(spec, chosen)[1] is None:  # the tasks that compare
         parts.append(("the fidelity reference's decode state", Transformer.state_bytes(args, 1, spec.max_seq_len,
                                                                                        spec.dtype)))
     if chosen.get("attn") == "fused_cuda_wo_bf16":  # [dim, local heads x head_dim] BF16 per layer, formed in fp32

@@ -67,7 +67,7 @@ def build_and_load(name: str, csrc: Path, sources: tuple[str, ...], directory: P
     stamp, built_with = directory / f"{name}.flags", " ".join(flags) + f" (torch {torch.__version__})"
     if os.environ.get("DS4_NO_JIT") == "1":  # never compile: a library out of date is refused, not rebuilt
         why = "not built" if not so.exists() else "older than its sources" if _stale(so, csrc, sources) else \
-            "built with other nvcc flags or torch" if stamp.is_file() and stamp.read_text() != built_with else None
+            "built with other nvcc flags or torch" if _other_build(stamp, built_with) else None
         if why is not None:
             raise RuntimeError(f"{so} is {why} (DS4_NO_JIT=1; run python scripts/build_ext.py with this process's "
                                "TORCH_CUDA_ARCH_LIST and nvcc flags)")
@@ -79,7 +79,7 @@ def build_and_load(name: str, csrc: Path, sources: tuple[str, ...], directory: P
         with _build_lock(directory):
             # torch compiles in silence (minutes for ds4_ext): say so before a build that will surely compile, and
             # after any load that took long (a change of torch's headers also recompiles, unseen from here)
-            other_flags = so.exists() and stamp.is_file() and stamp.read_text() != built_with
+            other_flags = so.exists() and _other_build(stamp, built_with)
             if other_flags or _stale(so, csrc, sources):
                 why = "its nvcc flags or torch differ from the build's" if other_flags else \
                     "first use, or its sources changed"
@@ -99,6 +99,11 @@ def build_and_load(name: str, csrc: Path, sources: tuple[str, ...], directory: P
     finally:
         if archs is not None:
             os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+
+
+def _other_build(stamp: Path, built_with: str) -> bool:
+    """The folder's library was built with other nvcc flags or another torch (its stamp says; none: not known)."""
+    return stamp.is_file() and stamp.read_text() != built_with
 
 
 _FAILED: dict[tuple[str, Path], str] = {}  # (extension, build folder) -> why its build/load failed in this process

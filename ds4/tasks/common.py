@@ -275,19 +275,27 @@ def reference_impls() -> dict[str, str]:
 def is_reference(ctx: Context, ref_numerics: str) -> bool:
     """The run is the torch reference itself: the torch implementations, the reference numerics, the eager runtime
     and (tensor-parallel) the fp32 reduce."""
-    s = ctx.spec
-    return (dict(ctx.ops.chosen) == reference_impls() and s.numerics == ref_numerics and s.runtime == "eager"
+    return _is_reference(ctx.spec, ctx.ops.chosen, ref_numerics)
+
+
+def _is_reference(s: RunSpec, chosen: dict[str, str], ref_numerics: str) -> bool:
+    return (dict(chosen) == reference_impls() and s.numerics == ref_numerics and s.runtime == "eager"
             and (s.tp == 1 or s.reduce == "fp32"))
 
 
 def fidelity_plan(ctx: Context) -> tuple[str, str | None]:
     """The reference numerics for the fidelity comparison, and a note saying why it is skipped
     (task.fidelity=false, or this run is the torch reference) — None when it is measured."""
-    o = ctx.spec.task_opts
+    return fidelity_plan_for(ctx.spec, ctx.ops.chosen)
+
+
+def fidelity_plan_for(spec: RunSpec, chosen: dict[str, str]) -> tuple[str, str | None]:
+    """fidelity_plan from the run's settings and resolved choices (before the model exists: the memory check)."""
+    o = spec.task_opts
     ref_numerics = str(o.get("reference_numerics", "plain"))
     if not opt_bool(o, "fidelity", True):
         return ref_numerics, "fidelity off (task.fidelity=false)"
-    if is_reference(ctx, ref_numerics):
+    if _is_reference(spec, chosen, ref_numerics):
         return ref_numerics, "fidelity skipped: this run is the torch reference"
     return ref_numerics, None
 
