@@ -286,6 +286,8 @@ def _is_reference(s: RunSpec, chosen: dict[str, str], ref_numerics: str) -> bool
 def fidelity_plan(ctx: Context) -> tuple[str, str | None]:
     """The reference numerics for the fidelity comparison, and a note saying why it is skipped
     (task.fidelity=false, or this run is the torch reference) — None when it is measured."""
+    if not opt_bool(ctx.spec.task_opts, "fidelity", True):  # (off: the choices are not asked)
+        return fidelity_plan_for(ctx.spec, {})
     return fidelity_plan_for(ctx.spec, ctx.ops.chosen)
 
 
