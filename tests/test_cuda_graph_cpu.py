@@ -9,6 +9,7 @@ import torch
 from ds4.model.args import tiny
 from ds4.model.transformer import Transformer
 from ds4.registry import torch_reference_ops
+from ds4.runtime import cuda_graph
 from ds4.runtime.cuda_graph import CudaGraphStep, pool_bytes
 from ds4.runtime.generate import Generator
 from ds4.weights.synthetic import random_weights
@@ -30,10 +31,49 @@ class _Graph:
         return self.id
 
 
-def _fake_cuda(mp, segments=()):
+class _Replaying(_Graph):
+    """A stand-in graph that replays: the capture ran the step's body eagerly (as above); replay runs it again into
+    the output the capture returned, as a replay rewrites its static output buffers."""
+    capturing = None
+
+    def __init__(self):
+        super().__init__()
+        self.generators = []
+
+    def register_generator_state(self, gen):
+        self.generators.append(gen)
+
+    def replay(self):
+        self.out.copy_(self.body())
+
+
+@contextlib.contextmanager
+def _capturing(g, **k):
+    _Replaying.capturing = g
+    try:
+        yield
+    finally:
+        _Replaying.capturing = None
+
+
+def _replaying_steps(mp):
+    """CudaGraphStep on CPU with graphs that replay (the device check waived; the body each capture ran is kept)."""
+    _fake_cuda(mp, graph=_Replaying, capture=_capturing)
+    mp.setattr(cuda_graph, "_check_device", lambda model: None)
+    body = CudaGraphStep._step
+
+    def recording(self, phase):
+        out, g = body(self, phase), _Replaying.capturing
+        if g is not None:
+            g.body, g.out = (lambda: body(self, phase)), out
+        return out
+    mp.setattr(CudaGraphStep, "_step", recording)
+
+
+def _fake_cuda(mp, segments=(), graph=_Graph, capture=lambda g, **k: contextlib.nullcontext()):
     for name, value in {"Stream": lambda *a, **k: _Stream(), "stream": lambda s: contextlib.nullcontext(),
                         "current_stream": lambda *a: _Stream(), "synchronize": lambda *a: None,
-                        "CUDAGraph": _Graph, "graph": lambda g, **k: contextlib.nullcontext(),
+                        "CUDAGraph": graph, "graph": capture,
                         "memory_snapshot": lambda *a, **k: list(segments), "current_device": lambda: 0}.items():
         mp.setattr(torch.cuda, name, value, raising=False)
 
@@ -41,6 +81,7 @@ def _fake_cuda(mp, segments=()):
 def _capture(model, state, batch):
     step = object.__new__(CudaGraphStep)  # (__init__ refuses a CPU model; _capture is what is tested)
     step.model, step.state, step.batch, step.mode = model, state, batch, "logits"
+    step.sampling = step.gen = None
     step.tok = torch.zeros(batch, dtype=torch.long)
     step.full = model.compress_ratios
     step.phases = [step.full]
@@ -127,3 +168,57 @@ def test_a_step_at_max_seq_len_is_refused():
     with pytest.raises(ValueError, match="max_seq_len=30"):
         g.teacher_forced_logits(list(range(1, 11)), list(range(5, 30)))
     assert g.host_pos[0] == g.state.pos[0].item() == 30
+
+
+def test_sampling_inside_the_graph_draws_the_eager_tokens(monkeypatch):
+    """runtime=cuda_graph with temperature > 0 captures the sampler ('sample' mode): the first token is drawn eagerly
+    and the rest by replays, from one generator (the step's, registered with every graph of it) seeded after the
+    capture, whose warm-up draws are undone; so the tokens are eager decoding's with the same seed. A second call
+    draws them again; other settings recapture the step (the seed does not)."""
+    from ds4.runtime.sampling import Sampling
+    _replaying_steps(monkeypatch)
+    a = tiny()
+    m = Transformer(a, torch_reference_ops(), "plain", torch.float32)
+    m.load_weights(random_weights(a, seed=0, include_mtp=False))
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+
+    def run(s, n, g=None):
+        g = g or Generator(m, 2, 64)
+        return g.generate(prompts, n, s, stop_at_eos=False).tokens
+
+    s = Sampling(temperature=0.9, top_k=20, top_p=0.9, seed=5)
+    g = Generator(m, 2, 64)
+    g.runtime = "cuda_graph"  # (refused on a CPU model at construction)
+    eager = run(s, 30)
+    assert run(s, 30, g) == eager
+    step = g.graphs[(2, "sample")]
+    assert list(g.graphs) == [(2, "sample")] and step.graphs
+    assert all(gr.generators == [step.gen] for gr in step.graphs.values())
+    assert run(s, 30, g) == eager and g.graphs[(2, "sample")] is step
+    assert run(Sampling(temperature=0.9, top_k=20, top_p=0.9, seed=6), 30, g) != eager  # the seed is not baked in
+    assert g.graphs[(2, "sample")] is step
+    hot = Sampling(temperature=1.3, seed=5)
+    assert run(hot, 12, g) == run(hot, 12)
+    assert g.graphs[(2, "sample")] is not step and g.graphs[(2, "sample")].sampling == Sampling(temperature=1.3)
+    g.check_positions()
+
+
+def test_graph_modes_are_checked():
+    import pytest
+
+    from ds4.runtime.sampling import Sampling
+    a = tiny()
+    m = Transformer(a, torch_reference_ops(), "plain", torch.float32)
+    st = m.alloc_state(1, 16)
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        CudaGraphStep(m, st, 1, "sample", sampling=Sampling(temperature=1.0))
+    cuda_graph_check = cuda_graph._check_device
+    try:
+        cuda_graph._check_device = lambda model: None
+        with pytest.raises(ValueError, match="graph mode must be one of"):
+            CudaGraphStep(m, st, 1, "topk")
+        for mode, s in (("sample", None), ("sample", Sampling()), ("argmax", Sampling(temperature=1.0))):
+            with pytest.raises(ValueError, match="go together"):
+                CudaGraphStep(m, st, 1, mode, sampling=s)
+    finally:
+        cuda_graph._check_device = cuda_graph_check

@@ -363,17 +363,24 @@ def test_capture_after_a_sequence_at_max_seq_len(attn):
 
 
 def test_sampled_generate_graph_matches_eager():
-    """(Written without a GPU, not run.) Seeded sampling ('logits' mode: the captured step returns the logits, the
-    sampler runs after each replay) draws the eager run's tokens, two rows at different positions."""
+    """(Written without a GPU, not run.) Seeded sampling inside the graph ('sample' mode: temperature, top-k, top-p
+    and the exponential draw captured, from the step's registered generator) draws the eager run's tokens, two rows
+    at different positions; a second call with the same seed draws them again, and other settings recapture."""
     from ds4.runtime.sampling import Sampling
     impls = Impls(**_FUSED)
     args, w = _tiny_weights_for(impls, seed=7)
     s = Sampling(temperature=0.8, top_k=40, top_p=0.95, seed=11)
+    hot = Sampling(temperature=1.5, seed=11)  # no top-k / top-p: another capture
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]]
     outs = []
     for runtime in ("eager", "cuda_graph"):
         g = Generator(_model(args, w, impls), 2, 300, runtime=runtime)
-        outs.append(g.generate([[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]], 200, s, stop_at_eos=False).tokens)
-        assert list(g.graphs) == ([(2, "logits")] if runtime == "cuda_graph" else [])
+        first = g.generate(prompts, 200, s, stop_at_eos=False).tokens
+        assert g.generate(prompts, 200, s, stop_at_eos=False).tokens == first
+        outs.append((first, g.generate(prompts, 50, hot, stop_at_eos=False).tokens))
+        g.check_positions()
+        if runtime == "cuda_graph":
+            assert list(g.graphs) == [(2, "sample")] and g.graphs[(2, "sample")].sampling.temperature == 1.5
     assert outs[0] == outs[1]
 
 

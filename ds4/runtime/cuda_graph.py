@@ -1,6 +1,8 @@
 """Whole-step CUDA graph: one graph per batch size covering every layer, routing, indexer top-k,
-sparse attention, compressor updates (emission decided on the device), head and greedy
-selection. Replayed per token; the token, positions and caches live in static buffers.
+sparse attention, compressor updates (emission decided on the device), head and the token's
+selection (greedy argmax, or seeded sampling: temperature, top-k, top-p and the exponential draw,
+from a generator registered with the graph, so a replay draws what eager decoding would).
+Replayed per token; the token, positions and caches live in static buffers.
 
 One graph (the default) is enough because the decode step has no host branch: the in-progress
 compressed entry is rewritten every step and only becomes visible when its window completes.
@@ -29,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ds4.model.transformer import DecodeState, Transformer
-from ds4.runtime.sampling import argmax
+from ds4.runtime.sampling import Sampling, argmax, sample
 
 
 def step_phases(ratios: Sequence[int]) -> list[frozenset[int]]:
@@ -67,13 +69,30 @@ def pool_bytes(graph, device: torch.device) -> int:
                if tuple(s.get("segment_pool_id", ())) == pool and s.get("device", idx) == idx)
 
 
+MODES = ("argmax", "dist_argmax", "sample", "logits")
+
+
+def _check_device(model: Transformer) -> None:
+    if model.device.type != "cuda":
+        raise RuntimeError("runtime=cuda_graph needs a CUDA device")
+
+
 class CudaGraphStep:
-    def __init__(self, model: Transformer, state: DecodeState, batch: int, mode: str, warmup: int = 2):
-        """mode: 'argmax' (greedy, full vocab), 'dist_argmax' (greedy on vocab slices under TP),
-        or 'logits' (sampling happens outside the graph on the returned logits)."""
-        if model.device.type != "cuda":
-            raise RuntimeError("runtime=cuda_graph needs a CUDA device")
+    def __init__(self, model: Transformer, state: DecodeState, batch: int, mode: str, warmup: int = 2,
+                 sampling: Sampling | None = None):
+        """mode: 'argmax' (greedy, full vocab), 'dist_argmax' (greedy on vocab slices under TP), 'sample' (the
+        settings of `sampling`, temperature > 0; draws from self.gen, which the caller seeds before the first token: Generator.generate), or
+        'logits' (the step returns the logits: teacher forcing)."""
+        _check_device(model)
+        if mode not in MODES:
+            raise ValueError(f"graph mode must be one of {'|'.join(MODES)}, got {mode!r}")
+        if (mode == "sample") != (sampling is not None and not sampling.greedy):
+            raise ValueError(f"graph mode {mode!r} with sampling {sampling}: 'sample' and temperature > 0 go together")
         self.model, self.state, self.batch, self.mode = model, state, batch, mode
+        self.sampling = sampling
+        # the sampler's own generator: a graph replays the draws of a generator registered before its capture
+        # (torch adds the graph's offset increment to it at each replay), so it must be this one, for good
+        self.gen = torch.Generator(device=model.device) if mode == "sample" else None
         self.tok = torch.zeros(batch, dtype=torch.long, device=model.device)
         self.full = model.compress_ratios  # every ratio's window ends: every branch joined early (no positions given)
         self.phases = step_phases(sorted(self.full)) if late_compress_enabled() else [self.full]
@@ -89,6 +108,7 @@ class CudaGraphStep:
         model, state = self.model, self.state
         t0 = time.perf_counter()
         snapshot = ([{k: v.clone() for k, v in st.items()} for st in state.layers], state.pos.clone())
+        rng = self.gen.get_state() if self.gen is not None else None  # the warm-up's draws are undone too
         try:
             # the warm-up steps run at positions 0, 1, ...: the rows may stand anywhere (a sequence an earlier call
             # ran to max_seq_len - 1), and a step past max_seq_len indexes past the compressed caches
@@ -111,6 +131,8 @@ class CudaGraphStep:
             _clear_cublas_workspaces()
             for phase in self.phases:
                 graph = torch.cuda.CUDAGraph()
+                if self.gen is not None:  # (the device's default generator is registered by torch itself)
+                    graph.register_generator_state(self.gen)
                 with torch.cuda.graph(graph):
                     self.outs[phase] = self._step(phase)
                 self.graphs[phase] = graph
@@ -125,6 +147,8 @@ class CudaGraphStep:
                 for k, v in st.items():
                     v.copy_(saved[k])
             state.pos.copy_(snapshot[1])
+            if rng is not None:
+                self.gen.set_state(rng)
 
     def _step(self, window_ends: frozenset[int] | None) -> Tensor:
         logits = self.model.decode(self.tok, self.state, full_vocab=self.mode != "dist_argmax",
@@ -133,6 +157,8 @@ class CudaGraphStep:
             return argmax(logits, kernel=self.model.ops.ds4_ext)
         if self.mode == "dist_argmax":
             return self.model.comm.argmax(logits, kernel=self.model.ops.ds4_ext)
+        if self.mode == "sample":  # full-vocab logits on every rank, every rank's generator seeded alike
+            return sample(logits, self.sampling, self.gen)
         return logits
 
     def phase(self, positions: Sequence[int] | None) -> frozenset[int]:
@@ -145,7 +171,7 @@ class CudaGraphStep:
 
     def __call__(self, tok: Tensor, positions: Sequence[int] | None = None) -> Tensor:
         """Feed tokens [batch] at the rows' positions (host ints: where state.pos stands, see phase) and replay:
-        next tokens (greedy modes) or logits."""
+        next tokens (argmax and sample modes) or logits."""
         if tuple(tok.shape) != (self.batch,):  # copy_ would broadcast one token over every row
             raise ValueError(f"{tuple(tok.shape)} tokens for a step captured at batch {self.batch}")
         phase = self.phase(positions)

@@ -6,6 +6,7 @@ synchronisations are between steps: the EOS check every `eos_check_every` steps,
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,12 +49,16 @@ class Generator:
         self.host_pos: list[int] = [0] * max_batch
         self.graphs: dict[tuple[int, str], "CudaGraphStep"] = {}  # (batch, mode) -> captured step
 
-    def graph_step(self, batch: int, mode: str):
-        """The captured decode step for this batch size and selection mode (captured on first use)."""
+    def graph_step(self, batch: int, mode: str, sampling: Sampling | None = None):
+        """The captured decode step for this batch size and selection mode (captured on first use). Mode 'sample'
+        bakes in the sampling settings but the seed: other settings recapture it, in place of the old one."""
         from ds4.runtime.cuda_graph import CudaGraphStep
         key = (batch, mode)
+        settings = dataclasses.replace(sampling, seed=0) if mode == "sample" else None
+        if key in self.graphs and self.graphs[key].sampling != settings:
+            del self.graphs[key]  # (its pool goes back to the allocator before the new capture)
         if key not in self.graphs:
-            self.graphs[key] = CudaGraphStep(self.model, self.state, batch, mode)
+            self.graphs[key] = CudaGraphStep(self.model, self.state, batch, mode, sampling=settings)
         return self.graphs[key]
 
     def _check(self, prompts: list[list[int]]) -> None:
@@ -140,14 +145,17 @@ class Generator:
         self._check(prompts)  # before a capture below, which would fail less clearly
         dev = self.model.device
         cuda = dev.type == "cuda"
-        gen = torch.Generator(device=dev).manual_seed(sampling.seed) if not sampling.greedy else None
         steps = min(max_new_tokens, self.max_seq_len - max(len(p) for p in prompts))
         truncated = steps < max_new_tokens
         eos = self.model.args.eos_token_id
         step = None
         if self.runtime == "cuda_graph":  # captured before the clock starts; its cost is reported separately
-            mode = ("dist_argmax" if self.model.comm.world > 1 else "argmax") if sampling.greedy else "logits"
-            step = self.graph_step(len(prompts), mode)
+            mode = ("dist_argmax" if self.model.comm.world > 1 else "argmax") if sampling.greedy else "sample"
+            step = self.graph_step(len(prompts), mode, sampling)
+        gen = None
+        if not sampling.greedy:  # the first token is drawn eagerly, the rest by the graph: one generator for both
+            gen = step.gen if step is not None else torch.Generator(device=dev)
+            gen.manual_seed(sampling.seed)
         if cuda:
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
@@ -172,10 +180,8 @@ class Generator:
             ts = time.perf_counter()
             if step is None:
                 tok = self.next_token(self.decode(tok, full_vocab=not local), sampling, gen)
-            elif sampling.greedy:
+            else:  # the graph's next tokens (a buffer the next replay overwrites)
                 tok = self.replay(step, tok).clone()
-            else:
-                tok = sample(self.replay(step, tok), sampling, gen)
             if cuda:
                 ev[1].record()
                 events.append(ev)
