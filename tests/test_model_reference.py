@@ -185,6 +185,16 @@ def test_decode_step_has_no_host_sync(monkeypatch):
     assert "tolist" in _decode_syncs(monkeypatch, 17)
 
 
+def test_sampler_has_no_host_sync():
+    """runtime=cuda_graph captures the sampler with the step (ds4.runtime.cuda_graph's 'sample' mode)."""
+    from ds4.runtime.sampling import Sampling, sample
+    g = torch.Generator().manual_seed(0)
+    with _SyncDetector() as d:
+        for s in (Sampling(temperature=0.7, top_k=20, top_p=0.9), Sampling(temperature=1.2), Sampling()):
+            sample(torch.randn(3, 1000), s, g)
+    assert d.hits == []
+
+
 def test_sync_detector_catches_item():
     with _SyncDetector() as d:
         torch.ones(2).sum().item()

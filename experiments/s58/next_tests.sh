@@ -8,6 +8,7 @@
 # - test_gpu_e2e.py: the qat options against the reference on small, the 99 % bar with the LM head scaled by 8, the
 #   1000-step graph-vs-eager on small (window 128, ratio 128) and the default fused row of the tiny graph test; the
 #   capture after a sequence at max_seq_len, seeded sampling graph vs eager, the graph pools' figure and release
+#   (session 59: seeded sampling now runs inside the graph, 'sample' mode; the same test checks it)
 # A failing bar is a finding to record (the figure it printed), not a threshold to loosen without one.
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
