@@ -1,11 +1,11 @@
 """(component, name) -> implementation. The only place where config names become code.
 
 Each entry has a factory (builds the implementation object), a check (returns None when it can
-run on a device, else the reason), the activation dtypes its kernels take, and a priority used by
-`auto` (highest available wins). An explicit choice that cannot run raises `ImplUnavailable` before
-any weights are loaded; only `auto` falls back, and it reports what it chose and why. What an entry
-leaves to other code for the run's setup (`Setup`: decode rows past its kernels' limit, BF16 dense
-weights) is said in its note, which the run prints.
+run on a device, else the reason), the activation dtypes its kernels take, `fits` (the run's shapes its kernels
+refuse where no other code takes over), and a priority used by `auto` (highest available wins). An explicit choice
+that cannot run raises `ImplUnavailable` before any weights are loaded; only `auto` falls back, and it reports what
+it chose and why. What an entry leaves to other code for the run's setup (`Setup`: decode rows past its kernels'
+limit, BF16 dense weights) is said in its note, which the run prints.
 
 Nothing here is mutated at run time: the table is filled once at import by `_builtin()`.
 """
@@ -32,6 +32,7 @@ class Setup:
     weight_dtype: str = "fp8"         # the dense projections' stored format (ModelArgs.weight_dtype)
     topk: int = 6                     # routed experts per token (ModelArgs.n_activated_experts)
     index_len: int = 0                # entries of a selecting CSA layer's indexer cache per row (0: none / unknown)
+    n_experts: int = 0                # routed experts (ModelArgs.n_routed_experts; 0: unknown)
 
 
 def _no_caveats(_setup: Setup) -> list[str]:
@@ -39,6 +40,10 @@ def _no_caveats(_setup: Setup) -> list[str]:
 
 
 def _no_sync(_setup: Setup) -> str | None:
+    return None
+
+
+def _fits_any(_setup: Setup) -> str | None:
     return None
 
 
@@ -55,6 +60,8 @@ class Entry:
     # why its decode step waits on the host for this setup (said in the note; runtime=cuda_graph refuses it), or None
     decode_sync: Callable[[Setup], str | None] = _no_sync
     ds4_ext: bool = False  # it runs the compiled ds4 (GEMV / MoE) extension
+    # why its kernels cannot take this setup's shapes (a fixed limit no other code covers for it), or None
+    fits: Callable[[Setup], str | None] = _fits_any
 
     def unavailable(self, device: torch.device, setup: Setup | None) -> str | None:
         """None when it can run on `device` for `setup`, else the reason."""
@@ -63,6 +70,8 @@ class Entry:
                 and setup.dtype not in self.dtypes:
             takes = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
             why = f"its kernels take {takes} activations (dtype={str(setup.dtype).removeprefix('torch.')})"
+        if why is None and setup is not None:
+            why = self.fits(setup)
         return why
 
     def build(self):

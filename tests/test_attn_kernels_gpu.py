@@ -96,6 +96,47 @@ def test_hc_post_pre(N, n, D, dtype, with_norm):
     assert rel(h, kernels_attn.hc_post(x, res, post, comb)) <= (1e-3 if dtype == BF16 else 1e-6)
 
 
+def test_zero_sinkhorn_iters_are_the_references():
+    """hc_sinkhorn_iters = 0 (ModelArgs takes it; the reference's loop runs iters - 1 times, so it computes what 1
+    does): the finish and the deferred finish + its ride against TorchHC. The finish used to read 0 as "deferred"
+    and leave the logits in comb."""
+    from ds4.ops.base import SinkhornRide
+    from ds4.ops.hc_cuda import FusedCudaHC
+    g = gen(4242)
+    h = randn(3, 4, 1024, g=g, dtype=BF16, scale=2.0)
+    fn, scale, base = hc_weights(4, 1024, g)
+    rx, rpost, rcomb = TorchHC().pre(h, fn, scale, base, 0, 1e-6, 1e-6)
+    poison()
+    x, post, comb = FusedCudaHC().pre(h, fn, scale, base, 0, 1e-6, 1e-6)
+    assert rel(x, rx) <= TOL and rel(post, rpost) <= 1e-5 and rel(comb, rcomb) <= 1e-5, rel(comb, rcomb)
+    poison()
+    _, _, comb = FusedCudaHC().pre(h, fn, scale, base, 0, 1e-6, 1e-6, defer_sinkhorn=True)
+    SinkhornRide(comb, 0, 1e-6).run()
+    assert rel(comb, rcomb) <= 1e-5, rel(comb, rcomb)
+
+
+def test_prompt_past_the_grid_rows():
+    """A prompt of more tokens than one launch's grid rows (65535: the hc finish and head_rope refuse more) runs the
+    kernels in chunks: hc_pre, hc_post_pre and head_rope against the torch references."""
+    from ds4.ops.attn_torch import TorchAttention
+    g = gen(70000)
+    N, n, D = 70000, 4, 64
+    h = randn(N, n, D, g=g, dtype=BF16)
+    fn, scale, base = hc_weights(n, D, g)
+    ref = TorchHC()
+    for got, want in zip(kernels_attn.hc_pre(h, fn, scale, base, 20, 1e-6, 1e-6),
+                         ref.pre(h, fn, scale, base, 20, 1e-6, 1e-6)):
+        assert torch.isfinite(got).all() and rel(got, want) <= TOL
+    xo, post, comb = randn(N, D, g=g, dtype=BF16), randn(N, n, g=g).sigmoid(), randn(N, n, n, g=g).sigmoid()
+    for got, want in zip(kernels_attn.hc_post_pre(xo, h, post, comb, fn, scale, base, 20, 1e-6, 1e-6),
+                         (ref.post(xo, h, post, comb), *ref.pre(ref.post(xo, h, post, comb), fn, scale, base, 20, 1e-6,
+                                                               1e-6))):
+        assert torch.isfinite(got).all() and rel(got, want) <= TOL
+    q, pos, freqs = randn(N, 2, 64, g=g, dtype=BF16), torch.arange(N, device=DEV), randn(16, g=g).abs() * 0.1
+    got = kernels_attn.head_rope(q, pos, freqs, True, 1e-6)
+    assert rel(got, TorchAttention().head_rope(q, pos, freqs, True, 1e-6)) <= TOL
+
+
 @pytest.mark.parametrize("N,n,D,E", [(1, 4, 4096, 256), (3, 4, 4096, 256), (2, 2, 1024, 7), (1, 1, 136, 64),
                                      (8, 4, 512, 33)])
 def test_hc_post_pre_router_fold(N, n, D, E):

@@ -79,19 +79,31 @@ def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm
                                bool(act_quant))
 
 
+GEMV_SMEM_CAP = 100 * 1024  # shared memory one GEMV block may use (SMEM_CAP in csrc/gemv.cu)
+
+
+def gemv_deferred_ok(every: int, K: int) -> bool:
+    """Whether gemv_deferred takes a ring of `every` tokens of K values (host-only; launch_gemv_deferred's rule):
+    2 <= every <= 8, K a multiple of 8, and the ring's tokens (every rounded up to 2, 4 or 8) in bf16 within a block's
+    shared memory (8 tokens: K <= 6400)."""
+    slots = 2 if every <= 2 else 4 if every <= 4 else 8
+    return 2 <= every <= 8 and K >= 8 and K % 8 == 0 and slots * K * 2 <= GEMV_SMEM_CAP
+
+
 def gemv_deferred(x: Tensor, ring: Tensor, weight: Tensor, pos: Tensor) -> Tensor:
     """The compressors' BF16 projection at decode, formed once per `every` = ring.shape[0] tokens.
 
     x bf16 [1, K] (this step's token), ring bf16 [every, K] (in place), weight bf16 [O, K], pos int64 [1] (device).
     With p = pos[0] (read on the device): where (p + 1) % every != 0, x is copied to ring[p % every] and the returned
     fp32 [every, O] is not written; else it is [ring[0 .. every - 2]; x] @ weight^T (positions p - every + 1 .. p),
-    one weight read for the `every` tokens. 2 <= every <= 8; K a multiple of 8."""
+    one weight read for the `every` tokens. Only where gemv_deferred_ok(every, K) holds."""
     every, K = ring.shape[0] if ring.dim() == 2 else 0, weight.shape[-1]
-    if not (2 <= every <= 8 and K % 8 == 0 and x.shape == (1, K) and ring.shape == (every, K) and weight.dim() == 2
+    if not (gemv_deferred_ok(every, K) and x.shape == (1, K) and ring.shape == (every, K) and weight.dim() == 2
             and pos.numel() == 1):
-        raise ValueError(f"gemv_deferred: need x [1, K], ring [every, K] with 2 <= every <= 8, weight [O, K], "
-                         f"K % 8 == 0 and one position (got x {tuple(x.shape)}, ring {tuple(ring.shape)}, weight "
-                         f"{tuple(weight.shape)}, pos {tuple(pos.shape)})")
+        raise ValueError(f"gemv_deferred: need x [1, K], ring [every, K] with gemv_deferred_ok(every, K) (2 <= every "
+                         f"<= 8, K % 8 == 0, the ring within shared memory), weight [O, K] and one position (got x "
+                         f"{tuple(x.shape)}, ring {tuple(ring.shape)}, weight {tuple(weight.shape)}, pos "
+                         f"{tuple(pos.shape)})")
     return _ops().gemv_deferred(x.contiguous(), ring, weight.contiguous(), pos.reshape(1).contiguous())
 
 
@@ -241,12 +253,17 @@ def moe_act_quant_ok(fmt: str, topk: int, dim: int, inter: int, gate_up: bool) -
     return fmt in FMT and bool(_ops().moe_act_quant_ok(FMT[fmt], topk, dim, inter, bool(gate_up)))
 
 
+ROUTER_MAX_K = 16          # experts a token's top-k selects at most (ROUTER_MAX_K in csrc/route_dev.cuh)
+ROUTER_MAX_EXPERTS = 1024  # experts the router's tail scores, one thread each (RT_MAX_THREADS in csrc/router.cu)
+
+
 def router(x: Tensor, gate: Tensor, bias: Tensor | None, tid2eid: Tensor | None, token_ids: Tensor | None,
            topk: int, route_scale: float, logits: Tensor | None = None, ride=None) -> tuple[Tensor, Tensor]:
     """(weights f32 [N, k], ids int64 [N, k]): gate GEMV, sqrt(softplus), top-k of score+bias (or
     tid2eid[token_ids]), renormalised x route_scale. Given logits (fp32 [N, E], contiguous) the GEMV is
     skipped (the tail kernel alone). ride (ds4.ops.base.SinkhornRide, comb [N, n, n]): the router's last launch
-    also finishes each token's mHC Sinkhorn in place."""
+    also finishes each token's mHC Sinkhorn in place. topk <= ROUTER_MAX_K, E <= ROUTER_MAX_EXPERTS (the registry
+    refuses the MoE options over them before the weights load)."""
     return _ops().router(x, gate, bias, tid2eid, token_ids, topk, route_scale, logits,
                          *(ride.args() if ride is not None else (None, 0, 0.0)))
 

@@ -24,6 +24,12 @@ SOURCES = ("attn_bindings.cpp", "hc.cu", "sparse_attn.cu", "indexer.cu", "decode
 TOPK_MAX_LEN = 524288  # topk.cu: one block per row up to 32768 entries, then up to 64 blocks of 8192 (topk_ok)
 ONE_BLOCK_TOPK_LEN = 32768  # topk.cu's TOPK_ONE_BLOCK_LEN
 EXT_NAME = "ds4_attn_ext"
+# Tokens one hc finish / head_rope launch takes: they run a block row per token on the grid's y axis, whose limit is
+# 65535 (launch_hc_finish, launch_head_rope refuse more). A longer prompt's prefill (contexts up to 1M tokens) calls
+# them per chunk of rows (each row's outputs depend on its own inputs only): HC_CHUNK_ROWS for the mHC ops, a multiple
+# of the binding's 4096-row cuBLAS slices (HC_GEMM_SLICE), so a chunk's slices are the ones one launch would take.
+MAX_GRID_ROWS = 65535
+HC_CHUNK_ROWS = 15 * 4096
 
 
 def build_dir() -> Path:
@@ -53,21 +59,35 @@ def _ops():
 
 
 # ---- typed wrappers -----------------------------------------------------------------------------------
+def _by_rows(op, rows: int, *row_args: Tensor, chunk: int = HC_CHUNK_ROWS):
+    """op(*row_args) over all `rows` rows (dim 0 of every row_arg), in launches of at most `chunk` rows whose
+    outputs (a tensor or a tuple of them, each with the rows on dim 0) are concatenated: one call where it fits."""
+    if rows <= MAX_GRID_ROWS:
+        return op(*row_args)
+    parts = [op(*(t[r0:r0 + chunk] for t in row_args)) for r0 in range(0, rows, chunk)]
+    if isinstance(parts[0], Tensor):
+        return torch.cat(parts)
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
 def hc_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, iters: int, hc_eps: float,
            norm_eps: float, norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """h [N, hc, D] bf16|f32 -> (x [N, D] h.dtype, post [N, hc] f32, comb [N, hc, hc] f32). Two launches.
+    """h [N, hc, D] bf16|f32 -> (x [N, D] h.dtype, post [N, hc] f32, comb [N, hc, hc] f32). Two launches (per
+    HC_CHUNK_ROWS tokens past MAX_GRID_ROWS).
     norm [D] (bf16|f32): x comes back RMS-normed with it (the block's attn_norm / ffn_norm)."""
-    return _ops().hc_pre(h.contiguous(), fn.float().contiguous(), scale.float().contiguous(),
-                         base.float().contiguous(), int(iters), float(hc_eps), float(norm_eps),
-                         None if norm is None else norm.contiguous())
+    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    norm = None if norm is None else norm.contiguous()
+    return _by_rows(lambda hh: _ops().hc_pre(hh.contiguous(), fn, scale, base, int(iters), float(hc_eps),
+                                             float(norm_eps), norm), h.shape[0], h)
 
 
 def hc_head(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float, norm_eps: float,
             norm: Tensor | None = None) -> Tensor:
     """hc_head(h) [N, D]; with norm (fp32 / bf16 [D], D * 4 <= 48 KB) RMS-normalised with it in the same launch."""
-    return _ops().hc_head(h.contiguous(), fn.float().contiguous(), scale.float().contiguous(),
-                          base.float().contiguous(), float(hc_eps), float(norm_eps),
-                          None if norm is None else norm.contiguous())
+    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    norm = None if norm is None else norm.contiguous()
+    return _by_rows(lambda hh: _ops().hc_head(hh.contiguous(), fn, scale, base, float(hc_eps), float(norm_eps), norm),
+                    h.shape[0], h)
 
 
 def hc_sinkhorn(comb: Tensor, iters: int, hc_eps: float) -> None:
@@ -86,10 +106,14 @@ def hc_post_pre(x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, 
                 iters: int, hc_eps: float, norm_eps: float,
                 norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """hc_post(x, res, post, comb) -> h, then hc_pre(h, fn, scale, base, ..., norm), in two launches (the
-    post's elements are formed inside the pre's matvec): -> (h, x_next, post_next, comb_next)."""
-    return _ops().hc_post_pre(x.contiguous(), res.contiguous(), post.float().contiguous(), comb.float().contiguous(),
-                              fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous(),
-                              int(iters), float(hc_eps), float(norm_eps), None if norm is None else norm.contiguous())
+    post's elements are formed inside the pre's matvec; per HC_CHUNK_ROWS tokens past MAX_GRID_ROWS):
+    -> (h, x_next, post_next, comb_next)."""
+    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    norm = None if norm is None else norm.contiguous()
+    return _by_rows(lambda xx, rr, pp, cc: _ops().hc_post_pre(xx.contiguous(), rr.contiguous(), pp.float().contiguous(),
+                                                              cc.float().contiguous(), fn, scale, base, int(iters),
+                                                              float(hc_eps), float(norm_eps), norm),
+                    res.shape[0], x, res, post, comb)
 
 
 def hc_post_pre_router(x: Tensor, res: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
@@ -125,6 +149,13 @@ def hc_fold_finish_proj(h: Tensor, part: Tensor, scale: Tensor, base: Tensor, it
                                       ws.contiguous())
 
 
+def _aligned(t: Tensor) -> Tensor:
+    """t contiguous at a 16-byte aligned address: the kernels stage it in 16-byte copies (cp.async), and their
+    bindings check the key rows' alignment but not the query's."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _rows_ok(t: Tensor) -> Tensor:
     ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
         t.stride(i) % 8 == 0 or t.shape[i] == 1 for i in range(t.dim() - 1))
@@ -139,7 +170,7 @@ def sparse_attn(q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel
         valid = valid.contiguous()
     if sel_valid is not None and sel_valid.stride(-1) != 1:
         sel_valid = sel_valid.contiguous()
-    return _ops().sparse_attn(q.contiguous(), _rows_ok(kv), valid, None if sel_kv is None else _rows_ok(sel_kv),
+    return _ops().sparse_attn(_aligned(q), _rows_ok(kv), valid, None if sel_kv is None else _rows_ok(sel_kv),
                               sel_valid, sink.float().contiguous(), float(scale))
 
 
@@ -160,9 +191,7 @@ def _indexer_inputs(q: Tensor, w: Tensor, keys: Tensor, rope_freqs: Tensor | Non
     """(q, w, keys, rope_freqs) as the scores kernel reads them."""
     if w.dtype not in (torch.float32, torch.bfloat16):
         w = w.float()
-    q = q.contiguous()
-    if rope_freqs is not None and q.data_ptr() % 16:  # the rotating staging reads q in 16-byte chunks
-        q = q.clone()
+    q = q.contiguous() if rope_freqs is None else _aligned(q)  # the rotating staging reads q in 16-byte chunks
     return q, w.contiguous(), _rows_ok(keys), None if rope_freqs is None else rope_freqs.float().contiguous()
 
 
@@ -187,7 +216,7 @@ def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_i
     de-rotated at pos. q_norm_eps given: q is taken before head_rope(q, pos, freqs, True, q_norm_eps),
     which the kernel applies as it loads q. Two launches. ride (ds4.ops.base.SinkhornRide, comb [B, n, n]): the
     combine launch also finishes each row's mHC Sinkhorn in place, before its PDL wait."""
-    return _ops().sparse_decode(q.contiguous(), _rows_ok(win), pos.contiguous(),
+    return _ops().sparse_decode(_aligned(q), _rows_ok(win), pos.contiguous(),
                                 None if ext is None else _rows_ok(ext),
                                 None if ext_idx is None else ext_idx.contiguous(), int(ratio),
                                 sink.float().contiguous(), float(scale),
@@ -224,8 +253,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def head_rope(x: Tensor, pos: Tensor, freqs: Tensor, norm: bool, eps: float) -> Tensor:
-    """bf16 x [N, H, D], pos int64 [N] -> (norm) per-head unweighted RMSNorm, RoPE of the last 2*len(freqs) dims."""
-    return _ops().head_rope(x.contiguous(), pos.contiguous(), freqs.float().contiguous(), bool(norm), float(eps))
+    """bf16 x [N, H, D], pos int64 [N] -> (norm) per-head unweighted RMSNorm, RoPE of the last 2*len(freqs) dims.
+    One launch per MAX_GRID_ROWS rows (a prompt's queries: one block per head and token)."""
+    freqs = freqs.float().contiguous()
+    return _by_rows(lambda xx, pp: _ops().head_rope(xx.contiguous(), pp.contiguous(), freqs, bool(norm), float(eps)),
+                    x.shape[0], x, pos, chunk=MAX_GRID_ROWS)
 
 
 def hadamard_fp4_ok(d: int) -> bool:

@@ -18,8 +18,10 @@ SWA, CSA, HCA = "swa", "csa", "hca"
 CSA_RATIO = 4
 
 
-# int fields that may be 0 (every other int field is a size or count of at least 1)
-_MAY_BE_ZERO = frozenset({"n_hash_layers", "n_mtp_layers", "rope_head_dim", "beta_fast", "beta_slow",
+# int fields that may be 0 (every other int field is a size or count of at least 1). Not rope_head_dim: the model
+# rotates x[..., -rope_head_dim:], the whole head at 0, and the indexer's scores kernel refuses an empty RoPE table.
+# hc_sinkhorn_iters = 0 computes what 1 does (the reference's loop runs iters - 1 times; ds4.ops.base.sinkhorn_iters).
+_MAY_BE_ZERO = frozenset({"n_hash_layers", "n_mtp_layers", "beta_fast", "beta_slow",
                           "hc_sinkhorn_iters", "bos_token_id", "eos_token_id"})
 
 

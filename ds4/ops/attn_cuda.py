@@ -160,7 +160,7 @@ class FusedCudaAttention:
         # their slots (and, where the window completes, the entry) or does nothing. (A ring whose n does not divide
         # m is an error, raised by compress_step, not a fallback.)
         n = ring.shape[1]
-        if not (_cuda_bf16(x, ring, w, cache) and x.shape[0] == 1 and 2 <= n <= 8 and x.shape[1] % 8 == 0
+        if not (_cuda_bf16(x, ring, w, cache) and x.shape[0] == 1 and kernels.gemv_deferred_ok(n, x.shape[1])
                 and self._quant_ok(quant, cache.shape[-1])):
             return self._ref.compress_deferred(x, ring, w, ape, norm, pos, freqs, skv, ssc, cache, m, overlap, eps,
                                                quant)

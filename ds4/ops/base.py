@@ -34,6 +34,13 @@ class HcFold:
         return self.res, self.post, self.comb, self.fn, self.out, self.part
 
 
+def sinkhorn_iters(iters: int) -> int:
+    """The model's hc_sinkhorn_iters as the CUDA kernels take it: the reference runs iters - 1 rounds after the first
+    normalisation, so 0 (which ModelArgs accepts) computes what 1 does, while to the kernels 0 means "deferred"
+    (a finish) or is refused (a ride)."""
+    return max(int(iters), 1)
+
+
 @dataclass
 class SinkhornRide:
     """An mHC Sinkhorn that a later launch of the decode step finishes (hc=fused_cuda's `defers_sinkhorn`): comb
@@ -46,12 +53,13 @@ class SinkhornRide:
     eps: float
 
     def args(self) -> tuple[Tensor, int, float]:
-        """(comb, iters, eps) in the kernels' order: comb is finished in place (never copied)."""
-        return self.comb, int(self.iters), float(self.eps)
+        """(comb, iters, eps) in the kernels' order: comb is finished in place (never copied); iters as
+        sinkhorn_iters gives it."""
+        return self.comb, sinkhorn_iters(self.iters), float(self.eps)
 
     def run(self) -> None:
         from ds4 import kernels_attn  # (CUDA only: a ride exists only beside the CUDA hc kernels)
-        kernels_attn.hc_sinkhorn(self.comb, self.iters, self.eps)
+        kernels_attn.hc_sinkhorn(*self.args())
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,17 @@ def _fp4_topk_caveats(s: Setup) -> list[str]:
     return []
 
 
+def _router_fits(s: Setup) -> str | None:
+    """Both MoE options route every token with the router's kernels, which have no torch fallback: a top-k of at most
+    ROUTER_MAX_K experts out of at most ROUTER_MAX_EXPERTS (checked here, before the weights load)."""
+    from ds4.kernels import ROUTER_MAX_EXPERTS, ROUTER_MAX_K
+    if s.topk > ROUTER_MAX_K:
+        return f"its router kernels select at most {ROUTER_MAX_K} experts a token (n_activated_experts={s.topk})"
+    if s.n_experts > ROUTER_MAX_EXPERTS:
+        return f"its router kernels score at most {ROUTER_MAX_EXPERTS} experts (n_routed_experts={s.n_experts})"
+    return None
+
+
 def _bf16_cache_caveats(s: Setup) -> list[str]:
     from ds4.ops.moe_cuda import PREFILL_TOKENS
     when = f"prompts and decode batch {s.max_batch}" if s.max_batch > PREFILL_TOKENS else "prompts"
@@ -58,9 +69,9 @@ def entries(check):
                caveats=_gemv_caveats, ds4_ext=True), ()),
         (Entry("moe", "fp4_topk", "ds4.ops.moe_cuda:Fp4TopkMoE", check, 10,
                "CUDA router + all top-k MXFP4 experts in two launches (ids on the device) + fused FP8 shared expert",
-               caveats=_fp4_topk_caveats, decode_sync=_fp4_topk_sync, ds4_ext=True), ()),
+               caveats=_fp4_topk_caveats, decode_sync=_fp4_topk_sync, ds4_ext=True, fits=_router_fits), ()),
         (Entry("moe", "bf16_cache", "ds4.ops.moe_cuda:Bf16CacheMoE", check, 5,
                "seed phase 5: LRU cache of dequantised BF16 hot experts (host sync per layer) + BF16/FP4 kernels",
                caveats=_bf16_cache_caveats,
-               decode_sync=_bf16_cache_sync, ds4_ext=True), ()),
+               decode_sync=_bf16_cache_sync, ds4_ext=True, fits=_router_fits), ()),
     ]

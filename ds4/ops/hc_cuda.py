@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ds4 import kernels_attn
 from ds4.model.norm import rms_norm
-from ds4.ops.base import HcFold, QWeight
+from ds4.ops.base import HcFold, QWeight, sinkhorn_iters
 from ds4.ops.hc_torch import TorchHC
 
 _ACT = (torch.bfloat16, torch.float32)
@@ -99,7 +99,7 @@ def _iters(h: Tensor, iters: int, defer: bool) -> int:
     """The finish's iters: 0 when its Sinkhorn is deferred (comb then holds the logits)."""
     if defer and not (_ok(h) and h.shape[-2] in (1, 2, 4)):
         raise ValueError("hc.defer_sinkhorn: only for the CUDA finishes of 1, 2 or 4 streams (ask defers_sinkhorn)")
-    return 0 if defer else iters
+    return 0 if defer else sinkhorn_iters(iters)
 
 
 class FusedCudaHC:
