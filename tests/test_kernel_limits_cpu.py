@@ -1,8 +1,8 @@
 """The contract between the Python wrappers / registry and the CUDA kernels' fixed limits, checked on CPU: what a
 wrapper hands a launch stays within what the launcher takes (rows per grid axis, aligned staging, the model's
 settings in the kernels' meaning), the registry and ModelArgs refuse what a kernel with no fallback cannot take before
-any weights load, and the Python mirrors of the kernels' constants are the constants. The kernels are replaced by recording fakes, and
-tensors that say they are on CUDA (_Cuda) reach the dispatch that CUDA tensors reach."""
+any weights load, and the Python mirrors of the kernels' constants are the constants. The kernels are replaced by
+recording fakes, and tensors that say they are on CUDA (_Cuda) reach the dispatch that CUDA tensors reach."""
 from __future__ import annotations
 
 import dataclasses

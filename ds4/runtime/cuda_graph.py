@@ -81,8 +81,8 @@ class CudaGraphStep:
     def __init__(self, model: Transformer, state: DecodeState, batch: int, mode: str, warmup: int = 2,
                  sampling: Sampling | None = None):
         """mode: 'argmax' (greedy, full vocab), 'dist_argmax' (greedy on vocab slices under TP), 'sample' (the
-        settings of `sampling`, temperature > 0; draws from self.gen, which the caller seeds before the first token: Generator.generate), or
-        'logits' (the step returns the logits: teacher forcing)."""
+        settings of `sampling`, temperature > 0, drawing from self.gen, which the caller seeds before its first
+        token: Generator.generate), or 'logits' (the step returns the logits: teacher forcing)."""
         _check_device(model)
         if mode not in MODES:
             raise ValueError(f"graph mode must be one of {'|'.join(MODES)}, got {mode!r}")
