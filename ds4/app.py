@@ -211,10 +211,23 @@ def memory_need(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> list[
     return parts
 
 
+def host_available() -> int | None:
+    """The host's MemAvailable in bytes (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def check_memory(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> None:
     """Fail before loading, not with an out-of-memory error minutes later. Under tensor parallelism every rank says
     the same (the rank with the least room), so rank 0's one line names a shortage on any rank."""
     if spec.device.type != "cuda":
+        _check_host_memory(spec, args, chosen)
         return
     parts = memory_need(spec, args, chosen)
     need, free, where = sum(b for _, b in parts), torch.cuda.mem_get_info(spec.device)[0], str(spec.device)
@@ -231,6 +244,23 @@ def check_memory(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> None
         raise UserError(f"this run needs {size(need)} per GPU ({said}) but {where} has {size(free)} free; use more "
                         "GPUs (torchrun ... parallel.tp=N), fewer layers (model.n_layers=N), or a smaller max_seq_len "
                         "or max_batch")
+
+
+def _check_host_memory(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> None:
+    """On CPU the same count against the host's available memory: `device=auto` on a machine without CUDA runs the
+    README's `model=v4_flash model.n_layers=4` on the CPU (15 GiB of weights), which the kernel's OOM killer would
+    otherwise end with no message and no metrics.json. The ranks of a CPU torchrun share the host: all are counted."""
+    free = host_available()
+    if free is None:
+        return
+    parts = memory_need(spec, args, chosen)
+    need = sum(b for _, b in parts) * spec.tp
+    if need > free:
+        said = ", ".join(f"{what} {b / 2**30:.1f} GiB" for what, b in parts if b)
+        ranks = f" x {spec.tp} ranks" if spec.tp > 1 else ""
+        raise UserError(f"this run needs {need / 2**30:.1f} GiB of host memory ({said}{ranks}) but {free / 2**30:.1f} "
+                        "GiB are available; use fewer layers (model.n_layers=N), a smaller max_seq_len or max_batch, "
+                        "or a GPU")
 
 
 def model_args(spec: RunSpec) -> ModelArgs:
@@ -342,6 +372,7 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     model.load_weights(weights, consume=True)
     del weights
     record["load_s"] = time.perf_counter() - t0
+    log(f"  weights loaded in {record['load_s']:.1f} s")  # also printed: it can be most of a job's wall time
     ctx = Context(spec=spec, args=args, ops=ops, model=model, tokenizer=tok, weights=None, profiler=profiler)
     return task.run(ctx, plan)  # (each task reads the peak memory, every rank's under tensor parallelism)
 

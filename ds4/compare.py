@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="a multirun directory (or any folder holding metrics.json files)")
     p.add_argument("--out", help="PNG to write (default: DIR/compare.png)")
     p.add_argument("--no-plot", action="store_true", help="print the table only")
-    p.add_argument("--baseline", help="add a speedup column relative to the job whose label contains this")
+    p.add_argument("--baseline", help="add a speedup column: each job against the finished job of its sweep folder "
+                                      "whose overrides name this (e.g. seed_phase1) and are otherwise its own")
     p.add_argument("--md", help="also write the table as markdown to this file")
     a = p.parse_args(argv)
     root = Path(a.dir)

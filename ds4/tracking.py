@@ -22,6 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 METRICS = "metrics.json"
+RUN_FACTS = ("commit", "torch", "device", "dtype", "gpu", "tp", "env")  # metrics.json keys also given to wandb
 
 
 @dataclass
@@ -103,9 +104,16 @@ class Tracker:
         self.run.summary["status"] = record.get("status")
         if record.get("error"):
             self.run.summary["error"] = record["error"]
+        if record.get("task_notes"):  # what the figures leave out or how they were taken (e.g. profiler on)
+            self.run.summary["notes"] = list(record["task_notes"])
         if record.get("resolved"):
             self.run.config.update({"resolved": record["resolved"], "resolved_notes": record.get("notes", {})},
                                    allow_val_change=True)
+        # what metrics.json records beside the config: without it, runs that differ only by a DS4_* switch, the
+        # commit or the GPU look alike in wandb (the config holds device=auto, dtype=auto)
+        facts = {k: record[k] for k in RUN_FACTS if record.get(k) is not None}
+        if facts:
+            self.run.config.update({"run": facts}, allow_val_change=True)
         rows = record.get("profile") or []
         if rows:
             cols = ["stage", "calls", "total_ms", "mean_us"]

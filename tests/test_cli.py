@@ -453,3 +453,97 @@ def test_memory_check_under_tp_names_the_rank_with_the_least_room(monkeypatch):
     spec = dataclasses.replace(_spec("model=small"), device=torch.device("cuda", 0), dtype=torch.bfloat16, tp=2)
     with pytest.raises(app.UserError, match="rank 1's GPU has 64 MiB free"):
         app.check_memory(spec, app.model_args(spec), reference_impls())
+
+
+# ---- desk review of the user-facing surface (session 59) ----------------------------------------
+def test_bench_says_when_the_prompt_text_is_not_used():
+    """task=bench benches task.prompt_len random ids: a `prompt=...` given with it is said to be unused, not dropped
+    without a word; task.prompt_len=null benches the text."""
+    from ds4.tasks import bench
+    from ds4.tokenizer import load_tokenizer
+    tok = load_tokenizer(None, 512)
+    spec = _spec("task=bench", "prompt=Hello")
+    plan = bench.prepare(spec, app.model_args(spec), tok)
+    assert len(plan.prompt_ids) == 32 and any("prompt text is not used" in n for n in plan.notes)
+    spec = _spec("task=bench", "prompt=Hello", "task.prompt_len=null")
+    plan = bench.prepare(spec, app.model_args(spec), tok)
+    assert len(plan.prompt_ids) == 6 and not any("prompt text" in n for n in plan.notes)
+
+
+def test_generate_says_top_k_and_top_p_do_nothing_when_greedy():
+    res = app.execute(_spec("task.top_k=5", "max_new_tokens=2", "model.n_layers=1", "profile=false"), {},
+                      log=lambda *_: None)
+    assert any("no effect at task.temperature=0" in n for n in res["notes"]), res["notes"]
+    from ds4.tasks import generate
+    from ds4.tokenizer import load_tokenizer
+    spec = _spec("task.top_p=0.9", "task.temperature=0.7")
+    assert generate.prepare(spec, app.model_args(spec), load_tokenizer(None, 512)).notes == []
+
+
+def test_batch_figures_say_which_counts_are_per_row():
+    """decode_figures records one row's prompt but every row's new tokens: the printed labels say so at batch > 1."""
+    from ds4.tasks.common import format_figures
+    out = format_figures({"prompt_tokens": 10, "new_tokens": 24, "batch": 3})
+    assert "prompt tokens (per row)" in out and "new tokens (all rows)" in out
+    assert "(per row)" not in format_figures({"prompt_tokens": 10, "new_tokens": 8, "batch": 1})
+
+
+def test_eval_figures_are_formatted_and_say_the_profiler_was_on():
+    from ds4.tasks.common import format_figures
+    out = format_figures({"nll": 1.234567891, "eval_tok_s": 12.345678})
+    assert "mean NLL" in out and "1.2346 nats" in out and "12.3 tok/s" in out and "1.234567891" not in out
+    res = app.execute(_spec("task=eval", "task.max_tokens=4", "model.n_layers=1", "profile=true"), {},
+                      log=lambda *_: None)
+    assert any("stage profiler on" in n for n in res["notes"])
+
+
+def test_load_time_is_printed():
+    lines = []
+    rec = {}
+    app.execute(_spec("max_new_tokens=2", "model.n_layers=1", "profile=false"), rec, log=lines.append)
+    assert any(line.startswith("  weights loaded in ") for line in lines) and rec["load_s"] >= 0
+
+
+def test_wandb_run_gets_the_records_run_facts_and_notes(monkeypatch):
+    """wandb's config holds device=auto / dtype=auto; the commit, GPU, DS4_* switches and the task's notes that
+    metrics.json records go to the run too, so runs that differ only by them do not look alike."""
+    import types
+    from ds4 import tracking
+    seen = {"config": {}, "summary": {}}
+
+    class Config(dict):
+        def update(self, d, allow_val_change=False):
+            seen["config"].update(d)
+
+    class Summary(dict):
+        def update(self, d):
+            seen["summary"].update(d)
+
+        def __setitem__(self, k, v):
+            seen["summary"][k] = v
+
+    run = types.SimpleNamespace(config=Config(), summary=Summary(), log=lambda *_: None, finish=lambda **_: None)
+    stub = types.SimpleNamespace(init=lambda **kw: run, Settings=lambda **kw: None, Table=lambda **kw: None)
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    t = tracking.Tracker({"name": "wandb"}, tracking.JobInfo(output_dir="."), {}, "bench")
+    t.log({"status": "ok", "figures": {"tpot_ms": 1.0}, "resolved": {"moe": "dequant"}, "commit": "abc123",
+           "torch": "2.13", "device": "cuda:0", "dtype": "bfloat16", "gpu": "NVIDIA H200", "tp": 1,
+           "env": {"DS4_MMA": "0"}, "task_notes": ["fidelity off (task.fidelity=false)"]})
+    assert seen["config"]["run"] == {"commit": "abc123", "torch": "2.13", "device": "cuda:0", "dtype": "bfloat16",
+                                     "gpu": "NVIDIA H200", "tp": 1, "env": {"DS4_MMA": "0"}}
+    assert seen["summary"]["notes"] == ["fidelity off (task.fidelity=false)"] and seen["summary"]["tpot_ms"] == 1.0
+
+
+def test_cpu_run_checks_host_memory_before_loading(monkeypatch):
+    """device=auto without CUDA puts the README's `model=v4_flash model.n_layers=4` (15 GiB of weights) on the CPU: it
+    stops with one line before loading where the host lacks the room, not under the OOM killer with no message."""
+    from ds4.tasks.common import reference_impls
+    G = 2**30
+    spec = _spec("model=v4_flash", "model.n_layers=4", "task=bench")
+    monkeypatch.setattr(app, "host_available", lambda: 8 * G)
+    with pytest.raises(app.UserError, match="of host memory .* but 8.0 GiB are available"):
+        app.check_memory(spec, app.model_args(spec), reference_impls())
+    monkeypatch.setattr(app, "host_available", lambda: 64 * G)
+    app.check_memory(spec, app.model_args(spec), reference_impls())
+    monkeypatch.setattr(app, "host_available", lambda: None)  # not Linux: no check
+    app.check_memory(spec, app.model_args(spec), reference_impls())

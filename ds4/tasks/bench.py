@@ -45,6 +45,9 @@ def prepare(spec: RunSpec, args, tokenizer) -> Plan:
         if n > spec.max_seq_len:
             raise InputError(f"task.prompt_len={n} is longer than max_seq_len={spec.max_seq_len}")
         ids = _random_prompt(n, args.vocab_size, spec.seed, tokenizer.bos_id)
+        # `prompt=...` on the command line is otherwise dropped without a word (BENCHMARKING.md's fixed-length prompt)
+        notes.append(f"prompt: {n} random token ids (task.prompt_len={n}); the prompt text is not used "
+                     "(task.prompt_len=null benches it)")
     check_lengths(len(ids), spec, spec.max_new_tokens)
     if 0 < warmup >= spec.max_new_tokens - 1:  # decode_figures times the steps after the warm-up, else all of them
         notes.append(f"task.warmup={warmup} leaves no decode step of {spec.max_new_tokens - 1} out of TPOT: every "

@@ -349,7 +349,8 @@ FIGURES = [  # key, label, format
     ("graph_pool_mib", "CUDA graph pool", "{:.1f} MiB"), ("graphs", "CUDA graphs captured", "{:.0f}"),
     ("peak_reserved_gib", "peak reserved", "{:.3f} GiB"), ("peak_rss_gib", "peak RSS (this job)", "{:.3f} GiB"),
     ("ppl", "perplexity", "{:.3f}"), ("ref_ppl", "reference perplexity", "{:.3f}"),
-    ("eval_tokens", "tokens scored", "{:.0f}"),
+    ("eval_tokens", "tokens scored", "{:.0f}"), ("nll", "mean NLL", "{:.4f} nats"),
+    ("eval_tok_s", "eval (teacher-forced)", "{:.1f} tok/s"),
     ("fid_top1", "fidelity top-1 agreement", "{:.4f}"),
     ("fid_top1_confident", "  on confident steps", "{:.4f}"), ("fid_confident_steps", "  confident steps", "{:.0f}"),
     ("fid_max_abs", "  max |dlogit|", "{:.4g}"), ("fid_mean_abs", "  mean |dlogit|", "{:.4g}"),
@@ -357,9 +358,17 @@ FIGURES = [  # key, label, format
 ]
 
 
+# batch > 1: decode_figures records one row's prompt but every row's new tokens (and prefill tok/s over every row's
+# prompt), so the bare labels would not add up (prompt tokens / TTFT != prefill tok/s)
+ROWS = {"prompt_tokens": "prompt tokens (per row)", "new_tokens": "new tokens (all rows)"}
+
+
 def format_figures(fig: dict) -> str:
     lines, seen = [], set()
+    rows = isinstance(fig.get("batch"), int) and fig["batch"] > 1
     for key, label, fmt in FIGURES:
+        if rows:
+            label = ROWS.get(key, label)
         if key in fig and isinstance(fig[key], (int, float)):
             lines.append(f"  {label:<28}{fmt.format(fig[key])}")
             seen.add(key)

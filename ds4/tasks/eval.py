@@ -82,6 +82,8 @@ def run(ctx: Context, plan: Plan) -> dict:
     fig = {"eval_tokens": len(cont), "nll": nll, "ppl": _ppl(nll), "eval_tok_s": len(cont) / secs}
     fig.update(graph_figures(ctx.gen()))
     notes = [f"text: {plan.source}{plan.note}"]
+    if ctx.profiler.enabled and ctx.spec.runtime != "cuda_graph":  # as task=generate says of its TPOT
+        notes.append("eval tok/s timed with the stage profiler on (profile=true), which adds events to every step")
     ref_numerics, skipped = fidelity_plan(ctx)
     if skipped:
         notes.append(skipped)

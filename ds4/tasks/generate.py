@@ -1,7 +1,7 @@
 """task=generate: generate from the prompt, print the text and the timing figures."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ds4.runtime.sampling import Sampling
 from ds4.tasks.common import (Context, InputError, RunSpec, decode_figures, graph_figures, opt_bool, opt_float,
@@ -15,6 +15,7 @@ class Plan:
     prompt_ids: list[int]
     sampling: Sampling
     stop_at_eos: bool
+    notes: list[str] = field(default_factory=list)  # said with the figures
 
 
 def check_lengths(n_prompt: int, spec: RunSpec, new_tokens: int) -> None:
@@ -46,7 +47,11 @@ def prepare(spec: RunSpec, args, tokenizer) -> Plan:
     if not ids:
         raise InputError("the prompt encodes to no tokens")
     check_lengths(len(ids), spec, spec.max_new_tokens)
-    return Plan(ids, sampling, stop_at_eos)
+    notes = []
+    if sampling.greedy and (sampling.top_k or sampling.top_p < 1):  # greedy takes the argmax: the filters do nothing
+        notes.append(f"task.top_k={sampling.top_k} / task.top_p={sampling.top_p} have no effect at "
+                     "task.temperature=0 (greedy); set a temperature to sample")
+    return Plan(ids, sampling, stop_at_eos, notes)
 
 
 def run(ctx: Context, plan: Plan) -> dict:
@@ -57,7 +62,9 @@ def run(ctx: Context, plan: Plan) -> dict:
     figures.update(graph_figures(ctx.gen()))
     figures.update(peak_memory(spec.device))
     # runtime=cuda_graph: the captured step holds no profiler events (its replays are no rows of the stage table)
-    notes = ["timed with the stage profiler on (profile=true), which adds events to every step; task=bench times "
-             "its headline TPOT with it off"] if ctx.profiler.enabled and spec.runtime != "cuda_graph" else []
+    notes = list(plan.notes)
+    if ctx.profiler.enabled and spec.runtime != "cuda_graph":
+        notes.append("timed with the stage profiler on (profile=true), which adds events to every step; task=bench "
+                     "times its headline TPOT with it off")
     return {"figures": figures, "prompt_ids": plan.prompt_ids, "generated_ids": out.tokens,
             "text": ctx.tokenizer.decode(out.tokens[0]), "profile": ctx.profiler.summary(), "notes": notes}
