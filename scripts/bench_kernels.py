@@ -4,11 +4,11 @@
     python scripts/bench_kernels.py --out experiments/kernels.json
 
 Copy bandwidth is measured first in the same process (a 2 GiB device-to-device copy, bytes read +
-written). Each kernel is timed by CUDA-graph replay: one graph holds `--calls` launches over
-rotating input sets (weights copies / expert ids, so the working set is several times the 60 MB L2),
-the graph is replayed `--reps` times, each replay timed with CUDA events; µs = median replay / calls.
-Graph replay removes host launch overhead but keeps the GPU's own inter-kernel gaps. An eager column
-(events around `--calls` plain launches) is printed too. bytes = weights + scales + activations in
+written). Each kernel is timed by CUDA-graph replay: one graph holds `--calls` launches (or one per input set
+where there are more sets) over rotating input sets (weights copies / expert ids, so the working set is several
+times the 50 MiB L2), the graph is replayed `--reps` times, each replay timed with CUDA events;
+µs = median replay / launches. Graph replay removes host launch overhead but keeps the GPU's own inter-kernel
+gaps. An eager column (events around the same launches, plain) is printed too. bytes = weights + scales + activations in
 and out; GB/s = bytes / µs; %copy = GB/s / copy bandwidth.
 --l2-hot times the dense FP8 rows on one weight set instead (a weight that fits stays in L2 between the calls: what
 an L2 prefetch could buy them; experiments/decode_session49_h200.md); --dense-only stops after the dense rows.
@@ -66,7 +66,10 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
 
 
 def time_fn(fns, calls: int, reps: int) -> tuple[float, float]:
-    """fns: list of zero-arg callables (rotating inputs). Returns (graph µs/call, eager µs/call)."""
+    """fns: list of zero-arg callables (rotating inputs). Returns (graph µs/call, eager µs/call). The graph holds
+    every callable at least once (max(calls, len(fns)) launches): fewer would leave the rotation's later input sets
+    out and re-read the first ones from L2 on every replay."""
+    calls = max(calls, len(fns))
     seq = [fns[i % len(fns)] for i in range(calls)]
     for f in fns:  # warm-up (and any lazy init) outside capture
         f()
@@ -126,9 +129,10 @@ def nbytes(*ts) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=50,
+                    help="launches per graph (at least one per rotating input set); us = replay time / launches")
+    ap.add_argument("--reps", type=int, default=30, help="timed graph replays (the median is reported)")
+    ap.add_argument("--tokens", type=int, default=1, help="activation rows per launch (batch)")
     ap.add_argument("--quick", action="store_true", help="skip the [mma] / [fma] comparison rows")
     ap.add_argument("--dense-only", action="store_true", help="only the dense FP8 GEMV rows")
     ap.add_argument("--l2-hot", action="store_true",

@@ -42,6 +42,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seed", type=int, default=3)
     o = p.parse_args()
+    from ds4 import kernels
+    kernels.require("diag_graph_state")  # one line, not a traceback, where the fused kernels cannot run
     dev = torch.device("cuda")
     args = tiny()
     w = random_weights(args, seed=o.seed, device=dev, include_mtp=False)

@@ -31,6 +31,8 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--margin", type=float, default=1.0)
     a = ap.parse_args()
+    if not torch.cuda.is_available():  # one line, not a traceback from the first CUDA tensor
+        raise SystemExit("diag_options: needs a CUDA GPU (the options compared are CUDA implementations)")
     dev = torch.device("cuda")
     print(f"{'preset':<9}{'option':<9}{'prefill rel':>12}{'top1':>7}{'conf top1':>10}{'n conf':>7}{'max rel':>9}")
     for name in a.presets.split(","):

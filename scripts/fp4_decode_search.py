@@ -27,6 +27,7 @@ one SHF admit none.
 from __future__ import annotations
 
 import itertools
+import sys
 
 FORMATS = {"bf16": [6, 7, 8, 15, 22, 23, 24, 31], "fp16": [9, 10, 11, 15, 25, 26, 27, 31]}
 FP8_BITS = [*range(4, 11), 15, *range(20, 27), 31]  # E4M3 as bf16 (x 2^-120): a register's bits, two values
@@ -99,6 +100,9 @@ def show(regs) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):  # it takes no options: say what it does instead of running the search
+        print(__doc__)
+        return
     for name, bits in FORMATS.items():
         regs = search(bits, 6, [])
         print(f"{name}, at most 6 LOP3, left shifts only: {show(regs) if regs else 'none'}")

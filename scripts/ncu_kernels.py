@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Launch the batch-1 weight kernels at V4-Flash shapes a few times each, for Nsight Compute.
 
-    ncu --clock-control none --launch-skip 6 --kernel-name regex:"moe|gemv" \\
+    ncu --clock-control none --kernel-name regex:"moe_|gemv" \\
         --section SpeedOfLight --section WarpStateStats python scripts/ncu_kernels.py
 
-Each kernel runs `--reps` times on its own weights copy (eager, so ncu sees one launch per call);
+The first matching launch is a routed gate+up that makes the downs' h input (not printed); then each kernel runs
+`--reps` times on its own weights copy / expert ids (eager, so ncu sees one launch per call);
 ncu serialises and times each launch with flushed caches, so these are the kernels alone — no PDL
 overlap, no neighbours. The names printed before each group let the ncu report be read in order.
 The weights are in the layouts the library runs by default: the routed experts in fp4t (moe=fp4_topk:
@@ -29,7 +30,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    kernels.load()
+    kernels.require("ncu_kernels")  # one line, not a traceback, where the extension cannot run
     g = torch.Generator(device=DEV).manual_seed(0)
     E, dim, inter, k = 256, 4096, 2048, 6
     x = torch.randn(1, dim, device=DEV).to(torch.bfloat16)

@@ -1,6 +1,8 @@
 // Phase probe of the decode kernels (no torch): builds the kernels' sources with DS4_PROBE, runs
-// them at V4-Flash batch-1 shapes on random data and prints, per kernel, its time (CUDA events,
-// weights rotated through more than the L2) and the mean time of each phase between the kernel's
+// them at V4-Flash batch-1 shapes on random data and prints, per kernel, its time (the mean of back-to-back
+// launches, CUDA events; the GEMV probes rotate weight copies through more than the L2, while the hc, sparse
+// attention and indexer probes re-read one input set, L2-resident where it fits: up to 16384 indexer entries,
+// the attention's window and selected rows, the hc weights) and the mean time of each phase between the kernel's
 // DS4_MARKs (clock64 of thread 0 per block), plus the blocks' timeline (globaltimer): span from the
 // first block's start to the last block's end, mean block life, blocks resident at once.
 //
