@@ -187,14 +187,21 @@ def test_prefill_dense_weights_off_cuda_are_qweight_dequant():
     assert dense(q, torch.float32, out=out) is out and torch.equal(out, q.dequant(torch.float32))
 
 
-def test_grouped_prefill_loop_on_cpu_is_the_reference_loop():
+@pytest.mark.parametrize("group_experts", [None, 3])
+def test_grouped_prefill_loop_on_cpu_is_the_reference_loop(group_experts, monkeypatch):
     """moe=fp4_topk's long-prompt loop (grouped_routed) on CPU weights (QWeight.dequant forms them): moe=dequant's
-    routed sum, with experts held on another rank (ids outside this rank's slice) adding nothing."""
+    routed sum, with experts held on another rank (ids outside this rank's slice) adding nothing; all 4 local experts'
+    weights formed at once, or 3 at a time (DS4_PREFILL_GROUP_BYTES: a second group whose rows start where the
+    first's end; with one group, a loop that never advanced its row offset passed)."""
     from ds4.ops.base import MoEWeights, QWeight
     from ds4.ops.moe_cuda import grouped_routed
     from ds4.ops.moe_torch import DequantMoE
     g = torch.Generator().manual_seed(1)
     e_local, dim, inter, n, k = 4, 64, 32, 40, 3
+    if group_experts:  # bytes of group_experts experts' dense bf16 w1, w3, w2
+        monkeypatch.setenv("DS4_PREFILL_GROUP_BYTES", str(group_experts * 3 * inter * dim * 2))
+    else:
+        monkeypatch.delenv("DS4_PREFILL_GROUP_BYTES", raising=False)
 
     def fp4(o, i):
         return QWeight("fp4", torch.randint(-128, 128, (e_local, o, i // 2), generator=g, dtype=torch.int8),
