@@ -150,7 +150,7 @@ def test_eval_captures_before_its_clock_and_reports_the_graph_figures(monkeypatc
     monkeypatch.setattr(ev.time, "perf_counter", lambda: float(next(clock)))
     gen = Gen()
     spec = SimpleNamespace(runtime="cuda_graph", device=torch.device("cpu"), task_opts={"fidelity": False})
-    ctx = SimpleNamespace(spec=spec, gen=lambda: gen, profiler=SimpleNamespace(summary=lambda: []))
+    ctx = SimpleNamespace(spec=spec, gen=lambda: gen, profiler=SimpleNamespace(enabled=False, summary=lambda: []))
     f = ev.run(ctx, ev.Plan(ids=[1, 2, 3, 4], source="x"))["figures"]
     assert order == [("capture", 1, "logits"), ("tf",)]
     assert f["graph_warmup_s"] == 2.0 and f["graph_capture_s"] == 0.5 and f["graph_pool_mib"] == 1.0
