@@ -52,7 +52,8 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
 }
 
 // The down kernels' warps per block on the register stream: MMA_STREAM_WARPS, or 16 in an alt build
-// (-DDS4_DOWN_WARPS=16; written in session 54 without a GPU, not measured: experiments/session54_no_device.md). Why
+// (-DDS4_DOWN_WARPS=16; written in session 54 without a GPU; session 59, one H100: 8.4 us per layer slower,
+// experiments/decode_session59_h100.md). Why
 // try: V4's dim of 4096 is 256 tiles, one per block, about 2 blocks per SM, so the routed down runs 16 warps per SM
 // (4 per scheduler; ncu, session 49: issue slots 40 % busy, no eligible warp on 59 % of cycles) whatever its
 // registers would allow. Blocks of 16 warps at 64 registers (depth 2, the rule's; the fold's epilogue too, which then

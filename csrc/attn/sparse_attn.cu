@@ -28,7 +28,8 @@ namespace ds4_attn {
 
 // Keys per chunk (one block's step). DS4_SP_KC=16 (an alt build; session 57's A/B) halves a block's loads, S and
 // P.V at a short context, where only ceil(visible keys / KC) blocks per head tile have work, at the cost of twice the
-// splits for the combine to merge on a long one.
+// splits for the combine to merge on a long one. Session 59 (one H100): the same step time as 32, not kept
+// (experiments/decode_session59_h100.md).
 #ifndef DS4_SP_KC
 #define DS4_SP_KC 32
 #endif
