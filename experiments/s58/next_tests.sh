@@ -26,7 +26,7 @@ run() {  # name limit pytest-args...
 }
 run argmax 60 tests/test_kernels_gpu.py -k argmax
 run long_context 150 tests/test_decode_glue_gpu.py -k long_context
-run e2e_new 240 tests/test_gpu_e2e.py -k "qat_options or confident_head or 1000_steps_on_small"
+run e2e_new 240 tests/test_gpu_e2e.py -k "qat_options or rounding_allows or 1000_steps_on_small"
 run graph_fused 90 "tests/test_gpu_e2e.py::test_cuda_graph_matches_eager_1000_steps[fused]"
 # the capture's warm-up at positions 0, 1 (a row at max_seq_len - 1 before), seeded sampling, the pools' figure
 run graph_new 120 tests/test_gpu_e2e.py -k "max_seq_len or sampled_generate or graph_pool"

@@ -30,7 +30,7 @@ for g in $G; do
     graph_new) run graph_new 150 tests/test_gpu_e2e.py -k "max_seq_len or sampled_generate or graph_pool" ;;
     s59_kernels) run s59_kernels 90 tests/test_attn_kernels_gpu.py -k "zero_sinkhorn or past_the_grid" ;;
     argmax) run argmax 60 tests/test_kernels_gpu.py -k argmax ;;
-    e2e_new) run e2e_new 240 tests/test_gpu_e2e.py -k "qat_options or confident_head or 1000_steps_on_small" ;;
+    e2e_new) run e2e_new 240 tests/test_gpu_e2e.py -k "qat_options or rounding_allows or 1000_steps_on_small" ;;
     graph_fused) run graph_fused 90 "tests/test_gpu_e2e.py::test_cuda_graph_matches_eager_1000_steps[fused]" ;;
     long_context) run long_context 150 tests/test_decode_glue_gpu.py -k long_context ;;
   esac
