@@ -239,11 +239,9 @@ def check_memory(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> None
         _, free, need = room[r]
         where = f"rank {r}'s GPU"
     if need > free:
-        size = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"  # noqa: E731
-        said = ", ".join(f"{what} {size(b)}" for what, b in parts if b)
-        raise UserError(f"this run needs {size(need)} per GPU ({said}) but {where} has {size(free)} free; use more "
-                        "GPUs (torchrun ... parallel.tp=N), fewer layers (model.n_layers=N), or a smaller max_seq_len "
-                        "or max_batch")
+        raise UserError(f"this run needs {_size(need)} per GPU ({_said(parts)}) but {where} has {_size(free)} free; "
+                        "use more GPUs (torchrun ... parallel.tp=N), fewer layers (model.n_layers=N), or a smaller "
+                        "max_seq_len or max_batch")
 
 
 def _check_host_memory(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> None:
@@ -256,11 +254,18 @@ def _check_host_memory(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -
     parts = memory_need(spec, args, chosen)
     need = sum(b for _, b in parts) * spec.tp
     if need > free:
-        said = ", ".join(f"{what} {b / 2**30:.1f} GiB" for what, b in parts if b)
         ranks = f" x {spec.tp} ranks" if spec.tp > 1 else ""
-        raise UserError(f"this run needs {need / 2**30:.1f} GiB of host memory ({said}{ranks}) but {free / 2**30:.1f} "
-                        "GiB are available; use fewer layers (model.n_layers=N), a smaller max_seq_len or max_batch, "
-                        "or a GPU")
+        raise UserError(f"this run needs {_size(need)} of host memory ({_said(parts)}{ranks}) but {_size(free)} are "
+                        "available; use fewer layers (model.n_layers=N), a smaller max_seq_len or max_batch, or a GPU")
+
+
+def _size(b: int) -> str:
+    return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
+
+
+def _said(parts: list[tuple[str, int]]) -> str:
+    """memory_need's parts as the memory checks' messages list them."""
+    return ", ".join(f"{what} {_size(b)}" for what, b in parts if b)
 
 
 def model_args(spec: RunSpec) -> ModelArgs:

@@ -39,11 +39,8 @@ def _no_caveats(_setup: Setup) -> list[str]:
     return []
 
 
-def _no_sync(_setup: Setup) -> str | None:
-    return None
-
-
-def _fits_any(_setup: Setup) -> str | None:
+def _no_reason(_setup: Setup) -> str | None:
+    """No decode sync, no shape refused: the default of an entry's `decode_sync` and `fits`."""
     return None
 
 
@@ -58,10 +55,10 @@ class Entry:
     dtypes: tuple[torch.dtype, ...] = ()  # activation dtypes its kernels take (empty: any)
     caveats: Callable[[Setup], list[str]] = _no_caveats  # what other code runs for this setup, said in the note
     # why its decode step waits on the host for this setup (said in the note; runtime=cuda_graph refuses it), or None
-    decode_sync: Callable[[Setup], str | None] = _no_sync
+    decode_sync: Callable[[Setup], str | None] = _no_reason
     ds4_ext: bool = False  # it runs the compiled ds4 (GEMV / MoE) extension
     # why its kernels cannot take this setup's shapes (a fixed limit no other code covers for it), or None
-    fits: Callable[[Setup], str | None] = _fits_any
+    fits: Callable[[Setup], str | None] = _no_reason
 
     def unavailable(self, device: torch.device, setup: Setup | None) -> str | None:
         """None when it can run on `device` for `setup`, else the reason."""

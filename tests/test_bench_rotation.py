@@ -5,45 +5,19 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import torch
+from cuda_standins import fake_cuda
 from script_loader import load_script
 
 
-class _Event:
-    def __init__(self, enable_timing=False):
-        pass
-
-    def record(self):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other):
-        return 1.0  # ms per replay: the figure is then 1000 / calls us
-
-
-class _Stream:
-    def wait_stream(self, s):
-        pass
-
-
-class _Graph:
-    def replay(self):
-        pass
-
-
 def _fake_cuda(mp, captured: list):
-    """A capture runs its body eagerly with `captured` collecting the sets the calls read; the rest are no-ops."""
+    """A capture runs its body eagerly with `captured` collecting the sets the calls read; the rest are no-ops and
+    an event times 1 ms per replay (the figure is then 1000 / calls us)."""
     @contextlib.contextmanager
     def graph(g, **k):
         captured.append([])
         yield
 
-    for name, value in {"Stream": lambda *a, **k: _Stream(), "stream": lambda s: contextlib.nullcontext(),
-                        "current_stream": lambda *a: _Stream(), "synchronize": lambda *a: None,
-                        "CUDAGraph": _Graph, "graph": graph, "Event": _Event}.items():
-        mp.setattr(torch.cuda, name, value, raising=False)
+    fake_cuda(mp, graph=graph)
 
 
 def test_bench_attn_graph_holds_every_set(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from cuda_standins import Graph, fake_cuda
 
 from ds4.model.args import tiny
 from ds4.model.transformer import Transformer
@@ -15,23 +16,7 @@ from ds4.runtime.generate import Generator
 from ds4.weights.synthetic import random_weights
 
 
-class _Stream:
-    def wait_stream(self, s):
-        pass
-
-
-class _Graph:
-    made = 0
-
-    def __init__(self):
-        _Graph.made += 1
-        self.id = (0, _Graph.made)
-
-    def pool(self):
-        return self.id
-
-
-class _Replaying(_Graph):
+class _Replaying(Graph):
     """A stand-in graph that replays: the capture ran the step's body eagerly (as above); replay runs it again into
     the output the capture returned, as a replay rewrites its static output buffers."""
     capturing = None
@@ -70,12 +55,8 @@ def _replaying_steps(mp):
     mp.setattr(CudaGraphStep, "_step", recording)
 
 
-def _fake_cuda(mp, segments=(), graph=_Graph, capture=lambda g, **k: contextlib.nullcontext()):
-    for name, value in {"Stream": lambda *a, **k: _Stream(), "stream": lambda s: contextlib.nullcontext(),
-                        "current_stream": lambda *a: _Stream(), "synchronize": lambda *a: None,
-                        "CUDAGraph": graph, "graph": capture,
-                        "memory_snapshot": lambda *a, **k: list(segments), "current_device": lambda: 0}.items():
-        mp.setattr(torch.cuda, name, value, raising=False)
+def _fake_cuda(mp, segments=(), graph=Graph, capture=lambda g, **k: contextlib.nullcontext()):
+    fake_cuda(mp, CUDAGraph=graph, graph=capture, memory_snapshot=lambda *a, **k: list(segments))
 
 
 def _capture(model, state, batch):
@@ -118,7 +99,7 @@ def test_pool_bytes_are_the_graphs_pool_segments(monkeypatch):
             {"device": 1, "segment_pool_id": (0, 7), "total_size": 4 << 20},   # another device
             {"device": 0, "segment_pool_id": (0, 8), "total_size": 8 << 20}]   # another graph's
     _fake_cuda(monkeypatch, segs)
-    g = _Graph()
+    g = Graph()
     g.id = (0, 7)
     assert pool_bytes(g, torch.device("cuda", 0)) == 22 << 20
     assert pool_bytes(g, torch.device("cuda")) == 22 << 20
