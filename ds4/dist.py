@@ -27,6 +27,11 @@ class SingleProcess:
     rank, world = 0, 1
     folds_hc = False  # (one rank: the kernel producing a block output forms the hc fold itself)
 
+    def stage(self, site: str) -> str | None:
+        """The profiler row of a communication site: none at one rank, where nothing is communicated (a comm.* row
+        would time an identity)."""
+        return None
+
     def all_reduce(self, x: Tensor, site: str, out_dtype: torch.dtype | None = None, fold=None) -> Tensor:
         """Sum partial results over ranks (site: 'attn', 'moe', 'embed'), in out_dtype (x's by default).
         fold: a pending hc fold (ds4.ops.base.HcFold) that the reduction may form from its result (see
@@ -134,6 +139,10 @@ class TensorParallel:
             return flat.view(y.shape)
         dist.all_reduce(y, group=self.group)
         return y
+
+    def stage(self, site: str) -> str:
+        """The profiler row of a communication site (SingleProcess.stage)."""
+        return f"comm.{site}"
 
     @property
     def folds_hc(self) -> bool:

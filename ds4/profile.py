@@ -28,8 +28,9 @@ class Profiler:
         self._host: dict[str, list[float]] = defaultdict(list)
         self._phase = ""
 
-    def region(self, name: str):
-        if not self.enabled:
+    def region(self, name: str | None):
+        """A timed region; none for name None (a communication site at one rank: dist.SingleProcess.stage)."""
+        if not self.enabled or name is None:
             return _NULL
         name = self._phase + name
         return self._cuda_region(name) if self.cuda else self._host_region(name)

@@ -183,7 +183,7 @@ class Attention(WeightsModule):
                 o = rope_heads(o, pos, self.freqs, inverse=True)
             y = self.ops.attn.out_proj(o.flatten(-2), self.wo_a, self.wo_b, self.groups, self.ops.linear, self.qat,
                                        fold if one_rank else None)
-        with self.prof("comm.attn"):
+        with self.prof(self.comm.stage("attn")):
             return self.comm.all_reduce(y, "attn", fold=None if one_rank else fold)
 
     # ---- prefill: one sequence ----------------------------------------------------------

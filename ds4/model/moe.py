@@ -115,14 +115,14 @@ class MoE(WeightsModule):
                 else:
                     y = moe.routed(x, w, ids, self.mw, act_quant=aq)
                     y = y + moe.shared(x, self.mw, act_quant=self.qat).float()
-            with self.prof("comm.moe"):
+            with self.prof(self.comm.stage("moe")):
                 return self.comm.all_reduce(y, "moe", out_dtype=x.dtype, fold=fold)
         if up is not None and self.comm.world == 1:
             with self.prof("moe.routed"):  # nothing to reduce: returns (routed + shared.float()).to(x.dtype)
                 return moe.routed(x, w, ids, self.mw, act_quant=aq, shared=up, fold=fold)
         with self.prof("moe.routed"):
             y = moe.routed(x, w, ids, self.mw, act_quant=aq)
-        with self.prof("comm.moe"):
+        with self.prof(self.comm.stage("moe")):
             y = self.comm.all_reduce(y, "moe")
         with self.prof("moe.shared"):  # returns (y + shared.float()).to(x.dtype); the block output: may fold
             return moe.shared(x, self.mw, act_quant=self.qat, add=y, up=up, fold=fold)

@@ -273,7 +273,7 @@ class Transformer(WeightsModule):
             out = _head_matmul(y, self.head)
         if not full_vocab:
             return out
-        with self.prof("comm.head"):
+        with self.prof(self.comm.stage("head")):
             return self.comm.gather_vocab(out)
 
     def _run_blocks(self, h: Tensor, ids: Tensor, attend, state: DecodeState, defer_sinkhorn: bool = False) -> Tensor:
