@@ -257,13 +257,14 @@ def _record_folds(hc) -> list:
 _FUSED = dict(linear="gemv_cuda", moe="fp4_topk", attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
 
 
-def _tiny_weights_for(impls: Impls, seed: int):
-    """(tiny's args, its random weights on the GPU); skips the test where these implementations cannot be built."""
+def _tiny_weights_for(impls: Impls, seed: int, vocab: int | None = None):
+    """(tiny's args, its random weights on the GPU); skips the test where these implementations cannot be built.
+    vocab: another vocabulary width (tiny's is 512)."""
     try:
         build_ops(impls, DEV)
     except ImplUnavailable as e:
         pytest.skip(str(e))
-    args = tiny()
+    args = tiny() if vocab is None else tiny().replace(vocab_size=vocab)
     return args, random_weights(args, seed=seed, device=DEV, include_mtp=False)
 
 
@@ -384,13 +385,15 @@ def test_capture_after_a_sequence_at_max_seq_len(attn):
     assert outs[0] == outs[1]
 
 
-def test_sampled_generate_graph_matches_eager():
-    """(Written without a GPU, not run.) Seeded sampling inside the graph ('sample' mode: temperature, top-k, top-p
-    and the exponential draw captured, from the step's registered generator) draws the eager run's tokens, two rows
-    at different positions; a second call with the same seed draws them again, and other settings recapture."""
+@pytest.mark.parametrize("vocab", [None, 129280], ids=["tiny_vocab", "v4_vocab"])
+def test_sampled_generate_graph_matches_eager(vocab):
+    """Seeded sampling inside the graph ('sample' mode: temperature, top-k, top-p and the exponential draw captured,
+    from the step's registered generator) draws the eager run's tokens, two rows at different positions; a second
+    call with the same seed draws them again, and other settings recapture. At tiny's 512-token vocabulary (passed,
+    session 59, one H100) and at V4's 129280-wide rows (the sort and draw the real model captures)."""
     from ds4.runtime.sampling import Sampling
     impls = Impls(**_FUSED)
-    args, w = _tiny_weights_for(impls, seed=7)
+    args, w = _tiny_weights_for(impls, seed=7, vocab=vocab)
     s = Sampling(temperature=0.8, top_k=40, top_p=0.95, seed=11)
     hot = Sampling(temperature=1.5, seed=11)  # no top-k / top-p: another capture
     prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 9]]
