@@ -143,3 +143,15 @@ def test_greedy_argmax_kernel_is_the_runs_choice(weights, monkeypatch):
     m.comm = type("TwoRanks", (), {"world": 2, "argmax": lambda self, x, kernel=False: seen.append(kernel) or argmax(x)})()
     Generator(m, 1, 96).next_token(torch.randn(1, 50), Sampling(), None)
     assert seen == [True]
+
+
+def test_prefill_out_of_memory_names_the_prompt(weights, monkeypatch):
+    """The memory check before loading counts weights and decode state only: a prompt's prefill that runs out of
+    memory says so, with the prompt's length, as one clean error (torch.OutOfMemoryError is one of app's)."""
+    m = model(weights)
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
+    monkeypatch.setattr(m, "prefill", oom)
+    with pytest.raises(torch.OutOfMemoryError, match=r"prefill of a 5-token prompt .*Tried to allocate 2.00 GiB\)$"):
+        Generator(m, 1, 64).prefill([[1, 2, 3, 4, 5]])

@@ -80,8 +80,14 @@ class Generator:
         out = []
         for row, p in enumerate(prompts):
             self.state.reset_row(row)
-            out.append(self.model.prefill(torch.tensor(p, dtype=torch.long, device=dev), self.state, row,
-                                          full_vocab=full_vocab))
+            try:
+                out.append(self.model.prefill(torch.tensor(p, dtype=torch.long, device=dev), self.state, row,
+                                              full_vocab=full_vocab))
+            except torch.OutOfMemoryError as e:  # the memory check before loading counts no prompt's working set
+                raise torch.OutOfMemoryError(
+                    f"the prefill of a {len(p)}-token prompt ran out of memory: the check before loading counts the "
+                    "weights and the decode state, not a prompt's activations, which grow with its length; use a "
+                    f"shorter prompt or fewer layers, or free memory ({str(e).splitlines()[0]})") from None
             self.host_pos[row] = len(p)
         self.batch = len(prompts)
         return torch.stack(out)
