@@ -27,7 +27,8 @@ class SingleProcess:
     rank, world = 0, 1
     folds_hc = False  # (one rank: the kernel producing a block output forms the hc fold itself)
 
-    def stage(self, site: str) -> str | None:
+    @staticmethod
+    def stage(site: str) -> str | None:
         """The profiler row of a communication site: none at one rank, where nothing is communicated (a comm.* row
         would time an identity)."""
         return None
@@ -140,7 +141,8 @@ class TensorParallel:
         dist.all_reduce(y, group=self.group)
         return y
 
-    def stage(self, site: str) -> str:
+    @staticmethod
+    def stage(site: str) -> str:
         """The profiler row of a communication site (SingleProcess.stage)."""
         return f"comm.{site}"
 

@@ -60,4 +60,4 @@ def test_comm_rows_only_where_ranks_communicate():
     with p(SingleProcess().stage("attn")):
         pass
     assert p.summary() == []
-    assert TensorParallel.stage(None, "moe") == "comm.moe"
+    assert TensorParallel.stage("moe") == "comm.moe"
