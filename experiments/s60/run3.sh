@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 60, run 3 (one lent GPU, one call): a regression sweep of the current tree's GPU modules. The kernel
-# modules first (each fast), then test_gpu_e2e.py less what run 1 ran, while time is left (BUDGET seconds from the
+# modules first (each fast; the attention wrappers session 59 changed before the rest), then test_gpu_e2e.py less what run 1 ran, while time is left (BUDGET seconds from the
 # start). Logs and summary.txt in $OUT.
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
@@ -21,8 +21,8 @@ run() {  # name limit pytest-args...
     | tee -a "$OUT/summary.txt"
   grep -hE "^FAILED|^ERROR" "$OUT/$name.log" | head -8 | tee -a "$OUT/summary.txt"
 }
-run kernels 150 tests/test_kernels_gpu.py tests/test_hc_fold_gpu.py tests/test_moe_ffn_gpu.py
 run attn 120 tests/test_attn_kernels_gpu.py
+run kernels 150 tests/test_kernels_gpu.py tests/test_hc_fold_gpu.py tests/test_moe_ffn_gpu.py
 run glue_qat 90 tests/test_decode_glue_gpu.py tests/test_qat_cuda_gpu.py
 run capture_ar 60 tests/test_capture_join_gpu.py tests/test_allreduce_1gpu.py
 run e2e 400 tests/test_gpu_e2e.py -k "not qat_options and not rounding_allows and not 1000_steps_on_small and not sampled_generate and not tp2"
