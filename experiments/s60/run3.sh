@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 60, run 3 (one lent GPU, one call): a regression sweep of the current tree's GPU modules. The kernel
-# modules first (each fast; the attention wrappers session 59 changed before the rest), then test_gpu_e2e.py less what run 1 ran, while time is left (BUDGET seconds from the
-# start). Logs and summary.txt in $OUT.
+# modules first (each fast; the attention wrappers that session 59 changed before the rest), then test_gpu_e2e.py
+# less what run 1 ran, while time is left (BUDGET seconds from the start). Logs and summary.txt in $OUT.
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16
