@@ -17,7 +17,8 @@ _NULL = contextlib.nullcontext()
 
 # Names used by the model; listed so reports keep a stable order.
 STAGES = ("embed", "hc.pre", "attn.q", "attn.kv", "attn.compress", "attn.indexer", "attn.sparse", "attn.out",
-          "moe.gate", "moe.routed", "moe.shared", "hc.post", "head", "sample", "comm.attn", "comm.moe", "comm.head")
+          "moe.shared_up", "moe.gate", "moe.routed", "moe.shared", "moe.ffn", "hc.post", "head", "comm.attn", "comm.moe",
+          "comm.head")
 
 
 class Profiler:

@@ -61,3 +61,19 @@ def test_comm_rows_only_where_ranks_communicate():
         pass
     assert p.summary() == []
     assert TensorParallel.stage("moe") == "comm.moe"
+
+
+def test_every_region_the_model_opens_has_its_place_in_the_table():
+    """STAGES orders the table: a region missing from it sorts after the listed ones, alphabetically (session 60:
+    moe.shared_up and moe.ffn printed after head). Every literal region name in ds4/, and every comm site, is listed."""
+    import re
+    from pathlib import Path
+
+    import ds4
+    from ds4.dist import TensorParallel
+    from ds4.profile import STAGES
+    src = "".join(p.read_text() for p in Path(ds4.__file__).parent.rglob("*.py"))
+    names = set(re.findall(r'\bprof\("([a-z_.]+)"\)', src))
+    sites = set(re.findall(r'comm\.stage\("([a-z]+)"\)', src))
+    assert {"attn.q", "moe.shared_up"} <= names and sites == {"attn", "moe", "head"}
+    assert names | {TensorParallel.stage(s) for s in sites} == set(STAGES)
