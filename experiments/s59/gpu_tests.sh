@@ -4,6 +4,7 @@
 # does not fit is reported as skipped). Logs and summary.txt in $OUT.
 #   bash experiments/s59/gpu_tests.sh            # first call: build, then groups 1..
 #   ONLY="graph_fused long_context" bash ...    # a later call: those groups only
+# Session 60 added the sweep_* groups (every one-GPU module, not in the default list): experiments/s60/run3.sh.
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16
@@ -33,6 +34,12 @@ for g in $G; do
     e2e_new) run e2e_new 240 tests/test_gpu_e2e.py -k "qat_options or rounding_allows or 1000_steps_on_small" ;;
     graph_fused) run graph_fused 90 "tests/test_gpu_e2e.py::test_cuda_graph_matches_eager_1000_steps[fused]" ;;
     long_context) run long_context 150 tests/test_decode_glue_gpu.py -k long_context ;;
+    sweep_attn) run sweep_attn 120 tests/test_attn_kernels_gpu.py ;;
+    sweep_kernels) run sweep_kernels 150 tests/test_kernels_gpu.py tests/test_hc_fold_gpu.py tests/test_moe_ffn_gpu.py ;;
+    sweep_glue_qat) run sweep_glue_qat 90 tests/test_decode_glue_gpu.py tests/test_qat_cuda_gpu.py ;;
+    sweep_capture_ar) run sweep_capture_ar 60 tests/test_capture_join_gpu.py tests/test_allreduce_1gpu.py ;;
+    sweep_e2e) run sweep_e2e 400 tests/test_gpu_e2e.py -k "not qat_options and not rounding_allows and not \
+1000_steps_on_small and not sampled_generate and not tp2" ;;
   esac
 done
 echo "--- summary"; cat "$OUT/summary.txt"
