@@ -1164,17 +1164,26 @@ def test_router_takes_the_sinkhorn_along(n_experts, n, hc, fused, monkeypatch):
 
 
 def test_router_refuses_a_ride_it_cannot_take():
-    """One comb per token, 1, 2 or 4 streams, iters >= 1: anything else fails before a launch."""
+    """One comb per token, 1, 2 or 4 streams, iters >= 1: anything else fails before a launch. iters = 0 reaches
+    the binding only directly: SinkhornRide passes the model's 0 as 1 (sinkhorn_iters: the reference's meaning),
+    so a ride of 0 iterations finishes comb as one of 1 does."""
+    from ds4.kernels.ops import _ops
     from ds4.ops.base import SinkhornRide
     g = gen(1790)
     x = rand_x(2, 128, g)
     gate = (torch.randn(16, 128, device=DEV, generator=g) * 0.1).to(torch.bfloat16)
     bias = torch.randn(16, device=DEV, generator=g)
     for comb, iters, what in ((torch.rand(3, 4, 4, device=DEV), 20, "comb must be"),
-                              (torch.rand(2, 3, 3, device=DEV), 20, "comb must be"),
-                              (torch.rand(2, 4, 4, device=DEV), 0, "iters")):
+                              (torch.rand(2, 3, 3, device=DEV), 20, "comb must be")):
         with pytest.raises(RuntimeError, match=what):
             kernels.router(x, gate, bias, None, None, 6, 1.5, ride=SinkhornRide(comb, iters, 1e-6))
+    with pytest.raises(RuntimeError, match="iters"):
+        _ops().router(x, gate, bias, None, None, 6, 1.5, None, torch.rand(2, 4, 4, device=DEV), 0, 1e-6)
+    comb0 = torch.rand(2, 4, 4, device=DEV)
+    comb1 = comb0.clone()
+    kernels.router(x, gate, bias, None, None, 6, 1.5, ride=SinkhornRide(comb0, 0, 1e-6))
+    kernels.router(x, gate, bias, None, None, 6, 1.5, ride=SinkhornRide(comb1, 1, 1e-6))
+    assert torch.equal(comb0, comb1)
 
 
 @pytest.mark.parametrize("hash_layer", [False, True])

@@ -40,6 +40,14 @@ for g in $G; do
     sweep_capture_ar) run sweep_capture_ar 60 tests/test_capture_join_gpu.py tests/test_allreduce_1gpu.py ;;
     sweep_e2e) run sweep_e2e 400 tests/test_gpu_e2e.py -k "not qat_options and not rounding_allows and not \
 1000_steps_on_small and not sampled_generate and not tp2" ;;
+    # session 61: sweep_e2e in two halves (it ran past 310 s with 8 of its tests done), and the router test fixed
+    router_ride) run router_ride 60 tests/test_kernels_gpu.py -k "ride" ;;
+    e2e_rest_graph) run e2e_rest_graph 300 tests/test_gpu_e2e.py -k "not options_agree and not long_prompt and not \
+qat_options and not rounding_allows and not 1000_steps_on_small and not sampled_generate and not tp2" ;;
+    e2e_rest_options) run e2e_rest_options 330 tests/test_gpu_e2e.py -k "options_agree and (HC_ROUTER or HC_FOLD or \
+FP4_TILE or MOE_FFN)" ;;
+    # (the two rows of e2e_rest_options that its time did not reach)
+    e2e_ffn) run e2e_ffn 200 tests/test_gpu_e2e.py -k "options_agree and MOE_FFN" ;;
   esac
 done
 echo "--- summary"; cat "$OUT/summary.txt"
