@@ -41,6 +41,8 @@ for g in $G; do
     sweep_e2e) run sweep_e2e 400 tests/test_gpu_e2e.py -k "not qat_options and not rounding_allows and not \
 1000_steps_on_small and not sampled_generate and not tp2" ;;
     # session 61: sweep_e2e in two halves (it ran past 310 s with 8 of its tests done), and the router test fixed
+    # (-k ride: test_router_refuses_a_ride_it_cannot_take and a dequant test whose name holds "strided"; the router's
+    # other ride tests ran in sweep_kernels)
     router_ride) run router_ride 60 tests/test_kernels_gpu.py -k "ride" ;;
     e2e_rest_graph) run e2e_rest_graph 300 tests/test_gpu_e2e.py -k "not options_agree and not long_prompt and not \
 qat_options and not rounding_allows and not 1000_steps_on_small and not sampled_generate and not tp2" ;;
