@@ -91,7 +91,8 @@ qat, the simulation inside the activation staging of the one-row tensor-core GEM
 wq_b, wo_b) and the MoE kernels instead of its launch before them; opt-in, measured no faster in session 56; the
 same bits), ixqtorch (DS4_INDEXER_QAT=torch: with qat, the indexer's Hadamard + FP4 simulation of its keys and
 decode query by the torch twin instead of inside the compressor step and scores kernels, the default since session
-53).
+53), noflat (DS4_SPARSE_FLAT=0: the attention chunk kernel's first loads and the combine's in the dependent rounds of
+session 60's kernels, not the fewer of session 62's; the same bits).
 On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -208,7 +209,7 @@ PLAIN_TOKENS = frozenset({
     "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8", "k2048", "w1", "w2", "w4", "smem",
     "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf", "kroute", "nohcr", "hcq", "pj", "late",
     "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack",
-    "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
+    "sprio", "pf", "noflat", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
 NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
 TP_ONLY_TOKENS = frozenset({"bf16", "ll", "symm", "arf", "arfnp", "arfpack", "xar"})  # nothing to reduce at world 1
 
@@ -396,6 +397,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
     os.environ["DS4_X_COMBINE"] = "1" if "xcombine" in toks else "0"
+    os.environ["DS4_SPARSE_FLAT"] = "0" if "noflat" in toks else "1"
     # aqtorch: qat's FP8 activation simulation by its torch twin (about a dozen launches) instead of the one-launch
     # kernel (ds4.ops.qat_cuda; the same bits)
     # aqstaged: inside the one-row tensor-core GEMVs' activation staging where they take it (DS4_ACT_QUANT=staged,
