@@ -57,7 +57,9 @@ the router GEMV launch leaves the step), hcq (DS4_HC_QKV=1: the projection fold,
 hc finish also forms wq_a + wkv's rows, so their GEMV launch leaves the step; measured no faster in session 27;
 with the FP8 projections in the stored layout, as notile8),
 pj (DS4_PJOIN=moe: the shared expert's branch joins the routed down kernel by programmatic edges, so that kernel
-may launch and start its weight loads before the shared down drains; ds4.ops.side_stream.Branch.join),
+may launch and start its weight loads before the shared down drains; ds4.ops.side_stream.Branch.join), pja
+(DS4_PJOIN=attn: the attention branches — window write, compressors, indexer — join the attention core's chunk
+kernel so, which may then launch while wq_b runs; with pj both sites),
 late (DS4_LATE_COMPRESS=1: a captured graph per compressor phase, where layers whose window does not end at the
 step join their compressor branches after the output projection instead of before the attention core; opt-in,
 measured no faster in session 28; ds4.runtime.cuda_graph),
@@ -91,8 +93,7 @@ qat, the simulation inside the activation staging of the one-row tensor-core GEM
 wq_b, wo_b) and the MoE kernels instead of its launch before them; opt-in, measured no faster in session 56; the
 same bits), ixqtorch (DS4_INDEXER_QAT=torch: with qat, the indexer's Hadamard + FP4 simulation of its keys and
 decode query by the torch twin instead of inside the compressor step and scores kernels, the default since session
-53), noflat (DS4_SPARSE_FLAT=0: the attention chunk kernel's first loads and the combine's in the dependent rounds of
-session 60's kernels, not the fewer of session 62's; the same bits).
+53).
 On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -208,8 +209,8 @@ PLAIN_TOKENS = frozenset({
     "ref", "kernels", "fused", "wobf16", "graph", "qat", "aqtorch", "aqstaged", "ixqtorch", "nopack", "notile", "tile",
     "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8", "k2048", "w1", "w2", "w4", "smem",
     "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf", "kroute", "nohcr", "hcq", "pj", "late",
-    "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack",
-    "sprio", "pf", "noflat", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
+    "pja", "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack",
+    "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
 NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
 TP_ONLY_TOKENS = frozenset({"bf16", "ll", "symm", "arf", "arfnp", "arfpack", "xar"})  # nothing to reduce at world 1
 
@@ -392,12 +393,11 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_ROUTE_IN_MOE"] = "1" if "kroute" in toks else "0"
     os.environ["DS4_HC_ROUTER"] = "0" if "nohcr" in toks else "1"
     os.environ["DS4_HC_QKV"] = "1" if "hcq" in toks else "0"
-    os.environ["DS4_PJOIN"] = "moe" if "pj" in toks else ""
+    os.environ["DS4_PJOIN"] = ",".join(site for site, tok in (("moe", "pj"), ("attn", "pja")) if tok in toks)
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
     os.environ["DS4_X_COMBINE"] = "1" if "xcombine" in toks else "0"
-    os.environ["DS4_SPARSE_FLAT"] = "0" if "noflat" in toks else "1"
     # aqtorch: qat's FP8 activation simulation by its torch twin (about a dozen launches) instead of the one-launch
     # kernel (ds4.ops.qat_cuda; the same bits)
     # aqstaged: inside the one-row tensor-core GEMVs' activation staging where they take it (DS4_ACT_QUANT=staged,

@@ -140,24 +140,21 @@ static void probe_sparse(int pos) {
   CK(cudaMalloc(&ml, sizeof(float) * nsplit * H * 2));
   const size_t smem = ds4_attn::sparse_smem(D);
   CK(cudaFuncSetAttribute(ds4_attn::sparse_chunk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  auto chunk = [&](int) {  // D = 512: the kernel form whose output slices stay in registers
+    ds4_attn::sparse_chunk_kernel<true>
+        <<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml);
+  };
+  char name[64];
+  std::snprintf(name, sizeof name, "sparse_chunk pos %d (%d splits)", pos, nsplit);
+  phases(name, chunk, 4, time_us(chunk));
   __nv_bfloat16* out;
   CK(cudaMalloc(&out, sizeof(__nv_bfloat16) * H * D));
   auto freqs = dev_random<float>(32, 0.f, 1.f);
-  for (const bool flat : {false, true}) {  // the launcher's DS4_SPARSE_FLAT=0 form, then the default
-    auto chunk = [&](int) {  // D = 512: the kernel form whose output slices stay in registers
-      ds4_attn::sparse_chunk_kernel<true>
-          <<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml, flat);
-    };
-    char name[80];
-    std::snprintf(name, sizeof name, "sparse_chunk pos %d (%d splits, flat %d)", pos, nsplit, flat ? 1 : 0);
-    phases(name, chunk, 4, time_us(chunk));
-    auto combine = [&](int) {  // after the chunk kernel above: its ml / opart are the inputs
-      auto k = flat ? ds4_attn::sparse_combine_kernel<true> : ds4_attn::sparse_combine_kernel<false>;
-      k<<<dim3(H, 1), D / 4 < 128 ? D / 4 : 128, ds4_attn::sparse_combine_smem(nsplit)>>>(
-          opart, ml, sink, nsplit, H, D, dpos, freqs, 64, out, ds4::SinkhornRide{}, a);
-    };
-    std::printf("sparse_combine pos %d (flat %d): %.2f us\n", pos, flat ? 1 : 0, time_us(combine));
-  }
+  auto combine = [&](int) {  // after the chunk kernel above: its ml / opart are the inputs
+    ds4_attn::sparse_combine_kernel<<<dim3(H, 1), D / 4 < 128 ? D / 4 : 128, ds4_attn::sparse_combine_smem(nsplit)>>>(
+        opart, ml, sink, nsplit, H, D, dpos, freqs, 64, out, ds4::SinkhornRide{});
+  };
+  std::printf("sparse_combine pos %d: %.2f us\n", pos, time_us(combine));
 }
 
 // ---- indexer scores at decode: 64 heads x 128, T compressed entries allocated (the cache capacity / 4),
@@ -647,11 +644,6 @@ int main(int argc, char** argv) {
     for (int T : {2048, 16384})                          // and the sparse attention kernel
       for (int pos : {63, 8191})
         for (bool rope : {false, true}) probe_indexer(pos, T, rope);
-    probe_sparse(63);
-    probe_sparse(8191);
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "sparse") {  // the sparse attention kernels alone (flat and not)
     probe_sparse(63);
     probe_sparse(8191);
     return 0;

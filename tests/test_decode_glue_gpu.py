@@ -261,45 +261,27 @@ def test_decode_attention_combine_over_many_splits(monkeypatch, pos, cap):
     assert torch.isfinite(got).all() and rel(got, ref) <= TOL
 
 
-@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
-@pytest.mark.parametrize("pos", [(0, 5, 64), (126, 127, 130, 4000), (70000,)])
-def test_decode_attention_flat_rounds_give_the_same_bits(monkeypatch, kind, pos):
-    """Decode mode's fewer dependent rounds (the default; DS4_SPARSE_FLAT=0 the form before): the chunk kernel copies
-    the window rows before their validity is known and the combine finds its candidate splits before its PDL wait.
-    The same bits as the other form, with the query's norm + RoPE in the kernel and a Sinkhorn riding along, also
-    where the ring slots past the position and the entries past the visible ones hold NaN (a row copied early and
-    found invalid must be zeroed, not multiplied by p = 0) and CSA indices point at invisible entries or are -1."""
-    from ds4.ops.base import SinkhornRide
-    g = gen(53 + len(pos) + len(kind))
-    B, H, D, W = len(pos), 64, 512, 128
-    q = randn(B, H, D, g=g, dtype=BF16) * 7
-    win = randn(B, W, D, g=g, dtype=BF16, scale=0.3)
-    sink = randn(H, g=g)
-    ratio = {"swa": 1, "hca": 128, "csa": 4}[kind]
-    ext = idx = None
-    for b, p in enumerate(pos):
-        win[b, p + 1:] = float("nan")  # never written: slots past the position (the ring wraps at W)
-    if kind != "swa":
-        T = 20000 if kind == "csa" else 600
-        ext = randn(B, T, D, g=g, dtype=BF16, scale=0.3)
-        for b, p in enumerate(pos):
-            ext[b, (p + 1) // ratio:] = float("nan")  # not yet visible
-    if kind == "csa":
-        idx = torch.stack([torch.randperm(20000, device=DEV, generator=g)[:512] for _ in range(B)])
-        idx[:, :8] = torch.arange(8, device=DEV)
-        idx[:, 8:12] = -1
-    f = freqs(4 if kind == "csa" else 128 if kind == "hca" else 0)
-    logits = randn(B, 4, 4, g=g, scale=2.0)
-    outs, combs = [], []
-    for flat in ("1", "0"):
-        monkeypatch.setenv("DS4_SPARSE_FLAT", flat)
-        comb = logits.clone()
-        poison()
-        outs.append(FUSED.decode(q, win, positions(*pos), ext, idx, ratio, sink, D ** -0.5, f, EPS,
-                                 ride=SinkhornRide(comb, 20, EPS)))
-        combs.append(comb)
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1]) and torch.equal(combs[0], combs[1])
+def test_decode_join_site_only_where_the_chunk_kernel_launches_first():
+    """DS4_PJOIN=attn joins the attention branches to decode's first launch by programmatic edges, which is right only
+    where that launch is the chunk kernel (it waits before it reads): decode_join_site names the site for the decode
+    step's inputs as they come, and none where sparse_decode would copy an input first (a torch launch that does not
+    wait: q or the window rows strided, the indices not contiguous) or the twin runs (fp32 q)."""
+    g = gen(17)
+    B, H, D, W = 2, 64, 512, 128
+    q = randn(B, H, D, g=g, dtype=BF16)
+    win = randn(B, W, D, g=g, dtype=BF16)
+    ext = randn(B, 300, D, g=g, dtype=BF16)
+    idx = torch.zeros(B, 512, dtype=torch.long, device=DEV)
+    sink, p, f = randn(H, g=g), positions(5, 9), freqs(4)
+    assert FUSED.decode_join_site(q, win, p, ext, idx, sink, f, EPS) == "attn"
+    assert FUSED.decode_join_site(q, win, p, ext, None, sink, f, None) == "attn"
+    wide = randn(B, H, D + 64, g=g, dtype=BF16)[..., :D]  # a strided q: sparse_decode copies it first
+    assert FUSED.decode_join_site(wide, win, p, ext, idx, sink, f, EPS) is None
+    assert FUSED.decode_join_site(q, win, p, ext, torch.zeros(512, B, dtype=torch.long, device=DEV).t(), sink, f,
+                                  EPS) is None
+    assert FUSED.decode_join_site(q.float(), win, p, ext, idx, sink, f, EPS) is None
+    odd = randn(B, W, D + 4, g=g, dtype=BF16)[..., :D]  # rows 8-byte aligned only: copied
+    assert FUSED.decode_join_site(q, odd, p, ext, idx, sink, f, EPS) is None
 
 
 def test_xcombine_diagnostic_zeroes_the_output(monkeypatch):

@@ -50,6 +50,8 @@ def test_programmatic_join_sites_are_opt_in(monkeypatch):
     assert side_stream.programmatic_sites() == set(side_stream.PJOIN_SITES)
     monkeypatch.setenv("DS4_PJOIN", "nope,moe")
     assert side_stream.programmatic_sites() == {"moe"}
+    monkeypatch.setenv("DS4_PJOIN", "attn,moe")
+    assert side_stream.programmatic_sites() == {"moe", "attn"} == set(side_stream.PJOIN_SITES)
     side_stream.Branch(None, torch.device("cpu")).join("moe")
 
 

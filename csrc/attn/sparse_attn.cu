@@ -60,38 +60,9 @@ static size_t sparse_smem(int D) {
   return (size_t)(SP_KC + 16) * (D + 8) * sizeof(uint16_t) + (size_t)(SP_WARPS + 1) * SP_SFRAG * sizeof(float4);
 }
 
-// Decode mode: whether split c of row b (its chunks c, c + nsplit, ... of SP_KC keys) holds a key the chunk kernel
-// finds valid, by its rows' rule (window slot k <= pos; compressed entry 0 <= e < n_vis): the combine's candidates.
-// The selected entries' indices are loaded 8 at a time, all before any is tested (one round trip per 8, not per key).
-__device__ bool split_has_key(const SparseArgs& a, int b, int c, int nsplit, long pos_b, long n_vis) {
-  const int total = a.K + a.P;
-  bool any = false;
-  for (int key0 = c * SP_KC; key0 < total && !any; key0 += nsplit * SP_KC) {
-    if (key0 < a.K) any = key0 <= pos_b;  // the chunk's window rows: its lowest slot decides
-    const int lo = max(key0, a.K), hi = min(key0 + SP_KC, total);
-    if (a.sel_idx == nullptr) {
-      any = any || (lo < hi && lo - a.K < n_vis);  // entries lo - K, ...: the lowest decides
-    } else {
-      for (int i0 = lo; i0 < hi && !any; i0 += 8) {
-        long e[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) e[u] = i0 + u < hi ? a.sel_idx[(long)b * a.si_b + i0 + u - a.K] : -1;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) any = any || (e[u] >= 0 && e[u] < n_vis);
-      }
-    }
-  }
-  return any;
-}
-
-// flat (decode mode; DS4_SPARSE_FLAT, launch_sparse_attn): the first chunk's loads that need nothing else go out
-// together, after the q copies - the position, the selected entries' indices and the window rows (a ring slot is its
-// row) - and a window row's validity is applied once the position has arrived (an invalid row's copy zeroed in shared
-// memory). Before, the position was loaded and used first, then the indices, then the rows: three dependent round
-// trips on a CSA layer's path, two on the others', where this takes two and one.
 template <bool SLICE>  // D == SP_WARPS * 64 (V4's 512): each warp's output slice stays in registers
 __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
-                                                                  float* __restrict__ ml, bool flat) {
+                                                                  float* __restrict__ ml) {
   DS4_MARK(0);
   ds4_pdl::begin();
   extern __shared__ __align__(16) uint16_t ks[];   // [SP_KC][D + 8] keys (= values), [16][D + 8] q, S partials
@@ -114,9 +85,15 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
     const bool okq = mt * 16 + h < H;
     cp_async16_zfill(qs + h * LD + v * 8, q + (okq ? (long)h * D + v * 8 : 0), okq);
   }
-  const long pos_b = a.pos ? a.pos[b] : 0;  // (not used before the first chunk's loads have gone out)
+  const long pos_b = a.pos ? a.pos[b] : 0;
   __shared__ float2 s_rot[SP_MAX_ROPE / 2];  // q_prep: (cos, sin) of the RoPE pairs at pos_b, same for all heads
-  bool rot_ready = !a.q_prep;                 // s_rot is written once, while the first chunk's copies fly
+  if (a.q_prep)
+    for (int i = threadIdx.x; i < a.R / 2; i += SP_THREADS) {
+      float sn, cs;
+      sincosf((float)pos_b * a.freqs[i], &sn, &cs);
+      s_rot[i] = make_float2(cs, sn);
+    }
+  const long n_vis = a.pos ? (pos_b + 1) / a.ratio : 0;
   const int h0 = mt * 16 + g, h1 = h0 + 8;
   const long mlbase = ((long)r * nsplit + split) * H;
   float* orow0 = opart + (mlbase + h0) * D;  // the block's partial output rows (h0 / h1 < H)
@@ -130,24 +107,7 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
   for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   bool q_ready = false;  // q normalised and rotated (q_prep), at the first chunk with a valid key
   for (int key0 = split * SP_KC; key0 < total; key0 += nsplit * SP_KC) {
-    // ---- keys: warp w loads rows w, w + 8, ..., 16 B per lane. First what needs nothing: the selected entries'
-    // indices (decode mode) and, flat, the window rows' copies; then each row's validity and the other rows' copies.
-    long ent[SP_ROWS_PER_WARP];  // decode mode: a compressed row's entry
-    bool pre[SP_ROWS_PER_WARP];  // flat: a window row copied before its validity is known
-#pragma unroll
-    for (int i = 0; i < SP_ROWS_PER_WARP; ++i) {
-      const int idx = key0 + warp + SP_WARPS * i, j = warp + SP_WARPS * i;
-      ent[i] = idx - a.K;
-      if (a.pos && a.sel_idx && idx >= a.K && idx < total) ent[i] = a.sel_idx[(long)b * a.si_b + idx - a.K];
-      pre[i] = flat && a.pos && idx < a.K;
-      if (pre[i]) {
-        const uint16_t* row = static_cast<const uint16_t*>(a.kv) + (long)b * a.kv_b + (long)idx * a.kv_r;
-        for (int v = lane; v < vec_per_row; v += 32) cp_async16_zfill(ks + j * LD + v * 8, row + v * 8, true);
-      }
-    }
-    long pb = pos_b;
-    asm volatile("" : "+l"(pb));  // keeps pb's uses (n_vis's division) after the copies above (no hoisting)
-    const long n_vis = a.pos ? (pb + 1) / a.ratio : 0;
+    // ---- keys: warp w loads rows w, w + 8, ... (row sources first, so the index loads overlap), 16 B per lane
     const uint16_t* src[SP_ROWS_PER_WARP];
     bool ok[SP_ROWS_PER_WARP];
 #pragma unroll
@@ -156,12 +116,12 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
       src[i] = nullptr;
       ok[i] = false;
       if (idx < a.K) {
-        ok[i] = a.pos ? idx <= pb : a.valid[(long)b * a.valid_b + (long)s * a.valid_s + idx] != 0;
+        ok[i] = a.pos ? idx <= pos_b : a.valid[(long)b * a.valid_b + (long)s * a.valid_s + idx] != 0;
         src[i] = static_cast<const uint16_t*>(a.kv) + (long)b * a.kv_b + (long)idx * a.kv_r;
       } else if (idx < total) {
         const int p = idx - a.K;
         if (a.pos) {
-          const long e = ent[i];
+          const long e = a.sel_idx ? a.sel_idx[(long)b * a.si_b + p] : p;
           ok[i] = e >= 0 && e < n_vis;
           src[i] = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (ok[i] ? e : 0) * a.sel_r;
         } else {
@@ -170,34 +130,18 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
         }
       }
     }
-    // the other rows' copies all go out before any lands (cp.async: no register per copy; invalid rows zero-filled)
+    // the rows' copies all go out before any lands (cp.async: no register per copy; invalid rows zero-filled)
     int any = 0;
     const uint16_t* valid_src = static_cast<const uint16_t*>(a.kv);
 #pragma unroll
     for (int i = 0; i < SP_ROWS_PER_WARP; ++i) {
       const int j = warp + SP_WARPS * i;
-      if (!pre[i])
-        for (int v = lane; v < vec_per_row; v += 32)
-          cp_async16_zfill(ks + j * LD + v * 8, ok[i] ? src[i] + v * 8 : valid_src, ok[i]);
+      for (int v = lane; v < vec_per_row; v += 32)
+        cp_async16_zfill(ks + j * LD + v * 8, ok[i] ? src[i] + v * 8 : valid_src, ok[i]);
       if (lane == 0) kval[j] = ok[i] ? 1 : 0;
       any |= ok[i] ? 1 : 0;
     }
-    if (!rot_ready) {  // the RoPE table, while the copies fly
-      for (int i = threadIdx.x; i < a.R / 2; i += SP_THREADS) {
-        float sn, cs;
-        sincosf((float)pb * a.freqs[i], &sn, &cs);
-        s_rot[i] = make_float2(cs, sn);
-      }
-      rot_ready = true;
-    }
     cp_async_wait_all();
-    // a window row copied before its validity was known and found invalid: zeros, as the zero-filled copy gives (P.V
-    // multiplies its p = 0 by it, and a ring slot not yet written may hold NaN). Each lane zeroes the pieces it copied.
-#pragma unroll
-    for (int i = 0; i < SP_ROWS_PER_WARP; ++i)
-      if (pre[i] && !ok[i])
-        for (int v = lane; v < vec_per_row; v += 32)
-          *reinterpret_cast<uint4*>(ks + (warp + SP_WARPS * i) * LD + v * 8) = make_uint4(0u, 0u, 0u, 0u);
     any = __syncthreads_or(any);
     if (!any) continue;  // nothing read this chunk's rows; the barrier above ordered every thread's use of them
     if (a.q_prep && !q_ready) {  // head_rope on the block's 16 heads, in shared memory (warp per head), once
@@ -401,86 +345,47 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
 // has completed by then (this launch starts only after every chunk block passed its own wait, i.e. after the
 // launch before the chunk kernel completed, and the finish comes earlier still), and comb is read only at the
 // site's end (wo_b's hc fold epilogue or hc.post, launches after this one's completion).
-// FLAT (decode mode; DS4_SPARSE_FLAT, launch_sparse_attn): one dependent round of loads after the wait, not two. The
-// candidate splits - those holding a valid key, split_has_key - are found BEFORE the PDL wait from the position (written
-// at the step's start) and the top-k indices (written before the chunk kernel's wait returned, and this launch starts
-// only after every chunk block passed that wait); after it the candidates' (max, sum) pairs and the first CU
-// candidates' partial outputs are loaded together. A candidate whose max is -inf is skipped as the other form skips
-// it, so the splits, the arithmetic and its order are the same: the same bits.
-template <bool FLAT>
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                       const float* __restrict__ sink, int nsplit, int H, int D,
                                       const int64_t* __restrict__ pos, const float* __restrict__ freqs, int R,
-                                      __nv_bfloat16* __restrict__ out, const ds4::SinkhornRide ride,
-                                      const SparseArgs a) {
-  extern __shared__ float2 s_ml[];  // [nsplit] (max, sum) pairs, then int [nsplit]: the valid splits / candidates
+                                      __nv_bfloat16* __restrict__ out, const ds4::SinkhornRide ride) {
+  extern __shared__ float2 s_ml[];  // [nsplit] (max, sum) of each split, then int [nsplit]: the valid splits
   int* s_valid = reinterpret_cast<int*>(s_ml + nsplit);
   __shared__ int s_nvalid;
   if (ride.comb != nullptr && blockIdx.x == 0 && threadIdx.x == 0) ds4::sinkhorn_ride(ride, blockIdx.y);
+  ds4_pdl::begin();
   const int h = blockIdx.x, r = blockIdx.y, lane = threadIdx.x & 31;
   const float2* mlh = reinterpret_cast<const float2*>(ml) + (long)r * nsplit * H + h;  // split c at mlh[c * H]
-  // before the wait: a weight, the position (an input of the step) and the frequencies
+  for (int c = threadIdx.x; c < nsplit; c += blockDim.x) s_ml[c] = mlh[(long)c * H];
   const float sk = sink[h];
   const int d0 = threadIdx.x * 4;  // this thread's first 4 output dims
   const bool rot = R > 0 && d0 < D && d0 >= D - R;
   const float fpos = R > 0 ? (float)pos[r] : 0.f;  // for every thread: a later pass of d may reach the RoPE dims
   float fr[2] = {0.f, 0.f};
   if (rot) { fr[0] = freqs[(d0 - (D - R)) / 2]; fr[1] = freqs[(d0 + 2 - (D - R)) / 2]; }
-  if constexpr (FLAT) {  // the candidates in increasing order, by one warp (not warp 0 where it has company: its
-    // thread 0 may be riding)
-    if ((int)(threadIdx.x >> 5) == (blockDim.x >= 64 ? 1 : 0)) {
-      const long pos_b = a.pos[r], n_vis = (pos_b + 1) / a.ratio;
-      int n = 0;
-      for (int c0 = 0; c0 < nsplit; c0 += 32) {
-        const int c = c0 + lane;
-        const bool v = c < nsplit && split_has_key(a, r, c, nsplit, pos_b, n_vis);
-        const unsigned bal = __ballot_sync(0xffffffffu, v);
-        if (v) s_valid[n + __popc(bal & ((1u << lane) - 1u))] = c;
-        n += __popc(bal);
-      }
-      if (lane == 0) s_nvalid = n;
+  __syncthreads();
+  if (threadIdx.x < 32) {  // the valid splits in increasing order (warp 0: a ballot per 32 splits)
+    int n = 0;
+    for (int c0 = 0; c0 < nsplit; c0 += 32) {
+      const int c = c0 + lane;
+      const bool v = c < nsplit && s_ml[c].x != -INFINITY;
+      const unsigned b = __ballot_sync(0xffffffffu, v);
+      if (v) s_valid[n + __popc(b & ((1u << lane) - 1u))] = c;
+      n += __popc(b);
     }
-    __syncthreads();
+    if (lane == 0) s_nvalid = n;
   }
-  ds4_pdl::begin();
-  if constexpr (FLAT) {  // the candidates' pairs, s_ml[i] for candidate i (their partial outputs go out beside them)
-    for (int i = threadIdx.x; i < s_nvalid; i += blockDim.x) s_ml[i] = mlh[(long)s_valid[i] * H];
-  } else {  // every split's pair, s_ml[c]; then the valid ones (max > -inf) in increasing order (warp 0's ballots)
-    for (int c = threadIdx.x; c < nsplit; c += blockDim.x) s_ml[c] = mlh[(long)c * H];
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      int n = 0;
-      for (int c0 = 0; c0 < nsplit; c0 += 32) {
-        const int c = c0 + lane;
-        const bool v = c < nsplit && s_ml[c].x != -INFINITY;
-        const unsigned bal = __ballot_sync(0xffffffffu, v);
-        if (v) s_valid[n + __popc(bal & ((1u << lane) - 1u))] = c;
-        n += __popc(bal);
-      }
-      if (lane == 0) s_nvalid = n;
-    }
-    __syncthreads();
-  }
+  __syncthreads();
   const int nv = s_nvalid;
-  constexpr int CU = 8;  // valid splits whose partial outputs are loaded together (one L2 round trip)
-  auto part = [&](int i, int d) {  // valid split / candidate i's partial output at dims d..d+3
-    return *reinterpret_cast<const float4*>(opart + (((long)r * nsplit + s_valid[i]) * H + h) * D + d);
-  };
-  float4 v0[CU];  // the first CU's at this thread's first dims
-#pragma unroll
-  for (int u = 0; u < CU; ++u) v0[u] = u < nv && d0 < D ? part(u, d0) : make_float4(0.f, 0.f, 0.f, 0.f);
-  if constexpr (FLAT) __syncthreads();  // s_ml
-  // pair i of the valid splits; a candidate whose max is -inf (no valid key after all) adds nothing, as the
-  // non-FLAT form leaves it out (fmaxf(M, -inf) = M; its L and output terms are skipped)
-  auto pair = [&](int i) { return FLAT ? s_ml[i] : s_ml[s_valid[i]]; };
   float M = sk;
-  for (int i = 0; i < nv; ++i) M = fmaxf(M, pair(i).x);
+  for (int i = 0; i < nv; ++i) M = fmaxf(M, s_ml[s_valid[i]].x);
   float L = expf(sk - M);
   for (int i = 0; i < nv; ++i) {
-    const float2 p = pair(i);
-    if (p.x != -INFINITY) L += p.y * expf(p.x - M);
+    const float2 p = s_ml[s_valid[i]];
+    L += p.y * expf(p.x - M);
   }
   const float inv = 1.f / L;
+  constexpr int CU = 8;  // valid splits whose partial outputs are loaded together (one L2 round trip)
   for (int d = d0; d < D; d += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int i0 = 0; i0 < nv; i0 += CU) {
@@ -491,13 +396,14 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
         w[u] = 0.f;
         v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (i0 + u < nv) {
-          w[u] = expf(pair(i0 + u).x - M);
-          v[u] = d == d0 && i0 == 0 ? v0[u] : part(i0 + u, d);
+          const int c = s_valid[i0 + u];
+          w[u] = expf(s_ml[c].x - M);
+          v[u] = *reinterpret_cast<const float4*>(opart + (((long)r * nsplit + c) * H + h) * D + d);
         }
       }
 #pragma unroll
       for (int u = 0; u < CU; ++u) {  // in split order, as one split at a time
-        if (i0 + u >= nv || pair(i0 + u).x == -INFINITY) continue;
+        if (i0 + u >= nv) continue;
         acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
       }
     }
@@ -540,10 +446,6 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   // combine's place, so what the step loses is the combine's loads and arithmetic
   const char* xc = std::getenv("DS4_X_COMBINE");
   const bool xcombine = xc && xc[0] == '1';
-  // flat (decode mode): the chunk kernel's first loads and the combine's in fewer dependent rounds (the kernels');
-  // DS4_SPARSE_FLAT=0 (read per launch; bench token noflat) keeps the rounds of session 60's kernels, for the A/B
-  const char* fl = std::getenv("DS4_SPARSE_FLAT");
-  const bool flat = a.pos != nullptr && !(fl && fl[0] == '0');
   if (!ds4::sinkhorn_ride_ok(ride, a.B) || (ride.comb != nullptr && (a.pos == nullptr || a.S != 1 || xcombine)))
     return cudaErrorInvalidValue;
   if (a.D < 64 || a.D % 64 || a.H < 1 || a.B < 1 || a.S < 1 || nsplit < 1) return cudaErrorInvalidValue;
@@ -561,7 +463,7 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
     if (e != cudaSuccess) return e;
   }
   cudaError_t e = ds4_pdl::launch(chunk, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS), smem, st, a,
-                                  nsplit, opart, ml, flat);
+                                  nsplit, opart, ml);
   if (e != cudaSuccess) return e;
   const int threads = a.D / 4 < 32 ? 32 : (a.D / 4 < 128 ? a.D / 4 : 128);  // warp 0 whole (its ballots)
   if (xcombine)
@@ -569,14 +471,13 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
                            static_cast<__nv_bfloat16*>(out), a.H, a.D);
   const size_t csmem = sparse_combine_smem(nsplit);
   if (csmem > 200 * 1024) return cudaErrorInvalidValue;
-  auto combine = flat ? sparse_combine_kernel<true> : sparse_combine_kernel<false>;
   if (csmem > 48 * 1024) {
-    e = cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)csmem);
+    e = cudaFuncSetAttribute(sparse_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)csmem);
     if (e != cudaSuccess) return e;
   }
-  return ds4_pdl::launch(combine, dim3(a.H, a.B * a.S), dim3(threads), csmem, st, static_cast<const float*>(opart),
-                         static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D, a.pos, a.freqs, a.R,
-                         static_cast<__nv_bfloat16*>(out), ride, a);
+  return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), csmem, st,
+                         static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
+                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out), ride);
 }
 
 }  // namespace ds4_attn

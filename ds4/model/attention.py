@@ -326,9 +326,13 @@ class Attention(WeightsModule):
         if merged:  # scores and top-k in line (measured the same as in their own branch: bench token noidxm)
             with self.prof("attn.indexer"):
                 idx = indexer_select(qi.unflatten(-1, (self.indexer.n_heads, a.index_head_dim)), self.freqs)
-        for br in branches:
-            br.join()
         ext = st["ckv"] if self.compressor is not None else None
+        # DS4_PJOIN=attn (opt-in): the branches join the attention core's first launch by programmatic edges where
+        # the implementation says that launch waits before it reads their outputs (decode_join_site)
+        site_of = getattr(attn, "decode_join_site", None)
+        site = site_of(q, st["win"], pos, ext, idx, self.sink, self.freqs, eps) if site_of is not None else None
+        for br in branches:
+            br.join(site)
         with self.prof("attn.sparse"):
             o = attn.decode(q, st["win"], pos, ext, idx, self.m or 1, self.sink, self.scale, self.freqs, eps,
                             **({} if ride is None else {"ride": ride}))

@@ -183,12 +183,26 @@ class FusedCudaAttention:
             return self._ref.sparse(q, kv, valid, sel_kv, sel_valid, sink, scale)
         return kernels_attn.sparse_attn(q, kv, valid, sel_kv, sel_valid, sink, scale)
 
+    @staticmethod
+    def _decode_on_kernels(q: Tensor, win: Tensor, ext: Tensor | None, freqs: Tensor, q_norm_eps: float | None) -> bool:
+        """Whether decode runs the ds4 kernels (else the twin): by dtype and shape only."""
+        return (_cuda_bf16(q, win) and (ext is None or ext.dtype == BF16) and q.shape[-1] % 64 == 0
+                and (2 * freqs.numel()) % 4 == 0 and (q_norm_eps is None or 2 * freqs.numel() <= QPREP_MAX_ROPE))
+
+    def decode_join_site(self, q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None,
+                         sink: Tensor, freqs: Tensor, q_norm_eps: float | None) -> str | None:
+        """The join site of the branches joined right before decode (ds4.ops.side_stream; DS4_PJOIN=attn makes it
+        programmatic): "attn" where decode's first launch is the ds4 chunk kernel, which waits (PDL) before it reads
+        what the branches wrote; None where the twin runs or an input would be copied first (torch launches)."""
+        ok = (self._decode_on_kernels(q, win, ext, freqs, q_norm_eps) and sink.dtype == torch.float32
+              and sink.is_contiguous() and freqs.dtype == torch.float32 and freqs.is_contiguous()
+              and kernels_attn.sparse_decode_reads_in_place(q, win, pos, ext, ext_idx))
+        return "attn" if ok else None
+
     def decode(self, q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
                sink: Tensor, scale: float, freqs: Tensor, q_norm_eps: float | None = None, ride=None) -> Tensor:
         # ride (a SinkhornRide): the combine launch finishes the mHC Sinkhorn along the way, before its PDL wait
-        use = (_cuda_bf16(q, win) and (ext is None or ext.dtype == BF16) and q.shape[-1] % 64 == 0
-               and (2 * freqs.numel()) % 4 == 0 and (q_norm_eps is None or 2 * freqs.numel() <= QPREP_MAX_ROPE))
-        if not use:
+        if not self._decode_on_kernels(q, win, ext, freqs, q_norm_eps):
             o = self._ref.decode(q, win, pos, ext, ext_idx, ratio, sink, scale, freqs, q_norm_eps)
             if ride is not None:
                 ride.run()

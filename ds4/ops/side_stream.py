@@ -58,7 +58,9 @@ def programmatic_sites() -> set[str]:
     return set(PJOIN_SITES) if v == "all" else {t for t in v.split(",") if t in PJOIN_SITES}
 
 
-PJOIN_SITES = ("moe",)  # the routed MoE down kernel after the shared expert's branch (moe=fp4_topk)
+# moe: the routed MoE down kernel after the shared expert's branch (moe=fp4_topk); attn: the attention core's chunk
+# kernel after the window write's, the compressors' and the indexer's branches (attn=fused_cuda's decode_join_site)
+PJOIN_SITES = ("moe", "attn")
 _pjoins = 0  # programmatic joins made so far in this process (scripts/bench_decode.py reports them per variant)
 
 
