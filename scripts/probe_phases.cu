@@ -142,7 +142,7 @@ static void probe_sparse(int pos) {
   CK(cudaFuncSetAttribute(ds4_attn::sparse_chunk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   auto chunk = [&](int) {  // D = 512: the kernel form whose output slices stay in registers
     ds4_attn::sparse_chunk_kernel<true>
-        <<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml);
+        <<<dim3(nsplit, (H + 15) / 16, 1), ds4_attn::SP_THREADS, smem>>>(a, nsplit, opart, ml, false);
   };
   char name[64];
   std::snprintf(name, sizeof name, "sparse_chunk pos %d (%d splits)", pos, nsplit);

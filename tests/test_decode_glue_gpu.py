@@ -261,6 +261,39 @@ def test_decode_attention_combine_over_many_splits(monkeypatch, pos, cap):
     assert torch.isfinite(got).all() and rel(got, ref) <= TOL
 
 
+@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
+@pytest.mark.parametrize("pos", [(0, 5, 64), (126, 127, 128, 4000), (70000,)])
+def test_decode_attention_early_rows_give_the_same_bits(monkeypatch, kind, pos):
+    """DS4_ATTN_EARLY=1 (opt-in): the chunk kernel copies the first chunk's window slots but pos % W and visible
+    entries but the newest before its PDL wait; the same bits as without, the query's norm + RoPE in the kernel (its
+    table formed before the wait) and a Sinkhorn riding along, on both sides of the window's wrap."""
+    from ds4.ops.base import SinkhornRide
+    g = gen(61 + len(pos) + len(kind))
+    B, H, D, W = len(pos), 64, 512, 128
+    q = randn(B, H, D, g=g, dtype=BF16) * 7
+    win = randn(B, W, D, g=g, dtype=BF16, scale=0.3)
+    sink = randn(H, g=g)
+    ratio = {"swa": 1, "hca": 128, "csa": 4}[kind]
+    ext = idx = None
+    if kind != "swa":
+        ext = randn(B, 20000 if kind == "csa" else 600, D, g=g, dtype=BF16, scale=0.3)
+    if kind == "csa":
+        idx = torch.stack([torch.randperm(20000, device=DEV, generator=g)[:512] for _ in range(B)])
+        idx[:, :8] = torch.arange(8, device=DEV)
+    f = freqs(4 if kind == "csa" else 128 if kind == "hca" else 0)
+    logits = randn(B, 4, 4, g=g, scale=2.0)
+    outs, combs = [], []
+    for early in ("1", "0"):
+        monkeypatch.setenv("DS4_ATTN_EARLY", early)
+        comb = logits.clone()
+        poison()
+        outs.append(FUSED.decode(q, win, positions(*pos), ext, idx, ratio, sink, D ** -0.5, f, EPS,
+                                 ride=SinkhornRide(comb, 20, EPS)))
+        combs.append(comb)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(combs[0], combs[1])
+
+
 def test_decode_join_site_only_where_the_chunk_kernel_launches_first():
     """DS4_PJOIN=attn joins the attention branches to decode's first launch by programmatic edges, which is right only
     where that launch is the chunk kernel (it waits before it reads): decode_join_site names the site for the decode

@@ -60,11 +60,18 @@ static size_t sparse_smem(int D) {
   return (size_t)(SP_KC + 16) * (D + 8) * sizeof(uint16_t) + (size_t)(SP_WARPS + 1) * SP_SFRAG * sizeof(float4);
 }
 
+// early (decode mode; DS4_ATTN_EARLY=1, opt-in, read per launch): the position, the RoPE table and the first chunk's
+// rows that no launch of this step writes are taken BEFORE the PDL wait - every window slot but pos % K (the window
+// write's) and every visible compressed entry but the newest (the compressor step's), not the selected entries (their
+// indices come from the top-k). Safe whether the step's branches join the attention core by events (done before
+// this launch) or by programmatic edges (DS4_PJOIN=attn: still running, writing only those two rows); the position is
+// an input of the step (written at its start). Worth something only where the blocks are resident before the wait
+// returns (pja: launched while wq_b runs). Session 31's form (every row but the selected before the wait, events
+// only) measured no gain.
 template <bool SLICE>  // D == SP_WARPS * 64 (V4's 512): each warp's output slice stays in registers
 __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, int nsplit, float* __restrict__ opart,
-                                                                  float* __restrict__ ml) {
+                                                                  float* __restrict__ ml, bool early) {
   DS4_MARK(0);
-  ds4_pdl::begin();
   extern __shared__ __align__(16) uint16_t ks[];   // [SP_KC][D + 8] keys (= values), [16][D + 8] q, S partials
   __shared__ uint8_t kval[SP_KC];
   const int split = blockIdx.x, mt = blockIdx.y, r = blockIdx.z;
@@ -76,23 +83,50 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
   uint16_t* qs = ks + SP_KC * LD;
   float* spart = reinterpret_cast<float*>(qs + 16 * LD);
 
+  const int vec_per_row = D / 8;
+  __shared__ float2 s_rot[SP_MAX_ROPE / 2];  // q_prep: (cos, sin) of the RoPE pairs at pos_b, same for all heads
+  auto rope_table = [&](long p) {
+    if (a.q_prep)
+      for (int i = threadIdx.x; i < a.R / 2; i += SP_THREADS) {
+        float sn, cs;
+        sincosf((float)p * a.freqs[i], &sn, &cs);
+        s_rot[i] = make_float2(cs, sn);
+      }
+  };
+  long pos_b = 0;
+  bool pre[SP_ROWS_PER_WARP];  // early: the first chunk's rows copied before the wait
+#pragma unroll
+  for (int i = 0; i < SP_ROWS_PER_WARP; ++i) pre[i] = false;
+  if (early) {
+    pos_b = a.pos[b];
+    const long vis = (pos_b + 1) / a.ratio;
+#pragma unroll
+    for (int i = 0; i < SP_ROWS_PER_WARP; ++i) {
+      const int idx = split * SP_KC + warp + SP_WARPS * i, j = warp + SP_WARPS * i;
+      const uint16_t* row = nullptr;
+      if (idx < a.K && idx <= pos_b && idx != pos_b % a.K)
+        row = static_cast<const uint16_t*>(a.kv) + (long)b * a.kv_b + (long)idx * a.kv_r;
+      else if (idx >= a.K && idx < total && a.sel_idx == nullptr && idx - a.K < vis - 1)
+        row = static_cast<const uint16_t*>(a.sel) + (long)b * a.sel_b + (long)(idx - a.K) * a.sel_r;
+      pre[i] = row != nullptr;
+      if (pre[i])
+        for (int v = lane; v < vec_per_row; v += 32) cp_async16_zfill(ks + j * LD + v * 8, row + v * 8, true);
+    }
+    rope_table(pos_b);
+  }
+  ds4_pdl::begin();
   // ---- the tile's 16 query heads (rows >= H zeroed): their copies go out first (cp.async, no registers), and land
   // with the first chunk's keys
-  const int vec_per_row = D / 8;
   const uint16_t* q = static_cast<const uint16_t*>(a.q) + ((long)r * H + mt * 16) * D;
   for (int i = threadIdx.x; i < 16 * vec_per_row; i += SP_THREADS) {
     const int h = i / vec_per_row, v = i % vec_per_row;
     const bool okq = mt * 16 + h < H;
     cp_async16_zfill(qs + h * LD + v * 8, q + (okq ? (long)h * D + v * 8 : 0), okq);
   }
-  const long pos_b = a.pos ? a.pos[b] : 0;
-  __shared__ float2 s_rot[SP_MAX_ROPE / 2];  // q_prep: (cos, sin) of the RoPE pairs at pos_b, same for all heads
-  if (a.q_prep)
-    for (int i = threadIdx.x; i < a.R / 2; i += SP_THREADS) {
-      float sn, cs;
-      sincosf((float)pos_b * a.freqs[i], &sn, &cs);
-      s_rot[i] = make_float2(cs, sn);
-    }
+  if (!early) {
+    pos_b = a.pos ? a.pos[b] : 0;
+    rope_table(pos_b);
+  }
   const long n_vis = a.pos ? (pos_b + 1) / a.ratio : 0;
   const int h0 = mt * 16 + g, h1 = h0 + 8;
   const long mlbase = ((long)r * nsplit + split) * H;
@@ -136,8 +170,9 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
 #pragma unroll
     for (int i = 0; i < SP_ROWS_PER_WARP; ++i) {
       const int j = warp + SP_WARPS * i;
-      for (int v = lane; v < vec_per_row; v += 32)
-        cp_async16_zfill(ks + j * LD + v * 8, ok[i] ? src[i] + v * 8 : valid_src, ok[i]);
+      if (!(pre[i] && key0 == split * SP_KC))  // (a row copied before the wait: valid, its copy in flight)
+        for (int v = lane; v < vec_per_row; v += 32)
+          cp_async16_zfill(ks + j * LD + v * 8, ok[i] ? src[i] + v * 8 : valid_src, ok[i]);
       if (lane == 0) kval[j] = ok[i] ? 1 : 0;
       any |= ok[i] ? 1 : 0;
     }
@@ -462,8 +497,10 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
     cudaError_t e = cudaFuncSetAttribute(chunk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
+  const char* ea = std::getenv("DS4_ATTN_EARLY");  // (the kernel's `early`; read per launch, opt-in)
+  const bool early = a.pos != nullptr && a.S == 1 && ea && ea[0] == '1';
   cudaError_t e = ds4_pdl::launch(chunk, dim3(nsplit, (a.H + 15) / 16, a.B * a.S), dim3(SP_THREADS), smem, st, a,
-                                  nsplit, opart, ml);
+                                  nsplit, opart, ml, early);
   if (e != cudaSuccess) return e;
   const int threads = a.D / 4 < 32 ? 32 : (a.D / 4 < 128 ? a.D / 4 : 128);  // warp 0 whole (its ballots)
   if (xcombine)
