@@ -20,7 +20,8 @@ run() {  # name limit pytest-args...
   grep -hE "^FAILED|^ERROR|Error:" "$OUT/$name.log" | head -8
 }
 run site 90 tests/test_decode_glue_gpu.py tests/test_capture_join_gpu.py -k "join or early"
-run graph_tiny 120 tests/test_gpu_e2e.py -k "1000_steps and (programmatic_join or fused])"
+E2E=tests/test_gpu_e2e.py::test_cuda_graph_matches_eager_1000_steps
+DS4_ATTN_EARLY=1 run graph_tiny 120 "$E2E[fused-programmatic_join]" "$E2E[fused]"
 DS4_PJOIN=attn DS4_ATTN_EARLY=1 run graph_small 150 tests/test_gpu_e2e.py -k "1000_steps_on_small and one_graph"
 V=kernels+fused+graph+cap8192
 left=$(( 580 - $(el) ))
