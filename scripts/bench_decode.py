@@ -11,7 +11,8 @@ Writes JSON (rank 0) to --out. --experts ep,tp
 loads the weights once per routed-expert layout over the ranks (parallel.experts, default tp) and names the
 rows of a layout other than tp VARIANT@LAYOUT (session 16's run 3 printed the opposite: its suffix was @tp).
 --shared replicate,tp does the same for the shared expert's layout (parallel.shared_expert; rows of tp named
-VARIANT@shtp).
+VARIANT@shtp). After each model load an untimed pass of the first variant runs first (since session 62;
+--no-warm-pass: none, as before; planned_passes says why).
 
 Variants are '+'-joined tokens: ref (torch/dequant everywhere), kernels (linear=gemv_cuda,
 moe=fp4_topk), fused (attn/indexer/hc=fused_cuda), graph (runtime=cuda_graph), bf16 (reduce=bf16),
@@ -172,6 +173,15 @@ def repeat_names(variants: list[str]) -> list[str]:
         seen[v] = seen.get(v, 0) + 1
         out.append(v if seen[v] == 1 else f"{v}#{seen[v]}")
     return out
+
+
+def planned_passes(variants: list[str], warm: bool) -> list[tuple[str, str | None]]:
+    """(variant, row name) of each pass after a model load, in order: with warm, first an untimed pass of the first
+    variant (row name None: printed, not recorded). Why: on an H100 (session 62, four processes) the first pass after
+    the 12-layer load ran 0.010-0.011 ms slower than later passes of the same variant (about 1.3 us per layer of
+    slope), so whichever variant was listed first carried that; on an H200 (session 60) the first pass was not
+    slower."""
+    return ([(variants[0], None)] if warm else []) + list(zip(variants, repeat_names(variants)))
 
 
 def _set_or_unset(name: str, value: str | None) -> None:
@@ -481,6 +491,9 @@ def main():
     ap.add_argument("--experts", default="tp",
                     help="comma list of routed-expert layouts over the ranks (parallel.experts: tp, the default, "
                          "or ep); each loads the weights once more, its rows named VARIANT@LAYOUT (tp: no suffix)")
+    ap.add_argument("--warm-pass", action=argparse.BooleanOptionalAction, default=True,
+                    help="an untimed pass of the first variant after each model load, before the recorded ones "
+                         "(planned_passes says why)")
     ap.add_argument("--shared", default="replicate",
                     help="comma list of shared-expert layouts (parallel.shared_expert: replicate, the default, or tp); "
                          "each loads the weights once more, rows of tp named VARIANT@shtp")
@@ -507,13 +520,17 @@ def main():
                                               include_mtp=False, experts=lay, shared=sh))
             load_s = time.perf_counter() - t0
             prompt = [(13 * i + 7) % args.vocab_size for i in range(a.prompt_len)]
-            variants = a.variants.split(",")
-            for v, vname in zip(variants, repeat_names(variants)):
-                name = vname + ("" if lay == "tp" else f"@{lay}") + ("" if sh == "replicate" else f"@sh{sh}")
+            for v, vname in planned_passes(a.variants.split(","), a.warm_pass):
                 try:
                     r = run_variant(model, v, prompt, a.new_tokens, bw, e.world)
                 except (ImplUnavailable, RuntimeError, ValueError) as err:
                     r = {"variant": v, "error": f"{type(err).__name__}: {err}"}
+                if vname is None:  # the warm pass: said, not recorded
+                    if e.rank == 0:
+                        print(f"warm pass ({n} layers, not recorded): {v} " +
+                              (f"TPOT {r['tpot_ms']:.3f} ms" if "tpot_ms" in r else r.get("error", "")), flush=True)
+                    continue
+                name = vname + ("" if lay == "tp" else f"@{lay}") + ("" if sh == "replicate" else f"@sh{sh}")
                 r.update(variant=name, experts=lay, shared_expert=sh, n_layers=n, world=e.world, weights_s=load_s)
                 rows.append(r)
                 if e.rank == 0:

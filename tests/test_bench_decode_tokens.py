@@ -52,6 +52,14 @@ def test_repeated_variants_get_rows_of_their_own():
     assert names == ["k+graph", "k+graph+spg", "k+graph#2", "k+graph+rd4", "k+graph#3"]
 
 
+def test_warm_pass_runs_the_first_variant_unrecorded():
+    """--warm-pass (the default): after each model load an untimed pass of the first variant (row name None), then
+    the listed passes with their row names; --no-warm-pass: the listed ones alone."""
+    bd = _bench_decode()
+    assert bd.planned_passes(["a", "b", "a"], True) == [("a", None), ("a", "a"), ("b", "b"), ("a", "a#2")]
+    assert bd.planned_passes(["a", "b"], False) == [("a", "a"), ("b", "b")]
+
+
 def test_xshared_diagnostic_launches_no_shared_expert():
     """bench_decode's xshared (timing only): the MoE implementation's shared_up returns zeros in line."""
     from ds4.ops.moe_cuda import Fp4TopkMoE
