@@ -60,9 +60,9 @@ with the FP8 projections in the stored layout, as notile8),
 pj (DS4_PJOIN=moe: the shared expert's branch joins the routed down kernel by programmatic edges, so that kernel
 may launch and start its weight loads before the shared down drains; ds4.ops.side_stream.Branch.join), pja
 (DS4_PJOIN=attn: the attention branches — window write, compressors, indexer — join the attention core's chunk
-kernel so, which may then launch while wq_b runs; with pj both sites), early (DS4_ATTN_EARLY=1: the chunk
-kernel takes the position, its RoPE table and the first chunk's rows that no launch of the step writes before its PDL
-wait; opt-in, meant with pja),
+kernel by programmatic edges too, so that it may launch while wq_b runs; with pj both sites), early
+(DS4_ATTN_EARLY=1: the chunk kernel takes the position, its RoPE table and the first chunk's rows that no launch of
+the step writes before its PDL wait; opt-in, meant with pja),
 late (DS4_LATE_COMPRESS=1: a captured graph per compressor phase, where layers whose window does not end at the
 step join their compressor branches after the output projection instead of before the attention core; opt-in,
 measured no faster in session 28; ds4.runtime.cuda_graph),
@@ -221,8 +221,8 @@ PLAIN_TOKENS = frozenset({
     "ref", "kernels", "fused", "wobf16", "graph", "qat", "aqtorch", "aqstaged", "ixqtorch", "nopack", "notile", "tile",
     "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8", "k2048", "w1", "w2", "w4", "smem",
     "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf", "kroute", "nohcr", "hcq", "pj", "late",
-    "pja", "early", "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack",
-    "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
+    "pja", "early", "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip", "arf", "arfnp",
+    "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
 NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
 TP_ONLY_TOKENS = frozenset({"bf16", "ll", "symm", "arf", "arfnp", "arfpack", "xar"})  # nothing to reduce at world 1
 
