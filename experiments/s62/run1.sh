@@ -3,6 +3,8 @@
 # noflat = the form before). Build (the phase probe compiles beside it), the tests that cover the two kernels
 # (bits flat vs not, the torch twin, the 1000-step graph-vs-eager on small), the slope A/B alternating in one process,
 # then the probe's per-kernel times (flat 0 / 1, inputs L2-resident). Logs and summary.txt in $OUT.
+# It ran at 3aa6d85. The flat form was reverted after it (experiments/s62_attempts/attn_flat_rounds.diff), so on a
+# later tree its noflat token is unknown and its bits test absent.
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16
