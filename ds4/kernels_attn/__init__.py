@@ -208,14 +208,17 @@ def indexer_select(q: Tensor, w: Tensor, keys: Tensor, k: int, pos: Tensor, rati
                                  rope_freqs, bool(q_fp4))
 
 
-def sparse_decode_reads_in_place(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None,
-                                  ext_idx: Tensor | None) -> bool:
-    """Whether sparse_decode takes q, win, pos, ext and ext_idx where they are (no copy launched before its
-    kernels): then its first launch is the chunk kernel, which waits (PDL) before it reads anything, so the branches
-    that wrote them may join it by programmatic edges (ds4.ops.side_stream.Branch.join). A copy in between would
-    take those edges instead, and, launched without that wait, would not pass their wait on to the chunk kernel."""
+def sparse_decode_reads_in_place(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None,
+                                  sink: Tensor, freqs: Tensor | None) -> bool:
+    """Whether sparse_decode takes its tensors where they are (none of its conversions below launches a copy before
+    its kernels): then its first launch is the chunk kernel, which waits (PDL) before it reads anything, so the
+    branches that wrote them may join it by programmatic edges (ds4.ops.side_stream.Branch.join). A copy in between
+    would take those edges instead, and, launched without that wait, would not pass their wait on to the chunk kernel."""
+    def f32(t: Tensor) -> bool:
+        return t.dtype == torch.float32 and t.is_contiguous()
     return (q.is_contiguous() and q.data_ptr() % 16 == 0 and _rows_ok(win) is win and pos.is_contiguous()
-            and (ext is None or _rows_ok(ext) is ext) and (ext_idx is None or ext_idx.is_contiguous()))
+            and (ext is None or _rows_ok(ext) is ext) and (ext_idx is None or ext_idx.is_contiguous())
+            and f32(sink) and (freqs is None or f32(freqs)))
 
 
 def sparse_decode(q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,

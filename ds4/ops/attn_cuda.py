@@ -194,9 +194,8 @@ class FusedCudaAttention:
         """The join site of the branches joined right before decode (ds4.ops.side_stream; DS4_PJOIN=attn makes it
         programmatic): "attn" where decode's first launch is the ds4 chunk kernel, which waits (PDL) before it reads
         what the branches wrote; None where the twin runs or an input would be copied first (torch launches)."""
-        ok = (self._decode_on_kernels(q, win, ext, freqs, q_norm_eps) and sink.dtype == torch.float32
-              and sink.is_contiguous() and freqs.dtype == torch.float32 and freqs.is_contiguous()
-              and kernels_attn.sparse_decode_reads_in_place(q, win, pos, ext, ext_idx))
+        ok = (self._decode_on_kernels(q, win, ext, freqs, q_norm_eps)
+              and kernels_attn.sparse_decode_reads_in_place(q, win, pos, ext, ext_idx, sink, freqs))
         return "attn" if ok else None
 
     def decode(self, q: Tensor, win: Tensor, pos: Tensor, ext: Tensor | None, ext_idx: Tensor | None, ratio: int,
