@@ -1,0 +1,240 @@
+// Probe (sm_80+, no torch): the one-token FP4 product on the integer pipe (IDP4A) instead of BF16 mma.sync.
+//
+// Why: session 49's probe (experiments/decode_session49_h200.md §3) put the routed top-6's FP4 arithmetic alone at
+// 16.1 + 9.7 us (gate+up + down), above their bytes' floor (12.6 + 6.3 us at 4.25 TB/s); the MMAs with their fragment
+// loads take 10.4 of the 16.1 (one token uses 1 of the MMA's 8 columns, each MMA waits on its accumulator) and the
+// decode 3.7. Here the weights stay plain E2M1 bytes (low nibble first, as stored) and are never decoded to floats:
+// 2 x E2M1 is an integer in [-12, 12], so with the activations as int8 per 32-value block (scale amax / 127) a
+// block's dot product is exact in int32. One PRMT looks 4 nibbles up in the magnitude table {0,1,2,3,4,6,8,12}; its
+// selector's top bit (the E2M1 sign) makes PRMT write 0 instead (sign replicate of a byte < 128), so
+//   dot = dp4a(prmt(w), x) - dp4a(prmt(w ^ 0x88888888), x)
+// takes 11 integer instructions per 8 weights (2 shifts, 1 LOP3, 4 PRMT, 4 IDP4A) on short-latency pipes, with
+// independent accumulators per row. ACT16: the activations as 16-bit per block (hi int8, lo uint8; 8 IDP4A per 8
+// weights) — closer to BF16 than int8 is. Not a ds4 option: a measurement of the arithmetic's cost.
+// (__byte_perm ignores the selector's sign bit — experiments/kernels_h200.md — so prmt is inline PTX here.)
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_dp4a.cu -o /tmp/probe_dp4a && /tmp/probe_dp4a
+//
+// Per shape (the routed top-6 gate+up 24576 x 4096 and down 4096 x 12288, as probe_bulk.cu): the library's
+// register-stream tensor-core kernel (gemv_mma_kernel<FMT_FP4T>) at its depths, then the IDP4A kernel's forms, timed
+// on the same bytes (weights rotated through more than L2; "L2" rows: every warp reads the first 256 rows, so the
+// arithmetic with its weights in L2). Checks (copy 0, the bytes read as plain E2M1 with this probe's scale order):
+// rel L2 against a double-precision host product with the same quantized activations (the arithmetic: ~1e-7), and
+// against the bf16 activations (what the quantization costs).
+#include "../csrc/gemv.cu"
+#include "../csrc/moe.cu"
+#include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
+#include "probe_gemv.cuh"
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace idp {
+
+constexpr int THREADS = 256;
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+constexpr uint32_t TAB_LO = 0x03020100u, TAB_HI = 0x0C080604u;  // 2 x |E2M1| for codes 0..7
+
+// One word of 8 E2M1 weights (k = 8j .. 8j+7) against x words x0 (k 8j..8j+3) and x1: the positive and the negative
+// weights' int32 sums.
+__device__ __forceinline__ void word8(uint32_t w, int x0, int x1, int& ap, int& an) {
+  const uint32_t wn = w ^ 0x88888888u;
+  ap = __dp4a((int)prmt(TAB_LO, TAB_HI, w), x0, ap);
+  ap = __dp4a((int)prmt(TAB_LO, TAB_HI, w >> 16), x1, ap);
+  an = __dp4a((int)prmt(TAB_LO, TAB_HI, wn), x0, an);
+  an = __dp4a((int)prmt(TAB_LO, TAB_HI, wn >> 16), x1, an);
+}
+__device__ __forceinline__ void word8u(uint32_t w, uint32_t x0, uint32_t x1, uint32_t& ap, uint32_t& an) {
+  const uint32_t wn = w ^ 0x88888888u;
+  ap = __dp4a(prmt(TAB_LO, TAB_HI, w), x0, ap);
+  ap = __dp4a(prmt(TAB_LO, TAB_HI, w >> 16), x1, ap);
+  an = __dp4a(prmt(TAB_LO, TAB_HI, wn), x0, an);
+  an = __dp4a(prmt(TAB_LO, TAB_HI, wn >> 16), x1, an);
+}
+
+// y[o] = sum_k w[o,k] x[k]: a warp per R rows; lane l takes the 32-value blocks b = it * 32 + l (16 weight bytes per
+// row, one E8M0 scale), it = 0 .. K/1024 - 1, in groups of 4 whose loads go out together. Weights row-major [O][K/2];
+// the scale of (o, b) at S[o * s_ld + l * KB + it] (KB = K / 1024: a lane's 4 consecutive its in one word).
+// xh: int8 activations [K] (ACT16: the high bytes), xl: ACT16's low bytes (unsigned), xs: the blocks' scales [K/32].
+template <int R, bool ACT16, bool L2ONLY>
+__global__ void __launch_bounds__(THREADS) gemv_dp4a(const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
+                                                     int s_ld, const uint32_t* __restrict__ xh,
+                                                     const uint32_t* __restrict__ xl, const float* __restrict__ xs,
+                                                     float* __restrict__ y, int O, int K) {
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5)) * R;
+  if (row0 >= O) return;
+  const int KB = K / 1024;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int it0 = 0; it0 < KB; it0 += 4) {
+    uint4 wv[R][4];
+    uint32_t sc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const long o = L2ONLY ? (row0 + r) % 256 : row0 + r;
+      const uint8_t* wr = W + o * (K / 2);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) wv[r][i] = ld_stream(wr + (long)((it0 + i) * 32 + lane) * 16);
+      sc[r] = *reinterpret_cast<const uint32_t*>(S + o * s_ld + lane * KB + it0);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int b = (it0 + i) * 32 + lane;
+      const uint4 h0 = __ldg(reinterpret_cast<const uint4*>(xh) + 2 * b), h1 = __ldg(reinterpret_cast<const uint4*>(xh) + 2 * b + 1);
+      const int xw[8] = {(int)h0.x, (int)h0.y, (int)h0.z, (int)h0.w, (int)h1.x, (int)h1.y, (int)h1.z, (int)h1.w};
+      uint32_t lw[8];
+      if (ACT16) {
+        const uint4 l0 = __ldg(reinterpret_cast<const uint4*>(xl) + 2 * b), l1 = __ldg(reinterpret_cast<const uint4*>(xl) + 2 * b + 1);
+        lw[0] = l0.x, lw[1] = l0.y, lw[2] = l0.z, lw[3] = l0.w, lw[4] = l1.x, lw[5] = l1.y, lw[6] = l1.z, lw[7] = l1.w;
+      }
+      const float xsb = __ldg(xs + b);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t ww[4] = {wv[r][i].x, wv[r][i].y, wv[r][i].z, wv[r][i].w};
+        int ap = 0, an = 0;
+        uint32_t lp = 0, ln = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          word8(ww[j], xw[2 * j], xw[2 * j + 1], ap, an);
+          if (ACT16) word8u(ww[j], lw[2 * j], lw[2 * j + 1], lp, ln);
+        }
+        float dot = (float)(ap - an);
+        if (ACT16) dot = fmaf(dot, 256.f, (float)((int)lp - (int)ln));
+        const float ws = __uint_as_float(((sc[r] >> (8 * i)) & 0xffu) << 23);  // E8M0
+        acc[r] = fmaf(dot, xsb * ws, acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float v = acc[r];
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+    if (lane == 0) y[row0 + r] = 0.5f * v;  // the table holds 2 x |E2M1|
+  }
+}
+
+}  // namespace idp
+
+static float e2m1(int code) {
+  static const float mag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  return (code & 8 ? -1.f : 1.f) * mag[code & 7];
+}
+
+static void probe_shape(int sms, int O, int K) {
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> xf(K);
+  // activations with a spread of magnitudes (a block's small values are where int8 loses most)
+  Fp4tShape sh(O, K, 122, 130, [&](int k) {
+    const float v = u(rng) * (k % 7 == 0 ? 8.f : 1.f);
+    xf[k] = __bfloat162float(__float2bfloat16(v));
+    return __float2bfloat16(v);
+  }, 52, "host");
+  const int KB = K / 1024;
+  // the activations quantized per 32-value block, int8 and 16-bit (hi int8, lo uint8)
+  std::vector<int8_t> q8(K), h16(K);
+  std::vector<uint8_t> l16(K);
+  std::vector<float> s8(K / 32), s16(K / 32);
+  for (int b = 0; b < K / 32; ++b) {
+    float amax = 0.f;
+    for (int k = 32 * b; k < 32 * b + 32; ++k) amax = std::max(amax, std::fabs(xf[k]));
+    s8[b] = amax > 0 ? amax / 127.f : 1.f;
+    s16[b] = amax > 0 ? amax / 32767.f : 1.f;
+    for (int k = 32 * b; k < 32 * b + 32; ++k) {
+      q8[k] = (int8_t)std::lrint(xf[k] / s8[b]);
+      const int q = (int)std::lrint(xf[k] / s16[b]);
+      h16[k] = (int8_t)(q >> 8);  // arithmetic shift: q = 256 hi + lo
+      l16[k] = (uint8_t)(q & 255);
+    }
+  }
+  auto up = [](const void* h, size_t n) {
+    void* d;
+    CK(cudaMalloc(&d, n));
+    CK(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
+    return d;
+  };
+  auto* dq8 = (uint32_t*)up(q8.data(), K);
+  auto* dh16 = (uint32_t*)up(h16.data(), K);
+  auto* dl16 = (uint32_t*)up(l16.data(), K);
+  auto* ds8 = (float*)up(s8.data(), K);
+  auto* ds16 = (float*)up(s16.data(), K);
+
+  // host references on copy 0, its bytes read as plain E2M1 with this probe's scale order
+  std::vector<uint8_t> w0((size_t)O * K / 2), sc0((size_t)O * sh.s_ld);
+  CK(cudaMemcpy(w0.data(), sh.Ws[0], w0.size(), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(sc0.data(), sh.Ss[0], sc0.size(), cudaMemcpyDeviceToHost));
+  std::vector<float> ref_bf(O), ref_8(O), ref_16(O);
+  for (int o = 0; o < O; ++o) {
+    double a = 0, b8 = 0, b16 = 0;
+    for (int blk = 0; blk < K / 32; ++blk) {
+      const int lane = blk % 32, it = blk / 32;
+      const double ws = std::ldexp(1.0, (int)sc0[(size_t)o * sh.s_ld + lane * KB + it] - 127);
+      double da = 0, d8 = 0, d16 = 0;
+      for (int k = 32 * blk; k < 32 * blk + 32; ++k) {
+        const uint8_t by = w0[(size_t)o * (K / 2) + k / 2];
+        const double w = e2m1(k & 1 ? by >> 4 : by & 15);
+        da += w * xf[k];
+        d8 += w * q8[k];
+        d16 += w * (256.0 * h16[k] + l16[k]);
+      }
+      a += ws * da, b8 += ws * s8[blk] * d8, b16 += ws * s16[blk] * d16;
+    }
+    ref_bf[o] = (float)a, ref_8[o] = (float)b8, ref_16[o] = (float)b16;
+  }
+  sh.h_ref = ref_bf;  // the check rows print rel L2 against the bf16-activation product; the exact ones below
+
+  // the library's register stream (U 4 / 2 / 1 at 2 / 3 / 4 blocks per SM: depth 8, 4, 2)
+  auto lib = [&](auto kern, int wave, const char* name) {
+    sh.variant(name, [&](int i) { sh.gemv(kern, wave, i, sh.y); }, true);
+  };
+  lib(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 4, 2, false, false>, 2 * sms, "tensor cores U4 (library, fp4t bytes)");
+  lib(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 2, 2, false, false>, 3 * sms, "tensor cores U2 (library, fp4t bytes)");
+  lib(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 1, 2, false, false>, 4 * sms, "tensor cores U1 (library, fp4t bytes)");
+  std::printf("  (the library rows' rel L2 compares fp4t bytes with a plain-E2M1 reference: not a check)\n");
+
+  auto mine = [&](auto kern, int R, bool act16, const char* name, bool check) {
+    const int blocks = (O / R + idp::THREADS / 32 - 1) / (idp::THREADS / 32);
+    sh.variant(name, [&](int i) {
+      kern<<<blocks, idp::THREADS>>>(sh.Ws[i % sh.copies], sh.Ss[i % sh.copies], sh.s_ld, act16 ? dh16 : dq8, dl16,
+                                     act16 ? ds16 : ds8, sh.y, O, K);
+    }, check);
+    if (check) {
+      const auto& exact = act16 ? ref_16 : ref_8;
+      std::printf("  %-50s rel L2 vs the same quantized activations (double) %.2e\n", "", rel_l2(sh.h_y, exact));
+    }
+  };
+  mine(idp::gemv_dp4a<1, false, false>, 1, false, "IDP4A int8 x, R1", true);
+  mine(idp::gemv_dp4a<2, false, false>, 2, false, "IDP4A int8 x, R2", true);
+  mine(idp::gemv_dp4a<4, false, false>, 4, false, "IDP4A int8 x, R4", true);
+  mine(idp::gemv_dp4a<2, true, false>, 2, true, "IDP4A 16-bit x, R2", true);
+  mine(idp::gemv_dp4a<4, true, false>, 4, true, "IDP4A 16-bit x, R4", true);
+  mine(idp::gemv_dp4a<2, false, true>, 2, false, "L2: IDP4A int8 x, R2 (first 256 rows)", false);
+  mine(idp::gemv_dp4a<4, false, true>, 4, false, "L2: IDP4A int8 x, R4 (first 256 rows)", false);
+  mine(idp::gemv_dp4a<2, true, true>, 2, true, "L2: IDP4A 16-bit x, R2 (first 256 rows)", false);
+  for (void* p : {(void*)dq8, (void*)dh16, (void*)dl16, (void*)ds8, (void*)ds16}) cudaFree(p);
+}
+
+int main() {
+  probe_reps = 60;
+  cudaDeviceProp p;
+  CK(cudaGetDeviceProperties(&p, 0));
+  std::printf("%s, %d SMs, clock %.2f GHz\n", p.name, p.multiProcessorCount, clock_ghz());
+  print_copy_bandwidth();
+  probe_shape(p.multiProcessorCount, 24576, 4096);  // the routed top-6 gate+up's bytes
+  probe_shape(p.multiProcessorCount, 4096, 12288);  // the routed top-6 down's
+  return 0;
+}
