@@ -18,9 +18,12 @@
 // Per shape (the routed top-6 gate+up 24576 x 4096 and down 4096 x 12288, as probe_bulk.cu): the library's
 // register-stream tensor-core kernel (gemv_mma_kernel<FMT_FP4T>) at its depths, then the IDP4A kernel's forms, timed
 // on the same bytes (weights rotated through more than L2; "L2" rows: every warp reads the first 256 rows, so the
-// arithmetic with its weights in L2). Checks (copy 0, the bytes read as plain E2M1 with this probe's scale order):
-// rel L2 against a double-precision host product with the same quantized activations (the arithmetic: ~1e-7), and
-// against the bf16 activations (what the quantization costs).
+// arithmetic with its weights in L2). A warp takes R rows over a K slice (the down's 12288 in slices of 1024-4096:
+// enough warps), each slice its own partial row; the host adds them (not timed). Checks (copy 0, the bytes read as
+// plain E2M1 with this probe's scale order): rel L2 against a double-precision host product with the same quantized
+// activations (the arithmetic: ~1e-7), and against the bf16 activations (what the quantization costs).
+// Session 63: run 2 timed the first form (a warp per R rows over the whole K), run 3 this one
+// (experiments/session63.md).
 #include "../csrc/gemv.cu"
 #include "../csrc/moe.cu"
 #include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
@@ -64,59 +67,61 @@ __device__ __forceinline__ void word8u(uint32_t w, uint32_t x0, uint32_t x1, uin
   an = __dp4a(prmt(TAB_LO, TAB_HI, wn >> 16), x1, an);
 }
 
-// y[o] = sum_k w[o,k] x[k]: a warp per R rows; lane l takes the 32-value blocks b = it * 32 + l (16 weight bytes per
-// row, one E8M0 scale), it = 0 .. K/1024 - 1, in groups of 4 whose loads go out together. Weights row-major [O][K/2];
-// the scale of (o, b) at S[o * s_ld + l * KB + it] (KB = K / 1024: a lane's 4 consecutive its in one word).
-// xh: int8 activations [K] (ACT16: the high bytes), xl: ACT16's low bytes (unsigned), xs: the blocks' scales [K/32].
-template <int R, bool ACT16, bool L2ONLY>
+// y[s][o] = sum over slice s of k of w[o,k] x[k]: a warp per (R rows, K slice of KBS * 1024 values); lane l takes the
+// 32-value blocks b = it * 32 + l (16 weight bytes per row, one E8M0 scale) of its slice's its, all its loads out
+// together. Weights row-major [O][K/2]; the scale of (o, b) at S[o * s_ld + l * KB + it] (KB = K / 1024). Each slice
+// writes its own partial row (the reader adds the slices; not timed here). xh: int8 activations [K] (ACT16: the high
+// bytes), xl: ACT16's low bytes (unsigned), xs: the blocks' scales [K/32].
+template <int R, int KBS, bool ACT16, bool L2ONLY>
 __global__ void __launch_bounds__(THREADS) gemv_dp4a(const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                                                      int s_ld, const uint32_t* __restrict__ xh,
                                                      const uint32_t* __restrict__ xl, const float* __restrict__ xs,
                                                      float* __restrict__ y, int O, int K) {
   const int lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5)) * R;
+  const int KB = K / 1024, slices = KB / KBS;
+  const int warp = blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5);
+  const int slice = warp % slices, row0 = warp / slices * R, it0 = slice * KBS;
   if (row0 >= O) return;
-  const int KB = K / 1024;
+  uint4 wv[R][KBS];
+  uint8_t sc[R][KBS];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const long o = L2ONLY ? (row0 + r) % 256 : row0 + r;
+    const uint8_t* wr = W + o * (K / 2);
+#pragma unroll
+    for (int i = 0; i < KBS; ++i) {
+      wv[r][i] = ld_stream(wr + (long)((it0 + i) * 32 + lane) * 16);
+      sc[r][i] = S[o * s_ld + lane * KB + it0 + i];
+    }
+  }
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  for (int it0 = 0; it0 < KB; it0 += 4) {
-    uint4 wv[R][4];
-    uint32_t sc[R];
+#pragma unroll
+  for (int i = 0; i < KBS; ++i) {
+    const int b = (it0 + i) * 32 + lane;
+    const uint4 h0 = __ldg(reinterpret_cast<const uint4*>(xh) + 2 * b), h1 = __ldg(reinterpret_cast<const uint4*>(xh) + 2 * b + 1);
+    const int xw[8] = {(int)h0.x, (int)h0.y, (int)h0.z, (int)h0.w, (int)h1.x, (int)h1.y, (int)h1.z, (int)h1.w};
+    uint32_t lw[8];
+    if (ACT16) {
+      const uint4 l0 = __ldg(reinterpret_cast<const uint4*>(xl) + 2 * b), l1 = __ldg(reinterpret_cast<const uint4*>(xl) + 2 * b + 1);
+      lw[0] = l0.x, lw[1] = l0.y, lw[2] = l0.z, lw[3] = l0.w, lw[4] = l1.x, lw[5] = l1.y, lw[6] = l1.z, lw[7] = l1.w;
+    }
+    const float xsb = __ldg(xs + b);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const long o = L2ONLY ? (row0 + r) % 256 : row0 + r;
-      const uint8_t* wr = W + o * (K / 2);
+      const uint32_t ww[4] = {wv[r][i].x, wv[r][i].y, wv[r][i].z, wv[r][i].w};
+      int ap = 0, an = 0;
+      uint32_t lp = 0, ln = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) wv[r][i] = ld_stream(wr + (long)((it0 + i) * 32 + lane) * 16);
-      sc[r] = *reinterpret_cast<const uint32_t*>(S + o * s_ld + lane * KB + it0);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int b = (it0 + i) * 32 + lane;
-      const uint4 h0 = __ldg(reinterpret_cast<const uint4*>(xh) + 2 * b), h1 = __ldg(reinterpret_cast<const uint4*>(xh) + 2 * b + 1);
-      const int xw[8] = {(int)h0.x, (int)h0.y, (int)h0.z, (int)h0.w, (int)h1.x, (int)h1.y, (int)h1.z, (int)h1.w};
-      uint32_t lw[8];
-      if (ACT16) {
-        const uint4 l0 = __ldg(reinterpret_cast<const uint4*>(xl) + 2 * b), l1 = __ldg(reinterpret_cast<const uint4*>(xl) + 2 * b + 1);
-        lw[0] = l0.x, lw[1] = l0.y, lw[2] = l0.z, lw[3] = l0.w, lw[4] = l1.x, lw[5] = l1.y, lw[6] = l1.z, lw[7] = l1.w;
+      for (int j = 0; j < 4; ++j) {
+        word8(ww[j], xw[2 * j], xw[2 * j + 1], ap, an);
+        if (ACT16) word8u(ww[j], lw[2 * j], lw[2 * j + 1], lp, ln);
       }
-      const float xsb = __ldg(xs + b);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint32_t ww[4] = {wv[r][i].x, wv[r][i].y, wv[r][i].z, wv[r][i].w};
-        int ap = 0, an = 0;
-        uint32_t lp = 0, ln = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          word8(ww[j], xw[2 * j], xw[2 * j + 1], ap, an);
-          if (ACT16) word8u(ww[j], lw[2 * j], lw[2 * j + 1], lp, ln);
-        }
-        float dot = (float)(ap - an);
-        if (ACT16) dot = fmaf(dot, 256.f, (float)((int)lp - (int)ln));
-        const float ws = __uint_as_float(((sc[r] >> (8 * i)) & 0xffu) << 23);  // E8M0
-        acc[r] = fmaf(dot, xsb * ws, acc[r]);
-      }
+      float dot = (float)(ap - an);
+      if (ACT16) dot = fmaf(dot, 256.f, (float)((int)lp - (int)ln));
+      const float ws = __uint_as_float((uint32_t)sc[r][i] << 23);  // E8M0
+      acc[r] = fmaf(dot, xsb * ws, acc[r]);
     }
   }
 #pragma unroll
@@ -124,7 +129,7 @@ __global__ void __launch_bounds__(THREADS) gemv_dp4a(const uint8_t* __restrict__
     float v = acc[r];
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-    if (lane == 0) y[row0 + r] = 0.5f * v;  // the table holds 2 x |E2M1|
+    if (lane == 0) y[(long)slice * O + row0 + r] = 0.5f * v;  // the table holds 2 x |E2M1|
   }
 }
 
@@ -170,8 +175,8 @@ static void probe_shape(int sms, int O, int K) {
   auto* dq8 = (uint32_t*)up(q8.data(), K);
   auto* dh16 = (uint32_t*)up(h16.data(), K);
   auto* dl16 = (uint32_t*)up(l16.data(), K);
-  auto* ds8 = (float*)up(s8.data(), K);
-  auto* ds16 = (float*)up(s16.data(), K);
+  auto* ds8 = (float*)up(s8.data(), K / 32 * sizeof(float));
+  auto* ds16 = (float*)up(s16.data(), K / 32 * sizeof(float));
 
   // host references on copy 0, its bytes read as plain E2M1 with this probe's scale order
   std::vector<uint8_t> w0((size_t)O * K / 2), sc0((size_t)O * sh.s_ld);
@@ -195,36 +200,58 @@ static void probe_shape(int sms, int O, int K) {
     }
     ref_bf[o] = (float)a, ref_8[o] = (float)b8, ref_16[o] = (float)b16;
   }
-  sh.h_ref = ref_bf;  // the check rows print rel L2 against the bf16-activation product; the exact ones below
 
   // the library's register stream (U 4 / 2 / 1 at 2 / 3 / 4 blocks per SM: depth 8, 4, 2)
   auto lib = [&](auto kern, int wave, const char* name) {
-    sh.variant(name, [&](int i) { sh.gemv(kern, wave, i, sh.y); }, true);
+    sh.variant(name, [&](int i) { sh.gemv(kern, wave, i, sh.y); }, false);  // fp4t bytes: no plain reference
   };
   lib(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 4, 2, false, false>, 2 * sms, "tensor cores U4 (library, fp4t bytes)");
   lib(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 2, 2, false, false>, 3 * sms, "tensor cores U2 (library, fp4t bytes)");
   lib(ds4::gemv_mma_kernel<ds4::FMT_FP4T, 1, 2, false, false>, 4 * sms, "tensor cores U1 (library, fp4t bytes)");
-  std::printf("  (the library rows' rel L2 compares fp4t bytes with a plain-E2M1 reference: not a check)\n");
 
-  auto mine = [&](auto kern, int R, bool act16, const char* name, bool check) {
-    const int blocks = (O / R + idp::THREADS / 32 - 1) / (idp::THREADS / 32);
-    sh.variant(name, [&](int i) {
+  float* yp;  // the slices' partial rows
+  CK(cudaMalloc(&yp, (size_t)KB * O * 4));
+  std::vector<float> hp((size_t)KB * O), hy(O);
+  auto mine = [&](auto kern, int R, int kbs, bool act16, const char* name, bool check) {
+    const int warps = O / R * (KB / kbs), blocks = (warps + idp::THREADS / 32 - 1) / (idp::THREADS / 32);
+    auto go = [&](int i) {
       kern<<<blocks, idp::THREADS>>>(sh.Ws[i % sh.copies], sh.Ss[i % sh.copies], sh.s_ld, act16 ? dh16 : dq8, dl16,
-                                     act16 ? ds16 : ds8, sh.y, O, K);
-    }, check);
+                                     act16 ? ds16 : ds8, yp, O, K);
+    };
+    CK(cudaMemset(yp, 0xff, (size_t)KB * O * 4));
+    go(0);
+    CK(cudaDeviceSynchronize());
+    CK(cudaGetLastError());
+    const float us = time_us(go);
+    std::printf("%-52s %7.2f us %6.0f GB/s", name, us, sh.total / us / 1e3);
     if (check) {
-      const auto& exact = act16 ? ref_16 : ref_8;
-      std::printf("  %-50s rel L2 vs the same quantized activations (double) %.2e\n", "", rel_l2(sh.h_y, exact));
+      go(0);
+      CK(cudaMemcpy(hp.data(), yp, hp.size() * 4, cudaMemcpyDeviceToHost));
+      for (int o = 0; o < O; ++o) {
+        double t = 0;
+        for (int sl = 0; sl < KB / kbs; ++sl) t += hp[(size_t)sl * O + o];
+        hy[o] = (float)t;
+      }
+      std::printf("  rel L2 vs bf16 x %.2e, vs the same quantized x %.2e", rel_l2(hy, ref_bf),
+                  rel_l2(hy, act16 ? ref_16 : ref_8));
     }
+    std::printf("\n");
   };
-  mine(idp::gemv_dp4a<1, false, false>, 1, false, "IDP4A int8 x, R1", true);
-  mine(idp::gemv_dp4a<2, false, false>, 2, false, "IDP4A int8 x, R2", true);
-  mine(idp::gemv_dp4a<4, false, false>, 4, false, "IDP4A int8 x, R4", true);
-  mine(idp::gemv_dp4a<2, true, false>, 2, true, "IDP4A 16-bit x, R2", true);
-  mine(idp::gemv_dp4a<4, true, false>, 4, true, "IDP4A 16-bit x, R4", true);
-  mine(idp::gemv_dp4a<2, false, true>, 2, false, "L2: IDP4A int8 x, R2 (first 256 rows)", false);
-  mine(idp::gemv_dp4a<4, false, true>, 4, false, "L2: IDP4A int8 x, R4 (first 256 rows)", false);
-  mine(idp::gemv_dp4a<2, true, true>, 2, true, "L2: IDP4A 16-bit x, R2 (first 256 rows)", false);
+  using namespace idp;
+  mine(gemv_dp4a<1, 4, false, false>, 1, 4, false, "IDP4A int8 x, R1, 4096 k per warp", true);
+  mine(gemv_dp4a<1, 2, false, false>, 1, 2, false, "IDP4A int8 x, R1, 2048 k per warp", true);
+  mine(gemv_dp4a<1, 1, false, false>, 1, 1, false, "IDP4A int8 x, R1, 1024 k per warp", true);
+  mine(gemv_dp4a<2, 2, false, false>, 2, 2, false, "IDP4A int8 x, R2, 2048 k per warp", true);
+  mine(gemv_dp4a<2, 1, false, false>, 2, 1, false, "IDP4A int8 x, R2, 1024 k per warp", true);
+  mine(gemv_dp4a<1, 4, true, false>, 1, 4, true, "IDP4A 16-bit x, R1, 4096 k per warp", true);
+  mine(gemv_dp4a<1, 2, true, false>, 1, 2, true, "IDP4A 16-bit x, R1, 2048 k per warp", true);
+  mine(gemv_dp4a<1, 1, true, false>, 1, 1, true, "IDP4A 16-bit x, R1, 1024 k per warp", true);
+  mine(gemv_dp4a<2, 2, true, false>, 2, 2, true, "IDP4A 16-bit x, R2, 2048 k per warp", true);
+  mine(gemv_dp4a<1, 4, false, true>, 1, 4, false, "L2: IDP4A int8 x, R1, 4096 k (first 256 rows)", false);
+  mine(gemv_dp4a<1, 2, false, true>, 1, 2, false, "L2: IDP4A int8 x, R1, 2048 k (first 256 rows)", false);
+  mine(gemv_dp4a<1, 4, true, true>, 1, 4, true, "L2: IDP4A 16-bit x, R1, 4096 k (first 256 rows)", false);
+  mine(gemv_dp4a<1, 2, true, true>, 1, 2, true, "L2: IDP4A 16-bit x, R1, 2048 k (first 256 rows)", false);
+  cudaFree(yp);
   for (void* p : {(void*)dq8, (void*)dh16, (void*)dl16, (void*)ds8, (void*)ds16}) cudaFree(p);
 }
 
