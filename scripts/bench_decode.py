@@ -62,9 +62,7 @@ may launch and start its weight loads before the shared down drains; ds4.ops.sid
 (DS4_PJOIN=attn: the attention branches — window write, compressors, indexer — join the attention core's chunk
 kernel by programmatic edges too, so that it may launch while wq_b runs; with pj both sites), early
 (DS4_ATTN_EARLY=1: the chunk kernel takes the position, its RoPE table and the first chunk's rows that no launch of
-the step writes before its PDL wait; opt-in, meant with pja), l2kN (DS4_ATTN_L2=N: before their PDL wait the window
-write requests its row's written ring slots into L2, and each compressor step its cache's visible entries where they
-take at most N KiB, for the attention core and the indexer's scores later in the step; opt-in),
+the step writes before its PDL wait; opt-in, meant with pja),
 late (DS4_LATE_COMPRESS=1: a captured graph per compressor phase, where layers whose window does not end at the
 step join their compressor branches after the output projection instead of before the attention core; opt-in,
 measured no faster in session 28; ds4.runtime.cuda_graph),
@@ -225,7 +223,7 @@ PLAIN_TOKENS = frozenset({
     "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf", "kroute", "nohcr", "hcq", "pj", "late",
     "pja", "early", "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip", "arf", "arfnp",
     "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
-NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre", "l2k")
+NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
 TP_ONLY_TOKENS = frozenset({"bf16", "ll", "symm", "arf", "arfnp", "arfpack", "xar"})  # nothing to reduce at world 1
 
 
@@ -409,10 +407,6 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_QKV"] = "1" if "hcq" in toks else "0"
     os.environ["DS4_PJOIN"] = ",".join(site for site, tok in (("moe", "pj"), ("attn", "pja")) if tok in toks)
     os.environ["DS4_ATTN_EARLY"] = "1" if "early" in toks else "0"
-    # l2kN: the window write and the compressor steps request the rows their readers take later in the step into L2,
-    # ranges of at most N KiB (DS4_ATTN_L2, opt-in)
-    l2k = _number_token(toks, "l2k", 0)
-    _set_or_unset("DS4_ATTN_L2", str(l2k) if l2k else None)
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")

@@ -67,10 +67,7 @@ def test_head_rope(N, H, D, norm, ratio):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("pos", [(0,), (127, 128), (5, 128, 4097, 70001)])
-@pytest.mark.parametrize("l2", ["0", "1024"])
-def test_kv_store_ring_write(fp8, pos, l2, monkeypatch):
-    """DS4_ATTN_L2 (opt-in): the kernel's L2 requests of the ring's written slots change nothing it writes."""
-    monkeypatch.setenv("DS4_ATTN_L2", l2)
+def test_kv_store_ring_write(fp8, pos):
     g = gen(len(pos) * 7 + fp8)
     B, W, D = len(pos), 128, 512
     kv = randn(B, D, g=g, dtype=BF16, scale=2.0)
@@ -92,15 +89,11 @@ def test_kv_store_ring_write(fp8, pos, l2, monkeypatch):
                                                (4, 128, True, "fp4"), (128, 512, False, None),
                                                (128, 512, False, "fp8"), (16, 128, False, None),
                                                (4, 1024, True, None), (4, 100, True, None)])
-@pytest.mark.parametrize("l2", ["0", "1"])
-def test_compress_step_over_many_boundaries(m, w, overlap, quant, l2, monkeypatch):
+def test_compress_step_over_many_boundaries(m, w, overlap, quant):
     """Rows at different phases step through > 2 windows: the state must match bit for bit, every
     visible cache entry within tolerance (the kernel writes an entry only when it completes). The shapes take
     two of the kernel's three forms: the window in registers (m = 4, a thread per column, idle lanes at w = 100;
-    m = 8 is the deferred test's) and the column loop (m 16 and 128; w 1024: two columns per thread). With
-    DS4_ATTN_L2=1 (opt-in; 1 KiB) its L2 requests of the visible entries, made for some rows and steps and not for
-    others (the cap), change nothing."""
-    monkeypatch.setenv("DS4_ATTN_L2", l2)
+    m = 8 is the deferred test's) and the column loop (m 16 and 128; w 1024: two columns per thread)."""
     g = gen(m * w + overlap)
     B, T = 3, 40
     cw, slots = (2 if overlap else 1) * w, (2 if overlap else 1) * m

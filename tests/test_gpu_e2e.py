@@ -277,7 +277,7 @@ def _tiny_weights_for(impls: Impls, seed: int, vocab: int | None = None):
     pytest.param(Impls(**_FUSED), {}, {}, id="fused"),
     # the opt-in launch orders, in the graph only: eager (plain PDL order) is the reference
     pytest.param(Impls(**_FUSED), {"DS4_SHARED_FORK": "late", "DS4_ROUTE_IN_MOE": "1", "DS4_SIDE_PRIORITY": "high",
-                                    "DS4_L2_PREFETCH": "all", "DS4_ATTN_L2": "1024"}, {}, id="fused-optins"),
+                                    "DS4_L2_PREFETCH": "all"}, {}, id="fused-optins"),
     # without the router fold in both runtimes (the default fused rows fold: its logits are its own rounding of
     # x . gate^T)
     pytest.param(Impls(**_FUSED), {}, {"DS4_HC_ROUTER": "0"}, id="fused-no_router_fold"),

@@ -746,7 +746,6 @@ void compress_step(const at::Tensor& kvz, const at::Tensor& ape, const at::Tenso
   a.state_b = skv.stride(0);
   a.cache = cache.data_ptr();
   a.cache_b = cache.stride(0);
-  a.cache_rows = cache.size(1);
   a.m = (int)m; a.w = (int)w; a.R = (int)(2 * freqs.numel());
   a.overlap = overlap; a.fp8_nope = fp8_nope; a.fp4 = fp4; a.eps = (float)eps; a.tokens = (int)tokens;
   c10::cuda::CUDAGuard guard(kvz.device());

@@ -52,22 +52,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }
-// Requests [p, p + bytes) into L2 and returns at once: a hint, so nothing waits for it and nothing is written (an
-// unaligned head or tail of < 16 bytes is left out). sm_90: one bulk prefetch by thread 0 (the TMA unit walks the
-// range); sm_80: the block's threads request its 128-byte lines. Call from every thread of the block.
-__device__ __forceinline__ void block_prefetch_l2(const void* p, long bytes) {
-  if (bytes <= 0) return;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x == 0) {
-    const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t(15);
-    const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~uintptr_t(15);
-    if (e > a) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((unsigned)(e - a)) : "memory");
-  }
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  for (long o = (long)threadIdx.x * 128; o < bytes; o += (long)blockDim.x * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o));
-#endif
-}
 // Copy groups (commit, wait until at most N are in flight): the wrappers the ds4 extension's streams use.
 using ds4::cp_async_commit;
 using ds4::cp_async_wait;

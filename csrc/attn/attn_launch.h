@@ -168,8 +168,6 @@ struct CompressArgs {
   long state_b = 0;
   void* cache = nullptr;          // bf16 entry e of row n at cache + n*cache_b + e*w (elements)
   long cache_b = 0;
-  long cache_rows = 0;            // entries per row (the cache's length)
-  long l2_cap = 0;                // set by launch_compress_step (DS4_ATTN_L2); callers leave it 0
   int m = 0, w = 0, R = 0;
   // kvz holds `tokens` rows per row n (n * tokens + i: position pos[n] - tokens + 1 + i), present only where
   // (pos[n] + 1) % tokens == 0 (the deferred projection, ds4_launch.h launch_gemv_deferred); the step does nothing

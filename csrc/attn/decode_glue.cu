@@ -16,9 +16,6 @@
 // sincosf (no fast-math anywhere). Values are rounded to bf16 where the reference rounds.
 #include <cuda_fp8.h>
 
-#include <algorithm>
-#include <cstdlib>
-
 #include "../rmsnorm_dev.cuh"
 #include "attn_common.cuh"
 #include "attn_launch.h"
@@ -211,13 +208,11 @@ __global__ void __launch_bounds__(GLUE_THREADS) kv_store_kernel(const __nv_bfloa
                                                                 const int64_t* __restrict__ pos,
                                                                 const float* __restrict__ freqs, int D, int R,
                                                                 float eps, bool fp8_nope, __nv_bfloat16* win,
-                                                                long win_b, int W, long l2_cap) {
+                                                                long win_b, int W) {
   extern __shared__ float ev[];  // [D] entry, [D] norm weight, [R] RoPE cos / sin
   __shared__ float red[GLUE_WARPS];
   const int r = blockIdx.x;
   const long p = pos[r];  // before the wait, as compress_step_kernel's
-  // l2_cap (DS4_ATTN_L2, opt-in): the ring's written slots into L2 for the attention core (see attn_l2_cap)
-  if (l2_cap > 0) block_prefetch_l2(win + r * win_b, ::min((p + 1 < W ? p + 1 : (long)W) * D * 2, l2_cap));
   prep_entry(ev + D, ev + 2 * D, D, weight, w_f32, p, freqs, R);
   ds4_pdl::begin();
   for (int c = threadIdx.x; c < D; c += blockDim.x) ev[c] = __bfloat162float(kv[(long)r * D + c]);
@@ -248,12 +243,6 @@ __global__ void __launch_bounds__(COMPRESS_THREADS) compress_step_kernel(Compres
   const long p = a.pos[r];  // before the wait (above)
   const int m = a.m, w = a.w, cw = a.overlap ? 2 * w : w;  // cw: state / projection width
   const int nt = a.tokens;
-  // a.l2_cap (DS4_ATTN_L2, opt-in): the visible entries into L2 for the step's reader of this cache (the attention
-  // core, or the indexer's scores), where they fit the cap (see attn_l2_cap)
-  if (a.l2_cap > 0) {
-    const long vis = ::min((p + 1) / m, a.cache_rows), bytes = vis * a.w * 2;
-    if (bytes <= a.l2_cap) block_prefetch_l2(static_cast<const __nv_bfloat16*>(a.cache) + r * a.cache_b, bytes);
-  }
   // deferred projections (tokens > 1): they exist only on the step that completes their group (the others wrote
   // nothing); a group never spans two windows (tokens divides m), so no slot is read before it is written
   if (nt > 1 && (p + 1) % nt != 0) {
@@ -432,24 +421,13 @@ cudaError_t launch_hadamard_fp4(const void* x, void* out, long N, int d, cudaStr
                          static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), N, d);
 }
 
-// DS4_ATTN_L2=N (opt-in, read per launch; bench_decode's token l2kN): before its PDL wait, the window write requests
-// into L2 its row's written ring slots and each compressor step its cache's visible entries where they take at most
-// N KiB, so that the step's readers of those rows (the attention core; the indexer's scores for the indexer's cache)
-// find them in L2: a step streams hundreds of MB of weights, so every layer's rows come from HBM otherwise, and those
-// readers are chains of dependent loads. The requests go out while wq_b streams (the window write and the compressor
-// steps run in side branches beside it). 0 or unset: off.
-static long attn_l2_cap() {
-  const char* e = std::getenv("DS4_ATTN_L2");
-  return e ? std::max(0L, std::atol(e)) * 1024 : 0;
-}
-
 cudaError_t launch_kv_store(const void* kv, const void* weight, bool w_f32, const int64_t* pos, const float* freqs,
                             int N, int D, int R, float eps, bool fp8_nope, void* win, long win_b, int W,
                             cudaStream_t st) {
   if (N < 1 || R % 2 || R > D || W < 1 || (2 * D + R) * 4 > 48 * 1024) return cudaErrorInvalidValue;
   return ds4_pdl::launch(kv_store_kernel, dim3(N), dim3(GLUE_THREADS), (2 * D + R) * sizeof(float), st,
                          static_cast<const __nv_bfloat16*>(kv), weight, w_f32, pos, freqs, D, R, eps, fp8_nope,
-                         static_cast<__nv_bfloat16*>(win), win_b, W, attn_l2_cap());
+                         static_cast<__nv_bfloat16*>(win), win_b, W);
 }
 
 cudaError_t launch_compress_step(const CompressArgs& a, int N, cudaStream_t st) {
@@ -460,9 +438,7 @@ cudaError_t launch_compress_step(const CompressArgs& a, int N, cudaStream_t st) 
   const bool regs = a.w <= COMPRESS_THREADS;
   auto kern = regs && a.m <= 4 ? compress_step_kernel<4> : regs && a.m <= 8 ? compress_step_kernel<8>
                                                                            : compress_step_kernel<0>;
-  CompressArgs b = a;
-  b.l2_cap = attn_l2_cap();
-  return ds4_pdl::launch(kern, dim3(N), dim3(threads), (2 * a.w + a.R) * sizeof(float), st, b);
+  return ds4_pdl::launch(kern, dim3(N), dim3(threads), (2 * a.w + a.R) * sizeof(float), st, a);
 }
 
 }  // namespace ds4_attn
