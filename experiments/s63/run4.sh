@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 63, run 4 (one lent GPU, one call): the IDP4A probe (run 3's binary, built on the workstation and carried as
 # build/probe_dp4a; built here where it cannot run), then the extension's build and the default slope, two passes
-# after the bench's warm pass. Logs + summary.txt in $OUT.
+# after the bench's warm pass; before it the library's kernels alone (bench_kernels.py --quick). Logs + summary.txt in
+# $OUT.
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16
@@ -18,6 +19,10 @@ fi
 echo "probe done at +$(el)s" | tee -a "$S"
 grep -E "copy|tensor cores U1|int8 x, R2, 1024|16-bit x, R1, 4096 k per" "$L" | tee -a "$S"
 python3 scripts/build_ext.py -q > "$OUT/build.log" 2>&1; echo "build rc=$? at +$(el)s" | tee -a "$S"
+# the library's routed-MoE kernels alone on this GPU (the probe's library rows are the dense GEMV form of the same
+# bytes, which session 51 found slower than the MoE kernels)
+timeout 150 python3 scripts/bench_kernels.py --quick --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
+echo "bench_kernels rc=$? at +$(el)s" | tee -a "$S"; grep -iE "copy|moe" "$OUT/kernels.log" | head -20 | tee -a "$S"
 V=kernels+fused+graph+cap8192
 left=$(( ${BUDGET:-500} - $(el) ))
 if [ $left -gt 40 ]; then
