@@ -45,34 +45,28 @@ __host__ __device__ inline float e8m0(uint32_t b) {
 #endif
 }
 
-// n values of bf16 v -> per 32-value block: scale s = amax / lim, q = rint(v / s) in [-lim, lim]; ACT16 (lim 32767):
-// q = 256 * hi + lo (hi int8, lo uint8), else (lim 127) hi = q. Thread t takes blocks t, t + blockDim, ...
+// n values of bf16 v -> per 32-value block: s = amax / lim, q = rint(v * (lim / amax)) in [-lim, lim]; ACT16
+// (lim 32767): q = 256 * hi + lo (hi int8, lo uint8), else (lim 127) hi = q. 8 threads per block, 4 values each, the
+// amax by 3 shuffles (n a multiple of 1024 / 256 threads: every lane of a warp takes part). (Run 5's form, a thread per
+// block with an fp32 division per value, cost the down more than its product.)
 template <bool ACT16>
 __device__ void quantize_stage(const __nv_bfloat16* v, int n, int8_t* xh, uint8_t* xl, float* xs) {
   const float lim = ACT16 ? 32767.f : 127.f;
-  for (int b = threadIdx.x; b < n / 32; b += blockDim.x) {
-    float f[32];
-    float amax = 0.f;
+  for (int i0 = threadIdx.x * 4; i0 < n; i0 += blockDim.x * 4) {
+    const uint2 w = *reinterpret_cast<const uint2*>(v + i0);
+    const float f[4] = {__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
+                        __uint_as_float(w.y & 0xffff0000u)};
+    float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint4 w = *reinterpret_cast<const uint4*>(v + b * 32 + c * 8);
-      const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
+    for (int d = 1; d < 8; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    const float inv = amax > 0.f ? lim / amax : 1.f;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        f[c * 8 + 2 * k] = __uint_as_float(ww[k] << 16);
-        f[c * 8 + 2 * k + 1] = __uint_as_float(ww[k] & 0xffff0000u);
-      }
+    for (int k = 0; k < 4; ++k) {
+      const int q = (int)fminf(fmaxf(rintf(f[k] * inv), -lim), lim);
+      xh[i0 + k] = (int8_t)(ACT16 ? q >> 8 : q);
+      if (ACT16) xl[i0 + k] = (uint8_t)(q & 255);
     }
-#pragma unroll
-    for (int k = 0; k < 32; ++k) amax = fmaxf(amax, fabsf(f[k]));
-    const float s = amax > 0.f ? amax / lim : 1.f;
-#pragma unroll
-    for (int k = 0; k < 32; ++k) {
-      const int q = (int)fminf(fmaxf(rintf(f[k] / s), -lim), lim);
-      xh[b * 32 + k] = (int8_t)(ACT16 ? q >> 8 : q);
-      if (ACT16) xl[b * 32 + k] = (uint8_t)(q & 255);
-    }
-    xs[b] = s;
+    if ((threadIdx.x & 7) == 0) xs[i0 / 32] = amax > 0.f ? amax / lim : 1.f;
   }
 }
 
@@ -219,7 +213,7 @@ float e2m1(int code) {
   return (code & 8 ? -1.f : 1.f) * mag[code & 7];
 }
 
-// the kernel's quantization on the host: per 32 values, s = amax / lim (fp32), q = rint(v / s) clamped
+// the kernel's quantization on the host: per 32 values, s = amax / lim, q = rint(v * (lim / amax)) clamped (fp32)
 void host_quantize(const std::vector<float>& v, bool act16, std::vector<double>& q, std::vector<float>& s) {
   const float lim = act16 ? 32767.f : 127.f;
   q.assign(v.size(), 0.0);
@@ -228,7 +222,8 @@ void host_quantize(const std::vector<float>& v, bool act16, std::vector<double>&
     float amax = 0.f;
     for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[b * 32 + k]));
     s[b] = amax > 0.f ? amax / lim : 1.f;
-    for (int k = 0; k < 32; ++k) q[b * 32 + k] = std::min(std::max(std::rint(v[b * 32 + k] / s[b]), -lim), lim);
+    const float inv = amax > 0.f ? lim / amax : 1.f;
+    for (int k = 0; k < 32; ++k) q[b * 32 + k] = std::min(std::max(std::rint(v[b * 32 + k] * inv), -lim), lim);
   }
 }
 
