@@ -12,6 +12,8 @@
 // Checks on the first id set: h against a double-precision host product of the same quantized x (the kernel rounds h
 // to bf16, as the reference does: ~1e-3), and the down's partial rows against a double-precision product of the
 // kernel's own h quantized the same way on the host (~1e-7).
+// Session 63 (experiments/session63.md, runs 5 and 6, one H100): int8 x 22.23 / 12.70 us against the library's
+// 23.29 / 13.40; 16-bit x 24.46 / 14.28.
 #include <cuda_bf16.h>
 
 #include <algorithm>
