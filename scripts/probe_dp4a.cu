@@ -11,7 +11,7 @@
 // takes 11 integer instructions per 8 weights (2 shifts, 1 LOP3, 4 PRMT, 4 IDP4A) on short-latency pipes, with
 // independent accumulators per row. ACT16: the activations as 16-bit per block (hi int8, lo uint8; 8 IDP4A per 8
 // weights) — closer to BF16 than int8 is. Not a ds4 option: a measurement of the arithmetic's cost.
-// (__byte_perm ignores the selector's sign bit — experiments/kernels_h200.md — so prmt is inline PTX here.)
+// (prmt and the weights' load: scripts/probe_idp4a.cuh.)
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_dp4a.cu -o /tmp/probe_dp4a && /tmp/probe_dp4a
 //
@@ -28,6 +28,7 @@
 #include "../csrc/moe.cu"
 #include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
 #include "probe_gemv.cuh"
+#include "probe_idp4a.cuh"
 
 #include <cmath>
 #include <cstdio>
@@ -37,18 +38,6 @@
 namespace idp {
 
 constexpr int THREADS = 256;
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-constexpr uint32_t TAB_LO = 0x03020100u, TAB_HI = 0x0C080604u;  // 2 x |E2M1| for codes 0..7
 
 // One word of 8 E2M1 weights (k = 8j .. 8j+7) against x words x0 (k 8j..8j+3) and x1: the positive and the negative
 // weights' int32 sums.

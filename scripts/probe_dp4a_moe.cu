@@ -21,24 +21,14 @@
 #include <cstdio>
 #include <vector>
 
+#include "probe_idp4a.cuh"
 #include "probe_util.cuh"
 
 namespace {
 
 constexpr int D = 4096, I = 2048, TOPK = 6, NE = 64, NSETS = 16, THREADS = 256, WARPS = THREADS / 32;
 constexpr float LIMIT = 10.f;
-constexpr uint32_t TAB_LO = 0x03020100u, TAB_HI = 0x0C080604u;  // 2 x |E2M1| for codes 0..7
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
+using idp::ld_stream, idp::prmt, idp::TAB_HI, idp::TAB_LO;
 __host__ __device__ inline float e8m0(uint32_t b) {
 #ifdef __CUDA_ARCH__
   return __uint_as_float(b << 23);
