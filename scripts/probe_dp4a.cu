@@ -2,14 +2,13 @@
 //
 // Why: session 49's probe (experiments/decode_session49_h200.md §3) put the routed top-6's FP4 arithmetic alone at
 // 16.1 + 9.7 us (gate+up + down), above their bytes' floor (12.6 + 6.3 us at 4.25 TB/s); the MMAs with their fragment
-// loads take 10.4 of the 16.1 (one token uses 1 of the MMA's 8 columns, each MMA waits on its accumulator) and the
-// decode 3.7. Here the weights stay plain E2M1 bytes (low nibble first, as stored) and are never decoded to floats:
+// loads take 10.4 of the 16.1 (one token uses 1 of the MMA's 8 columns) and the decode 3.7. Here the weights stay plain E2M1 bytes (low nibble first, as stored) and are never decoded to floats:
 // 2 x E2M1 is an integer in [-12, 12], so with the activations as int8 per 32-value block (scale amax / 127) a
 // block's dot product is exact in int32. One PRMT looks 4 nibbles up in the magnitude table {0,1,2,3,4,6,8,12}; its
 // selector's top bit (the E2M1 sign) makes PRMT write 0 instead (sign replicate of a byte < 128), so
 //   dot = dp4a(prmt(w), x) - dp4a(prmt(w ^ 0x88888888), x)
-// takes 11 integer instructions per 8 weights (2 shifts, 1 LOP3, 4 PRMT, 4 IDP4A) on short-latency pipes, with
-// independent accumulators per row. ACT16: the activations as 16-bit per block (hi int8, lo uint8; 8 IDP4A per 8
+// takes 11 integer instructions per 8 weights (2 shifts, 1 LOP3, 4 PRMT, 4 IDP4A), with independent accumulators
+// per row. ACT16: the activations as 16-bit per block (hi int8, lo uint8; 8 IDP4A per 8
 // weights) — closer to BF16 than int8 is. Not a ds4 option: a measurement of the arithmetic's cost.
 // (prmt and the weights' load: scripts/probe_idp4a.cuh.)
 //
