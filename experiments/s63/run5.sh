@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 63, run 5 (one lent GPU, one call; run 6 reran it with the probe's staging spread over 8 threads per block): the IDP4A routed-MoE probe in the MoE kernels' form
+# Session 63, run 5 (one lent GPU, one call; run 6 ran only the probe again, its staging spread over 8 threads per block): the IDP4A routed-MoE probe in the MoE kernels' form
 # (scripts/probe_dp4a_moe.cu, built on the workstation and carried as build/probe_dp4a_moe; built here where it cannot
 # run), then the extension's build and the library's kernels alone (bench_kernels.py --quick: its `moe fp4` rows time
 # the library's routed gate+up and down the same way). Logs + summary.txt in $OUT.
