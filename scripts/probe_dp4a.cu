@@ -39,20 +39,14 @@ namespace idp {
 constexpr int THREADS = 256;
 
 // One word of 8 E2M1 weights (k = 8j .. 8j+7) against x words x0 (k 8j..8j+3) and x1: the positive and the negative
-// weights' int32 sums.
-__device__ __forceinline__ void word8(uint32_t w, int x0, int x1, int& ap, int& an) {
+// weights' sums (T int: int8 activations; T uint32_t: ACT16's unsigned low bytes).
+template <typename T>
+__device__ __forceinline__ void word8(uint32_t w, T x0, T x1, T& ap, T& an) {
   const uint32_t wn = w ^ 0x88888888u;
-  ap = __dp4a((int)prmt(TAB_LO, TAB_HI, w), x0, ap);
-  ap = __dp4a((int)prmt(TAB_LO, TAB_HI, w >> 16), x1, ap);
-  an = __dp4a((int)prmt(TAB_LO, TAB_HI, wn), x0, an);
-  an = __dp4a((int)prmt(TAB_LO, TAB_HI, wn >> 16), x1, an);
-}
-__device__ __forceinline__ void word8u(uint32_t w, uint32_t x0, uint32_t x1, uint32_t& ap, uint32_t& an) {
-  const uint32_t wn = w ^ 0x88888888u;
-  ap = __dp4a(prmt(TAB_LO, TAB_HI, w), x0, ap);
-  ap = __dp4a(prmt(TAB_LO, TAB_HI, w >> 16), x1, ap);
-  an = __dp4a(prmt(TAB_LO, TAB_HI, wn), x0, an);
-  an = __dp4a(prmt(TAB_LO, TAB_HI, wn >> 16), x1, an);
+  ap = __dp4a((T)prmt(TAB_LO, TAB_HI, w), x0, ap);
+  ap = __dp4a((T)prmt(TAB_LO, TAB_HI, w >> 16), x1, ap);
+  an = __dp4a((T)prmt(TAB_LO, TAB_HI, wn), x0, an);
+  an = __dp4a((T)prmt(TAB_LO, TAB_HI, wn >> 16), x1, an);
 }
 
 // y[s][o] = sum over slice s of k of w[o,k] x[k]: a warp per (R rows, K slice of KBS * 1024 values); lane l takes the
@@ -104,11 +98,11 @@ __global__ void __launch_bounds__(THREADS) gemv_dp4a(const uint8_t* __restrict__
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         word8(ww[j], xw[2 * j], xw[2 * j + 1], ap, an);
-        if (ACT16) word8u(ww[j], lw[2 * j], lw[2 * j + 1], lp, ln);
+        if (ACT16) word8(ww[j], lw[2 * j], lw[2 * j + 1], lp, ln);
       }
       float dot = (float)(ap - an);
       if (ACT16) dot = fmaf(dot, 256.f, (float)((int)lp - (int)ln));
-      const float ws = __uint_as_float((uint32_t)sc[r][i] << 23);  // E8M0
+      const float ws = e8m0(sc[r][i]);
       acc[r] = fmaf(dot, xsb * ws, acc[r]);
     }
   }
@@ -122,11 +116,6 @@ __global__ void __launch_bounds__(THREADS) gemv_dp4a(const uint8_t* __restrict__
 }
 
 }  // namespace idp
-
-static float e2m1(int code) {
-  static const float mag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-  return (code & 8 ? -1.f : 1.f) * mag[code & 7];
-}
 
 static void probe_shape(int sms, int O, int K) {
   std::uniform_real_distribution<float> u(-1.f, 1.f);
@@ -175,11 +164,11 @@ static void probe_shape(int sms, int O, int K) {
     double a = 0, b8 = 0, b16 = 0;
     for (int blk = 0; blk < K / 32; ++blk) {
       const int lane = blk % 32, it = blk / 32;
-      const double ws = std::ldexp(1.0, (int)sc0[(size_t)o * sh.s_ld + lane * KB + it] - 127);
+      const double ws = idp::e8m0(sc0[(size_t)o * sh.s_ld + lane * KB + it]);
       double da = 0, d8 = 0, d16 = 0;
       for (int k = 32 * blk; k < 32 * blk + 32; ++k) {
         const uint8_t by = w0[(size_t)o * (K / 2) + k / 2];
-        const double w = e2m1(k & 1 ? by >> 4 : by & 15);
+        const double w = idp::e2m1(k & 1 ? by >> 4 : by & 15);
         da += w * xf[k];
         d8 += w * q8[k];
         d16 += w * (256.0 * h16[k] + l16[k]);

@@ -29,15 +29,7 @@ namespace {
 
 constexpr int D = 4096, I = 2048, TOPK = 6, NE = 64, NSETS = 16, THREADS = 256, WARPS = THREADS / 32;
 constexpr float LIMIT = 10.f;
-using idp::ld_stream, idp::prmt, idp::TAB_HI, idp::TAB_LO;
-__host__ __device__ inline float e8m0(uint32_t b) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(b << 23);
-#else
-  return std::ldexp(1.f, (int)b - 127);
-#endif
-}
-
+using idp::e2m1, idp::e8m0, idp::ld_stream, idp::prmt, idp::TAB_HI, idp::TAB_LO;
 // n values of bf16 v -> per 32-value block: s = amax / lim, q = rint(v * (lim / amax)) in [-lim, lim]; ACT16
 // (lim 32767): q = 256 * hi + lo (hi int8, lo uint8), else (lim 127) hi = q. 8 threads per block, 4 values each, the
 // amax by 3 shuffles (n a multiple of 1024 / 256 threads: every lane of a warp takes part). (Run 5's form, a thread per
@@ -157,19 +149,19 @@ __global__ void __launch_bounds__(THREADS) gate_up_dp4a(const __nv_bfloat16* __r
   if (item < GU_ITEMS) gu_load(a, item, lane, ids, W13, S13);  // the weights' loads go out before the staging
   quantize_stage<ACT16>(x, D, sxh, sxl, sxs);
   __syncthreads();
-  if (!PERSIST) {
+  if constexpr (!PERSIST) {
     if (item < GU_ITEMS) gu_compute<ACT16>(a, item, lane, sxh, sxl, sxs, rw, h);
-    return;
-  }
-  while (item < GU_ITEMS) {  // two register sets, so no dynamic indexing
-    const int n1 = item + stride;
-    if (n1 < GU_ITEMS) gu_load(b, n1, lane, ids, W13, S13);
-    gu_compute<ACT16>(a, item, lane, sxh, sxl, sxs, rw, h);
-    if (n1 >= GU_ITEMS) break;
-    const int n2 = n1 + stride;
-    if (n2 < GU_ITEMS) gu_load(a, n2, lane, ids, W13, S13);
-    gu_compute<ACT16>(b, n1, lane, sxh, sxl, sxs, rw, h);
-    item = n2;
+  } else {
+    while (item < GU_ITEMS) {  // two register sets, so no dynamic indexing
+      const int n1 = item + stride;
+      if (n1 < GU_ITEMS) gu_load(b, n1, lane, ids, W13, S13);
+      gu_compute<ACT16>(a, item, lane, sxh, sxl, sxs, rw, h);
+      if (n1 >= GU_ITEMS) break;
+      const int n2 = n1 + stride;
+      if (n2 < GU_ITEMS) gu_load(a, n2, lane, ids, W13, S13);
+      gu_compute<ACT16>(b, n1, lane, sxh, sxl, sxs, rw, h);
+      item = n2;
+    }
   }
 }
 
@@ -227,11 +219,6 @@ uint8_t* dev_fill(size_t n, uint32_t seed, int lo, int hi) {
   fill_kernel<<<1024, 256>>>(d, n, seed, lo, hi - lo + 1);
   CK(cudaGetLastError());
   return d;
-}
-
-float e2m1(int code) {
-  static const float mag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-  return (code & 8 ? -1.f : 1.f) * mag[code & 7];
 }
 
 // the kernel's quantization on the host: per 32 values, s = amax / lim, q = rint(v * (lim / amax)) clamped (fp32)
