@@ -20,8 +20,9 @@ int moe_max_tokens(int fmt, int topk, int dim, int inter);
 // measured faster there (experiments/decode_session5_h200.md), except with q_norm fused (gemv_rmsnorm).
 // DS4_MMA=0 in the environment makes AUTO always FMA, DS4_MMA=all always tensor cores where they apply,
 // DS4_MMA=k2048 the FP8 rule before wq_b moved (read at every launch, for the ablation). An explicit MMA
-// request that does not apply returns cudaErrorInvalidValue.
-enum Kernel : int { KERNEL_AUTO = 0, KERNEL_FMA = 1, KERNEL_MMA = 2 };
+// request that does not apply returns cudaErrorInvalidValue. DP4A (launch_moe_gate_up only: moe_dp4a.cu, the routed
+// experts' one-token gate+up on the integer pipe, FMT_FP4's stored layout) likewise, where moe_dp4a_ok says no.
+enum Kernel : int { KERNEL_AUTO = 0, KERNEL_FMA = 1, KERNEL_MMA = 2, KERNEL_DP4A = 3 };
 bool mma_auto(int fmt, int K, int O);
 // Widest run of 16-B chunks per lane and row the tensor-core kernels read (DS4_MMA_W: 1, 2, 4).
 int mma_max_width();
@@ -147,6 +148,9 @@ bool moe_act_quant_ok(const MoEArgs& a, bool gate_up);
 // Whether the one-token kernels route for themselves at this shape (tensor-core kernels, n_experts and
 // topk within the shared-memory scratch and ROUTER_MAX_K).
 bool moe_route_ok(const MoEArgs& a);
+// Whether kernel DP4A takes this gate+up (moe_dp4a.cu): one token, routed FMT_FP4 experts with E8M0 scales, ids
+// given (no routing in the kernel, no bf16 pointers), dim a multiple of 32 up to 4096, topk <= 32.
+bool moe_dp4a_ok(const MoEArgs& a);
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, dim]*/,
                                void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st, bool aq = false);
 // out[t, :] = (add ? add[t, :] : 0) + sum over the local (token, slot) pairs of h[t*topk+j] @ w2[e]^T

@@ -292,6 +292,7 @@ static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStre
 }
 
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq) {
+  if (a.kernel == KERNEL_DP4A) return aq ? cudaErrorInvalidValue : launch_moe_gate_up_dp4a(a, x, h, st);
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && (!moe_route_ok(a) || !a.ids_out || !a.rw_out))) return cudaErrorInvalidValue;
   if (aq && !moe_act_quant_ok(a, true)) return cudaErrorInvalidValue;
@@ -333,6 +334,7 @@ static cudaError_t down_nt(const MoEArgs& a, const void* h, const void* add, voi
 
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st, const HcFold* fold, bool aq) {
+  if (a.kernel == KERNEL_DP4A) return cudaErrorInvalidValue;  // a gate+up kernel only
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && !moe_route_ok(a)) || (aq && !moe_act_quant_ok(a, false)))
     return cudaErrorInvalidValue;

@@ -143,6 +143,8 @@ inline bool moe_layout_ok(const MoEArgs& a) {
 // 1 = the tensor-core ones, -1 = an explicit tensor-core request (a.kernel) that does not apply.
 int moe_use_mma(const MoEArgs& a);
 cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq);
+// The integer-pipe gate+up (moe_dp4a.cu), launch_moe_gate_up's kernel DP4A.
+cudaError_t launch_moe_gate_up_dp4a(const MoEArgs& a, const void* x, void* h, cudaStream_t st);
 cudaError_t launch_moe_down_mma(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                                 cudaStream_t st, const HcFold* fold, bool aq);
 

@@ -330,7 +330,7 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     check_setup(spec, args)
     # raises before any weights load; the notes say what the choices leave to other code for this setup
     setup = Setup(spec.dtype, spec.max_batch, args.weight_dtype, args.n_activated_experts,
-                  index_len(args, spec.max_seq_len), args.n_routed_experts)
+                  index_len(args, spec.max_seq_len), args.n_routed_experts, args.dim)
     ops = build_ops(spec.impls, spec.device, setup)
     if spec.runtime == "cuda_graph" and ops.decode_syncs:  # a step that waits on the host cannot be captured
         c, sync = next(iter(ops.decode_syncs.items()))

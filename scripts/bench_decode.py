@@ -50,7 +50,8 @@ before), lrdN (DS4_LONG_ROW_DEPTH=N: the same for the kernels whose per-shape ru
 the shared expert's gate+up at V4's shapes), dnN (DS4_DOWN_DEPTH=N: the routed and shared experts' down kernels),
 shdN (DS4_SHARED_DEPTH=N: the shared expert's gate+up alone),
 capN (the state's caches sized for N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default
-max_seq_len, instead of this run's prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
+max_seq_len, instead of this run's prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), dp4a (moe=fp4_dp4a: the
+routed experts' one-token gate+up on the integer pipe, w1 / w3 in the checkpoint's layout), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
 next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
 (those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), nohcr (DS4_HC_ROUTER=0: without
 the router fold, the library default since session 25 — the FFN's hc launch also forms the router's logits, so
@@ -117,8 +118,8 @@ from ds4.model.args import preset
 from ds4.model.attention import Attention
 from ds4.model.transformer import Transformer
 from ds4.ops import prefetch, side_stream
-from ds4.ops.base import MoEWeights, QWeight
-from ds4.quant import unpack_fp4_mma, untile_fp4_mma
+from ds4.ops.base import MoEWeights
+from ds4.ops.moe_cuda import lay_fp4
 from ds4.registry import Impls, ImplUnavailable, build_ops
 from ds4.runtime.generate import Generator
 from ds4.tasks.common import copy_bandwidth, decode_figures, graph_figures
@@ -133,19 +134,17 @@ def impls_of(tokens: set[str]) -> Impls:
         kw.update(attn="fused_cuda", indexer="fused_cuda", hc="fused_cuda")
     if "wobf16" in tokens:  # the seed's phase-6 output projection (wo_b.wo_a precomputed in BF16)
         kw.update(attn="fused_cuda_wo_bf16")
+    if "dp4a" in tokens:  # the routed experts' one-token gate+up on the integer pipe
+        kw.update(moe="fp4_dp4a")
     return Impls(**kw)
 
 
 def stored_fp4_layout(model) -> None:
-    """Undo moe=fp4_topk's fp4p / fp4t layouts in place (every MoE layer), back to the checkpoint's."""
+    """Undo moe=fp4_topk's (or fp4_dp4a's) fp4p / fp4t layouts in place (every MoE layer), back to the checkpoint's."""
     for mod in model.modules():
         mw = getattr(mod, "mw", None)
-        if isinstance(mw, MoEWeights) and mw.w1.fmt in ("fp4p", "fp4t"):
-            for q in (mw.w1, mw.w2, mw.w3):
-                if q.fmt == "fp4t":
-                    untile_fp4_mma(q.weight, out=q.weight)
-            plain = {n: QWeight("fp4", unpack_fp4_mma(q.weight, out=q.weight), q.scale)
-                     for n, q in (("w1", mw.w1), ("w2", mw.w2), ("w3", mw.w3))}
+        if isinstance(mw, MoEWeights) and any(q.fmt in ("fp4p", "fp4t") for q in (mw.w1, mw.w2, mw.w3)):
+            plain = {n: lay_fp4(getattr(mw, n), "fp4") for n in ("w1", "w2", "w3")}
             mod.mw = dataclasses.replace(mw, **plain)
             for n, q in plain.items():
                 setattr(mod, n, q)
@@ -218,8 +217,8 @@ def depth_env(toks: set[str]) -> dict[str, str | None]:
 
 # Every token run_variant and the helpers here read; the families below take a number or letters.
 PLAIN_TOKENS = frozenset({
-    "ref", "kernels", "fused", "wobf16", "graph", "qat", "aqtorch", "aqstaged", "ixqtorch", "nopack", "notile", "tile",
-    "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8", "k2048", "w1", "w2", "w4", "smem",
+    "ref", "kernels", "fused", "wobf16", "dp4a", "graph", "qat", "aqtorch", "aqstaged", "ixqtorch", "nopack", "notile",
+    "tile", "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8", "k2048", "w1", "w2", "w4", "smem",
     "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf", "kroute", "nohcr", "hcq", "pj", "late",
     "pja", "early", "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip", "arf", "arfnp",
     "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})

@@ -18,9 +18,10 @@ DS4_MMA_DEPTH (16-B chunks per lane and row in flight; fewer buy more resident w
 shared-memory stream, DS4_MMA_LOAD=smem), from --mma. The routed-MoE rows named "moe fp4" run the experts
 in the fp4t layout moe=fp4_topk uses by default (ds4.quant.tile_fp4_mma: fp4p words in the tensor-core
 kernels' fragment order, run width 2 whatever DS4_MMA_W says), "moe fp4p" rows in the fp4p word layout
-(ds4.quant.pack_fp4_mma, DS4_FP4_TILE=0) and "[stored layout]" rows in the checkpoint's. The dense FP8 and shared
-expert rows named "fp8t" run the weights in the layout linear=gemv_cuda and moe=fp4_topk give them by default
-(ds4.quant.tile_fp8_mma: the same fragment order, run width 2), the "fp8" rows in the stored one (DS4_FP8_TILE=0; the
+(ds4.quant.pack_fp4_mma, DS4_FP4_TILE=0) and "[stored layout]" rows in the checkpoint's; "[dp4a ...]" rows run
+moe=fp4_dp4a's integer-pipe gate+up (csrc/moe_dp4a.cu) on the stored w1 / w3, its routed row the fp4t down after it.
+The dense FP8 and shared expert rows named "fp8t" run the weights in the layout linear=gemv_cuda and moe=fp4_topk give
+them by default (ds4.quant.tile_fp8_mma: the same fragment order, run width 2), the "fp8" rows in the stored one (DS4_FP8_TILE=0; the
 dense [fma] / [mma] rows too).
 """
 from __future__ import annotations
@@ -264,6 +265,14 @@ def main() -> int:
     t1, t3, t2 = (tile_fp4_mma(w) for w in (p1, p3, p2))  # the fp4t layout moe=fp4_topk runs on by default
     for kern, tag in variants():
         moe_rows("fp4t", t1, t3, t2, kern, tag)
+    if n == 1 and kernels.dp4a_ok("fp4", n, dim):  # moe=fp4_dp4a: w1 / w3 stored, the integer-pipe gate+up
+        def dp4a_gu(ids):
+            return kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0, kernel="dp4a")
+        record("moe fp4 gate+up (6 experts) [dp4a, stored layout]", b_gu,
+               [(lambda ids=ids: dp4a_gu(ids)) for ids in idsets])
+        record("moe fp4 routed top-6 (2 launches) [dp4a gate+up, fp4t down]", b_gu + b_dn - 2 * h_bytes,
+               [(lambda ids=ids: kernels.moe_down(dp4a_gu(ids), ids, k, t2, s2, "fp4t", 0, E, None, True))
+                for ids in idsets], target_us=25.0)
 
     def shared_set():
         a1, b1 = rand_fp8(inter, dim, g)

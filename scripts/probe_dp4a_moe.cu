@@ -27,7 +27,10 @@
 
 namespace {
 
-constexpr int D = 4096, I = 2048, TOPK = 6, NE = 64, NSETS = 16, THREADS = 256, WARPS = THREADS / 32;
+#ifndef PROBE_NE
+#define PROBE_NE 64  // experts stacked (bench_kernels.py stacks 256: -DPROBE_NE=256)
+#endif
+constexpr int D = 4096, I = 2048, TOPK = 6, NE = PROBE_NE, NSETS = 16, THREADS = 256, WARPS = THREADS / 32;
 constexpr float LIMIT = 10.f;
 using idp::e2m1, idp::e8m0, idp::ld_stream, idp::prmt, idp::TAB_HI, idp::TAB_LO;
 // n values of bf16 v -> per 32-value block: s = amax / lim, q = rint(v * (lim / amax)) in [-lim, lim]; ACT16
@@ -370,7 +373,7 @@ int main() {
   CK(cudaGetDeviceProperties(&p, 0));
   std::printf("%s, %d SMs, clock %.2f GHz\n", p.name, p.multiProcessorCount, clock_ghz());
   print_copy_bandwidth();
-  // 64 experts of stored E2M1 bytes, E8M0 scales near 1
+  // NE experts of stored E2M1 bytes, E8M0 scales near 1
   uint8_t* W13 = dev_fill((size_t)NE * 2 * I * D / 2, 1, 0, 255);
   uint8_t* S13 = dev_fill((size_t)NE * 2 * I * D / 32, 2, 122, 130);
   uint8_t* W2 = dev_fill((size_t)NE * D * I / 2, 3, 0, 255);

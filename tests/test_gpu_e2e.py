@@ -64,7 +64,9 @@ def _options():
                      # the routed and shared experts in one launch (opt-in), with and without the hc fold
                      pytest.param(combos[-1], {"DS4_MOE_FFN": "1"}, id="all-fused,DS4_MOE_FFN=1"),
                      pytest.param(combos[-1], {"DS4_MOE_FFN": "1", "DS4_HC_FOLD": "1", "DS4_MMA": "all"},
-                                  id="all-fused,DS4_MOE_FFN=1,HC_FOLD=1,MMA=all")]
+                                  id="all-fused,DS4_MOE_FFN=1,HC_FOLD=1,MMA=all"),
+                     # the routed gate+up on the integer pipe (w1 / w3 stored, w2 fp4t)
+                     pytest.param({**combos[-1], "moe": "fp4_dp4a"}, {}, id="all-fused,moe=fp4_dp4a")]
 
 
 # A step is "confident" when the reference's top-2 logit gap exceeds this. At 1.0, one step in ~100
@@ -144,9 +146,12 @@ def test_options_agree_with_reference_on_small(impls, env, small_weights, monkey
     fast.load_weights(small_weights)
     folds = _record_folds(ops.hc)
     ffn_calls = _count_calls(ops.moe, "ffn")
+    dp4a_calls = _count_dp4a(ops.moe)
     lf = Generator(fast, 1, 512).teacher_forced_logits(prompt, toks)
     overall, confident, n = _agreement(lf.argmax(-1), ref_logits)
     assert n >= 16 and confident >= 0.99 and overall >= 0.9, (overall, confident, n)
+    if impls.get("moe") == "fp4_dp4a":  # every decode step's routed gate+ups took the integer pipe
+        assert dp4a_calls[0] >= 255 * (args.n_layers - args.n_hash_layers), dp4a_calls
     if env.get("DS4_HC_FOLD") == "1":  # the option ran as described at _options (DS4_MMA=all: every request folds)
         assert folds and all(f.fused for f in folds), (len(folds), sum(f.fused for f in folds))
     if env.get("DS4_HC_FOLD") == "0":
@@ -243,6 +248,18 @@ def _count_calls(obj, name: str) -> list[int]:
     return calls
 
 
+def _count_dp4a(moe) -> list[int]:
+    """[routed gate+up launches that chose kernel "dp4a"] from now on (moe=fp4_dp4a's _gate_up_kernel)."""
+    calls, fn = [0], getattr(moe, "_gate_up_kernel", None)
+    if fn is not None:
+        def counting(*args, **kw):
+            k = fn(*args, **kw)
+            calls[0] += k == "dp4a"
+            return k
+        moe._gate_up_kernel = counting
+    return calls
+
+
 def _record_folds(hc) -> list:
     """The hc fold requests an hc implementation hands out from now on (recorded on the instance)."""
     made, fold = [], getattr(hc, "fold", None)
@@ -289,7 +306,9 @@ def _tiny_weights_for(impls: Impls, seed: int, vocab: int | None = None):
     # the shared expert's branch joined to the routed down by programmatic edges (opt-in; graph only)
     pytest.param(Impls(**_FUSED), {"DS4_PJOIN": "all"}, {}, id="fused-programmatic_join"),
     # a captured graph per compressor phase, the compressor branches joined late where no window ends (opt-in)
-    pytest.param(Impls(**_FUSED), {"DS4_LATE_COMPRESS": "1"}, {}, id="fused-late_compress")])
+    pytest.param(Impls(**_FUSED), {"DS4_LATE_COMPRESS": "1"}, {}, id="fused-late_compress"),
+    # the routed gate+up on the integer pipe (moe=fp4_dp4a) in both runtimes
+    pytest.param(Impls(**{**_FUSED, "moe": "fp4_dp4a"}), {}, {}, id="fused-dp4a")])
 def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch):
     """tiny crosses 60+ window wraps, 250 CSA and 60 HCA emissions in 1000 steps. graph_env: set for the
     captured run only; env: for both runs. With DS4_LATE_COMPRESS=1 the two prompts put the rows in different

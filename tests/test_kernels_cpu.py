@@ -3,6 +3,7 @@
 without nvcc) so an sm_80 break is caught without a GPU."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -95,8 +96,8 @@ def test_cuda_impls_construct_without_extension():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("folder,archs,expected", [
-    ("", ("80",), {"gemv.cu", "moe.cu", "moe_mma.cu", "moe_ffn.cu", "router.cu", "argmax.cu", "prefetch.cu",
-                   "allreduce.cu", "capture.cu", "dequant.cu"}),  # GEMV / MoE ext.
+    ("", ("80",), {"gemv.cu", "moe.cu", "moe_mma.cu", "moe_dp4a.cu", "moe_ffn.cu", "router.cu", "argmax.cu",
+                   "prefetch.cu", "allreduce.cu", "capture.cu", "dequant.cu"}),  # GEMV / MoE ext.
     ("attn", ("80", "90"), {"hc.cu", "sparse_attn.cu", "indexer.cu", "decode_glue.cu", "topk.cu"}),  # ds4_attn
 ])
 def test_csrc_compiles(folder, archs, expected, tmp_path):
@@ -442,3 +443,83 @@ def test_build_lock_waits_for_an_orphaned_ninja_before_clearing_its_lock(monkeyp
     kernels.build_and_load("x", src, ("a.cu",), build, False)
     assert seen == [0] and time.monotonic() - t0 >= 1  # built once the orphan had ended
     assert "waiting for an orphaned build" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ moe=fp4_dp4a (the integer-pipe gate+up)
+
+def test_dp4a_kernel_choice_is_checked_before_any_launch():
+    """kernel "dp4a" is moe_gate_up's alone, for one token of stored-fp4 routed experts up to DP4A_MAX_DIM wide; any
+    other call fails in Python, before the op (these tensors are on the CPU: the op would fail otherwise)."""
+    w, s = torch.zeros(4, 64, 256, dtype=torch.int8), torch.zeros(4, 64, 16, dtype=torch.uint8)
+    x1, x2 = torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(2, 512, dtype=torch.bfloat16)
+    ids1, ids2, rw = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2)
+    bad = {"two tokens": lambda: kernels.moe_gate_up(x2, ids2, rw, w, s, w, s, "fp4", kernel="dp4a"),
+           "fp4p": lambda: kernels.moe_gate_up(x1, ids1, rw[:1], w, s, w, s, "fp4p", kernel="dp4a"),
+           "no ids": lambda: kernels.moe_gate_up(x1, None, None, w[0], s[0], w[0], s[0], "fp4", kernel="dp4a"),
+           "act_quant": lambda: kernels.moe_gate_up(x1, ids1, rw[:1], w, s, w, s, "fp4", kernel="dp4a",
+                                                    act_quant=True)}
+    for why, fn in bad.items():
+        with pytest.raises(ValueError, match="kernel 'dp4a' takes one token"):
+            fn()
+    wide = torch.zeros(4, 64, 4112, dtype=torch.int8)  # dim 8224 > DP4A_MAX_DIM
+    with pytest.raises(ValueError, match="kernel 'dp4a' takes one token"):
+        kernels.moe_gate_up(torch.zeros(1, 8224, dtype=torch.bfloat16), ids1, rw[:1], wide, None, wide, None, "fp4",
+                            kernel="dp4a")
+    for call in (lambda: kernels.moe_down(x1, ids1, 2, w, s, "fp4", kernel="dp4a"),
+                 lambda: kernels.gemv(x1, w[0], s[0], "fp4", kernel="dp4a")):
+        with pytest.raises(ValueError, match="moe_gate_up only"):
+            call()
+    assert kernels.dp4a_ok("fp4", 1, 4096) and kernels.dp4a_ok("fp4", 1, 32)
+    assert not (kernels.dp4a_ok("fp4t", 1, 4096) or kernels.dp4a_ok("fp4", 2, 4096) or kernels.dp4a_ok("fp4", 1, 4112)
+                or kernels.dp4a_ok("fp4", 1, 4128))
+
+
+@pytest.mark.parametrize("src,dst", [("fp4", "fp4t"), ("fp4t", "fp4"), ("fp4p", "fp4"), ("fp4", "fp4p"),
+                                     ("fp4t", "fp4p"), ("fp4p", "fp4t"), ("fp4", "fp4")])
+def test_lay_fp4_converts_every_layout_in_place(src, dst):
+    """ds4.ops.moe_cuda.lay_fp4 (moe=fp4_dp4a's w1 / w3 stored beside an fp4t w2): the same storage, the same values."""
+    from ds4.ops.base import QWeight
+    from ds4.ops.moe_cuda import lay_fp4
+    from ds4.quant import dequant_fp4
+    g = torch.Generator().manual_seed(5)
+    stored = torch.randint(-128, 128, (2, 32, 128), dtype=torch.int8, generator=g)
+    scale = torch.randint(110, 130, (2, 32, 8), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+    want = dequant_fp4(stored, scale)
+    q = lay_fp4(QWeight("fp4", stored.clone(), scale), src)
+    ptr = q.weight.data_ptr()
+    out = lay_fp4(q, dst)
+    assert out.fmt == dst and out.weight.data_ptr() == ptr and out.scale is scale
+    assert torch.equal(out.dequant(), want)
+    if dst == "fp4":
+        assert torch.equal(out.weight, stored)
+    with pytest.raises(ValueError, match="must be fp4, fp4p or fp4t"):
+        lay_fp4(q, "fp8")
+
+
+def test_fp4_dp4a_takes_its_kernel_for_one_token_only(monkeypatch):
+    """Fp4Dp4aMoE asks for kernel "dp4a" for a one-token gate+up it takes; prompts, qat's staged x and other layouts
+    keep fp4_topk's choice; it never routes inside the kernels nor takes the one-launch FFN."""
+    from ds4.ops.moe_cuda import Fp4Dp4aMoE, Fp4TopkMoE
+    impl = Fp4Dp4aMoE()
+    one, two = torch.zeros(1, 4096), torch.zeros(2, 4096)
+    assert impl._gate_up_kernel(one, "fp4", False, None) == "dp4a"
+    assert impl._gate_up_kernel(two, "fp4", False, None) == "auto"
+    assert impl._gate_up_kernel(one, "fp4", True, None) == "auto"
+    assert impl._gate_up_kernel(one, "fp4t", False, None) == "auto"
+    assert impl._gate_up_kernel(torch.zeros(1, 7168), "fp4", False, None) == "auto"
+    assert Fp4TopkMoE()._gate_up_kernel(one, "fp4", False, None) == "auto"
+    assert not impl.route_in_kernels and not impl.ffn_capable and impl.gate_up_layout == "fp4"
+
+
+def test_fp4_dp4a_registry_refuses_a_dim_its_kernel_cannot_take(monkeypatch):
+    """An explicit moe=fp4_dp4a for a model wider than its gate+up kernel fails before the weights load."""
+    e = registry.entry("moe", "fp4_dp4a")
+    monkeypatch.setitem(registry._ENTRIES["moe"], "fp4_dp4a", dataclasses.replace(e, check=lambda _d: None))
+    cuda = torch.device("cuda")
+    assert registry.resolve("moe", "fp4_dp4a", cuda, registry.Setup(dim=4096))[1] == "fp4_dp4a"
+    with pytest.raises(registry.ImplUnavailable, match="dim a multiple of 32 up to 4096"):
+        registry.resolve("moe", "fp4_dp4a", cuda, registry.Setup(dim=7168))
+    # auto keeps fp4_topk (priority 10 against 8) until the step measures the integer pipe faster
+    monkeypatch.setitem(registry._ENTRIES["moe"], "fp4_topk",
+                        dataclasses.replace(registry.entry("moe", "fp4_topk"), check=lambda _d: None))
+    assert registry.resolve("moe", "auto", cuda, registry.Setup(dim=4096))[0].name == "fp4_topk"

@@ -21,8 +21,17 @@ FMT = {"bf16": 0, "fp8": 1, "fp4": 2, "fp4p": 3, "fp4t": 4, "fp8t": 5}
 DENSE = ("bf16", "fp8", "fp8t", "fp4")  # the dense GEMVs' formats (the MoE kernels take every format)
 # "auto": tensor-core kernels for one-token FP4 products and one-token FP8 products with K >= 2048 or
 # with K >= 1024 and >= 16384 rows (csrc/ds4_launch.h; DS4_MMA=0 / all / k2048 overrides), FMA kernels
-# otherwise; "fma" / "mma" force one (an "mma" request it cannot serve raises).
-KERNEL = {"auto": 0, "fma": 1, "mma": 2}
+# otherwise; "fma" / "mma" force one (an "mma" request it cannot serve raises). "dp4a" (moe_gate_up only): the
+# routed experts' one-token gate+up on the integer pipe (csrc/moe_dp4a.cu; moe=fp4_dp4a), checked by dp4a_ok here.
+KERNEL = {"auto": 0, "fma": 1, "mma": 2, "dp4a": 3}
+DP4A_MAX_DIM = 4096  # csrc/moe_dp4a.cu: up to 4 chunks of 16 bytes per lane and row
+
+
+def dp4a_ok(fmt: str, n_tok: int, dim: int) -> bool:
+    """Whether moe_gate_up's kernel "dp4a" takes this call (csrc/ds4_launch.h moe_dp4a_ok, less what the
+    wrapper checks itself): one token, the routed experts in the stored FP4 layout, dim a multiple of 32 up to
+    DP4A_MAX_DIM."""
+    return fmt == "fp4" and n_tok == 1 and dim % 32 == 0 and 32 <= dim <= DP4A_MAX_DIM
 
 
 def _fmt(fmt: str, dense: bool = False) -> int:
@@ -34,9 +43,11 @@ def _fmt(fmt: str, dense: bool = False) -> int:
     return FMT[fmt]
 
 
-def _kernel(name: str) -> int:
-    if name not in KERNEL:
-        raise ValueError(f"ds4.kernels: kernel must be one of {sorted(KERNEL)}, got {name!r}")
+def _kernel(name: str, dp4a: bool = False) -> int:
+    allowed = sorted(KERNEL) if dp4a else sorted(set(KERNEL) - {"dp4a"})
+    if name not in allowed:
+        why = " (dp4a is a gate+up kernel: moe_gate_up only)" if name == "dp4a" else ""
+        raise ValueError(f"ds4.kernels: kernel must be one of {allowed}, got {name!r}{why}")
     return KERNEL[name]
 
 
@@ -181,7 +192,13 @@ def moe_gate_up(x: Tensor, ids: Tensor | None, route_w: Tensor | None, w1: Tenso
     staging (act_quant_sim(x, 128)'s bits)."""
     if n_local is None:
         n_local = w1.shape[0] if w1.dim() == 3 else 1
-    k, f = _kernel(kernel), _fmt(fmt)
+    k, f = _kernel(kernel, dp4a=True), _fmt(fmt)
+    if kernel == "dp4a" and not (dp4a_ok(fmt, x.shape[0], x.shape[-1]) and ids is not None and ptrs is None
+                                 and route is None and not act_quant and s1 is not None and s3 is not None):
+        raise ValueError(f"ds4.kernels.moe_gate_up: kernel 'dp4a' takes one token of routed experts in the stored fp4 "
+                         f"layout with scales and ids, dim a multiple of 32 up to {DP4A_MAX_DIM}, no in-kernel routing "
+                         f"or act_quant; got fmt {fmt}, x {tuple(x.shape)}, ids {ids is not None}, "
+                         f"route {route is not None}, act_quant {act_quant}")
     _tiled_check(fmt, w1, w3)
     r = route or InKernelRoute(None, None, None, None, 1.0)
     return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, f, expert_offset, n_local, limit, k,

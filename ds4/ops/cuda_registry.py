@@ -50,6 +50,15 @@ def _router_fits(s: Setup) -> str | None:
     return None
 
 
+def _fp4_dp4a_fits(s: Setup) -> str | None:
+    """The router's limits, and the integer-pipe gate+up's rows: dim a multiple of 32 up to DP4A_MAX_DIM (an explicit
+    moe=fp4_dp4a whose kernel could not run would otherwise decode on fp4_topk's FMA kernels)."""
+    from ds4.kernels import DP4A_MAX_DIM
+    if s.dim and (s.dim % 32 or s.dim > DP4A_MAX_DIM):
+        return f"its gate+up kernel takes dim a multiple of 32 up to {DP4A_MAX_DIM} (dim={s.dim})"
+    return _router_fits(s)
+
+
 def _bf16_cache_caveats(s: Setup) -> list[str]:
     from ds4.ops.moe_cuda import PREFILL_TOKENS
     when = f"prompts and decode batch {s.max_batch}" if s.max_batch > PREFILL_TOKENS else "prompts"
@@ -70,6 +79,12 @@ def entries(check):
         (Entry("moe", "fp4_topk", "ds4.ops.moe_cuda:Fp4TopkMoE", check, 10,
                "CUDA router + all top-k MXFP4 experts in two launches (ids on the device) + fused FP8 shared expert",
                caveats=_fp4_topk_caveats, decode_sync=_fp4_topk_sync, ds4_ext=True, fits=_router_fits), ()),
+        # below fp4_topk for auto: slower in the decode step (one H100: 123.6 against 121.7-121.9 us per layer,
+        # experiments/session64.md)
+        (Entry("moe", "fp4_dp4a", "ds4.ops.moe_cuda:Fp4Dp4aMoE", check, 8,
+               "fp4_topk with the one-token routed gate+up on the integer pipe (PRMT lookup of the E2M1 bytes, DP4A "
+               "against x in 16 bits per 32 values)",
+               caveats=_fp4_topk_caveats, decode_sync=_fp4_topk_sync, ds4_ext=True, fits=_fp4_dp4a_fits), ()),
         (Entry("moe", "bf16_cache", "ds4.ops.moe_cuda:Bf16CacheMoE", check, 5,
                "seed phase 5: LRU cache of dequantised BF16 hot experts (host sync per layer) + BF16/FP4 kernels",
                caveats=_bf16_cache_caveats,

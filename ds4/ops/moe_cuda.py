@@ -62,6 +62,9 @@ moe=fp4_topk
   (opt-in, measured no faster) inside the one-token tensor-core kernels' staging where they take it
   (kernels.moe_act_quant_ok: the tiled layouts).
 
+moe=fp4_dp4a: fp4_topk with the one-token routed gate+up on the integer pipe (Fp4Dp4aMoE; csrc/moe_dp4a.cu), w1 / w3
+  in the checkpoint's layout; measured slower (an ablation option).
+
 moe=bf16_cache (seed phase 5, an ablation): like fp4_topk, but experts that were selected keep a
   dequantised BF16 copy (LRU, size cap, free-memory guard, frozen after warm-up); cached experts run
   through the BF16 variants of the same kernels, the rest through the FP4 ones. Cache bookkeeping
@@ -85,7 +88,7 @@ from ds4.ops.dequant_cuda import dense
 from ds4.ops.linear_cuda import fp8_tile_mode, lay_fp8
 from ds4.ops.moe_torch import pairs_by_expert, shared_block, swiglu
 from ds4.ops.qat_cuda import act_quant_sim, staging_on
-from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, untile_fp4_mma
+from ds4.quant import TILE_W, fp4t_ok, pack_fp4_mma, tile_fp4_mma, unpack_fp4_mma, untile_fp4_mma
 
 PREFILL_TOKENS = 8
 # Up to this many tokens prefill runs the decode kernels chunk by chunk (PREFILL_TOKENS a chunk), each chunk reading
@@ -200,6 +203,26 @@ def grouped_routed(x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_
     return y
 
 
+def lay_fp4(q: QWeight, fmt: str) -> QWeight:
+    """A routed FP4 matrix re-laid in place as `fmt`: "fp4" (the checkpoint's), "fp4p" (pack_fp4_mma's permuted
+    words) or "fp4t" (those in the tensor-core kernels' fragment order); the same storage and scales."""
+    if fmt not in ("fp4", "fp4p", "fp4t") or q.fmt not in ("fp4", "fp4p", "fp4t"):
+        raise ValueError(f"lay_fp4: from {q.fmt} to {fmt}: both must be fp4, fp4p or fp4t")
+    w = q.weight
+    if q.fmt == fmt:
+        return q
+    if q.fmt == "fp4t":
+        untile_fp4_mma(w, out=w)  # -> fp4p
+    if fmt == "fp4":
+        unpack_fp4_mma(w, out=w)
+    else:
+        if q.fmt == "fp4":
+            pack_fp4_mma(w, out=w)
+        if fmt == "fp4t":
+            tile_fp4_mma(w, out=w)
+    return QWeight(fmt, w, q.scale)
+
+
 class SharedUp(NamedTuple):
     """The shared expert issued on a side stream: its bf16 output, ready once `branch` is joined."""
     out: Tensor
@@ -231,15 +254,19 @@ class Fp4TopkMoE:
         _prepare_shared)."""
         return self._prepare_shared(self._prepare_routed(mw))
 
+    # The layout of the routed gate+up's w1 / w3 (None: w2's, fp4t or fp4p by the rule of _prepare_routed).
+    gate_up_layout: str | None = None
+
     def _prepare_routed(self, mw: MoEWeights) -> MoEWeights:
         """CUDA FP4 routed experts -> the fp4t layout where it can lay them out, fp4p elsewhere, in
-        place (DS4_FP4_PACK=0 keeps the stored layout; DS4_FP4_TILE=0 takes fp4p, =1 requires fp4t). fp4p <->
-        fp4t both ways in the same storage, so one loaded model can be configured with either."""
+        place (DS4_FP4_PACK=0 keeps the stored layout; DS4_FP4_TILE=0 takes fp4p, =1 requires fp4t); w1 / w3 in
+        gate_up_layout where a subclass names one. Every layout converts to every other in the same storage, so one
+        loaded model can be configured with either."""
         if mw.w1.fmt not in ("fp4", "fp4p", "fp4t") or not mw.w1.weight.is_cuda:
             return mw
-        if mw.w1.fmt == "fp4" and os.environ.get("DS4_FP4_PACK", "1") == "0":
-            return mw
         qs = {name: getattr(mw, name) for name in ("w1", "w2", "w3")}
+        if all(q.fmt == "fp4" for q in qs.values()) and os.environ.get("DS4_FP4_PACK", "1") == "0":
+            return mw
         req = os.environ.get("DS4_FP4_TILE", "auto")
         if req not in ("auto", "0", "1"):
             raise ValueError(f"DS4_FP4_TILE must be 0, 1 or unset (auto), got {req!r}")
@@ -250,19 +277,11 @@ class Fp4TopkMoE:
             raise ValueError(f"DS4_FP4_TILE=1: moe={self.name} cannot lay these experts out as fp4t (it needs "
                              f"moe=fp4_topk, rows in 16s and row bytes in {64 * TILE_W}s: "
                              f"{[tuple(q.weight.shape) for q in qs.values()]}); unset it")
-        if all(q.fmt == ("fp4t" if tile else "fp4p") for q in qs.values()):
+        down = "fp4t" if tile else "fp4p"
+        want = {"w1": self.gate_up_layout or down, "w2": down, "w3": self.gate_up_layout or down}
+        if all(q.fmt == want[name] for name, q in qs.items()):
             return mw  # laid out already
-        out = {}
-        for name, q in qs.items():
-            w = q.weight
-            if q.fmt == "fp4":
-                pack_fp4_mma(w, out=w)
-            if q.fmt == "fp4t" and not tile:
-                untile_fp4_mma(w, out=w)
-            elif q.fmt != "fp4t" and tile:
-                tile_fp4_mma(w, out=w)
-            out[name] = QWeight("fp4t" if tile else "fp4p", w, q.scale)
-        return dataclasses.replace(mw, **out)
+        return dataclasses.replace(mw, **{name: lay_fp4(q, want[name]) for name, q in qs.items()})
 
     def _prepare_shared(self, mw: MoEWeights) -> MoEWeights:
         """The shared expert's CUDA FP8 matrices in fp8t (the dense projections' fragment order under
@@ -367,10 +386,14 @@ class Fp4TopkMoE:
             fold.fused = True
         return y.to(x.dtype)
 
+    def _gate_up_kernel(self, x: Tensor, fmt: str, act_quant: bool, route) -> str:
+        """The kernel choice of the routed gate+up launch (kernels.moe_gate_up's `kernel`)."""
+        return "auto"
+
     def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool,
                          shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None,
                          fold: HcFold | None = None, partial: bool = False) -> Tensor:
-        fmt = mw.w1.fmt
+        fmt, fmt2 = mw.w1.fmt, mw.w2.fmt  # (the gate+up's and the down's: moe=fp4_dp4a lays them out apart)
         k = ids.shape[1]
         aqx = act_quant and _stages(x.shape[0], x, fmt, k, x.shape[-1], mw.w1.weight.shape[-2], True)
         xq = _act_quant_sim(x) if act_quant and not aqx else x
@@ -380,8 +403,9 @@ class Fp4TopkMoE:
             l2.issue("d", [t for t in (mw.w2.weight, mw.w2.scale) if t is not None], x, ids, mw.expert_offset)
         h = kernels.moe_gate_up(_bf16(xq), ids, weights.float().contiguous(), mw.w1.weight, mw.w1.scale,
                                 mw.w3.weight, mw.w3.scale, fmt, mw.expert_offset, mw.w1.weight.shape[0],
-                                mw.swiglu_limit, route=route, act_quant=aqx)
-        aqh = act_quant and _stages(x.shape[0], h, fmt, k, mw.w2.weight.shape[-2], h.shape[-1], False)
+                                mw.swiglu_limit, route=route, act_quant=aqx,
+                                kernel=self._gate_up_kernel(x, fmt, aqx, route))
+        aqh = act_quant and _stages(x.shape[0], h, fmt2, k, mw.w2.weight.shape[-2], h.shape[-1], False)
         if act_quant and not aqh:
             h = _act_quant_sim(h)
         add = None
@@ -390,11 +414,11 @@ class Fp4TopkMoE:
             add = shared.out
         # the hc fold (one row, the block output in bf16): the down kernel's epilogue forms the next mHC site's
         # streams and partials
-        if partial or not (add is not None and _down_folds(fold, x, fmt, mw.w2.weight.shape[-2], h.shape[-1],
+        if partial or not (add is not None and _down_folds(fold, x, fmt2, mw.w2.weight.shape[-2], h.shape[-1],
                                                            ids.shape[1])):
             fold = None
         # fp32 out: the routed sum, or with a sliced shared expert (partial) the routed + shared partial sum
-        y = kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt, mw.expert_offset,
+        y = kernels.moe_down(h, ids, ids.shape[1], mw.w2.weight, mw.w2.scale, fmt2, mw.expert_offset,
                              mw.w2.weight.shape[0], add, add is None or partial, route=route, fold=fold,
                              act_quant=aqh)
         if fold is not None:
@@ -476,6 +500,24 @@ class Fp4TopkMoE:
         if up is not None:
             return up.out if add is None else add_shared(add, up)
         return self._shared_down(self._shared_h(x, mw, act_quant), mw, act_quant, add).to(x.dtype)
+
+
+class Fp4Dp4aMoE(Fp4TopkMoE):
+    """moe=fp4_topk with the routed experts' one-token gate+up on the integer pipe (csrc/moe_dp4a.cu): the E2M1
+    nibbles looked up as bytes by PRMT and multiplied by DP4A with x quantized per 32 values to 16 bits, never decoded
+    to floats. w1 / w3 stay in the checkpoint's layout (the kernel reads it); w2 takes fp4_topk's (fp4t / fp4p), its
+    down kernel unchanged. Calls of several tokens run fp4_topk's FMA kernels on the stored layout, prompts past
+    chunked_tokens() the grouped loop. The router's tail stays its own launch (no in-kernel routing, no one-launch
+    FFN: both read fp4t). An ablation option: slower than fp4_topk on an H100 (gate+up 24.19 against 23.32 us; the step
+    123.6 against 121.7-121.9 us per layer, experiments/session64.md)."""
+    name = "fp4_dp4a"
+    gate_up_layout = "fp4"
+    route_in_kernels = False
+
+    def _gate_up_kernel(self, x: Tensor, fmt: str, act_quant: bool, route) -> str:
+        if route is None and not act_quant and kernels.dp4a_ok(fmt, x.shape[0], x.shape[-1]):
+            return "dp4a"
+        return "auto"
 
 
 class _LayerCache:
