@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "probe_idp4a.cuh"
+#include "probe_moe_harness.cuh"
 #include "probe_util.cuh"
 
 namespace {
@@ -32,7 +33,7 @@ namespace {
 #endif
 constexpr int D = 4096, I = 2048, TOPK = 6, NE = PROBE_NE, NSETS = 16, THREADS = 256, WARPS = THREADS / 32;
 constexpr float LIMIT = 10.f;
-using idp::e2m1, idp::e8m0, idp::ld_stream, idp::prmt, idp::TAB_HI, idp::TAB_LO;
+using idp::dev_fill, idp::e2m1, idp::e8m0, idp::graph_us, idp::ld_stream, idp::prmt, idp::TAB_HI, idp::TAB_LO;
 // n values of bf16 v -> per 32-value block: s = amax / lim, q = rint(v * (lim / amax)) in [-lim, lim]; ACT16
 // (lim 32767): q = 256 * hi + lo (hi int8, lo uint8), else (lim 127) hi = q. 8 threads per block, 4 values each, the
 // amax by 3 shuffles (n a multiple of 1024 / 256 threads: every lane of a warp takes part). (Run 5's form, a thread per
@@ -208,22 +209,6 @@ __global__ void __launch_bounds__(THREADS) down_dp4a(const __nv_bfloat16* __rest
   }
 }
 
-__global__ void fill_kernel(uint8_t* p, size_t n, uint32_t seed, int lo, int span) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t v = (uint32_t)i * 2654435761u ^ seed;
-    v ^= v >> 13, v *= 0x5bd1e995u, v ^= v >> 15;
-    p[i] = (uint8_t)(lo + v % span);
-  }
-}
-
-uint8_t* dev_fill(size_t n, uint32_t seed, int lo, int hi) {
-  uint8_t* d;
-  CK(cudaMalloc(&d, n));
-  fill_kernel<<<1024, 256>>>(d, n, seed, lo, hi - lo + 1);
-  CK(cudaGetLastError());
-  return d;
-}
-
 // the kernel's quantization on the host: per 32 values, s = amax / lim, q = rint(v * (lim / amax)) clamped (fp32)
 void host_quantize(const std::vector<float>& v, bool act16, std::vector<double>& q, std::vector<float>& s) {
   const float lim = act16 ? 32767.f : 127.f;
@@ -236,39 +221,6 @@ void host_quantize(const std::vector<float>& v, bool act16, std::vector<double>&
     const float inv = amax > 0.f ? lim / amax : 1.f;
     for (int k = 0; k < 32; ++k) q[b * 32 + k] = std::min(std::max(std::rint(v[b * 32 + k] * inv), -lim), lim);
   }
-}
-
-// median us per launch of a CUDA graph of `n` launches go(i), replayed `reps` times (bench_kernels.py's method)
-template <typename Go>
-float graph_us(Go go, int n = 48, int reps = 30) {
-  cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < n; ++i) go(i, st);
-  CK(cudaStreamEndCapture(st, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  CK(cudaGraphLaunch(ge, st));
-  CK(cudaStreamSynchronize(st));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int r = 0; r < reps; ++r) {
-    CK(cudaEventRecord(a, st));
-    CK(cudaGraphLaunch(ge, st));
-    CK(cudaEventRecord(b, st));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1e3f / n);
-  }
-  std::sort(t.begin(), t.end());
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  CK(cudaStreamDestroy(st));
-  return t[reps / 2];
 }
 
 double rel_l2d(const std::vector<double>& a, const std::vector<double>& b) {
