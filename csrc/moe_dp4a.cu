@@ -57,18 +57,24 @@ __device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
 }
 
 // x [n] (bf16) -> per 32-value block b: scale xs[b] = amax / 32767 and q = rint(v / xs[b]) = 256 xh + xl (xh int8,
-// xl uint8). Eight threads per block, four values each; n a multiple of 32 (every lane of a warp takes part: the
-// loop's bound is rounded up to whole warps, the threads past n carrying zeros).
+// xl uint8). Eight threads per block, four values each (DP4A_THREADS threads: 1024 values a round, KB rounds); n a
+// multiple of 32. Every round's load is issued before the first is used: one round trip to x instead of KB (x sits in
+// L2, and every block waits for its staging before its first item's arithmetic). Threads past n carry zeros, so
+// every lane of a warp takes part in the shuffles.
+template <int KB>
 __device__ __forceinline__ void stage_x16(const __nv_bfloat16* __restrict__ x, int n, int8_t* xh, uint8_t* xl,
                                           float* xs) {
-  const int n_up = (n + 1023) / 1024 * 1024;
-  for (int i0 = threadIdx.x * 4; i0 < n_up; i0 += blockDim.x * 4) {
-    float f[4] = {0.f, 0.f, 0.f, 0.f};
-    if (i0 < n) {
-      const uint2 w = *reinterpret_cast<const uint2*>(x + i0);
-      f[0] = __uint_as_float(w.x << 16), f[1] = __uint_as_float(w.x & 0xffff0000u);
-      f[2] = __uint_as_float(w.y << 16), f[3] = __uint_as_float(w.y & 0xffff0000u);
-    }
+  uint2 w[KB];
+#pragma unroll
+  for (int it = 0; it < KB; ++it) {
+    const int i0 = it * DP4A_THREADS * 4 + threadIdx.x * 4;
+    w[it] = i0 < n ? *reinterpret_cast<const uint2*>(x + i0) : make_uint2(0u, 0u);
+  }
+#pragma unroll
+  for (int it = 0; it < KB; ++it) {
+    const int i0 = it * DP4A_THREADS * 4 + threadIdx.x * 4;
+    const float f[4] = {__uint_as_float(w[it].x << 16), __uint_as_float(w[it].x & 0xffff0000u),
+                        __uint_as_float(w[it].y << 16), __uint_as_float(w[it].y & 0xffff0000u)};
     float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
 #pragma unroll
     for (int d = 1; d < 8; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
@@ -219,7 +225,7 @@ __global__ void __launch_bounds__(DP4A_THREADS) moe_gate_up_dp4a_kernel(const Mo
   Cursor ca{item0 / a.inter, item0 % a.inter};  // (the one division)
   ItemRegs<KB> ra, rb;
   bool va = load_item<KB, FULL, SHFL>(a, ca, lane, nb, s_ids, m, ra);  // out before the staging
-  stage_x16(x, a.dim, sxh, sxl, sxs);
+  stage_x16<KB>(x, a.dim, sxh, sxl, sxs);
   __syncthreads();
   while (ca.slot < a.topk) {
     Cursor cb = ca;
