@@ -7,9 +7,10 @@
 //
 // Why: the tensor-core kernels decode every E2M1 nibble to BF16 (5 LOP3 + 2 SHF per word), and that decode, not the
 // weight stream, bounds them (experiments/decode_session22_h200.md: the FP4 loop is ALU-bound). The probe of this form
-// (scripts/probe_dp4a_moe.cu, resident, 16-bit) took 22.01 us for six 2048 x 4096 expert pairs of 256. Measured
-// (experiments/session64.md, one H100): this kernel 24.19 us against fp4_topk's tensor-core gate+up 23.32 us
-// (bench_kernels.py), and the step 123.6 against 121.7-121.9 us per layer: slower, so an opt-in (moe=fp4_dp4a).
+// (scripts/probe_dp4a_moe.cu, resident, 16-bit) took 21.93 us for six 2048 x 4096 expert pairs of 256. Measured
+// (experiments/session64.md, run 6, one H100): this kernel 21.82 us against fp4_topk's tensor-core gate+up 23.32 us
+// alone (bench_kernels.py), but the step 123.3 / 123.4 against 121.7 / 121.6 us per layer: slower where it counts,
+// so an opt-in (moe=fp4_dp4a), not auto's choice.
 //
 // Numerics: the 16-bit activations hold bf16 x exactly wherever a value is within 2^7 of its block's largest; below
 // that they keep 15 bits of the block's scale (the product within 3e-5 of bf16 x's: session 63's probe). h is

@@ -63,7 +63,7 @@ moe=fp4_topk
   (kernels.moe_act_quant_ok: the tiled layouts).
 
 moe=fp4_dp4a: fp4_topk with the one-token routed gate+up on the integer pipe (Fp4Dp4aMoE; csrc/moe_dp4a.cu), w1 / w3
-  in the checkpoint's layout; measured slower (an ablation option).
+  in the checkpoint's layout; the decode step measured slower (an ablation option).
 
 moe=bf16_cache (seed phase 5, an ablation): like fp4_topk, but experts that were selected keep a
   dequantised BF16 copy (LRU, size cap, free-memory guard, frozen after warm-up); cached experts run
@@ -508,8 +508,8 @@ class Fp4Dp4aMoE(Fp4TopkMoE):
     to floats. w1 / w3 stay in the checkpoint's layout (the kernel reads it); w2 takes fp4_topk's (fp4t / fp4p), its
     down kernel unchanged. Calls of several tokens run fp4_topk's FMA kernels on the stored layout, prompts past
     chunked_tokens() the grouped loop. The router's tail stays its own launch (no in-kernel routing, no one-launch
-    FFN: both read fp4t). An ablation option: slower than fp4_topk on an H100 (gate+up 24.19 against 23.32 us; the step
-    123.6 against 121.7-121.9 us per layer, experiments/session64.md)."""
+    FFN: both read fp4t). An ablation option: on an H100 its gate+up is faster alone (21.82 against 23.32 us), but the
+    decode step is slower (123.3 / 123.4 against 121.7 / 121.6 us per layer, experiments/session64.md)."""
     name = "fp4_dp4a"
     gate_up_layout = "fp4"
     route_in_kernels = False

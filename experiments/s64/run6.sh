@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Session 64, run 6 (one lent GPU, one call, the session's last device time): the dp4a gate+up with x's staging
-# loads issued together (one round trip to x instead of four at dim 4096; the probe's staging is unrolled so). The
-# library kernel in the probe's harness (carried binary); build; the dp4a GPU tests; the kernels alone; the slope
-# against the default, alternating; the end-to-end dp4a rows and the probe's own kernel where time is left.
+# loads issued together (one round trip to x instead of four at dim 4096). The library kernel in the probe's harness
+# (carried binary); build; the dp4a GPU tests; the kernels alone; the slope against the default, alternating; the
+# end-to-end dp4a rows and the probe's own kernel where time is left. (Comment reworded after the run: it had said
+# the probe's staging was unrolled, which its SASS does not show; experiments/session64.md.)
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16
