@@ -18,8 +18,9 @@
 //
 // Layout: the checkpoint's (FMT_FP4: [experts, inter, dim / 2] bytes, element 2k in the low nibble of byte k;
 // E8M0 scales [experts, inter, dim / 32]). A warp takes one (slot, row) item at a time: lane l reads the 16-byte
-// chunks l, l + 32, ... of the w1 and w3 rows (one 512-byte run per warp load) and their scale bytes, and the next
-// item's loads are issued before this item's arithmetic. A resident wave of blocks stages x once each.
+// chunks l, l + 32, ... of the w1 and w3 rows (one 512-byte run per warp load) and their scale bytes (one word per
+// lane, handed out by shuffles, where the rows hold whole words), and the next item's loads are issued before this
+// item's arithmetic. A resident wave of blocks stages x once each.
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "moe_dev.cuh"
