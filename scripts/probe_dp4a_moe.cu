@@ -1,7 +1,7 @@
 // Probe (sm_80+, no torch, no ds4 library): the routed top-6 MoE of one token (gate+up with SwiGLU, then down) on the
 // integer pipe, in the form a ds4 kernel pair would take, timed as scripts/bench_kernels.py times the library's
-// `moe fp4` rows: CUDA graphs of 48 launches over 16 rotating sets of 6 distinct experts (of 64: every launch streams
-// its experts from HBM), 30 replays, the median per launch. scripts/probe_dp4a.cu has the arithmetic and the GEMV
+// `moe fp4` rows: CUDA graphs of 48 launches over 16 rotating sets of 6 distinct experts (of PROBE_NE, 64 unless
+// -DPROBE_NE=256 as bench_kernels.py: every launch streams its experts from HBM), 30 replays, the median per launch. scripts/probe_dp4a.cu has the arithmetic and the GEMV
 // forms; this adds what the MoE kernels also do: the expert ids read on the device, the activations quantized per
 // 32-value block in each block's staging (x for the gate+up; the six SwiGLU outputs for the down), the SwiGLU with
 // its limit and the route weight, the down over six experts' 2048-wide rows. The down writes one partial row per
@@ -14,7 +14,8 @@
 // kernel's own h quantized the same way on the host (~1e-7).
 // Session 63 (experiments/session63.md, runs 5 and 6, one H100): int8 x 22.23 / 12.70 us against the library's
 // 23.29 / 13.40; 16-bit x 24.46 / 14.28. The resident gate+up rows (a warp over several items, x staged once per
-// block) were added after the session's last device call: not run yet.
+// block), session 64 (experiments/session64.md, one H100): int8 22.00-22.02, 16-bit 21.06-21.29 us at 64 experts;
+// at 256 the 16-bit one 21.93-22.16. The library's moe=fp4_dp4a (csrc/moe_dp4a.cu) is that 16-bit form.
 #include <cuda_bf16.h>
 
 #include <algorithm>

@@ -458,7 +458,7 @@ def test_dp4a_kernel_choice_is_checked_before_any_launch():
            "no ids": lambda: kernels.moe_gate_up(x1, None, None, w[0], s[0], w[0], s[0], "fp4", kernel="dp4a"),
            "act_quant": lambda: kernels.moe_gate_up(x1, ids1, rw[:1], w, s, w, s, "fp4", kernel="dp4a",
                                                     act_quant=True)}
-    for why, fn in bad.items():
+    for fn in bad.values():  # (the keys name the cases)
         with pytest.raises(ValueError, match="kernel 'dp4a' takes one token"):
             fn()
     wide = torch.zeros(4, 64, 4112, dtype=torch.int8)  # dim 8224 > DP4A_MAX_DIM
