@@ -50,9 +50,9 @@ before), lrdN (DS4_LONG_ROW_DEPTH=N: the same for the kernels whose per-shape ru
 the shared expert's gate+up at V4's shapes), dnN (DS4_DOWN_DEPTH=N: the routed and shared experts' down kernels),
 shdN (DS4_SHARED_DEPTH=N: the shared expert's gate+up alone),
 capN (the state's caches sized for N positions, e.g. cap8192 as `python -m ds4` at V4-Flash's default
-max_seq_len, instead of this run's prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), dp4a (moe=fp4_dp4a: the
-routed experts' one-token gate+up on the integer pipe, w1 / w3 in the checkpoint's layout), pf (DS4_L2_PREFETCH=1: L2 prefetch of the
-next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
+max_seq_len, instead of this run's prompt + new tokens + 8), wobf16 (attn=fused_cuda_wo_bf16), dp4a (moe=fp4_dp4a:
+the routed experts' one-token gate+up on the integer pipe, w1 / w3 in the checkpoint's layout), pf (DS4_L2_PREFETCH=1:
+L2 prefetch of the next GEMV's weights in captured steps at the default sites; measured slower, off without it), pfSITES
 (those prefetch sites, letters of q o b d, e.g. pfqodb; ds4.ops.prefetch), nohcr (DS4_HC_ROUTER=0: without
 the router fold, the library default since session 25 — the FFN's hc launch also forms the router's logits, so
 the router GEMV launch leaves the step), hcq (DS4_HC_QKV=1: the projection fold, opt-in — the attention site's
@@ -218,10 +218,10 @@ def depth_env(toks: set[str]) -> dict[str, str | None]:
 # Every token run_variant and the helpers here read; the families below take a number or letters.
 PLAIN_TOKENS = frozenset({
     "ref", "kernels", "fused", "wobf16", "dp4a", "graph", "qat", "aqtorch", "aqstaged", "ixqtorch", "nopack", "notile",
-    "tile", "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8", "k2048", "w1", "w2", "w4", "smem",
-    "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf", "kroute", "nohcr", "hcq", "pj", "late",
-    "pja", "early", "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip", "arf", "arfnp",
-    "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
+    "tile", "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8", "k2048", "w1", "w2",
+    "w4", "smem", "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf", "kroute", "nohcr", "hcq",
+    "pj", "late", "pja", "early", "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip",
+    "arf", "arfnp", "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
 NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
 TP_ONLY_TOKENS = frozenset({"bf16", "ll", "symm", "arf", "arfnp", "arfpack", "xar"})  # nothing to reduce at world 1
 

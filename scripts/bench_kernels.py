@@ -21,8 +21,8 @@ kernels' fragment order, run width 2 whatever DS4_MMA_W says), "moe fp4p" rows i
 (ds4.quant.pack_fp4_mma, DS4_FP4_TILE=0) and "[stored layout]" rows in the checkpoint's; "[dp4a ...]" rows run
 moe=fp4_dp4a's integer-pipe gate+up (csrc/moe_dp4a.cu) on the stored w1 / w3, its routed row the fp4t down after it.
 The dense FP8 and shared expert rows named "fp8t" run the weights in the layout linear=gemv_cuda and moe=fp4_topk give
-them by default (ds4.quant.tile_fp8_mma: the same fragment order, run width 2), the "fp8" rows in the stored one (DS4_FP8_TILE=0; the
-dense [fma] / [mma] rows too).
+them by default (ds4.quant.tile_fp8_mma: the same fragment order, run width 2), the "fp8" rows in the stored one
+(DS4_FP8_TILE=0; the dense [fma] / [mma] rows too).
 """
 from __future__ import annotations
 
