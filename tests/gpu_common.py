@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import zlib
 
 import pytest
 import torch
@@ -15,6 +16,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative L2 error of a against the reference b (in float64)."""
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def seed_of(*parts) -> int:
+    """A seed from a test's parameters, the same in every process (str hashes are salted per process)."""
+    return zlib.crc32(repr(parts).encode()) % 10_000
 
 
 def gen(seed: int) -> torch.Generator:

@@ -7,11 +7,9 @@ NaN-filled memory), relative L2 error <= 1e-2. Imports only ds4.kernels, ds4.ops
 and ds4.quant."""
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
-from gpu_common import DEV, TOL, gen, poison, rel, require_extension
+from gpu_common import DEV, TOL, gen, poison, rel, require_extension, seed_of
 
 pytestmark = pytest.mark.gpu
 kernels = require_extension("ds4.kernels")  # skips this module without CUDA
@@ -19,11 +17,6 @@ kernels = require_extension("ds4.kernels")  # skips this module without CUDA
 from ds4.ops import prefetch  # noqa: E402
 from ds4.ops.base import MoEWeights, QWeight  # noqa: E402
 from ds4.quant import dequant_fp4, dequant_fp8, fp4t_ok, pack_fp4_mma, tile_fp4_mma, tile_fp8_mma  # noqa: E402
-
-
-def seed_of(*parts) -> int:
-    """A seed from the test's parameters, the same in every process (str hashes are salted per process)."""
-    return zlib.crc32(repr(parts).encode()) % 10_000
 
 
 def rand_fp8(shape, g):

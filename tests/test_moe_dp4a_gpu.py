@@ -4,11 +4,9 @@ expert ids with repeats and non-local slots, outputs poisoned before each launch
 MoE kernel test; and the product's exactness against a float64 product of the kernel's own 16-bit activations."""
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
-from gpu_common import DEV, TOL, gen, poison, rel, require_extension
+from gpu_common import DEV, TOL, gen, poison, rel, require_extension, seed_of
 
 pytestmark = pytest.mark.gpu
 kernels = require_extension("ds4.kernels")  # skips this module without CUDA
@@ -18,10 +16,6 @@ from ds4.quant import dequant_fp4, pack_fp4_mma, tile_fp4_mma  # noqa: E402
 OFFSET, LOCAL, LIMIT = 32, 16, 10.0  # 16 local experts: global ids 32..47
 IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": [31, 32, 47, 48, 0, 63],
        "dup": [40, 40, 41, 42, 43, 44], "none_local": [0, 1, 2, 3, 60, 61]}
-
-
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode()) % 10_000
 
 
 def experts(dim, inter, g, lo=116, hi=124):
