@@ -245,13 +245,8 @@ __global__ void __launch_bounds__(DP4A_THREADS) moe_gate_up_dp4a_kernel(const Mo
 template <int KB, bool FULL, bool SHFL>
 cudaError_t gate_up_dp4a_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   auto kern = moe_gate_up_dp4a_kernel<KB, FULL, SHFL>;
-  int dev = 0, sms = 0, per_sm = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, DP4A_THREADS, 0);
-  if (e != cudaSuccess) return e;
-  const int items = a.topk * a.inter;
-  const int grid = std::max(1, std::min((items + DP4A_WARPS - 1) / DP4A_WARPS, std::max(1, per_sm) * sms));
+  const int items = a.topk * a.inter;  // one resident wave, or fewer blocks where the items do not fill it
+  const int grid = std::max(1, std::min((items + DP4A_WARPS - 1) / DP4A_WARPS, resident_wave(kern, DP4A_THREADS, 0)));
   return ds4_pdl::launch(kern, dim3(grid), dim3(DP4A_THREADS), 0, st, a,
                          reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<__nv_bfloat16*>(h));
 }

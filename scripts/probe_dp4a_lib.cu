@@ -21,6 +21,16 @@
 #include "probe_moe_harness.cuh"
 #include "probe_util.cuh"
 
+namespace ds4 {
+// gemv.cu's (resident_wave's SM count), which this probe does not link
+int sm_count() {
+  int dev = 0, n = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+}  // namespace ds4
+
 namespace {
 
 constexpr int D = 4096, I = 2048, TOPK = 6, NSETS = 16;
