@@ -76,7 +76,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     # the tokens this script applies (bench_decode.py's others set DS4_* variables it does not: set those in the shell)
-    applied = {"kernels", "fused", "wobf16", "qat", "graph", "ll", "symm", "bf16", "shtp", "noidxm", "hwin", "noqskip"}
+    applied = {"kernels", "fused", "wobf16", "dp4a", "qat", "graph", "ll", "symm", "bf16", "shtp", "noidxm", "hwin",
+               "noqskip"}
     ignored = sorted(t for t in a.variant.split("+") if t not in applied and not (t[:3] == "cap" and t[3:].isdigit()))
     if ignored:
         ap.error(f"--variant {a.variant}: {', '.join(ignored)} would be ignored here (this script applies "
