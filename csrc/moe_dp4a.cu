@@ -10,7 +10,9 @@
 // (scripts/probe_dp4a_moe.cu, resident, 16-bit) took 21.93 us for six 2048 x 4096 expert pairs of 256. Measured
 // (experiments/session64.md, run 6, one H100): this kernel 21.82 us against fp4_topk's tensor-core gate+up 23.32 us
 // alone (bench_kernels.py), but the step 123.3 / 123.4 against 121.7 / 121.6 us per layer: slower where it counts,
-// so an opt-in (moe=fp4_dp4a), not auto's choice.
+// so an opt-in (moe=fp4_dp4a), not auto's choice. Items claimed from device counters instead of each warp's fixed
+// share (session 65: one counter, or 16 ranges with most items still fixed) were slower alone (30.4 / 23.7 us against
+// 21.4 / 21.5) and in the step (experiments/session65.md, experiments/s65_attempts/), so the shares stay fixed.
 //
 // Numerics: the 16-bit activations hold bf16 x exactly wherever a value is within 2^7 of its block's largest; below
 // that they keep 15 bits of the block's scale (the product within 3e-5 of bf16 x's: session 63's probe). h is

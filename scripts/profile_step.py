@@ -47,6 +47,11 @@ from ds4.weights.synthetic import random_weights
 from bench_decode import (_number_token, attention_options, impls_of,  # the decode benchmark's variant tokens
                           numerics_of, tp_comm)
 
+# the variant tokens this script applies (through bench_decode's impls_of / numerics_of / attention_options / tp_comm);
+# bench_decode.py's others set DS4_* variables that this script does not: set those in the shell
+APPLIED_TOKENS = frozenset({"kernels", "fused", "wobf16", "dp4a", "qat", "graph", "ll", "symm", "bf16", "shtp", "noidxm",
+                            "hwin", "noqskip"})
+
 # a readable label per kernel: template arguments and namespaces dropped
 _LABEL = re.compile(r"^(?:void )?(?:[\w:]+::)?(\w+)")
 
@@ -75,13 +80,11 @@ def main() -> None:
                          "timeline at such a position too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    # the tokens this script applies (bench_decode.py's others set DS4_* variables it does not: set those in the shell)
-    applied = {"kernels", "fused", "wobf16", "dp4a", "qat", "graph", "ll", "symm", "bf16", "shtp", "noidxm", "hwin",
-               "noqskip"}
-    ignored = sorted(t for t in a.variant.split("+") if t not in applied and not (t[:3] == "cap" and t[3:].isdigit()))
+    ignored = sorted(t for t in a.variant.split("+")
+                     if t not in APPLIED_TOKENS and not (t[:3] == "cap" and t[3:].isdigit()))
     if ignored:
         ap.error(f"--variant {a.variant}: {', '.join(ignored)} would be ignored here (this script applies "
-                 f"{', '.join(sorted(applied))} and capN; set the other switches' DS4_* variables in the shell)")
+                 f"{', '.join(sorted(APPLIED_TOKENS))} and capN; set the other switches' DS4_* variables in the shell)")
     from ds4 import kernels
     kernels.require("profile_step")
     e = ddist.init("cuda", int(os.environ.get("WORLD_SIZE", 1)))

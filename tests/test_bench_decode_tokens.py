@@ -141,3 +141,15 @@ def test_unknown_and_misplaced_variants_are_refused(capsys):
     assert "variant ref: without kernels after a variant with them" in errs[0] and "typo" in errs[1]
     bd.check_variants(["kernels+bf16+ll"], 1)
     assert "bf16, ll change nothing at one rank" in capsys.readouterr().out
+
+
+def test_profile_step_applies_only_bench_decode_tokens(monkeypatch):
+    """scripts/profile_step.py's tokens are bench_decode.py's (but shtp, which bench_decode.py takes as a load suffix,
+    VARIANT@shtp), and its dp4a selects moe=fp4_dp4a as there."""
+    import sys
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))  # its `from bench_decode import`
+    prof = load_script("profile_step")
+    bench = sys.modules["bench_decode"]
+    assert prof.APPLIED_TOKENS - {"shtp"} <= bench.PLAIN_TOKENS
+    assert bench.impls_of({"kernels", "fused", "dp4a"}).moe == "fp4_dp4a"
