@@ -97,3 +97,30 @@ def one_step(kernels: list[Kernel], per_step: int, which: int = -1) -> list[Kern
         raise ValueError(f"{len(kernels)} kernels are not whole replays of {per_step}")
     i = which % n
     return kernels[i * per_step:(i + 1) * per_step]
+
+
+def replays(kernels: list[Kernel], per_step: int) -> list[list[Kernel]]:
+    """Every replay's kernels, in order, out of consecutive replays of `per_step` kernels each (by start order)."""
+    one_step(kernels, per_step)  # (raises ValueError where the kernels are not whole replays)
+    return [one_step(kernels, per_step, i) for i in range(len(kernels) // per_step)]
+
+
+def mean_parts(paths: list[list[tuple[Kernel, float, float]]],
+               label: Callable[[str], str] = lambda n: n) -> dict[str, tuple[float, float, float]]:
+    """label -> (mean us charged per replay, its sample standard deviation, mean kernels on the path per replay)
+    over several replays' critical paths, largest first. A label missing from a replay's path counts 0 there.
+    One replay's path shifts by a µs or two from kernel to kernel (session 65: the LM head's matmul alone varied
+    355-365 µs between profiles), so a per-kernel difference of about a µs per layer needs several replays."""
+    per = [path_parts(p, label) for p in paths]
+    names = {n for parts in per for n in parts}
+    out = {}
+    for n in names:
+        mean, sd = mean_sd([parts.get(n, (0.0, 0))[0] for parts in per])
+        out[n] = (mean, sd, sum(parts.get(n, (0.0, 0))[1] for parts in per) / len(per))
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
+def mean_sd(xs: list[float]) -> tuple[float, float]:
+    """The mean and the sample standard deviation (0 for one value)."""
+    m = sum(xs) / len(xs)
+    return m, ((sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0)

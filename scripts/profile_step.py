@@ -17,7 +17,8 @@ bench_decode.py (kernels, fused, wobf16).
 --timeline also reads one replayed step's critical path off the kernel times (ds4.timeline: each kernel's
 predecessor is the one that ended last before it, whatever stream the graph put it on): with PDL and the
 side-stream branches on (the product's step), which kernels the wall time waits on rather than what each
-kernel costs alone.
+kernel costs alone. --timeline-replays N reads N replays' paths and prints each kernel's charge and each
+layer's attention / FFN side as mean +- sd over them.
 
 PDL and the side-stream branches overlap kernels inside the graph, so a kernel's time then includes
 its neighbours' contention (and the wall time is below the summed kernel time). For each kernel's
@@ -41,9 +42,11 @@ from ds4.model.args import preset
 from ds4.model.transformer import Transformer
 from ds4.registry import build_ops
 from ds4.runtime.generate import Generator
-from ds4.timeline import critical_path, kernels_from_trace, one_step, path_parts
+from ds4.timeline import critical_path, kernels_from_trace, mean_parts, mean_sd, path_parts
+from ds4.timeline import replays as split_replays
 from ds4.weights.synthetic import random_weights
 
+from attn_side import sides  # per-layer attention / FFN sides of a critical path
 from bench_decode import (_number_token, attention_options, impls_of,  # the decode benchmark's variant tokens
                           numerics_of, tp_comm)
 
@@ -74,6 +77,10 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--timeline", action="store_true",
                     help="also print one replay's critical path (ds4.timeline), and with --long-context one there too")
+    ap.add_argument("--timeline-replays", type=int, default=1,
+                    help="with --timeline: also read the critical path of this many replays and print each kernel's "
+                         "charge and each layer's attention / FFN side as mean +- sd over them (one replay's path "
+                         "varies by a us or two per kernel; a difference of about a us per layer needs several)")
     ap.add_argument("--phases", type=int, default=0,
                     help="also time this many single replays (CUDA events) and print the mean step by position mod 4 "
                          "(the compressors' deferred projections run at positions 3 mod 4) and the replay of the "
@@ -139,7 +146,7 @@ def main() -> None:
             k = label(ev.key)
             per[k][0] += dt
             per[k][1] += ev.count
-    timeline = step_timeline(step, tok, a.layers) if a.timeline else None
+    timeline = step_timeline(step, tok, a.layers, mean_over=a.timeline_replays) if a.timeline else None
     phase_us = due_timeline = None
     if a.phases:
         phase_us = per_phase(step, tok, gen, a.phases)
@@ -216,9 +223,12 @@ def per_phase(step, tok, gen, n: int) -> dict[int, float]:
     return {k: sum(v) / len(v) for k, v in times.items()}
 
 
-def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
-    """Replays the step `replays` times under the profiler and reads the last replay's critical path
-    (ds4.timeline); prints it and returns it (None, with the reason printed, when the trace cannot be split)."""
+def step_timeline(step, tok, layers: int, replays: int = 3, mean_over: int = 1) -> dict | None:
+    """Replays the step max(replays, mean_over) times under the profiler and reads the last replay's critical path
+    (ds4.timeline); prints it and returns it (None, with the reason printed, when the trace cannot be split). With
+    mean_over > 1 also the last mean_over replays' paths: per kernel the charge's mean and sd, per layer the sides'
+    (scripts/attn_side.py), printed and returned under "over_replays"."""
+    replays = max(replays, mean_over)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             tok = step(tok)
@@ -232,12 +242,13 @@ def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
     finally:
         os.unlink(path)
     try:
-        ks = one_step(kernels, len(kernels) // replays)
+        steps = split_replays(kernels, len(kernels) // replays)
     except ValueError as e:  # a diagnostic: say why and go on with the rest of the profile
         print(f"timeline skipped: {e}")
         return None
-    span = max(k.end for k in ks) - min(k.start for k in ks)
     pdl = os.environ.get("DS4_PDL", "1") != "0"  # without PDL a kernel starts after its predecessor ended
+    ks = steps[-1]
+    span = max(k.end for k in ks) - min(k.start for k in ks)
     cpath = critical_path(ks, strict=not pdl)
     parts = path_parts(cpath, label)
     streams = len({k.stream for k in ks})
@@ -252,13 +263,50 @@ def step_timeline(step, tok, layers: int, replays: int = 3) -> dict | None:
     print(f"{'kernel':<50}{'end us':>10}{'charge':>9}{'gap':>8}")
     for k, charge, gap in cpath:
         print(f"{label(k.name):<50}{k.end - t0:>10.1f}{charge:>9.2f}{gap:>8.2f}")
-    return {"span_us": span, "kernels": len(ks), "streams": streams, "strict": not pdl,
-            "parts": {n: {"us": us, "n": c} for n, (us, c) in parts.items()},
-            "path": [{"kernel": label(k.name), "end_us": k.end - t0, "charge_us": c, "gap_us": g} for k, c, g in cpath],
-            # every kernel of the replay: (label, stream, start us, end us), to read what the path's charges hide
-            "all": [(label(k.name), k.stream, round(k.start - t0, 2), round(k.end - t0, 2))
-                    for k in sorted(ks, key=lambda k: k.start)]}
+    out = {"span_us": span, "kernels": len(ks), "streams": streams, "strict": not pdl,
+           "parts": {n: {"us": us, "n": c} for n, (us, c) in parts.items()},
+           "path": path_rows(cpath, t0),
+           # every kernel of the replay: (label, stream, start us, end us), to read what the path's charges hide
+           "all": [(label(k.name), k.stream, round(k.start - t0, 2), round(k.end - t0, 2))
+                   for k in sorted(ks, key=lambda k: k.start)]}
+    if mean_over > 1:
+        out["over_replays"] = over_replays(steps[-mean_over:], layers, pdl)
+    return out
 
+
+def path_rows(cpath, t0: float) -> list[dict]:
+    return [{"kernel": label(k.name), "end_us": k.end - t0, "charge_us": c, "gap_us": g} for k, c, g in cpath]
+
+
+def over_replays(steps, layers: int, pdl: bool) -> dict:
+    """Each replay's critical path; per kernel its charge and per layer its attention / FFN side, as mean and sd over
+    the replays (printed, and returned for the JSON)."""
+    paths, spans, per_layer = [], [], []
+    for ks in steps:
+        cpath = critical_path(ks, strict=not pdl)
+        t0 = min(k.start for k in ks)
+        span = max(k.end for k in ks) - t0
+        paths.append(cpath)
+        spans.append(span)
+        per_layer.append(sides({"path": path_rows(cpath, t0), "span_us": span}))
+    parts = mean_parts(paths, label)
+    span_m, span_sd = mean_sd(spans)
+    print(f"\nover {len(steps)} replays: span {span_m:.1f} +- {span_sd:.1f} us")
+    print(f"{'on the critical path, mean +- sd over the replays':<50}{'us/step':>9}{'sd':>7}{'us/layer':>10}{'n':>6}")
+    for who, (m, sd, n) in parts.items():
+        print(f"{who:<50}{m:>9.1f}{sd:>7.1f}{m / layers:>10.1f}{n:>6.1f}")
+    layer_rows = []
+    if all(len(p) == len(per_layer[0]) for p in per_layer) and per_layer[0]:
+        print(f"{'layer':<8}{'attention side us':>20}{'FFN side us':>16}")
+        for i in range(len(per_layer[0])):
+            am, asd = mean_sd([p[i][0] for p in per_layer])
+            fm, fsd = mean_sd([p[i][1] for p in per_layer])
+            layer_rows.append({"attention_us": am, "attention_sd": asd, "ffn_us": fm, "ffn_sd": fsd})
+            print(f"{i:<8}{am:>12.1f} +- {asd:<4.1f}{fm:>9.1f} +- {fsd:<4.1f}")
+    else:  # (a path that misses an hc site in some replay: the sides do not line up)
+        print("per-layer sides skipped: the replays' paths do not split into the same layers")
+    return {"replays": len(steps), "span_us": span_m, "span_sd": span_sd,
+            "parts": {n: {"us": m, "sd": sd, "n": c} for n, (m, sd, c) in parts.items()}, "layers": layer_rows}
 
 if __name__ == "__main__":
     main()

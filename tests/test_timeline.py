@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds4.timeline import Kernel, critical_path, kernels_from_trace, one_step, path_parts
+from ds4.timeline import Kernel, critical_path, kernels_from_trace, mean_parts, mean_sd, one_step, path_parts, replays
 
 
 def _trace():
@@ -77,3 +77,25 @@ def test_ties_slack_and_a_path_short_of_the_first_kernel():
     strict = critical_path(ks, strict=True)
     assert [k.name for k, _, _ in strict] == ["A", "B"] and sum(c for _, c, _ in strict) == 19
     assert [k.name for k, _, _ in critical_path(ks)] == ["S", "A", "B"]
+
+
+def test_replays_split_every_replay_in_order():
+    ks = [Kernel(f"k{i}", 7, i, i + 0.5) for i in range(6)]
+    assert replays(ks, 2) == [ks[:2], ks[2:4], ks[4:]]
+    with pytest.raises(ValueError, match="whole replays"):
+        replays(ks, 4)
+
+
+def test_mean_parts_over_replays():
+    """Per label: the mean charge over the replays' paths, its sample sd, the mean count; a label absent from one
+    replay's path counts 0 there (here the side kernel S joins the path in one replay only)."""
+    a = [Kernel("A", 1, 0, 10), Kernel("B", 1, 10, 20)]          # A 10, B 10
+    b = [Kernel("A", 1, 0, 12), Kernel("B", 1, 12, 20)]          # A 12, B 8
+    c = [Kernel("A", 1, 0, 8), Kernel("S", 2, 1, 14), Kernel("B", 1, 14, 22)]  # A 8, S 6, B 8
+    got = mean_parts([critical_path(ks) for ks in (a, b, c)])
+    assert list(got) == ["A", "B", "S"]  # largest mean first
+    assert got["A"][0] == pytest.approx(10.0) and got["A"][1] == pytest.approx(2.0) and got["A"][2] == 1.0
+    assert got["B"][0] == pytest.approx(26 / 3) and got["B"][1] == pytest.approx(mean_sd([10.0, 8.0, 8.0])[1])
+    assert got["S"][0] == pytest.approx(2.0) and got["S"][2] == pytest.approx(1 / 3)
+    assert mean_sd([5.0]) == (5.0, 0.0)
+    assert mean_sd([1.0, 3.0]) == (2.0, pytest.approx(2 ** 0.5))
