@@ -109,8 +109,8 @@ def mean_parts(paths: list[list[tuple[Kernel, float, float]]],
                label: Callable[[str], str] = lambda n: n) -> dict[str, tuple[float, float, float]]:
     """label -> (mean us charged per replay, its sample standard deviation, mean kernels on the path per replay)
     over several replays' critical paths, largest first. A label missing from a replay's path counts 0 there.
-    One replay's path shifts by a µs or two from kernel to kernel (session 65: the LM head's matmul alone varied
-    355-365 µs between profiles), so a per-kernel difference of about a µs per layer needs several replays."""
+    One replay's path moves by a µs or two per kernel (session 65, 12 layers on an H200: the span's sd over 12
+    replays 4-8 µs, the MoE downs' summed charge 2-3 µs), so a difference of about a µs per layer needs several."""
     per = [path_parts(p, label) for p in paths]
     names = {n for parts in per for n in parts}
     out = {}

@@ -1,6 +1,7 @@
 """Where one batch-1 decode step's time goes, kernel by kernel (one GPU, CUDA-graph replay).
 
     python scripts/profile_step.py --layers 4 --variant kernels+fused [--replays 20] [--out f.json]
+    python scripts/profile_step.py --layers 12 --variant kernels+fused+cap8192 --timeline --timeline-replays 12
     torchrun --nproc-per-node 2 scripts/profile_step.py --layers 8 --variant kernels+fused+symm --timeline
 
 Under torchrun every rank replays and profiles its own step (the collectives inside the graph need both);
@@ -87,6 +88,8 @@ def main() -> None:
                          "timeline at such a position too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.timeline_replays < 1:
+        ap.error(f"--timeline-replays {a.timeline_replays}: at least 1")
     ignored = sorted(t for t in a.variant.split("+")
                      if t not in APPLIED_TOKENS and not (t[:3] == "cap" and t[3:].isdigit()))
     if ignored:
@@ -275,6 +278,7 @@ def step_timeline(step, tok, layers: int, replays: int = 3, mean_over: int = 1) 
 
 
 def path_rows(cpath, t0: float) -> list[dict]:
+    """A critical path as the JSON's rows (times from the replay's first kernel start t0), as attn_side.sides reads."""
     return [{"kernel": label(k.name), "end_us": k.end - t0, "charge_us": c, "gap_us": g} for k, c, g in cpath]
 
 
@@ -307,6 +311,7 @@ def over_replays(steps, layers: int, pdl: bool) -> dict:
         print("per-layer sides skipped: the replays' paths do not split into the same layers")
     return {"replays": len(steps), "span_us": span_m, "span_sd": span_sd,
             "parts": {n: {"us": m, "sd": sd, "n": c} for n, (m, sd, c) in parts.items()}, "layers": layer_rows}
+
 
 if __name__ == "__main__":
     main()
