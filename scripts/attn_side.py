@@ -7,6 +7,7 @@ Issue #5's attention side: from the end of the previous layer's FFN (the kernel 
 hc_finish_norm, the attention site's) to the end of wo_b (the kernel before the second, the FFN site's). The FFN side
 runs from there to the next layer's start; the last layer's includes the head and sampling. Session 45's profile
 (experiments/s45/profile_step_8l_pdl_run3.json) gives 55.6 us (HCA, layer 3) and 62.4 us (CSA, layer 4) this way.
+A profile taken with --timeline-replays N also prints each layer's sides as mean +- sd over those N replays.
 """
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ def main() -> None:
             print(f"{name} (span {profile[name]['span_us']:.1f} us):")
             for layer, (attn, ffn) in enumerate(sides(profile[name])):
                 print(f"  layer {layer}: attention side {attn:.1f} us, FFN side {ffn:.1f} us")
+            over = profile[name].get("over_replays")  # profile_step.py --timeline-replays N
+            if over and over.get("layers"):
+                print(f"{name}, mean +- sd over {over['replays']} replays (span {over['span_us']:.1f} +- "
+                      f"{over['span_sd']:.1f} us):")
+                for layer, r in enumerate(over["layers"]):
+                    print(f"  layer {layer}: attention side {r['attention_us']:.1f} +- {r['attention_sd']:.1f} us, "
+                          f"FFN side {r['ffn_us']:.1f} +- {r['ffn_sd']:.1f} us")
 
 
 if __name__ == "__main__":

@@ -65,3 +65,16 @@ def test_profile_step_means_sides_and_charges_over_replays(monkeypatch, capsys):
     assert round(got["span_us"], 6) == 3.0 + 52.0 + 40.0 + 60.0 + 47.0
     assert round(got["parts"]["moe_down_mma_kernel"]["us"], 6) == 39.0 + 46.0
     assert "over 3 replays" in capsys.readouterr().out
+
+
+def test_attn_side_prints_the_means_of_session_65s_profile(monkeypatch, capsys):
+    """attn_side.py on a --timeline-replays profile (session 65, run 5, 12 layers on an H200) prints the one replay's
+    sides and then the means over the 12 replays, as the record quotes them (layer 0's FFN side 51.0 +- 2.8 us)."""
+    m = load_script("attn_side")
+    prof = Path(__file__).resolve().parents[1] / "experiments" / "s65" / "run5" / "prof12_1_base.json"
+    monkeypatch.setattr("sys.argv", ["attn_side.py", str(prof)])
+    m.main()
+    out = capsys.readouterr().out
+    assert "mean +- sd over 12 replays" in out
+    assert "layer 0: attention side 54.9 +- 1.3 us, FFN side 51.0 +- 2.8 us" in out
+    assert out.count("layer 11:") == 2
