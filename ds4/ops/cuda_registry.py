@@ -79,8 +79,9 @@ def entries(check):
         (Entry("moe", "fp4_topk", "ds4.ops.moe_cuda:Fp4TopkMoE", check, 10,
                "CUDA router + all top-k MXFP4 experts in two launches (ids on the device) + fused FP8 shared expert",
                caveats=_fp4_topk_caveats, decode_sync=_fp4_topk_sync, ds4_ext=True, fits=_router_fits), ()),
-        # below fp4_topk for auto: its gate+up is faster alone, but the decode step is slower (one H100: 123.3 / 123.4
-        # against 121.7 / 121.6 us per layer, experiments/session64.md)
+        # below fp4_topk for auto: its gate+up is faster alone on an H100, but the decode step is slower (H100: 123.3 /
+        # 123.4 against 121.7 / 121.6 us per layer, experiments/session64.md; H200: 106.5 / 106.2 against 104.8 / 104.4,
+        # experiments/session65.md)
         (Entry("moe", "fp4_dp4a", "ds4.ops.moe_cuda:Fp4Dp4aMoE", check, 8,
                "fp4_topk with the one-token routed gate+up on the integer pipe (PRMT lookup of the E2M1 bytes, DP4A "
                "against x in 16 bits per 32 values)",

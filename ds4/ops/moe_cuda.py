@@ -509,7 +509,9 @@ class Fp4Dp4aMoE(Fp4TopkMoE):
     down kernel unchanged. Calls of several tokens run fp4_topk's FMA kernels on the stored layout, prompts past
     chunked_tokens() the grouped loop. The router's tail stays its own launch (no in-kernel routing, no one-launch
     FFN: both read fp4t). An ablation option: on an H100 its gate+up is faster alone (21.82 against 23.32 us), but the
-    decode step is slower (123.3 / 123.4 against 121.7 / 121.6 us per layer, experiments/session64.md)."""
+    decode step is slower (123.3 / 123.4 against 121.7 / 121.6 us per layer, experiments/session64.md); on an H200
+    too (106.5 / 106.2 against 104.8 / 104.4), about 1 us per layer of it on the shared expert's down, which its
+    register-filling blocks delay (experiments/session65.md)."""
     name = "fp4_dp4a"
     gate_up_layout = "fp4"
     route_in_kernels = False
