@@ -60,6 +60,22 @@ __device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
   return v;
 }
 
+// A 32-value block's 16-bit code (host-callable: tests/test_moe_dp4a_cpu.py): q = rint(v x pre x inv), clamped to
+// +-32767, and the block's scale xs (v ~ q xs). 32767 / amax overflows to inf under amax ~ 9.6e-35 (every value of the
+// block, zeros too, would then take +-32767), so a block under 2^-64 is scaled by 2^64 first (exact) and its scale
+// takes the 2^-64 back; every other block's q and xs are the bits of rint(v x (32767 / amax)) and amax / 32767.
+struct Q16 {
+  float pre, inv, xs;
+};
+__host__ __device__ __forceinline__ Q16 q16_of(float amax) {
+  const bool tiny = amax < 0x1p-64f;
+  const float pre = tiny ? 0x1p64f : 1.f, a = amax * pre;
+  return {pre, a > 0.f ? 32767.f / a : 0.f, a / 32767.f * (tiny ? 0x1p-64f : 1.f)};
+}
+__host__ __device__ __forceinline__ int q16(float v, const Q16& s) {
+  return (int)fminf(fmaxf(rintf(v * s.pre * s.inv), -32767.f), 32767.f);
+}
+
 // x [n] (bf16) -> per 32-value block b: scale xs[b] = amax / 32767 and q = rint(v / xs[b]) = 256 xh + xl (xh int8,
 // xl uint8). Eight threads per block, four values each (DP4A_THREADS threads: 1024 values a round, KB rounds); n a
 // multiple of 32. Every round's load is issued before the first is used: one round trip to x instead of KB (x sits in
@@ -83,14 +99,14 @@ __device__ __forceinline__ void stage_x16(const __nv_bfloat16* __restrict__ x, i
 #pragma unroll
     for (int d = 1; d < 8; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
     if (i0 >= n) continue;
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    const Q16 s = q16_of(amax);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const int q = (int)fminf(fmaxf(rintf(f[k] * inv), -32767.f), 32767.f);
+      const int q = q16(f[k], s);
       xh[i0 + k] = (int8_t)(q >> 8);
       xl[i0 + k] = (uint8_t)(q & 255);
     }
-    if ((threadIdx.x & 7) == 0) xs[i0 / 32] = amax / 32767.f;
+    if ((threadIdx.x & 7) == 0) xs[i0 / 32] = s.xs;
   }
 }
 
@@ -140,6 +156,14 @@ struct Cursor {
   }
 };
 
+// SHFL: whether lane `lane` loads its scale word of a row of nb bytes (host-callable: tests/test_moe_dp4a_cpu.py): the
+// words inside the row only (FULL: nb = 32 KB, every lane at KB 4; at KB < 4 the lanes past it would read up to 96
+// bytes past the row, and past the scale tensor's end at its last row).
+template <int KB, bool FULL>
+__host__ __device__ constexpr bool scale_word_lane(int lane, int nb) {
+  return 4 * lane < (FULL ? 32 * KB : nb);
+}
+
 // Lane `lane`'s i-th chunk is the row's 32-value block i * 32 + lane. FULL: dim = 1024 KB (no lane idle). SHFL: a
 // lane loads the row's scale bytes 4 lane .. 4 lane + 3 (one aligned word) and finish_item takes its chunks' bytes
 // from their lanes by shuffles — measured faster than a byte load per chunk (session 64, run 2: 25.8 against 28.4 us
@@ -159,7 +183,7 @@ __device__ __forceinline__ bool load_item(const MoEArgs& a, const Cursor& c, int
     r.su = *reinterpret_cast<const uint32_t*>(s3 + srow + 4 * lane);
   }
 #else
-  if (SHFL && (FULL || 4 * lane < nb)) {
+  if (SHFL && scale_word_lane<KB, FULL>(lane, nb)) {
     r.sg = *reinterpret_cast<const uint32_t*>(s1 + srow + 4 * lane);
     r.su = *reinterpret_cast<const uint32_t*>(s3 + srow + 4 * lane);
   }

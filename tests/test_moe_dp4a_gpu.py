@@ -54,7 +54,8 @@ def x_of(kind, dim, g):
 
 @pytest.mark.parametrize("case", list(IDS))
 # (kernel forms: dim a multiple of 1024 or not, scale bytes in whole words (dim % 128 == 0) or by byte loads)
-@pytest.mark.parametrize("dims", [(4096, 2048), (1024, 512), (3072, 256), (1056, 96), (128, 128), (32, 32)])
+@pytest.mark.parametrize("dims", [(4096, 2048), (2048, 256), (1024, 512), (3072, 256), (1056, 96), (128, 128),
+                                  (32, 32)])
 def test_dp4a_gate_up_matches_reference(case, dims):
     dim, inter = dims
     g = gen(seed_of(case, dims))
@@ -102,6 +103,26 @@ def test_dp4a_product_is_exact_for_its_16_bit_activations(kind):
         # the quantization against bf16 x itself: under bf16's own rounding unit (2^-9) of the product
         gx = (x.double() @ d1[e].double().t())[0]
         assert rel(gg, gx) <= 1e-3, rel(gg, gx)
+
+
+@pytest.mark.parametrize("dim", [4096, 1024])
+def test_dp4a_tiny_blocks_keep_their_values(dim):
+    """Blocks whose largest magnitude is under 32767 / FLT_MAX (~9.6e-35) quantize like any other (csrc/moe_dp4a.cu
+    q16_of: 32767 / amax overflowed there, and every value, zeros too, took +-32767: the gate / up rows were O(1)
+    wrong). x ~ 2^-120 with every other value zero, against E8M0 scales ~ 2^110: gate / up values of order 0.1 - 1."""
+    inter = 64
+    g = gen(seed_of("tiny", dim))
+    (w1, s1, w3, s3, _, _), (d1, d3, _) = experts(dim, inter, g, lo=236, hi=240)
+    x = x_of("normal", dim, g).float()
+    x[..., ::2] = 0
+    x = (x * 2.0 ** -120).to(torch.bfloat16)
+    ids, rw = torch.tensor([[32, 33]], device=DEV), torch.ones(1, 2, device=DEV)
+    poison()
+    h = kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", OFFSET, LOCAL, 1e30, kernel="dp4a")
+    for j in range(2):
+        gg, uu = (x.double() @ d1[j].double().t())[0], (x.double() @ d3[j].double().t())[0]
+        want = gg * torch.sigmoid(gg) * uu
+        assert torch.isfinite(h[j].float()).all() and rel(h[j].double(), want) <= TOL, rel(h[j].double(), want)
 
 
 def test_dp4a_zero_scale_byte_drops_its_block():
