@@ -15,10 +15,16 @@ import json
 import sys
 
 
-def sides(timeline: dict) -> list[tuple[float, float]]:
-    """(attention side, FFN side) in us per layer of one replay's critical path (ds4.timeline's "path")."""
+def sides(timeline: dict, layers: int | None = None) -> list[tuple[float, float]]:
+    """(attention side, FFN side) in us per layer of one replay's critical path (ds4.timeline's "path"). The path must
+    hold two hc_finish_norm sites per layer (`layers` of them where given): where one fell off the path (a side kernel
+    spanning it is taken as the next kernel's predecessor), every later site would pair with the wrong one, so that
+    raises ValueError instead."""
     path = timeline["path"]
     sites = [i for i, r in enumerate(path) if r["kernel"] == "hc_finish_norm_kernel"]  # attention, FFN, attention, ...
+    if len(sites) % 2 or (layers is not None and len(sites) != 2 * layers):
+        raise ValueError(f"{len(sites)} hc_finish_norm sites on the critical path, not two per layer"
+                         + (f" ({layers} layers)" if layers is not None else ""))
     out = []
     for a, f in zip(sites[0::2], sites[1::2]):
         start = path[a - 1]["end_us"] if a > 0 else 0.0
@@ -37,7 +43,12 @@ def main() -> None:
     for name in ("timeline", "timeline_long_context"):
         if profile.get(name):
             print(f"{name} (span {profile[name]['span_us']:.1f} us):")
-            for layer, (attn, ffn) in enumerate(sides(profile[name])):
+            try:
+                split = sides(profile[name], profile.get("layers"))
+            except ValueError as e:
+                print(f"  sides skipped: {e}")
+                split = []
+            for layer, (attn, ffn) in enumerate(split):
                 print(f"  layer {layer}: attention side {attn:.1f} us, FFN side {ffn:.1f} us")
             over = profile[name].get("over_replays")  # profile_step.py --timeline-replays N
             if over and over.get("layers"):

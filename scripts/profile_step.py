@@ -56,8 +56,10 @@ from bench_decode import (_number_token, attention_options, impls_of,  # the dec
 APPLIED_TOKENS = frozenset({"kernels", "fused", "wobf16", "dp4a", "qat", "graph", "ll", "symm", "bf16", "shtp", "noidxm",
                             "hwin", "noqskip"})
 
-# a readable label per kernel: template arguments and namespaces dropped
-_LABEL = re.compile(r"^(?:void )?(?:[\w:]+::)?(\w+)")
+# a readable label per kernel: template arguments and namespaces dropped, an anonymous one too (without it
+# csrc/moe_dp4a.cu's kernel was labelled "ds4" and torch's at::native::(anonymous namespace):: kernels "native",
+# as in session 65's profiles)
+_LABEL = re.compile(r"^(?:void )?(?:(?:\w+|\(anonymous namespace\))::)*(\w+)")
 
 
 def label(name: str) -> str:
@@ -245,7 +247,7 @@ def step_timeline(step, tok, layers: int, replays: int = 3, mean_over: int = 1) 
     finally:
         os.unlink(path)
     try:
-        steps = split_replays(kernels, len(kernels) // replays)
+        steps = split_replays(kernels, len(kernels) // replays, alike=True)  # (replays of one graph)
     except ValueError as e:  # a diagnostic: say why and go on with the rest of the profile
         print(f"timeline skipped: {e}")
         return None
@@ -292,7 +294,10 @@ def over_replays(steps, layers: int, pdl: bool) -> dict:
         span = max(k.end for k in ks) - t0
         paths.append(cpath)
         spans.append(span)
-        per_layer.append(sides({"path": path_rows(cpath, t0), "span_us": span}))
+        try:
+            per_layer.append(sides({"path": path_rows(cpath, t0), "span_us": span}, layers))
+        except ValueError:  # a path that misses an hc site: its sides would pair the wrong sites
+            per_layer.append([])
     parts = mean_parts(paths, label)
     span_m, span_sd = mean_sd(spans)
     print(f"\nover {len(steps)} replays: span {span_m:.1f} +- {span_sd:.1f} us")
