@@ -235,9 +235,24 @@ def unknown_tokens(toks: set[str]) -> list[str]:
     return sorted(t for t in toks if not known(t))
 
 
+# Numbered tokens whose number leaves the step as it is (the library's default): rd0 / lrd0 / dn0 / shd0 unset the depth
+# knob, cap0 sizes nothing, defer0 / deferh0 defer nothing, rw / shw at 0 or from 100 take the whole wave. A variant
+# named with one would time the default under another name.
+_IDLE_NUMBERS = {"rd": lambda n: n == 0, "lrd": lambda n: n == 0, "dn": lambda n: n == 0, "shd": lambda n: n == 0,
+                 "cap": lambda n: n == 0, "defer": lambda n: n == 0, "deferh": lambda n: n == 0,
+                 "rw": lambda n: n <= 0 or n >= 100, "shw": lambda n: n <= 0 or n >= 100}
+
+
+def idle_number_tokens(toks: set[str]) -> list[str]:
+    """The numbered tokens of _IDLE_NUMBERS whose number changes nothing."""
+    def idle(t: str) -> bool:
+        return any(t.startswith(p) and t[len(p):].isdigit() and f(int(t[len(p):])) for p, f in _IDLE_NUMBERS.items())
+    return sorted(t for t in toks if idle(t))
+
+
 def check_variants(variants: list[str], world: int) -> list[str]:
-    """Errors that stop the run before anything loads: unknown tokens, and a variant without `kernels` after one
-    with it (the torch ops have no weight layout of their own: they would read the kernels' fp4t / fp8t bytes,
+    """Errors that stop the run before anything loads: unknown tokens, numbered tokens that change nothing
+    (idle_number_tokens), and a variant without `kernels` after one with it (the torch ops have no weight layout of their own: they would read the kernels' fp4t / fp8t bytes,
     dequantised through the layout on every call, slower than the reference). Prints the tokens that do nothing at
     one rank."""
     errors, seen_kernels = [], False
@@ -246,6 +261,9 @@ def check_variants(variants: list[str], world: int) -> list[str]:
         bad = unknown_tokens(toks)
         if bad:
             errors.append(f"variant {v}: unknown token(s) {', '.join(bad)}")
+        idle_n = idle_number_tokens(toks)
+        if idle_n:
+            errors.append(f"variant {v}: {', '.join(idle_n)} change(s) nothing (the library's default): leave it out")
         if "kernels" in toks:
             seen_kernels = True
         elif seen_kernels:

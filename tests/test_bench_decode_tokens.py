@@ -143,6 +143,17 @@ def test_unknown_and_misplaced_variants_are_refused(capsys):
     assert "bf16, ll change nothing at one rank" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("token", ["rd0", "lrd0", "dn0", "shd0", "cap0", "defer0", "deferh0", "rw0", "rw100", "shw0",
+                                   "shw150"])
+def test_numbered_tokens_that_change_nothing_are_refused(token):
+    """A numbered token at a number that leaves the library's default (session 66's review: `+rd0` timed the
+    default under its own name)."""
+    bd = _bench_decode()
+    errs = bd.check_variants([f"kernels+graph+{token}"], 1)
+    assert len(errs) == 1 and f"{token} change(s) nothing" in errs[0], errs
+    assert bd.check_variants(["kernels+graph+rd4+lrd2+dn8+shd4+cap8192+defer4+deferh8+rw50+shw25+pre0+dpre0"], 1) == []
+
+
 def test_profile_step_applies_only_bench_decode_tokens(monkeypatch):
     """scripts/profile_step.py's tokens are bench_decode.py's (but shtp, which bench_decode.py takes as a load suffix,
     VARIANT@shtp), and its dp4a selects moe=fp4_dp4a as there."""
