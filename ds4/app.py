@@ -315,7 +315,8 @@ def load_weights(spec: RunSpec, args: ModelArgs) -> tuple[ModelArgs, dict]:
                                experts=spec.experts, shared=spec.shared_expert, dtype_policy=policy)
     from ds4.weights.synthetic import random_weights
     return args, random_weights(args, seed=spec.weights_seed, device=spec.device, rank=spec.rank, world=spec.tp,
-                                include_mtp=False, experts=spec.experts, shared=spec.shared_expert)
+                                include_mtp=False, experts=spec.experts, shared=spec.shared_expert,
+                                progress=spec.rank == 0)
 
 
 def execute(spec: RunSpec, record: dict, log=print) -> dict:
@@ -330,7 +331,7 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     check_setup(spec, args)
     # raises before any weights load; the notes say what the choices leave to other code for this setup
     setup = Setup(spec.dtype, spec.max_batch, args.weight_dtype, args.n_activated_experts,
-                  index_len(args, spec.max_seq_len), args.n_routed_experts, args.dim)
+                  index_len(args, spec.max_seq_len), args.n_routed_experts, args.dim, args.expert_dtype)
     ops = build_ops(spec.impls, spec.device, setup)
     if spec.runtime == "cuda_graph" and ops.decode_syncs:  # a step that waits on the host cannot be captured
         c, sync = next(iter(ops.decode_syncs.items()))

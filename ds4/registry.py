@@ -34,6 +34,7 @@ class Setup:
     index_len: int = 0                # entries of a selecting CSA layer's indexer cache per row (0: none / unknown)
     n_experts: int = 0                # routed experts (ModelArgs.n_routed_experts; 0: unknown)
     dim: int = 0                      # the model's hidden size (ModelArgs.dim; 0: unknown)
+    expert_dtype: str = "fp4"         # the routed experts' stored format (ModelArgs.expert_dtype)
 
 
 def _no_caveats(_setup: Setup) -> list[str]:

@@ -519,6 +519,11 @@ def test_fp4_dp4a_registry_refuses_a_dim_its_kernel_cannot_take(monkeypatch):
     assert registry.resolve("moe", "fp4_dp4a", cuda, registry.Setup(dim=4096))[1] == "fp4_dp4a"
     with pytest.raises(registry.ImplUnavailable, match="dim a multiple of 32 up to 4096"):
         registry.resolve("moe", "fp4_dp4a", cuda, registry.Setup(dim=7168))
+    # FP8 / BF16 experts (model.overrides.expert_dtype, or a checkpoint's): its kernel reads E2M1 bytes, and the run
+    # decoded on fp4_topk's kernels under its name (session 66's review)
+    for dt in ("fp8", "bf16"):
+        with pytest.raises(registry.ImplUnavailable, match=f"reads FP4 experts \\(expert_dtype={dt}\\)"):
+            registry.resolve("moe", "fp4_dp4a", cuda, registry.Setup(dim=4096, expert_dtype=dt))
     # auto keeps fp4_topk (priority 10 against 8) until the step measures the integer pipe faster
     monkeypatch.setitem(registry._ENTRIES["moe"], "fp4_topk",
                         dataclasses.replace(registry.entry("moe", "fp4_topk"), check=lambda _d: None))

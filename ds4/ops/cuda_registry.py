@@ -51,9 +51,12 @@ def _router_fits(s: Setup) -> str | None:
 
 
 def _fp4_dp4a_fits(s: Setup) -> str | None:
-    """The router's limits, and the integer-pipe gate+up's rows: dim a multiple of 32 up to DP4A_MAX_DIM (an explicit
-    moe=fp4_dp4a whose kernel could not run would otherwise decode on fp4_topk's FMA kernels)."""
+    """The router's limits, and the integer-pipe gate+up's rows: FP4 experts (it reads E2M1 bytes), dim a multiple of 32
+    up to DP4A_MAX_DIM (an explicit moe=fp4_dp4a whose kernel could not run would otherwise decode on fp4_topk's
+    kernels under its name)."""
     from ds4.kernels import DP4A_MAX_DIM, dp4a_ok
+    if s.expert_dtype != "fp4":
+        return f"its gate+up kernel reads FP4 experts (expert_dtype={s.expert_dtype})"
     if s.dim and not dp4a_ok("fp4", 1, s.dim):
         return f"its gate+up kernel takes dim a multiple of 32 up to {DP4A_MAX_DIM} (dim={s.dim})"
     return _router_fits(s)
