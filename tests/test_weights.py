@@ -59,6 +59,16 @@ def test_synthetic_deterministic(weights):
     assert not torch.equal(_bytes(other["embed.weight"]), _bytes(weights["embed.weight"]))
 
 
+def test_synthetic_weights_show_their_progress(weights, capsys):
+    """On a CPU V4-Flash's synthetic weights take minutes per layer (one layer ~200 s): the app's load shows a bar of
+    the bytes made, as the checkpoint loader does, and the same tensors come out with or without it."""
+    assert_bit_equal(weights, random_weights(ARGS, seed=0, progress=True))
+    err = capsys.readouterr().err
+    assert "creating synthetic weights" in err and "100%" in err, err[-500:]
+    random_weights(ARGS, seed=0)
+    assert "creating synthetic weights" not in capsys.readouterr().err  # off by default (tests, scripts)
+
+
 def test_synthetic_rank_slices_equal_full_slices(weights):
     n_seen = 0
     for rank in range(2):

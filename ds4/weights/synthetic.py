@@ -96,19 +96,25 @@ def _full_tensors(name: str, spec: TensorSpec, specs: dict[str, TensorSpec], a: 
 
 
 def random_weights(args: ModelArgs, seed: int = 0, device="cpu", rank: int = 0, world: int = 1,
-                   include_mtp: bool = True, experts: str = "ep", shared: str = "replicate") -> dict[str, Tensor]:
+                   include_mtp: bool = True, experts: str = "ep", shared: str = "replicate",
+                   progress: bool = False) -> dict[str, Tensor]:
     """Every tensor rank `rank` of `world` holds (schema.local_tensors, routed experts laid out as `experts`
     says, the shared expert as `shared`), native formats, on `device`.
 
     Deterministic: the same (args, seed, device type) gives bit-identical tensors, and rank r's
-    tensors equal the same slices of the world=1 tensors.
+    tensors equal the same slices of the world=1 tensors. progress: a bar of the bytes made (as the checkpoint
+    loader's): on a CPU, V4-Flash's weights take minutes per layer to draw and quantise.
     """
+    from tqdm.auto import tqdm
     device = torch.device(device)
     specs = expected_tensors(args, include_mtp)
     local = local_tensors(args, rank, world, include_mtp, experts, shared)
     out: dict[str, Tensor] = {}
     pending: dict[str, Tensor] = {}
+    bar = tqdm(total=sum(ls.nbytes for ls, _ in local.values()), unit="B", unit_scale=True,
+               desc="creating synthetic weights", disable=not progress)
     for name, (lspec, idx) in local.items():
+        bar.update(lspec.nbytes)
         if name in pending:
             full = {name: pending.pop(name)}
         else:
@@ -125,5 +131,6 @@ def random_weights(args: ModelArgs, seed: int = 0, device="cpu", rank: int = 0, 
             # A slice of a bigger tensor gets its own storage so the full tensor is freed.
             out[name] = part.clone() if part.data_ptr() != t.data_ptr() or part.numel() != t.numel() \
                 else part.contiguous()
+    bar.close()
     assert not pending, f"scales without weights: {sorted(pending)}"
     return out
