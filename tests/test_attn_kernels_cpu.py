@@ -273,3 +273,17 @@ def test_decode_skips_refuse_bad_arguments_before_any_kernel():
             kernels_attn.compress_step(torch.zeros(rows, 64), torch.zeros(4, 32), torch.ones(16), torch.zeros(1),
                                        torch.zeros(4), torch.zeros(1, 8, 32), torch.zeros(1, 8, 32), cache, 4, True,
                                        1e-6, False, tokens)
+
+
+def test_reads_in_place_predicate_copies_nothing(monkeypatch):
+    """sparse_decode_reads_in_place only answers: it used to make the copy it asks about (a strided window or
+    compressed cache through .contiguous()), which a captured step would have recorded as a launch (session 66)."""
+    from ds4 import kernels_attn
+    q, pos, sink = torch.zeros(1, 4, 64, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64), torch.zeros(4)
+    win = torch.zeros(1, 64, 16, dtype=torch.bfloat16).transpose(1, 2)  # [1, 16, 64], unit stride not last
+    copies = []
+    real = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **k: copies.append(t.shape) or real(t, *a, **k))
+    assert not kernels_attn.sparse_decode_reads_in_place(q, win, pos, None, None, sink, None)
+    assert not kernels_attn.sparse_decode_reads_in_place(q, real(win), pos, win, None, sink, None)  # ext strided
+    assert copies == []

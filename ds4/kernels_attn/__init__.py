@@ -156,10 +156,14 @@ def _aligned(t: Tensor) -> Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _rows_ok(t: Tensor) -> Tensor:
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
+def _rows_fit(t: Tensor) -> bool:
+    """Whether the kernels read t's rows where they are (unit last stride, 16-byte rows and base)."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
         t.stride(i) % 8 == 0 or t.shape[i] == 1 for i in range(t.dim() - 1))
-    return t if ok else t.contiguous()
+
+
+def _rows_ok(t: Tensor) -> Tensor:
+    return t if _rows_fit(t) else t.contiguous()
 
 
 def sparse_attn(q: Tensor, kv: Tensor, valid: Tensor, sel_kv: Tensor | None, sel_valid: Tensor | None,
@@ -216,8 +220,8 @@ def sparse_decode_reads_in_place(q: Tensor, win: Tensor, pos: Tensor, ext: Tenso
     would take those edges instead, and, launched without that wait, would not pass their wait on to the chunk kernel."""
     def f32(t: Tensor) -> bool:
         return t.dtype == torch.float32 and t.is_contiguous()
-    return (q.is_contiguous() and q.data_ptr() % 16 == 0 and _rows_ok(win) is win and pos.is_contiguous()
-            and (ext is None or _rows_ok(ext) is ext) and (ext_idx is None or ext_idx.is_contiguous())
+    return (q.is_contiguous() and q.data_ptr() % 16 == 0 and _rows_fit(win) and pos.is_contiguous()
+            and (ext is None or _rows_fit(ext)) and (ext_idx is None or ext_idx.is_contiguous())
             and f32(sink) and (freqs is None or f32(freqs)))
 
 
