@@ -40,8 +40,9 @@ def test_every_named_branch_is_in_line_on_cpu_and_unknown_names_fail():
 
 
 def test_programmatic_join_sites_are_opt_in(monkeypatch):
-    """DS4_PJOIN names the sites whose captured branches join by programmatic edges ("all": every one); unknown
-    names are ignored; an in-line branch's join is a no-op whatever the site."""
+    """DS4_PJOIN names the sites whose captured branches join by programmatic edges ("all": every one); an unknown
+    name is refused (session 66's review: a misspelt site timed the event joins under the option's name); an in-line
+    branch's join is a no-op whatever the site."""
     monkeypatch.delenv("DS4_PJOIN", raising=False)
     assert side_stream.programmatic_sites() == set()
     monkeypatch.setenv("DS4_PJOIN", "moe")
@@ -49,7 +50,10 @@ def test_programmatic_join_sites_are_opt_in(monkeypatch):
     monkeypatch.setenv("DS4_PJOIN", "all")
     assert side_stream.programmatic_sites() == set(side_stream.PJOIN_SITES)
     monkeypatch.setenv("DS4_PJOIN", "nope,moe")
-    assert side_stream.programmatic_sites() == {"moe"}
+    with pytest.raises(ValueError, match="unknown join site"):
+        side_stream.programmatic_sites()
+    monkeypatch.setenv("DS4_PJOIN", "")
+    assert side_stream.programmatic_sites() == set()
     monkeypatch.setenv("DS4_PJOIN", "attn,moe")
     assert side_stream.programmatic_sites() == {"moe", "attn"} == set(side_stream.PJOIN_SITES)
     side_stream.Branch(None, torch.device("cpu")).join("moe")

@@ -55,7 +55,13 @@ def programmatic_sites() -> set[str]:
     by programmatic edges (Branch.join). Opt-in: on an H200 the routed down joined so (one join per layer) measured
     115.4 / 115.5 against 115.1 / 115.4 us per layer (session 27, experiments/decode_session27_h200.md): no gain."""
     v = os.environ.get("DS4_PJOIN", "")
-    return set(PJOIN_SITES) if v == "all" else {t for t in v.split(",") if t in PJOIN_SITES}
+    if v == "all":
+        return set(PJOIN_SITES)
+    sites = {t for t in v.split(",") if t}
+    if sites - set(PJOIN_SITES):  # (a misspelt site would time the event joins under the option's name)
+        raise ValueError(f"DS4_PJOIN={v!r}: unknown join site(s) {', '.join(sorted(sites - set(PJOIN_SITES)))}; "
+                         f"the sites are {', '.join(PJOIN_SITES)} or all")
+    return sites
 
 
 # moe: the routed MoE down kernel after the shared expert's branch (moe=fp4_topk); attn: the attention core's chunk
