@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ds4.ops.base import QWeight
+from ds4.weights.heap import trim_heap
 
 
 class WeightsModule(nn.Module):
@@ -85,6 +86,8 @@ class WeightsModule(nn.Module):
             for n in names:
                 tensors.pop(f"{n}.weight", None)
                 tensors.pop(f"{n}.scale", None)
+            if w.device.type == "cpu":  # their pages back to the OS, not kept in the C heap (ds4.weights.heap)
+                trim_heap()
         self.register_buffer(f"{attr}_weight", w, persistent=False)
         if s is not None:
             self.register_buffer(f"{attr}_scale", s, persistent=False)

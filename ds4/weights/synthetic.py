@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ds4.model.args import ModelArgs
 from ds4.quant.formats import quant_fp4, quant_fp8
+from ds4.weights.heap import trim_heap
 from ds4.weights.schema import BF16, E8M0, F32, FP4_PACKED, FP8, I64, TensorSpec, expected_tensors, local_tensors
 
 HEAD_LOGIT_STD = 4.0  # std of the logits for a unit-RMS final hidden state
@@ -67,6 +68,9 @@ def _float_tensor(name: str, spec: TensorSpec, a: ModelArgs, g: torch.Generator,
     raise ValueError(f"no synthetic rule for {name} {spec}")
 
 
+_TRIM_EVERY = 16  # tensors made between two heap trims (CPU)
+
+
 def _tid2eid(spec: TensorSpec, a: ModelArgs, g: torch.Generator, device) -> Tensor:
     """[vocab, k] int64 with k DISTINCT expert ids per row (prefix of a random permutation)."""
     v, k = spec.shape
@@ -113,8 +117,9 @@ def random_weights(args: ModelArgs, seed: int = 0, device="cpu", rank: int = 0, 
     pending: dict[str, Tensor] = {}
     bar = tqdm(total=sum(ls.nbytes for ls, _ in local.values()), unit="B", unit_scale=True,
                desc="creating synthetic weights", disable=not progress)
-    for name, (lspec, idx) in local.items():
-        bar.update(lspec.nbytes)
+    for i, (name, (lspec, idx)) in enumerate(local.items()):
+        if device.type == "cpu" and i % _TRIM_EVERY == _TRIM_EVERY - 1:
+            trim_heap()
         if name in pending:
             full = {name: pending.pop(name)}
         else:
@@ -131,6 +136,7 @@ def random_weights(args: ModelArgs, seed: int = 0, device="cpu", rank: int = 0, 
             # A slice of a bigger tensor gets its own storage so the full tensor is freed.
             out[name] = part.clone() if part.data_ptr() != t.data_ptr() or part.numel() != t.numel() \
                 else part.contiguous()
+        bar.update(lspec.nbytes)
     bar.close()
     assert not pending, f"scales without weights: {sorted(pending)}"
     return out

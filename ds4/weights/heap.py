@@ -1,0 +1,31 @@
+"""Giving the C heap's free pages back to the OS while weights are made or loaded on a CPU.
+
+Why: a CPU run draws each synthetic tensor in fp32 and quantises it, and the model stacks the routed experts' per-expert
+tensors into one per matrix. glibc keeps the freed temporaries' and originals' pages in its heap (its mmap threshold
+rises to a freed block's size, up to 32 MiB, so those blocks are heap blocks), between the tensors that stay, and the
+stacked matrices (mmapped) cannot reuse them: the resident set outgrew the weights that the app's host-memory check
+counts. V4-Flash, one layer (5.29 GiB of weights), `python -m ds4 model=v4_flash model.n_layers=1 max_new_tokens=2` on
+a CPU: the synthetic weights alone peaked at 8.0 GiB, 5.8 GiB with a trim every 16 tensors; the job at 14.1 GiB before
+any trim, 10.0 GiB with the synthetic weights' trims (session 66).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another C library)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """malloc_trim(0): the heap's free pages back to the OS (a no-op where the C library has no malloc_trim)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
