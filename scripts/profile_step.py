@@ -115,6 +115,9 @@ def main() -> None:
     model.load_weights(random_weights(args, seed=0, device=dev, rank=e.rank, world=e.world, include_mtp=False,
                                       experts="tp", shared="tp" if "shtp" in toks else "replicate"))
     cap = max(a.context, a.long_context) + 3 * a.replays + 64
+    if a.timeline:  # the timelines' own replays: max(3, N) for the step's, with --phases 3 more and up to 3 to reach a
+        # position 3 mod 4 (without them, --timeline-replays N past ~58 overran the caches after the profile had run)
+        cap += 2 * max(3, a.timeline_replays) + 6
     attention_options(model, toks)
     cap += a.phases
     gen = Generator(model, 1, max(cap, _number_token(toks, "cap", 0)), runtime="cuda_graph")
