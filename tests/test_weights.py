@@ -71,7 +71,7 @@ def test_synthetic_weights_show_their_progress(weights, capsys):
 
 def test_synthetic_weights_trim_the_heap_as_they_go(weights, monkeypatch):
     """On a CPU the C heap is trimmed every few tensors (the freed fp32 temporaries' pages otherwise stay resident:
-    V4-Flash's one layer peaked at 1.51x its weights, 1.10x with the trims); the tensors are the same."""
+    one V4-Flash layer's weights alone peaked at 1.51x their size, 1.10x with the trims); the tensors are the same."""
     from ds4.weights import synthetic
     calls = []
     monkeypatch.setattr(synthetic, "trim_heap", lambda: calls.append(1))
@@ -84,8 +84,8 @@ def test_synthetic_weights_trim_the_heap_as_they_go(weights, monkeypatch):
 
 
 def test_stacking_the_experts_trims_the_heap_on_cpu(weights, monkeypatch):
-    """Each stacked expert matrix gives its per-expert originals' pages back (ds4.weights.heap): the job of one V4-Flash
-    layer on a CPU otherwise peaked at about twice its experts."""
+    """Each stacked expert matrix gives its per-expert originals' pages back (ds4.weights.heap): on a CPU they otherwise
+    stay resident in the C heap beside the stacked (mmapped) matrices."""
     from ds4.model import weights_module
     from ds4.model.transformer import Transformer
     from ds4.registry import torch_reference_ops

@@ -4,9 +4,9 @@ Why: a CPU run draws each synthetic tensor in fp32 and quantises it, and the mod
 tensors into one per matrix. glibc keeps the freed temporaries' and originals' pages in its heap (its mmap threshold
 rises to a freed block's size, up to 32 MiB, so those blocks are heap blocks), between the tensors that stay, and the
 stacked matrices (mmapped) cannot reuse them: the resident set outgrew the weights that the app's host-memory check
-counts. V4-Flash, one layer (5.29 GiB of weights), `python -m ds4 model=v4_flash model.n_layers=1 max_new_tokens=2` on
-a CPU: the synthetic weights alone peaked at 8.0 GiB, 5.8 GiB with a trim every 16 tensors; the job at 14.1 GiB before
-any trim, 10.0 GiB with the synthetic weights' trims (session 66).
+counts. V4-Flash on a 24 GiB CPU machine (experiments/session66_no_device.md): one layer's synthetic weights (5.29 GiB)
+peaked at 8.0 GiB, 5.8 GiB with a trim every 16 tensors; the README's four-layer run (15.3 GiB counted) was killed at
+21.7 GiB while still making weights, and completes with the trims (peak 18.4 GiB).
 """
 from __future__ import annotations
 
