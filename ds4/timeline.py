@@ -93,11 +93,7 @@ def path_parts(path: list[tuple[Kernel, float, float]],
 def one_step(kernels: list[Kernel], per_step: int, which: int = -1) -> list[Kernel]:
     """The kernels of one replay out of consecutive replays of `per_step` kernels each (by start order; the kernels
     are sorted by start first, as kernels_from_trace returns them)."""
-    n = len(kernels) // per_step if per_step > 0 else 0
-    if n == 0 or len(kernels) % per_step:
-        raise ValueError(f"{len(kernels)} kernels are not whole replays of {per_step}")
-    i = which % n
-    return sorted(kernels, key=lambda k: (k.start, k.end))[i * per_step:(i + 1) * per_step]
+    return replays(kernels, per_step)[which]
 
 
 def replays(kernels: list[Kernel], per_step: int, alike: bool = False) -> list[list[Kernel]]:
@@ -105,13 +101,17 @@ def replays(kernels: list[Kernel], per_step: int, alike: bool = False) -> list[l
     alike: the kernels are replays of one graph, which launch the same kernels every time; a split whose replays
     differ in their kernel names (replays of different lengths whose total happens to divide, e.g. a graph per
     compressor phase) raises ValueError instead of cutting replays at the wrong places."""
-    one_step(kernels, per_step)  # (raises ValueError where the kernels are not whole replays)
-    out = [one_step(kernels, per_step, i) for i in range(len(kernels) // per_step)]
-    first = collections.Counter(k.name for k in out[0])
-    for i, ks in enumerate(out[1:], 1):
-        if alike and collections.Counter(k.name for k in ks) != first:
-            raise ValueError(f"replay {i} of {len(out)} (by start order, {per_step} kernels each) launches other "
-                             f"kernels than replay 0: the replays are not alike")
+    n = len(kernels) // per_step if per_step > 0 else 0
+    if n == 0 or len(kernels) % per_step:
+        raise ValueError(f"{len(kernels)} kernels are not whole replays of {per_step}")
+    ordered = sorted(kernels, key=lambda k: (k.start, k.end))
+    out = [ordered[i * per_step:(i + 1) * per_step] for i in range(n)]
+    if alike:
+        first = collections.Counter(k.name for k in out[0])
+        for i, ks in enumerate(out[1:], 1):
+            if collections.Counter(k.name for k in ks) != first:
+                raise ValueError(f"replay {i} of {n} (by start order, {per_step} kernels each) launches other "
+                                 f"kernels than replay 0: the replays are not alike")
     return out
 
 

@@ -238,15 +238,18 @@ def unknown_tokens(toks: set[str]) -> list[str]:
 # Numbered tokens whose number leaves the step as it is (the library's default): rd0 / lrd0 / dn0 / shd0 unset the depth
 # knob, cap0 sizes nothing, defer0 / deferh0 defer nothing, rw / shw at 0 or from 100 take the whole wave. A variant
 # named with one would time the default under another name.
-_IDLE_NUMBERS = {"rd": lambda n: n == 0, "lrd": lambda n: n == 0, "dn": lambda n: n == 0, "shd": lambda n: n == 0,
-                 "cap": lambda n: n == 0, "defer": lambda n: n == 0, "deferh": lambda n: n == 0,
-                 "rw": lambda n: n <= 0 or n >= 100, "shw": lambda n: n <= 0 or n >= 100}
+_IDLE_AT_ZERO = ("rd", "lrd", "dn", "shd", "cap", "defer", "deferh")
+_WAVE_SHARES = ("rw", "shw")
 
 
 def idle_number_tokens(toks: set[str]) -> list[str]:
-    """The numbered tokens of _IDLE_NUMBERS whose number changes nothing."""
+    """The numbered tokens whose number changes nothing (above)."""
     def idle(t: str) -> bool:
-        return any(t.startswith(p) and t[len(p):].isdigit() and f(int(t[len(p):])) for p, f in _IDLE_NUMBERS.items())
+        for p in _IDLE_AT_ZERO + _WAVE_SHARES:
+            if t.startswith(p) and t[len(p):].isdigit():
+                n = int(t[len(p):])
+                return n == 0 or (p in _WAVE_SHARES and n >= 100)
+        return False
     return sorted(t for t in toks if idle(t))
 
 

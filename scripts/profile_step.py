@@ -308,7 +308,7 @@ def over_replays(steps, layers: int, pdl: bool) -> dict:
     for who, (m, sd, n) in parts.items():
         print(f"{who:<50}{m:>9.1f}{sd:>7.1f}{m / layers:>10.1f}{n:>6.1f}")
     layer_rows = []
-    if all(len(p) == len(per_layer[0]) for p in per_layer) and per_layer[0]:
+    if all(per_layer):  # (sides(path, layers): every replay's `layers` pairs, or [] where its path lost an hc site)
         print(f"{'layer':<8}{'attention side us':>20}{'FFN side us':>16}")
         for i in range(len(per_layer[0])):
             am, asd = mean_sd([p[i][0] for p in per_layer])
