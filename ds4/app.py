@@ -211,16 +211,67 @@ def memory_need(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> list[
     return parts
 
 
-def host_available() -> int | None:
-    """The host's MemAvailable in bytes (Linux), or None where it cannot be read."""
+def host_available(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup",
+                   self_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """The memory this process may still take, in bytes (Linux): the host's MemAvailable, or less where the process's
+    memory cgroup (a container's limit) leaves less; None where neither can be read."""
+    host = None
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    host = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    room = _cgroup_room(cgroup_root, self_cgroup)
+    return room if host is None else host if room is None else min(host, room)
+
+
+def _cgroup_room(root: str, self_cgroup: str) -> int | None:
+    """The least limit - usage over the process's memory cgroup and its parents (v2: memory.max / memory.current;
+    v1: memory.limit_in_bytes / memory.usage_in_bytes), the reclaimable file cache (memory.stat's inactive_file)
+    not counted as used, as container tools count it. None where no limit is set or none can be read. (Inside a
+    container's cgroup namespace the listed path may not exist under `root`; the parents walked up to the
+    controller's root then include the container's own files.)"""
+    try:
+        with open(self_cgroup) as f:
+            lines = [ln.rstrip("\n").split(":", 2) for ln in f if ln.count(":") >= 2]
+    except OSError:
+        return None
+    rooms = []
+    for _, ctl, path in lines:
+        if ctl == "":  # v2's unified hierarchy
+            top, files = Path(root), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in ctl.split(","):
+            top, files = Path(root) / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for n in range(len(parts), -1, -1):  # the cgroup itself, then each parent up to the root
+            room = _cgroup_dir_room(top.joinpath(*parts[:n]), *files)
+            if room is not None:
+                rooms.append(room)
+    return min(rooms) if rooms else None
+
+
+def _cgroup_dir_room(d: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        lim = (d / limit_file).read_text().strip()
+        use = int((d / usage_file).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if not lim.isdigit() or int(lim) >= 1 << 60:  # "max" (v2) or v1's page-rounded 2^63: no limit here
+        return None
+    inactive = 0
+    try:
+        for line in (d / "memory.stat").read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == inactive_key:
+                inactive = int(v)
+    except (OSError, ValueError):
+        pass
+    return max(0, int(lim) - max(0, use - inactive))
 
 
 def check_memory(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> None:

@@ -547,3 +547,43 @@ def test_cpu_run_checks_host_memory_before_loading(monkeypatch):
     app.check_memory(spec, app.model_args(spec), reference_impls())
     monkeypatch.setattr(app, "host_available", lambda: None)  # not Linux: no check
     app.check_memory(spec, app.model_args(spec), reference_impls())
+
+
+def test_host_available_counts_a_containers_memory_limit(tmp_path):
+    """A container's cgroup limit (v2 or v1, on the cgroup or a parent) caps what the host-memory check counts: a
+    24 GiB limit on a 500 GiB host is 24 GiB less what the cgroup uses (its inactive file cache not counted)."""
+    G = 2**30
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {512 * G // 1024} kB\nMemAvailable: {500 * G // 1024} kB\n")
+
+    def tree(version, limit, usage, inactive, at):
+        tag = f"{version}_{at.replace('/', '_')}_{limit}"
+        root = tmp_path / f"cg{tag}"
+        base = root if version == 2 else root / "memory"
+        leaf = base / "job" / "step"
+        leaf.mkdir(parents=True)
+        lim_f, use_f, key = (("memory.max", "memory.current", "inactive_file") if version == 2 else
+                             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+        for d in (base, base / "job", leaf):  # no limit anywhere but `at`
+            (d / lim_f).write_text("max\n" if version == 2 else "9223372036854771712\n")
+            (d / use_f).write_text(f"{usage}\n")
+            (d / "memory.stat").write_text(f"anon 1\n{key} {inactive}\n")
+        (base / at / lim_f if at else base / lim_f).write_text(f"{limit}\n")
+        proc = tmp_path / f"self_cgroup{tag}"
+        proc.write_text("0::/job/step\n" if version == 2 else "5:cpu:/\n4:memory:/job/step\n")
+        return str(root), str(proc)
+
+    for version in (2, 1):
+        for at in ("job/step", "job", ""):
+            root, proc = tree(version, 24 * G, 6 * G, 2 * G, at)
+            assert app.host_available(str(meminfo), root, str(proc)) == 20 * G, (version, at)
+    # no limit set: the host's MemAvailable; a limit above it: MemAvailable still
+    root, proc = tree(2, 2**63, 6 * G, 0, "job")
+    assert app.host_available(str(meminfo), root, str(proc)) == 500 * G
+    root, proc = tree(1, 600 * G, 1 * G, 0, "")
+    assert app.host_available(str(meminfo), root, str(proc)) == 500 * G
+    # nothing readable: None (no check); only the cgroup readable: its room
+    missing = str(tmp_path / "none")
+    assert app.host_available(missing, missing, missing) is None
+    root, proc = tree(2, 10 * G, 4 * G, 0, "job/step")
+    assert app.host_available(missing, root, proc) == 6 * G

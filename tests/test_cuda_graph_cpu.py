@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 from cuda_standins import Graph, fake_cuda
 
@@ -180,8 +181,15 @@ def test_sampling_inside_the_graph_draws_the_eager_tokens(monkeypatch):
     assert g.graphs[(2, "sample")] is step
     hot = Sampling(temperature=1.3, seed=5)
     assert run(hot, 12, g) == run(hot, 12)
-    assert g.graphs[(2, "sample")] is not step and g.graphs[(2, "sample")].sampling == Sampling(temperature=1.3)
+    new = g.graphs[(2, "sample")]
+    assert new is not step and new.sampling == Sampling(temperature=1.3)
     g.check_positions()
+    # the figures count the replaced capture's time and graphs too, the pool only the graph still held
+    from ds4.tasks.common import graph_figures
+    f = graph_figures(g)
+    assert f["graph_capture_s"] == pytest.approx(step.capture_s + new.capture_s) and step.capture_s > 0
+    assert f["graph_warmup_s"] == pytest.approx(step.warmup_s + new.warmup_s)
+    assert f["graphs"] == len(step.graphs) + len(new.graphs) == 2 and f["graph_pool_mib"] == new.pool_bytes / 2**20
 
 
 def test_graph_modes_are_checked():

@@ -15,7 +15,9 @@ from ds4.quant import dequant_fp4, pack_fp4_mma, tile_fp4_mma  # noqa: E402
 
 OFFSET, LOCAL, LIMIT = 32, 16, 10.0  # 16 local experts: global ids 32..47
 IDS = {"distinct": [33, 40, 47, 32, 35, 44], "boundary_and_nonlocal": [31, 32, 47, 48, 0, 63],
-       "dup": [40, 40, 41, 42, 43, 44], "none_local": [0, 1, 2, 3, 60, 61]}
+       "dup": [40, 40, 41, 42, 43, 44], "none_local": [0, 1, 2, 3, 60, 61],
+       # top-k other than the model's 6: one slot, and eight with a repeat and a non-local one (the kernel takes 1..32)
+       "topk1": [41], "topk8": [33, 40, 47, 32, 35, 44, 40, 2]}
 
 
 def experts(dim, inter, g, lo=116, hi=124):
@@ -61,11 +63,12 @@ def test_dp4a_gate_up_matches_reference(case, dims):
     g = gen(seed_of(case, dims))
     (w1, s1, w3, s3, _, _), (d1, d3, _) = experts(dim, inter, g)
     ids = torch.tensor([IDS[case]], device=DEV)
-    rw = torch.rand(1, 6, device=DEV, generator=g) + 0.1
+    k = ids.shape[1]
+    rw = torch.rand(1, k, device=DEV, generator=g) + 0.1
     x = x_of("normal", dim, g)
     poison()
     h = kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", OFFSET, LOCAL, LIMIT, kernel="dp4a")
-    assert h.shape == (6, inter) and h.dtype == torch.bfloat16
+    assert h.shape == (k, inter) and h.dtype == torch.bfloat16
     rows = local_rows(ids)
     if not rows:
         return
@@ -149,14 +152,15 @@ def test_dp4a_zero_scale_byte_drops_its_block():
     assert rel(h.float(), ref_h(x, ids, rw, d1, d3)) <= TOL
 
 
-@pytest.mark.parametrize("case", ["distinct", "boundary_and_nonlocal", "dup"])
+@pytest.mark.parametrize("case", ["distinct", "boundary_and_nonlocal", "dup", "topk1", "topk8"])
 def test_dp4a_gate_up_then_fp4t_down_is_the_routed_sum(case):
     """moe=fp4_dp4a's pair: w1 / w3 stored, w2 in fp4t, the library's down kernel on the dp4a kernel's h."""
     dim, inter = 4096, 2048
     g = gen(seed_of(case, "pair"))
     (w1, s1, w3, s3, w2, s2), (d1, d3, d2) = experts(dim, inter, g)
     ids = torch.tensor([IDS[case]], device=DEV)
-    rw = torch.rand(1, 6, device=DEV, generator=g) + 0.1
+    k = ids.shape[1]
+    rw = torch.rand(1, k, device=DEV, generator=g) + 0.1
     x = x_of("normal", dim, g)
     ref = torch.zeros(1, dim, device=DEV)
     hr = ref_h(x, ids, rw, d1, d3)
@@ -166,7 +170,7 @@ def test_dp4a_gate_up_then_fp4t_down_is_the_routed_sum(case):
     poison()
     h = kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", OFFSET, LOCAL, LIMIT, kernel="dp4a")
     poison()
-    y = kernels.moe_down(h, ids, 6, t2, s2, "fp4t", OFFSET, LOCAL, None, True)
+    y = kernels.moe_down(h, ids, k, t2, s2, "fp4t", OFFSET, LOCAL, None, True)
     assert torch.isfinite(y).all() and rel(y, ref) <= TOL, rel(y, ref)
 
 

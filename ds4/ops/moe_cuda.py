@@ -511,7 +511,9 @@ class Fp4Dp4aMoE(Fp4TopkMoE):
     FFN: both read fp4t). An ablation option: on an H100 its gate+up is faster alone (21.82 against 23.32 us), but the
     decode step is slower (123.3 / 123.4 against 121.7 / 121.6 us per layer, experiments/session64.md); on an H200
     too (106.5 / 106.2 against 104.8 / 104.4), about 1 us per layer of it on the shared expert's down, which its
-    register-filling blocks delay (experiments/session65.md)."""
+    register-filling blocks delay (experiments/session65.md). Under numerics=qat the gate+up's x is FP8-simulated by
+    the launch before it, DS4_ACT_QUANT=staged too: that staging is the tensor-core kernels' on the tiled layouts
+    (kernels.moe_act_quant_ok says no to the stored fp4 layout), so the dp4a kernel still takes the launch."""
     name = "fp4_dp4a"
     gate_up_layout = "fp4"
     route_in_kernels = False

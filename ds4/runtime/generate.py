@@ -48,6 +48,8 @@ class Generator:
         # where state.pos stands, counted on the host (no device read): the captured step picks its graph by it
         self.host_pos: list[int] = [0] * max_batch
         self.graphs: dict[tuple[int, str], "CudaGraphStep"] = {}  # (batch, mode) -> captured step
+        # what the steps recaptured in place of (graph_step) cost: their warm-up and capture seconds, graphs captured
+        self.replaced = {"warmup_s": 0.0, "capture_s": 0.0, "graphs": 0}
 
     def graph_step(self, batch: int, mode: str, sampling: Sampling | None = None):
         """The captured decode step for this batch size and selection mode (captured on first use). Mode 'sample'
@@ -56,7 +58,11 @@ class Generator:
         key = (batch, mode)
         settings = dataclasses.replace(sampling, seed=0) if mode == "sample" else None
         if key in self.graphs and self.graphs[key].sampling != settings:
-            del self.graphs[key]  # (its pool goes back to the allocator before the new capture)
+            old = self.graphs.pop(key)  # (its pool goes back to the allocator before the new capture)
+            self.replaced["warmup_s"] += old.warmup_s
+            self.replaced["capture_s"] += old.capture_s
+            self.replaced["graphs"] += len(old.graphs)
+            del old
         if key not in self.graphs:
             self.graphs[key] = CudaGraphStep(self.model, self.state, batch, mode, sampling=settings)
         return self.graphs[key]

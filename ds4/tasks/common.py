@@ -171,12 +171,16 @@ def decode_figures(out, batch: int, warmup: int = 0) -> dict[str, float]:
 
 def graph_figures(gen) -> dict[str, float]:
     """runtime=cuda_graph: warm-up and capture time and the graph pool's memory (reported apart
-    from TPOT; the capture happens once per batch size, before the timed steps)."""
+    from TPOT; the capture happens once per batch size, before the timed steps). Times and counts include the steps
+    recaptured since (other sampling settings: Generator.graph_step), the pool only the graphs still held."""
     if not getattr(gen, "graphs", None):
         return {}
     g = list(gen.graphs.values())
-    return {"graph_warmup_s": sum(x.warmup_s for x in g), "graph_capture_s": sum(x.capture_s for x in g),
-            "graph_pool_mib": sum(x.pool_bytes for x in g) / 2**20, "graphs": sum(len(x.graphs) for x in g)}
+    old = getattr(gen, "replaced", None) or {"warmup_s": 0.0, "capture_s": 0.0, "graphs": 0}
+    return {"graph_warmup_s": old["warmup_s"] + sum(x.warmup_s for x in g),
+            "graph_capture_s": old["capture_s"] + sum(x.capture_s for x in g),
+            "graph_pool_mib": sum(x.pool_bytes for x in g) / 2**20,
+            "graphs": old["graphs"] + sum(len(x.graphs) for x in g)}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
