@@ -57,7 +57,7 @@ def x_of(kind, dim, g):
 @pytest.mark.parametrize("case", list(IDS))
 # (kernel forms: dim a multiple of 1024 or not, scale bytes in whole words (dim % 128 == 0) or by byte loads)
 @pytest.mark.parametrize("dims", [(4096, 2048), (2048, 256), (1024, 512), (3072, 256), (1056, 96), (128, 128),
-                                  (32, 32)])
+                                  (32, 32)], ids=lambda d: f"dim{d[0]}_inter{d[1]}")
 def test_dp4a_gate_up_matches_reference(case, dims):
     dim, inter = dims
     g = gen(seed_of(case, dims))

@@ -32,7 +32,7 @@ PYT="python3 -m pytest -q -p no:cacheprovider --tb=line"
 run dp4a 90 $PYT tests/test_moe_dp4a_gpu.py
 if command -v compute-sanitizer >/dev/null; then
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 run dp4a_memcheck 150 compute-sanitizer --tool memcheck --print-limit 5 \
-    $PYT tests/test_moe_dp4a_gpu.py -k "matches_reference and (1024 or 2048 or 3072)"
+    $PYT tests/test_moe_dp4a_gpu.py -k "matches_reference and (dim1024_ or dim2048_ or dim3072_)"
 fi
 run bench 90 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 --variants kernels+fused+graph+cap8192 \
   --out "$OUT/bench.json"
