@@ -81,11 +81,32 @@ def test_dp4a_gate_up_matches_reference(case, dims):
     assert rel(got, h_auto[rows].float()) <= TOL
 
 
+def codes16(x):
+    """x [1, dim] bf16 as the dp4a kernel quantizes it (csrc/moe_dp4a.cu q16_of, blocks above 2^-64): per 32 values
+    q = rint(v * fl(32767 / amax)) and scale fl(amax / 32767), float32 quotients and products (IEEE: the build uses no
+    fast math); returned as float64 q x scale."""
+    xb = x.float().view(-1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(32767.0, device=x.device) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv).clamp(-32767, 32767)
+    return (q.double() * (amax / 32767.0).double()).view(1, -1)
+
+
+def f32_slack(xq, d):
+    """A bound on what float32 adds to a row's dot product in the kernel: its per-block integer sums are exact, and a
+    lane's fmaf chain plus the 32-lane shuffle tree round at most 9 times, each within 2^-24 of the running sum of
+    |block terms|; 16 roundings' worth of that sum (session 67: the bar without it failed one element by 1.37 steps
+    where the row's blocks cancel)."""
+    nb = xq.shape[-1] // 32
+    blocks = (xq.view(1, nb, 32) * d.double().view(-1, nb, 32)).sum(-1)  # [inter, nb]
+    return 16 * 2.0 ** -24 * blocks.abs().sum(-1)
+
+
 @pytest.mark.parametrize("kind", ["wide_range", "sparse", "zeros"])
 def test_dp4a_product_is_exact_for_its_16_bit_activations(kind):
-    """The integer product is exact: against a float64 product of x quantized as the kernel quantizes it (per 32
-    values, q = rint(x * 32767 / amax)), the gate / up rows (recovered from h with route weight 1 and no SwiGLU
-    limit reached) differ by float32 rounding only; the quantization itself stays far under bf16's rounding."""
+    """The integer product is exact: against a float64 product of x quantized as the kernel quantizes it (codes16),
+    the gate / up rows (recovered from h with route weight 1 and no SwiGLU limit reached) differ by float32 rounding
+    only; the quantization itself stays far under bf16's rounding."""
     dim, inter = 4096, 64
     g = gen(seed_of(kind))
     (w1, s1, w3, s3, _, _), (d1, d3, _) = experts(dim, inter, g, lo=110, hi=114)  # small weights: |g|, |u| << 10
@@ -96,20 +117,22 @@ def test_dp4a_product_is_exact_for_its_16_bit_activations(kind):
     if kind == "zeros":
         assert torch.equal(h.float(), torch.zeros_like(h.float()))
         return
-    xb = x.double().view(-1, 32)
-    amax = xb.abs().amax(-1, keepdim=True)
-    xq = (torch.round(xb * (32767 / amax.clamp_min(1e-300))).clamp(-32767, 32767) * (amax / 32767)).view(1, dim)
+    xq = codes16(x)
     for j, e in enumerate((0, 1)):
         gg, uu = (xq @ d1[e].double().t())[0], (xq @ d3[e].double().t())[0]
-        want = (gg * torch.sigmoid(gg) * uu).to(torch.bfloat16).double()
+        sg = torch.sigmoid(gg)
+        want = (gg * sg * uu).to(torch.bfloat16).double()
         assert rel(h[j].double(), want) <= 4e-3, rel(h[j].double(), want)  # bf16 h: one rounding
-        # and element by element: the kernel's exact integer sums leave only float32 rounding (its per-block scaling,
-        # the SwiGLU), which moves a bf16 h off bf16(want) where want sits within ~2^-17 of a rounding boundary: rare.
-        # Coarser codes would not pass (session 66's review: 12-bit codes err ~1.4e-3 relative, a third of a bf16
-        # step, and would pass the L2 bar above): at most 1 bf16 step anywhere and 90 % of h bit-equal.
-        hj, wj = h[j].float(), want.float()
+        # and element by element: at most one bf16 step off, plus float32's rounding of the sums carried through the
+        # SwiGLU (f32_slack) and of the SwiGLU itself (8 roundings of h); and 90 % of h bit-equal. Coarser codes fail
+        # both (experiments/s67/dp4a_exactness_emulation.py, a CPU emulation of the kernel's arithmetic: 16-bit codes
+        # 0 of 400 cases over the bar per kind, at least 98.4 % bit-equal; 12-bit codes 98-100 of 100 over it, 53-67 %
+        # bit-equal).
+        slack = ((sg * (1 + gg * (1 - sg)) * uu).abs() * f32_slack(xq, d1[e]) + (gg * sg).abs() * f32_slack(xq, d3[e])
+                 + 8 * 2.0 ** -24 * want.abs())
+        hj, wj = h[j].double(), want
         step = torch.finfo(torch.bfloat16).eps * wj.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
-        assert ((hj - wj).abs() <= step * 1.01).all(), ((hj - wj).abs() / step).max()
+        assert ((hj - wj).abs() <= step * 1.01 + slack).all(), ((hj - wj).abs() / (step * 1.01 + slack)).max()
         assert (hj == wj).float().mean() >= 0.9, (hj == wj).float().mean()
         # the quantization against bf16 x itself: under bf16's own rounding unit (2^-9) of the product
         gx = (x.double() @ d1[e].double().t())[0]

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# NOT RUN (written in session 66, which had no device machine): the first one-GPU call of the next session lent one.
+# Written in session 66 (no device machine). Session 67 ran it once on one H100 with BUDGET=250 (its only call that got
+# a machine; experiments/session67.md): the build, the dp4a tests (one failed: the element-wise bar, since mended on
+# CPU only), the memcheck (0 errors), the slope; the e2e rows were cut at 74 s and still have not run. Run it whole.
 # It runs what no GPU has run on the tree as it stands:
 #   - session 66's dp4a mends (csrc/moe_dp4a.cu: the scale words inside the row, tiny blocks) and their GPU tests
 #     (tests/test_moe_dp4a_gpu.py: the (2048, 256) shape, test_dp4a_tiny_blocks_keep_their_values, the element-wise
