@@ -6,13 +6,10 @@ Usage: python experiments/s67/dp4a_exactness_emulation.py [--bits 16] [--seeds 2
 from __future__ import annotations
 
 import argparse
-import sys
-
 import numpy as np
 import torch
 
-sys.path.insert(0, "tests")
-from ds4.quant import dequant_fp4  # noqa: E402
+from ds4.quant import dequant_fp4
 
 DIM, INTER = 4096, 64
 
