@@ -224,8 +224,8 @@ def host_available(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/c
                     break
     except (OSError, ValueError, IndexError):
         pass
-    room = _cgroup_room(cgroup_root, self_cgroup)
-    return room if host is None else host if room is None else min(host, room)
+    known = [b for b in (host, _cgroup_room(cgroup_root, self_cgroup)) if b is not None]
+    return min(known) if known else None
 
 
 def _cgroup_room(root: str, self_cgroup: str) -> int | None:

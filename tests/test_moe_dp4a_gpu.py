@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dp4a_bar import codes16, h_slack
 from gpu_common import DEV, TOL, gen, poison, rel, require_extension, seed_of
 
 pytestmark = pytest.mark.gpu
@@ -81,27 +82,6 @@ def test_dp4a_gate_up_matches_reference(case, dims):
     assert rel(got, h_auto[rows].float()) <= TOL
 
 
-def codes16(x):
-    """x [1, dim] bf16 as the dp4a kernel quantizes it (csrc/moe_dp4a.cu q16_of, blocks above 2^-64): per 32 values
-    q = rint(v * fl(32767 / amax)) and scale fl(amax / 32767), float32 quotients and products (IEEE: the build uses no
-    fast math); returned as float64 q x scale."""
-    xb = x.float().view(-1, 32)
-    amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(32767.0, device=x.device) / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv).clamp(-32767, 32767)
-    return (q.double() * (amax / 32767.0).double()).view(1, -1)
-
-
-def f32_slack(xq, d):
-    """A bound on what float32 adds to a row's dot product in the kernel: its per-block integer sums are exact, and a
-    lane's fmaf chain plus the 32-lane shuffle tree round at most 9 times, each within 2^-24 of the running sum of
-    |block terms|; 16 roundings' worth of that sum (session 67: the bar without it failed one element by 1.37 steps
-    where the row's blocks cancel)."""
-    nb = xq.shape[-1] // 32
-    blocks = (xq.view(1, nb, 32) * d.double().view(-1, nb, 32)).sum(-1)  # [inter, nb]
-    return 16 * 2.0 ** -24 * blocks.abs().sum(-1)
-
-
 @pytest.mark.parametrize("kind", ["wide_range", "sparse", "zeros"])
 def test_dp4a_product_is_exact_for_its_16_bit_activations(kind):
     """The integer product is exact: against a float64 product of x quantized as the kernel quantizes it (codes16),
@@ -120,16 +100,14 @@ def test_dp4a_product_is_exact_for_its_16_bit_activations(kind):
     xq = codes16(x)
     for j, e in enumerate((0, 1)):
         gg, uu = (xq @ d1[e].double().t())[0], (xq @ d3[e].double().t())[0]
-        sg = torch.sigmoid(gg)
-        want = (gg * sg * uu).to(torch.bfloat16).double()
+        want = (gg * torch.sigmoid(gg) * uu).to(torch.bfloat16).double()
         assert rel(h[j].double(), want) <= 4e-3, rel(h[j].double(), want)  # bf16 h: one rounding
         # and element by element: at most one bf16 step off, plus float32's rounding of the sums carried through the
-        # SwiGLU (f32_slack) and of the SwiGLU itself (8 roundings of h); and 90 % of h bit-equal. Coarser codes fail
+        # SwiGLU and of the SwiGLU itself (dp4a_bar.h_slack); and 90 % of h bit-equal. Coarser codes fail
         # both (experiments/s67/dp4a_exactness_emulation.py, a CPU emulation of the kernel's arithmetic: 16-bit codes
         # 0 of 400 cases over the bar per kind, at least 98.4 % bit-equal; 12-bit codes 98-100 of 100 over it, 70-77 %
         # bit-equal on average).
-        slack = ((sg * (1 + gg * (1 - sg)) * uu).abs() * f32_slack(xq, d1[e]) + (gg * sg).abs() * f32_slack(xq, d3[e])
-                 + 8 * 2.0 ** -24 * want.abs())
+        slack = h_slack(gg, uu, xq, d1[e], d3[e], want)
         hj, wj = h[j].double(), want
         step = torch.finfo(torch.bfloat16).eps * wj.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
         assert ((hj - wj).abs() <= step * 1.01 + slack).all(), ((hj - wj).abs() / (step * 1.01 + slack)).max()
