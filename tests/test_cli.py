@@ -549,6 +549,26 @@ def test_cpu_run_checks_host_memory_before_loading(monkeypatch):
     app.check_memory(spec, app.model_args(spec), reference_impls())
 
 
+def test_cpu_memory_check_counts_the_torch_moes_decode_transient():
+    """On the CPU the check also counts the fp32 experts the torch MoE dequantises in a decode step (a one-layer
+    V4-Flash run's resident set rose 0.63 GiB there, session 68's experiments/s68/rss_gap.py): w1, w3 and w2 of the
+    max_batch x top-k gathered rows, or of one expert where the rows are looped; not on a GPU, which counts weights
+    and state only."""
+    import dataclasses
+    from ds4.ops.moe_torch import GATHER_MAX_ROWS
+    from ds4.tasks.common import reference_impls
+    G = 2**30
+
+    def transient(*overrides, device="cpu"):
+        spec = dataclasses.replace(_spec("model=v4_flash", "model.n_layers=1", *overrides), device=torch.device(device))
+        return [b for what, b in app.memory_need(spec, app.model_args(spec), reference_impls()) if "fp32" in what]
+
+    assert transient() == [3 * 6 * 2048 * 4096 * 4] and 0.56 * G < transient()[0] < 0.57 * G
+    assert transient("max_batch=8") == [3 * 48 * 2048 * 4096 * 4] and 8 * 6 <= GATHER_MAX_ROWS < 11 * 6
+    assert transient("max_batch=11") == [3 * 2048 * 4096 * 4]
+    assert transient(device="cuda") == []
+
+
 def test_host_available_counts_a_containers_memory_limit(tmp_path):
     """A container's cgroup limit (v2 or v1, on the cgroup or a parent) caps what the host-memory check counts: a
     24 GiB limit on a 500 GiB host is 24 GiB less what the cgroup uses (its inactive file cache not counted)."""

@@ -443,6 +443,18 @@ def test_dequant_fp4_vs_loop(shape):
     exact(dequant_fp4(packed, sbytes.view(E8M0), dtype=torch.bfloat16), want.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_dequant_fp4_table_gives_the_decoded_bits_for_every_byte_and_scale(device):
+    """dequant_fp4 looks each packed byte up in a table (session 68, for its working set): the bits of decoding every
+    nibble and multiplying by its scale, for all 256 bytes under all 256 scale bytes (-0, 2^-127 and NaN included)."""
+    packed = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).repeat(256, 16)  # [256, 4096 bytes]
+    sbytes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)[:, None].repeat(1, 256)  # row r: r
+    want = fp4_e2m1_decode(unpack_fp4(packed)).view(256, 256, 32) * e8m0_to_float(sbytes.view(E8M0))[..., None]
+    got = dequant_fp4(packed, sbytes.view(E8M0))
+    assert torch.equal(got.view(torch.int32), want.view(256, 8192).view(torch.int32))
+
+
 # ---------------------------------------------------------------------------------------------
 # quant -> dequant
 # ---------------------------------------------------------------------------------------------

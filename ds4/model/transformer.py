@@ -417,5 +417,5 @@ def _head_matmul(y: Tensor, head: Tensor) -> Tensor:
             return torch.mm(y.to(torch.bfloat16), head.t(), out_dtype=torch.float32)
         except TypeError:  # torch without mm(out_dtype=): same numerics via chunked upcast below
             pass
-    yf = y.float()
-    return torch.cat([yf @ head[i:i + 16384].float().t() for i in range(0, head.shape[0], 16384)], -1)
+    yf = y.float()  # chunks of 4096 rows: 64 MiB of fp32 at a time at V4's width (a CPU run's working set)
+    return torch.cat([yf @ head[i:i + 4096].float().t() for i in range(0, head.shape[0], 4096)], -1)

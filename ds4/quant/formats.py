@@ -365,14 +365,13 @@ def dequant_fp8(w: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32,
     if tuple(s.shape) != (*lead, nbo, nbi):
         raise ValueError(f"dequant_fp8: scale shape {tuple(s.shape)} does not match weight "
                          f"{tuple(wf.shape)} with block {block}")
+    # The scales applied in place on the fresh fp32 decode: one fp32 temporary per value, not two.
     if O % block == 0 and I % block == 0:
-        out = wf.view(*lead, nbo, block, nbi, block) * s[..., :, None, :, None]
-        out = out.view(*lead, O, I)
+        wf.view(*lead, nbo, block, nbi, block).mul_(s[..., :, None, :, None])
     else:
         sf = s[..., :, None, :, None].expand(*lead, nbo, block, nbi, block)
-        sf = sf.reshape(*lead, nbo * block, nbi * block)[..., :O, :I]
-        out = wf * sf
-    return out.to(dtype)
+        wf.mul_(sf.reshape(*lead, nbo * block, nbi * block)[..., :O, :I])
+    return wf.to(dtype)
 
 
 def dequant_fp4(w: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -382,14 +381,20 @@ def dequant_fp4(w: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) ->
     W[..., i, j] = e2m1(nibble(i, j)) * 2^(scale[..., i, j//32] - 127), computed in float32 and
     cast to ``dtype``.
     """
-    codes = unpack_fp4(w)
-    *lead, O, I = codes.shape
+    p = _as_uint8(w)
+    *lead, O, half = p.shape
+    I = 2 * half
     if I % 32 or tuple(scale.shape) != (*lead, O, I // 32):
         raise ValueError(f"dequant_fp4: scale shape {tuple(scale.shape)} does not match "
                          f"weight [{', '.join(map(str, (*lead, O, I)))}] (blocks of 32)")
-    v = fp4_e2m1_decode(codes).view(*lead, O, I // 32, 32)
-    out = v * e8m0_to_float(scale)[..., None]
-    return out.view(*lead, O, I).to(dtype)
+    # Each packed byte's two values (low nibble first, as unpack_fp4) looked up in a 256-entry table built by
+    # fp4_e2m1_decode, and the scales applied in place: 6 bytes of temporaries per value instead of the ~20 of
+    # decoding every code's bits in int32 tensors, which set a CPU run's peak at the torch MoE's decode step.
+    b = torch.arange(256, dtype=torch.int32, device=p.device).to(torch.uint8)
+    table = torch.stack((fp4_e2m1_decode(b & 0xF), fp4_e2m1_decode(b >> 4)), dim=-1)  # [256, 2] fp32
+    v = table[p.to(torch.int32)].view(*lead, O, I // 32, 32)
+    v.mul_(e8m0_to_float(scale)[..., None])
+    return v.view(*lead, O, I).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
