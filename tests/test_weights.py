@@ -119,7 +119,7 @@ def test_stacking_drops_each_original_once_copied():
             return super().__getitem__(k)
 
     originals = Spy()
-    for n, t in zip(names, want.clone().unbind(0)):
+    for n, t in zip(names, want.unbind(0)):
         t = t.clone()
         refs.append(weakref.ref(t))
         originals[n] = t
