@@ -613,6 +613,22 @@ def test_merged_wo_bf16_output_projection_on_gpu():
     assert rel(got, ref) <= 2e-2
 
 
+def test_merged_wo_bf16_at_v4_flash_width_on_gpu():
+    """The same at V4-Flash's shapes (8 groups of 8 heads x 512 -> 1024 each, then 8192 -> 4096): the merged BF16 row of
+    32768 values is past the BF16 GEMV's shared-memory staging, so linear=gemv_cuda takes the matmul (session 69: the
+    seed sweep's seed_phase6 and ds4_cuda_graph jobs failed in the op), one row and two."""
+    from ds4.ops.attn_cuda import MergedWoAttention
+    from ds4.ops.linear_cuda import GemvCudaLinear
+    a, g = v4_flash(), gen(23)
+    wo_a = rand_qweight("fp8", a.o_groups * a.o_lora_rank, a.n_heads * a.head_dim // a.o_groups, g)
+    wo_b = rand_qweight("fp8", a.dim, a.o_groups * a.o_lora_rank, g)
+    for n in (1, 2):
+        o = randn(n, a.n_heads * a.head_dim, g=g, dtype=BF16)
+        got = MergedWoAttention().out_proj(o, wo_a, wo_b, a.o_groups, GemvCudaLinear(), False)
+        ref = REF.out_proj(o, wo_a, wo_b, a.o_groups, GemvCudaLinear(), False)
+        assert got.shape == (n, a.dim) and rel(got, ref) <= 2e-2, rel(got, ref)
+
+
 # ---------------------------------------------------------------------------------------- layer level
 @pytest.mark.parametrize("numerics", ["plain", "qat"])
 def test_long_context_decode_agrees_with_torch(numerics):

@@ -157,6 +157,43 @@ def test_deferred_projection_past_shared_memory_runs_the_twin(monkeypatch):
         gemv_deferred(torch.zeros(1, 8192), torch.zeros(8, 8192), torch.zeros(16, 8192), torch.zeros(1))
 
 
+# ---- a GEMV row past the launch's shared-memory staging ------------------------------------------------------------
+@pytest.mark.parametrize("fmt,K,rows", [("bf16", 4096, 5), ("bf16", 20480, 1), ("bf16", 20488, 0), ("bf16", 32768, 0),
+                                        ("fp8", 8192, 2), ("fp8t", 20480, 1), ("fp8", 20496, 0), ("fp4", 22752, 1),
+                                        ("fp4t", 22784, 0), ("fp4p", 1024, 8)])
+def test_gemv_staged_rows_rule_is_the_launchers(fmt, K, rows):
+    # gemv_max_tokens: fp32 rows of K / VALS chunks of VALS + pad words within SMEM_CAP, at most 8 (worked by hand)
+    assert kernels.gemv_max_tokens(fmt, K) == rows
+
+
+def test_gemv_staging_mirror_is_the_kernels_layout():
+    from ds4.kernels import ops
+    common, gemv = (CSRC / "ds4_common.cuh").read_text(), (CSRC / "gemv.cu").read_text()
+    vals = {f.lower(): int(v) for f, v in re.findall(r"FmtInfo<FMT_(\w+)>\s*{\s*static constexpr int VALS = (\d+)", common)}
+    bf16_pad, other_pad = map(int, re.search(r"CS = VALS \+ \(FMT == FMT_BF16 \? (\d+) : (\d+)\)", common).groups())
+    assert {f: (v, v + (bf16_pad if f == "bf16" else other_pad)) for f, v in vals.items()} == ops.GEMV_STAGE_CHUNK
+    cap = re.search(r"int gemv_max_tokens\(int fmt, int K\) {.*?return \(int\)\(n > (\d+) \? (\d+) : n\);", gemv, re.S)
+    assert cap and int(cap[1]) == int(cap[2]) == ops.GEMV_MAX_STAGED_ROWS
+
+
+def test_bf16_row_past_the_gemv_staging_takes_the_matmul(monkeypatch):
+    # attn=fused_cuda_wo_bf16's merged wo_b.wo_a reads V4-Flash's 64 x 512 = 32768 values a row, past the BF16
+    # launch's staging (20480): the op raised "too large for the shared-memory activation tile" in session 69's seed
+    # sweep. linear=gemv_cuda multiplies such rows by the weight with the matmul; rows that fit still take the launch.
+    from ds4.ops.base import QWeight
+    from ds4.ops.linear_cuda import GemvCudaLinear
+    launched = []
+    monkeypatch.setattr(kernels, "gemv", lambda x, w, *a, **k: launched.append(w.shape) or x[:, :w.shape[0]] * 0)
+    g = torch.Generator().manual_seed(0)
+    for K in (32768, 20480):
+        w = _cuda((torch.randn(16, K, generator=g) * 0.02).to(torch.bfloat16))
+        x = _cuda(torch.randn(1, K, generator=g).to(torch.bfloat16))
+        y = GemvCudaLinear()(x, QWeight("bf16", w))
+        if K == 32768:
+            assert launched == [] and torch.equal(y, torch.nn.functional.linear(x, w))
+    assert launched == [(16, 20480)]
+
+
 # ---- the MoE options' router ---------------------------------------------------------------------------------------
 def _runnable(monkeypatch, component: str, name: str):
     e = registry.entry(component, name)

@@ -91,6 +91,20 @@ def gemv_rmsnorm(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str, norm
 
 
 GEMV_SMEM_CAP = 100 * 1024  # shared memory one GEMV block may use (SMEM_CAP in csrc/gemv.cu)
+# How the GEMV launch stages an activation row in shared memory (csrc/ds4_common.cuh Smem<FMT>): K / VALS chunks of
+# VALS + pad fp32 words each (the pad spreads the lanes' reads over the banks), by format: (VALS, VALS + pad).
+GEMV_STAGE_CHUNK = {"bf16": (8, 10), "fp8": (16, 20), "fp8t": (16, 20), "fp4": (32, 36), "fp4p": (32, 36),
+                    "fp4t": (32, 36)}
+GEMV_MAX_STAGED_ROWS = 8  # gemv_max_tokens' cap (csrc/gemv.cu)
+
+
+def gemv_max_tokens(fmt: str, K: int) -> int:
+    """The activation rows of K values one gemv launch stages (host-only; csrc/gemv.cu's gemv_max_tokens, which the
+    op checks before any kernel is chosen): as many as fit GEMV_SMEM_CAP, at most 8; 0 where one row does not fit
+    and the op raises - a BF16 row past 20480 values (attn=fused_cuda_wo_bf16's merged wo_b.wo_a reads 32768), an
+    FP8 one past 20480, an FP4 one past 22752."""
+    vals, words = GEMV_STAGE_CHUNK[fmt]
+    return min(GEMV_MAX_STAGED_ROWS, GEMV_SMEM_CAP // max(1, K // vals * words * 4))
 
 
 def gemv_deferred_ok(every: int, K: int) -> bool:

@@ -91,10 +91,12 @@ class GemvCudaLinear:
 
     @staticmethod
     def _launches(x2: Tensor, w: QWeight, groups: int = 1) -> bool:
-        """Whether the GEMV launch takes these rows (shapes and dtypes only): 1..PREFILL_TOKENS rows; a BF16 weight
+        """Whether the GEMV launch takes these rows (shapes and dtypes only): 1..PREFILL_TOKENS rows whose I values
+        fit the launch's shared-memory staging (kernels.gemv_max_tokens: attn=fused_cuda_wo_bf16's merged BF16
+        wo_b.wo_a, I = 32768, does not and takes the matmul, as it did before the BF16 form existed); a BF16 weight
         only bf16 [O, I] with bf16 activations, I a multiple of 8 and, grouped, whole 16-row warps' shares per group
         (the launch's BF16 form)."""
-        if not 1 <= x2.shape[0] <= PREFILL_TOKENS:
+        if not 1 <= x2.shape[0] <= PREFILL_TOKENS or kernels.gemv_max_tokens(w.fmt, w.in_features) < 1:
             return False
         if w.fmt != "bf16":
             return True

@@ -1,12 +1,12 @@
 """Whether session 68's unexplained remainder (a CPU run's peak resident set above the host-memory check's count,
 growing with the layers) is memory glibc's malloc holds freed but resident: runs `python -m ds4 ARGS...` beside a
-thread that samples VmRSS and mallinfo2 every 20 ms, and prints the peak with the heap's free bytes (fordblks: freed
-chunks glibc keeps in its arenas) and its mmapped bytes (hblkhd) at the last sample that raised the peak by 64 MiB (mallinfo2 locks the arenas: sampled only then), and the
-largest free bytes seen at those samples.
+thread that samples VmRSS every 20 ms and prints the peak with the heap's free bytes (mallinfo2's fordblks: freed
+chunks glibc keeps in its arenas, resident or not) and its mmapped bytes (hblkhd), read at the last sample that raised
+the peak by 64 MiB (mallinfo2 locks the arenas and walks their bins, so it is read only then).
 With HEAP_TRIM=block, malloc_trim(0) runs after every Block.forward (the mitigation's test); the check's count
 (ds4.app.memory_need) and the resident set when it ran are printed beside the peak.
-Usage: [HEAP_TRIM=block] python experiments/s69/heap_gap.py model=v4_flash model.n_layers=1 max_new_tokens=2 tracking=none \
-         hydra.run.dir=/tmp/heapout"""
+Usage: [HEAP_TRIM=block] python experiments/s69/heap_gap.py model=v4_flash model.n_layers=1 max_new_tokens=2 \
+         tracking=none hydra.run.dir=/tmp/heapout"""
 from __future__ import annotations
 
 import atexit
