@@ -169,7 +169,8 @@ def test_gemv_staged_rows_rule_is_the_launchers(fmt, K, rows):
 def test_gemv_staging_mirror_is_the_kernels_layout():
     from ds4.kernels import ops
     common, gemv = (CSRC / "ds4_common.cuh").read_text(), (CSRC / "gemv.cu").read_text()
-    vals = {f.lower(): int(v) for f, v in re.findall(r"FmtInfo<FMT_(\w+)>\s*{\s*static constexpr int VALS = (\d+)", common)}
+    info = re.findall(r"FmtInfo<FMT_(\w+)>\s*{\s*static constexpr int VALS = (\d+)", common)
+    vals = {f.lower(): int(v) for f, v in info}
     bf16_pad, other_pad = map(int, re.search(r"CS = VALS \+ \(FMT == FMT_BF16 \? (\d+) : (\d+)\)", common).groups())
     assert {f: (v, v + (bf16_pad if f == "bf16" else other_pad)) for f, v in vals.items()} == ops.GEMV_STAGE_CHUNK
     cap = re.search(r"int gemv_max_tokens\(int fmt, int K\) {.*?return \(int\)\(n > (\d+) \? (\d+) : n\);", gemv, re.S)

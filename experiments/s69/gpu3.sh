@@ -9,8 +9,8 @@ export PYTHONPATH=$PWD/build/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
 nvidia-smi -L; date -u
 python3 scripts/build_ext.py -q > "$OUT/fix_build.log" 2>&1; echo "build rc=$? at +$(el)s"
-timeout 150 python3 -m pytest -v -p no:cacheprovider --tb=short tests/test_decode_glue_gpu.py tests/test_kernels_gpu.py \
-  -k "merged_wo or linear_bf16 or linear_prefill or gemv_bf16" > "$OUT/fix_tests.log" 2>&1
+timeout 150 python3 -m pytest -v -p no:cacheprovider --tb=short tests/test_decode_glue_gpu.py \
+  tests/test_kernels_gpu.py -k "merged_wo or linear_bf16 or linear_prefill or gemv_bf16" > "$OUT/fix_tests.log" 2>&1
 echo "tests rc=$? at +$(el)s: $(tail -1 "$OUT/fix_tests.log")"; grep -E "FAILED|ERROR" "$OUT/fix_tests.log" | head -5
 SWEEP_S=300 bash experiments/s69/seed.sh 2>&1 | grep -v "^GPU 0\|^build rc" | sed 's/^/  /'
 rm -f "$OUT"/seed_metrics_*.json "$OUT/seed_build.log"  # (a call brings back at most 8 files: the table has them)
