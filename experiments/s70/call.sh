@@ -2,7 +2,7 @@
 # Session 70's device calls (one lent GPU). What runs depends on the card the call got:
 #   - H200: issue #7's seed-phase sweep (`python -m ds4 ablation=seed_phases model.n_layers=8`), not run on an H200
 #     since session 69's fix of the merged BF16 wo rows (b6c49b7); then the defaults' slope (4 and 12 layers).
-#   - H100, MODE=qat (call 1): the qat options row that session 69's call cut at its limit, then the slope.
+#   - H100, MODE=qat (call 1): both qat options rows (session 69's call cut the second), then the slope.
 #   - H100, MODE=suite (later calls): the one-GPU test modules on the final code (session 69 ran only the fix's
 #     tests), then the end-to-end rows other than the options rows and tp=2, as far as the budget goes.
 #   - H100, MODE=options: the end-to-end options-against-reference rows (plain and qat) on the final code.
@@ -58,7 +58,8 @@ else
   l=$(left); [ $l -gt 300 ] && l=300
   timeout $l python3 -m pytest -v -p no:cacheprovider --tb=short tests/test_gpu_e2e.py -k "qat_options_agree" \
     > "$OUT/qat_options.log" 2>&1
-  echo "qat_options rc=$? at +$(el)s: $(tail -1 "$OUT/qat_options.log")"; grep -E "PASSED|FAILED|ERROR" "$OUT/qat_options.log"
+  echo "qat_options rc=$? at +$(el)s: $(tail -1 "$OUT/qat_options.log")"
+  grep -E "PASSED|FAILED|ERROR" "$OUT/qat_options.log"
   bench
 fi
 echo "total $(el)s"
