@@ -38,14 +38,15 @@ __device__ __forceinline__ uint32_t act_quant_exp(float amax) {
 template <int B>
 __device__ __forceinline__ uint4 act_quant_vec(const uint4& v) {
   float f[8];
-  const float s = __uint_as_float(act_quant_exp(act_quant_amax<B>(v, f)) << 23);
+  const uint32_t ex = act_quant_exp(act_quant_amax<B>(v, f));
+  const float s = __uint_as_float(ex << 23), inv = pow2_inv_of_exp(ex);  // x / s, bit for bit
   uint32_t o4[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     float r[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float y = fminf(fmaxf(__fdiv_rn(f[2 * q + h], s), -448.f), 448.f);
+      const float y = fminf(fmaxf(__fmul_rn(f[2 * q + h], inv), -448.f), 448.f);
       const __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);  // nearest, ties to even
       r[h] = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(e, __NV_E4M3))), s);
     }

@@ -197,40 +197,39 @@ __device__ __forceinline__ uint4 mma_stage_vec(const uint4& in4) {
 // converts and stores any (the staging sits between a kernel's PDL wait and its first MMA). CG: loads
 // through L2 only (ld.global.cg), for rows other blocks of the same launch wrote (moe_ffn.cu).
 // AQ (numerics=qat, K % 128 == 0, blockDim % 32 == 0): the values staged are act_quant_sim(x, 128)'s (act_quant.cuh),
-// the launch that would otherwise run before the kernel: vector i sits in thread i mod blockDim, so a 128-value block
-// is 16 consecutive lanes of one warp; the loop's bound is the warp's, so every lane takes part in the shuffles.
+// the launch that would otherwise run before the kernel. Two passes over the same vectors: the loads as without AQ
+// (4 in flight per thread) store the raw vectors, then each thread simulates its own vectors from shared memory (its
+// own stores: no barrier) and stores them permuted. Vector i sits in thread i mod blockDim in both passes, so a
+// 128-value block is 16 consecutive lanes of one warp; the second loop's bound is the warp's, so every lane takes part
+// in the shuffles. (Before session 71 the AQ form loaded one vector at a time, simulating it before the next load:
+// one dependent L2 round trip per vector a thread stages, 6 of them in the MoE down at V4's shapes; 4 loads held
+// across the simulation spilled.)
 template <int FMT, bool CG = false, bool AQ = false, typename RowFn>
 __device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, int nrows, int K) {
   const int per = K / 8, total = nrows * per;
-  if constexpr (AQ) {  // one vector at a time: few registers beside the weight rounds in flight (4 at once spilled)
+  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
+    uint4 in4[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = i0 + j * blockDim.x, r = i / per;
+      if (i < total) {
+        const uint4* p = reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
+        in4[j] = CG ? __ldcg(p) : *p;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = i0 + j * blockDim.x;
+      if (i < total) *reinterpret_cast<uint4*>(dst + (long)i * 8) = AQ ? in4[j] : mma_stage_vec<FMT>(in4[j]);
+    }
+  }
+  if constexpr (AQ) {
     const int lane = threadIdx.x & 31;
 #pragma unroll 1
     for (int i = threadIdx.x; i - lane < total; i += blockDim.x) {
-      const int r = i / per;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (i < total) {
-        const uint4* p = reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
-        v = CG ? __ldcg(p) : *p;
-      }
-      v = act_quant_vec<128>(v);
-      if (i < total) *reinterpret_cast<uint4*>(dst + (long)i * 8) = mma_stage_vec<FMT>(v);
-    }
-  } else {
-    for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
-      uint4 in4[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int i = i0 + j * blockDim.x, r = i / per;
-        if (i < total) {
-          const uint4* p = reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
-          in4[j] = CG ? __ldcg(p) : *p;
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int i = i0 + j * blockDim.x;
-        if (i < total) *reinterpret_cast<uint4*>(dst + (long)i * 8) = mma_stage_vec<FMT>(in4[j]);
-      }
+      uint4* d = reinterpret_cast<uint4*>(dst + (long)i * 8);
+      const uint4 v = act_quant_vec<128>(i < total ? *d : make_uint4(0u, 0u, 0u, 0u));
+      if (i < total) *d = mma_stage_vec<FMT>(v);
     }
   }
 }

@@ -92,12 +92,13 @@ rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
 launch; a diagnostic, outputs unchanged), qat (numerics=qat: the official reference's FP8 / FP4 activation
 simulations; plain without it), aqtorch (DS4_ACT_QUANT=torch: with qat, the FP8 activation simulation by its torch
-twin, about a dozen launches, instead of the one-launch kernel; the same bits), aqstaged (DS4_ACT_QUANT=staged: with
+twin, about a dozen launches, instead of the staging; the same bits), aqstaged (DS4_ACT_QUANT=staged: with
 qat, the simulation inside the activation staging of the one-row tensor-core GEMVs that take it (wq_a + wkv, q_norm +
-wq_b, wo_b) and the MoE kernels instead of its launch before them; opt-in, measured no faster in session 56; the
-same bits), ixqtorch (DS4_INDEXER_QAT=torch: with qat, the indexer's Hadamard + FP4 simulation of its keys and
-decode query by the torch twin instead of inside the compressor step and scores kernels, the default since session
-53).
+wq_b, wo_b) and the MoE kernels; the library's default since session 71, so the token names it explicitly; the same
+bits), aqlaunch (DS4_ACT_QUANT=kernel: with qat, the simulation's own launch before every FP8 / FP4 GEMV, the default
+before session 71; the same bits), ixqtorch (DS4_INDEXER_QAT=torch: with qat, the indexer's Hadamard + FP4
+simulation of its keys and decode query by the torch twin instead of inside the compressor step and scores kernels,
+the default since session 53).
 On a machine without CUDA it runs on the CPU (a dry run of the script).
 This is a benchmark command, not the product entry point (that is `python -m ds4 task=bench`);
 it exists so a short device lease measures many variants without regenerating 145 GB of weights.
@@ -217,12 +218,15 @@ def depth_env(toks: set[str]) -> dict[str, str | None]:
 
 # Every token run_variant and the helpers here read; the families below take a number or letters.
 PLAIN_TOKENS = frozenset({
-    "ref", "kernels", "fused", "wobf16", "dp4a", "graph", "qat", "aqtorch", "aqstaged", "ixqtorch", "nopack", "notile",
-    "tile", "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8", "k2048", "w1", "w2",
-    "w4", "smem", "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf", "kroute", "nohcr", "hcq",
-    "pj", "late", "pja", "early", "nohcf", "noride", "rideattn", "xcombine", "noidxskip", "noidxm", "hwin", "noqskip",
-    "arf", "arfnp", "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared", "xrouter", "xrouted", "xattn"})
+    "ref", "kernels", "fused", "wobf16", "dp4a", "graph", "qat", "aqtorch", "aqstaged", "aqlaunch", "ixqtorch",
+    "nopack", "notile", "tile", "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8",
+    "k2048", "w1", "w2", "w4", "smem", "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf",
+    "kroute", "nohcr", "hcq", "pj", "late", "pja", "early", "nohcf", "noride", "rideattn", "xcombine", "noidxskip",
+    "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared",
+    "xrouter", "xrouted", "xattn"})
 NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
+# qat's FP8 activation simulation modes (DS4_ACT_QUANT) by token: one per variant at most
+ACT_QUANT_TOKENS = {"aqtorch": "torch", "aqstaged": "staged", "aqlaunch": "kernel"}
 TP_ONLY_TOKENS = frozenset({"bf16", "ll", "symm", "arf", "arfnp", "arfpack", "xar"})  # nothing to reduce at world 1
 
 
@@ -264,6 +268,9 @@ def check_variants(variants: list[str], world: int) -> list[str]:
         bad = unknown_tokens(toks)
         if bad:
             errors.append(f"variant {v}: unknown token(s) {', '.join(bad)}")
+        aq = sorted(toks & ACT_QUANT_TOKENS.keys())
+        if len(aq) > 1:
+            errors.append(f"variant {v}: {', '.join(aq)} each set DS4_ACT_QUANT: name one")
         idle_n = idle_number_tokens(toks)
         if idle_n:
             errors.append(f"variant {v}: {', '.join(idle_n)} change(s) nothing (the library's default): leave it out")
@@ -431,11 +438,12 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")
     os.environ["DS4_X_COMBINE"] = "1" if "xcombine" in toks else "0"
-    # aqtorch: qat's FP8 activation simulation by its torch twin (about a dozen launches) instead of the one-launch
-    # kernel (ds4.ops.qat_cuda; the same bits)
-    # aqstaged: inside the one-row tensor-core GEMVs' activation staging where they take it (DS4_ACT_QUANT=staged,
-    # opt-in since session 53; the same bits), not the one-launch kernel before every GEMV (the default)
-    _set_or_unset("DS4_ACT_QUANT", "torch" if "aqtorch" in toks else ("staged" if "aqstaged" in toks else None))
+    # aqtorch: qat's FP8 activation simulation by its torch twin (about a dozen launches; ds4.ops.qat_cuda; the same
+    # bits). aqstaged: inside the one-row tensor-core GEMVs' and MoE kernels' activation staging where they take it
+    # (DS4_ACT_QUANT=staged, the default since session 71). aqlaunch: the one-launch kernel before every GEMV
+    # (DS4_ACT_QUANT=kernel, the default before it). None of them: the library's default.
+    # (check_variants refuses two of them in one variant)
+    _set_or_unset("DS4_ACT_QUANT", next((m for t, m in ACT_QUANT_TOKENS.items() if t in toks), None))
     # ixqtorch: qat's indexer Hadamard + FP4 simulation (its keys in the compressor step, its decode query) by the
     # torch twin (about 40 launches a call) instead of inside the compressor step and scores kernels (the same bits)
     os.environ["DS4_INDEXER_QAT"] = "torch" if "ixqtorch" in toks else "kernel"

@@ -154,6 +154,16 @@ def test_numbered_tokens_that_change_nothing_are_refused(token):
     assert bd.check_variants(["kernels+graph+rd4+lrd2+dn8+shd4+cap8192+defer4+deferh8+rw50+shw25+pre0+dpre0"], 1) == []
 
 
+def test_act_quant_tokens_name_one_mode():
+    """aqtorch / aqstaged / aqlaunch each set DS4_ACT_QUANT (torch / staged / kernel): one per variant, else refused
+    before anything loads (the later token would win in silence)."""
+    bd = _bench_decode()
+    assert bd.ACT_QUANT_TOKENS == {"aqtorch": "torch", "aqstaged": "staged", "aqlaunch": "kernel"}
+    assert bd.check_variants(["kernels+graph+qat+aqlaunch", "kernels+graph+qat+aqstaged"], 1) == []
+    errs = bd.check_variants(["kernels+graph+qat+aqstaged+aqlaunch"], 1)
+    assert len(errs) == 1 and "aqlaunch, aqstaged each set DS4_ACT_QUANT" in errs[0], errs
+
+
 def test_profile_step_applies_only_bench_decode_tokens(monkeypatch):
     """scripts/profile_step.py's tokens are bench_decode.py's (but shtp, which bench_decode.py takes as a load suffix,
     VARIANT@shtp), and its dp4a selects moe=fp4_dp4a as there."""

@@ -169,7 +169,7 @@ def test_indexer_scores_simulate_the_query_in_its_staging(B, T):
 def test_gemv_stages_the_fp8_simulation(fmt, o, i, monkeypatch):
     """act_quant=True: the one-row tensor-core GEMV (and the q_norm-fused one) FP8-simulates x in its activation
     staging — the same bits as the act_quant_sim launch followed by the plain kernel; GemvCudaLinear takes it with
-    DS4_ACT_QUANT=staged (the default keeps the launch: the same output)."""
+    DS4_ACT_QUANT=staged (the default) and the launch with DS4_ACT_QUANT=kernel: the same output."""
     from ds4.ops.linear_cuda import GemvCudaLinear
     g = gen(o + i)
     qw = rand_qweight(fmt, o, i, g)
@@ -180,10 +180,11 @@ def test_gemv_stages_the_fp8_simulation(fmt, o, i, monkeypatch):
     want = kernels.gemv(kernels.act_quant_sim(x, 128), qw.weight, qw.scale, qw.fmt)
     assert torch.isfinite(got).all() and torch.equal(got, want)
     lin = GemvCudaLinear()
-    assert torch.equal(lin(x, qw, act_quant=True), want)
-    monkeypatch.setenv("DS4_ACT_QUANT", "staged")
-    assert torch.equal(lin(x, qw, act_quant=True), want)
+    for m in ("kernel", "staged"):
+        monkeypatch.setenv("DS4_ACT_QUANT", m)
+        assert torch.equal(lin(x, qw, act_quant=True), want), m
     monkeypatch.delenv("DS4_ACT_QUANT")
+    assert torch.equal(lin(x, qw, act_quant=True), want)
     if kernels.gemv_rmsnorm_ok(qw.fmt, o, i):  # q_norm, the simulation and the GEMV in one launch
         nw = (1 + 0.1 * randn(i, g=g)).to(BF16)
         xn = randn(1, i, g=g, dtype=BF16, scale=3.0)
@@ -218,7 +219,7 @@ def test_staged_q_up_with_a_row_skip_keeps_the_launch_bits(monkeypatch):
     for p in (100, 2047, 2051):  # (p + 1) // 4 visible entries: the top-k of 512 takes all of them at 100 and 2047
         qa = randn(1, i, g=g, dtype=BF16, scale=3.0)
         skip = RowSkip(torch.tensor([p], device=DEV), 4, 512, rows)
-        monkeypatch.delenv("DS4_ACT_QUANT", raising=False)
+        monkeypatch.setenv("DS4_ACT_QUANT", "kernel")
         want = attn.q_up(qa, nw, 1e-6, qw, lin, True, skip)
         monkeypatch.setenv("DS4_ACT_QUANT", "staged")
         poison()
@@ -271,8 +272,8 @@ def test_moe_kernels_stage_the_fp8_simulation(dims, monkeypatch):
 @pytest.mark.parametrize("mma", ["1", "all"])  # all: every FP8 GEMV on the tensor cores, so small's stage the simulation
 def test_qat_decode_on_the_kernel_gives_the_twins_logits(monkeypatch, mma):
     """small, every fused kernel, numerics=qat: teacher-forced logits over a prompt and 24 steps with the simulation's
-    own launch (the default), with DS4_ACT_QUANT=staged (in the GEMVs' staging) and with DS4_ACT_QUANT=torch (the
-    twin) are the same bits."""
+    own launch (DS4_ACT_QUANT=kernel), in the GEMVs' staging (unset: the default, staged) and by the torch twin
+    (DS4_ACT_QUANT=torch) are the same bits."""
     monkeypatch.setenv("DS4_MMA", mma)
     args = small()
     model = Transformer(args, build_ops(Impls(**_FUSED), DEV), "qat", BF16, DEV)
@@ -280,13 +281,15 @@ def test_qat_decode_on_the_kernel_gives_the_twins_logits(monkeypatch, mma):
     g = torch.Generator().manual_seed(6)
     prompt = torch.randint(0, args.vocab_size, (40,), generator=g).tolist()
     cont = torch.randint(0, args.vocab_size, (24,), generator=g).tolist()
-    got = Generator(model, 1, 80).teacher_forced_logits(prompt, cont)
     monkeypatch.setenv("DS4_ACT_QUANT", "torch")
     want = Generator(model, 1, 80).teacher_forced_logits(prompt, cont)
-    assert torch.equal(got, want), (got - want).abs().max()
-    monkeypatch.setenv("DS4_ACT_QUANT", "staged")
-    staged = Generator(model, 1, 80).teacher_forced_logits(prompt, cont)
-    assert torch.equal(staged, want), (staged - want).abs().max()
+    for m in ("kernel", None):
+        if m is None:
+            monkeypatch.delenv("DS4_ACT_QUANT")
+        else:
+            monkeypatch.setenv("DS4_ACT_QUANT", m)
+        got = Generator(model, 1, 80).teacher_forced_logits(prompt, cont)
+        assert torch.equal(got, want), (m, (got - want).abs().max())
 
 
 def test_qat_cuda_graph_matches_eager():

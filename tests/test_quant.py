@@ -732,26 +732,28 @@ def test_qat_cuda_dispatch_runs_the_twin_on_cpu():
     assert torch.equal(dispatched(x, 64), act_quant_sim(x, 64))
 
 
-def test_qat_staging_is_opt_in_and_cuda_only(monkeypatch):
-    """qat_cuda.staged: the FP8 simulation goes into a GEMV's staging only with DS4_ACT_QUANT=staged and one CUDA bf16
-    row (here on the CPU: never, whatever the variable says)."""
+def test_qat_staging_is_cuda_only(monkeypatch):
+    """qat_cuda.staged: the FP8 simulation goes into a GEMV's staging only with DS4_ACT_QUANT=staged (or unset: the
+    default) and one CUDA bf16 row (here on the CPU: never, whatever the variable says)."""
     from ds4.ops.qat_cuda import staged
     x = torch.randn(1, 1024).to(torch.bfloat16)
-    monkeypatch.delenv("DS4_ACT_QUANT", raising=False)
-    assert not staged(x, "fp8t", 4096, 1024)
-    monkeypatch.setenv("DS4_ACT_QUANT", "staged")
-    assert not staged(x, "fp8t", 4096, 1024)  # a CPU row
+    for m in (None, "staged", "kernel"):
+        if m is None:
+            monkeypatch.delenv("DS4_ACT_QUANT", raising=False)
+        else:
+            monkeypatch.setenv("DS4_ACT_QUANT", m)
+        assert not staged(x, "fp8t", 4096, 1024), m  # a CPU row
 
 
 def test_act_quant_mode_refuses_unknown_values(monkeypatch):
-    """DS4_ACT_QUANT: unset or empty is "kernel"; kernel / torch / staged as named; any other value is an error, not
-    the default in silence."""
+    """DS4_ACT_QUANT: unset or empty is "staged" (the default since session 71); kernel / torch / staged as named; any
+    other value is an error, not the default in silence."""
     from ds4.ops.qat_cuda import act_quant_sim as dispatched
     from ds4.ops.qat_cuda import mode, staging_on
     monkeypatch.delenv("DS4_ACT_QUANT", raising=False)
-    assert mode() == "kernel" and not staging_on()
+    assert mode() == "staged" and staging_on()
     monkeypatch.setenv("DS4_ACT_QUANT", "")
-    assert mode() == "kernel"
+    assert mode() == "staged"
     for m in ("kernel", "torch", "staged"):
         monkeypatch.setenv("DS4_ACT_QUANT", m)
         assert mode() == m and staging_on() == (m == "staged")

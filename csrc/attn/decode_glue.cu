@@ -43,8 +43,9 @@ __device__ __forceinline__ float fp8_pow2_scale(float amax) {
   return __uint_as_float(ds4::pow2_ceil_exp(fmaxf(amax, 1e-4f) * (1.0f / 448.0f)) << 23);
 }
 
+// s: fp8_pow2_scale's; x * (1 / s) is x / s bit for bit (ds4::pow2_inv_of_exp), without an IEEE division
 __device__ __forceinline__ float fp8_roundtrip(float x, float s) {
-  const float v = fminf(fmaxf(x / s, -448.f), 448.f);
+  const float v = fminf(fmaxf(__fmul_rn(x, ds4::pow2_inv_of_exp(__float_as_uint(s) >> 23)), -448.f), 448.f);
   const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
   const __half_raw hr = __nv_cvt_fp8_to_halfraw(q, __NV_E4M3);
   return __half2float(__half(hr)) * s;

@@ -89,7 +89,7 @@ class FusedCudaAttention:
              skip: RowSkip | None = None) -> Tensor:
         # One token with linear=gemv_cuda: q_norm inside wq_b's tensor-core GEMV (its activation staging
         # computes rms_norm exactly as the rms_norm launch does), one launch fewer on the step's critical
-        # path; under qat with DS4_ACT_QUANT=staged the FP8 simulation in the same staging (qat_cuda.staged).
+        # path; under qat (DS4_ACT_QUANT=staged, the default) the FP8 simulation in the same staging (qat_cuda.staged).
         # Other shapes, formats, or another linear: rms_norm, then `linear` (the twin's order).
         # DS4_QNORM_FUSED=0 in the environment keeps the two launches (the ablation; read per call).
         use = (getattr(linear, "name", None) == "gemv_cuda" and _cuda_bf16(qa) and qa.dim() == 2

@@ -9,8 +9,8 @@ Prefill (more tokens) and what the launch does not take: dequantise (FP8 on the 
 ds4.ops.dequant_cuda) + torch matmul (cuBLAS) — part of this implementation, chosen by shape and dtype only, never by
 tensor values.
 qat (act_quant=True): the activation is FP8-simulated per 128 channels, as the reference does, with the torch twin's
-bits: one launch of the act_quant_sim kernel before the GEMV, or with DS4_ACT_QUANT=staged (opt-in, measured no
-faster) inside the one-row tensor-core GEMV's activation staging where it takes it (ds4.ops.qat_cuda).
+bits: inside the one-row tensor-core GEMV's activation staging where it takes it (DS4_ACT_QUANT=staged, the default
+since session 71), else one launch of the act_quant_sim kernel before the GEMV (ds4.ops.qat_cuda).
 Layout: `prepare` (at load, and when a loaded model is configured with this implementation) places the dense FP8
 projections' bytes in the tensor-core GEMV's fragment order, each word's bits permuted for a cheaper decode (fmt
 "fp8t", ds4.quant.tile_fp8_mma; experiments/decode_session45_h200.md), where the shapes allow, so that every warp
@@ -72,7 +72,7 @@ class GemvCudaLinear:
     name = "gemv_cuda"
 
     def __call__(self, x: Tensor, w: QWeight, act_quant: bool = False, fold: HcFold | None = None) -> Tensor:
-        # qat: the FP8 simulation by a launch before the GEMV, or (DS4_ACT_QUANT=staged) in its staging where it can
+        # qat: the FP8 simulation in the GEMV's staging where it can (DS4_ACT_QUANT=staged), else a launch before it
         staged = False
         if act_quant and w.fmt != "bf16":  # every FP8 / FP4 layout (spec §2)
             staged = qat_staged(x, w.fmt, w.out_features, w.in_features)

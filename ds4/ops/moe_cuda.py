@@ -57,10 +57,10 @@ moe=fp4_topk
   chunks of PREFILL_TOKENS; longer ones the grouped loop (grouped_routed: the experts' dense weights formed on the
   device a group at a time, one grouped GEMM per matrix and group), and the shared expert on its device-dequantised
   weights — chosen by shape only. A prompt's router logits are one fp32 GEMM (the reference's).
-  qat (act_quant=True): supported by FP8-simulating x and h between the two launches (ds4.ops.qat_cuda: one
-  launch each, the torch twin's bits; the one-launch FFN is the plain-numerics one), or with DS4_ACT_QUANT=staged
-  (opt-in, measured no faster) inside the one-token tensor-core kernels' staging where they take it
-  (kernels.moe_act_quant_ok: the tiled layouts).
+  qat (act_quant=True): x and h FP8-simulated inside the one-token tensor-core kernels' staging where they take
+  it (DS4_ACT_QUANT=staged, the default since session 71; kernels.moe_act_quant_ok: the tiled layouts), else by a
+  launch before each kernel (ds4.ops.qat_cuda: one launch each, the torch twin's bits; DS4_ACT_QUANT=kernel there
+  too; the one-launch FFN is the plain-numerics one).
 
 moe=fp4_dp4a: fp4_topk with the one-token routed gate+up on the integer pipe (Fp4Dp4aMoE; csrc/moe_dp4a.cu), w1 / w3
   in the checkpoint's layout; the decode step measured slower (an ablation option).
@@ -119,7 +119,7 @@ def _act_quant_sim(t: Tensor) -> Tensor:
 
 
 def _stages(n_tok: int, t: Tensor, fmt: str, topk: int, dim: int, inter: int, gate_up: bool) -> bool:
-    """qat with DS4_ACT_QUANT=staged (opt-in): whether this one-token launch (gate_up: of x [1, dim], else the down
+    """qat with DS4_ACT_QUANT=staged (the default): whether this one-token launch (gate_up: of x [1, dim], else the down
     of h [topk, inter]; t that input) FP8-simulates its input in its staging (kernels.moe_act_quant_ok) instead of a
     launch before. A bf16 input only: the staging simulates the bf16 values the kernel reads, the launch the input's."""
     return (n_tok == 1 and t.dtype == torch.bfloat16 and staging_on()
@@ -512,8 +512,9 @@ class Fp4Dp4aMoE(Fp4TopkMoE):
     decode step is slower (123.3 / 123.4 against 121.7 / 121.6 us per layer, experiments/session64.md); on an H200
     too (106.5 / 106.2 against 104.8 / 104.4), about 1 us per layer of it on the shared expert's down, which its
     register-filling blocks delay (experiments/session65.md). Under numerics=qat the gate+up's x is FP8-simulated by
-    the launch before it, DS4_ACT_QUANT=staged too: that staging is the tensor-core kernels' on the tiled layouts
-    (kernels.moe_act_quant_ok says no to the stored fp4 layout), so the dp4a kernel still takes the launch."""
+    the launch before it, under DS4_ACT_QUANT=staged (the default) too: that staging is the tensor-core kernels' on
+    the tiled layouts (kernels.moe_act_quant_ok says no to the stored fp4 layout), so the dp4a kernel still takes the
+    launch."""
     name = "fp4_dp4a"
     gate_up_layout = "fp4"
     route_in_kernels = False
