@@ -139,11 +139,12 @@ struct MoEArgs {
   int64_t* ids_out = nullptr;          // [1, topk]
   float* rw_out = nullptr;             // [1, topk]
 };
-// aq (launch_moe_gate_up / launch_moe_down; numerics=qat, opt-in DS4_ACT_QUANT=staged): x (gate+up) or h (down)
-// FP8-simulated per 128 values in the one-token tensor-core kernel's staging (act_quant_sim's bits) instead of a launch
-// before; only where moe_act_quant_ok (gate_up: x of dim values, else h of inter) says so: the tensor-core kernels,
-// the tiled layouts (fp4t routed, fp8t shared), rows of a multiple of 128. (A launch argument, not a MoEArgs field:
-// the kernels take MoEArgs by value, and a larger struct changed the plain kernels' register allocation.)
+// aq (launch_moe_gate_up / launch_moe_down; numerics=qat, DS4_ACT_QUANT=staged, the default since session 71): x
+// (gate+up) or h (down) FP8-simulated per 128 values in the one-token tensor-core kernel's staging (act_quant_sim's
+// bits) instead of a launch before; only where moe_act_quant_ok (gate_up: x of dim values, else h of inter) says so:
+// the tensor-core kernels, the tiled layouts (fp4t routed, fp8t shared), rows of a multiple of 128. (A launch argument,
+// not a MoEArgs field: the kernels take MoEArgs by value, and a larger struct changed the plain kernels' register
+// allocation.)
 bool moe_act_quant_ok(const MoEArgs& a, bool gate_up);
 // Whether the one-token kernels route for themselves at this shape (tensor-core kernels, n_experts and
 // topk within the shared-memory scratch and ROUTER_MAX_K).

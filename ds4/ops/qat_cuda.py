@@ -1,9 +1,9 @@
 """numerics=qat's FP8 activation simulation for the CUDA implementations (linear=gemv_cuda, moe=fp4_topk /
-bf16_cache): ds4.quant.act_quant_sim's bits in one launch of ds4.kernels.act_quant_sim where the kernel takes the
-input, instead of the torch twin's dozen launches before every FP8 / FP4 GEMV of a qat decode step (with them qat
-decoded 3.6 times slower than plain on an H200: 372 against 104 us per layer, experiments/decode_session52_h200.md).
-Inputs the kernel does not take (CPU, other dtypes, a last dim the block does not divide) run the torch twin, chosen
-by shape and dtype only.
+bf16_cache): ds4.quant.act_quant_sim's bits inside the one-token tensor-core kernels' activation staging where they
+take it (below), else in one launch of ds4.kernels.act_quant_sim where that kernel takes the input, instead of the
+torch twin's dozen launches before every FP8 / FP4 GEMV of a qat decode step (with them qat decoded 3.6 times slower
+than plain on an H200: 372 against 104 us per layer, experiments/decode_session52_h200.md). Inputs the kernel does not
+take (CPU, other dtypes, a last dim the block does not divide) run the torch twin, chosen by shape and dtype only.
 DS4_ACT_QUANT (read per call; any other value is an error): unset or "staged" (the default since session 71: where a
 one-token tensor-core GEMV or MoE kernel takes it at the plain launch's own depth, `staged` /
 ds4.kernels.act_quant_staged_ok / moe_act_quant_ok, the simulation happens inside that kernel's activation staging,
