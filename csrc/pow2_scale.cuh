@@ -15,7 +15,7 @@ __device__ __forceinline__ uint32_t pow2_ceil_exp(float p) {
 
 // 1 / s of a scale s = 2^(e - 127) given as its biased exponent e (pow2_ceil_exp's), exactly: 2^(127 - e), biased
 // exponent 254 - e, a normal float for 1 <= e <= 253. x * (1 / s) is then the same real number as x / s, rounded once
-// the same way: the references' division, bit for bit, for one multiply instead of an IEEE division per value
+// the same way: the reference's division, bit for bit, for one multiply instead of an IEEE division per value
 // (__fdiv_rn is a multi-instruction sequence). e >= 254 only where the block's amax is infinite (s = inf): 0 there,
 // as x / inf (inf * 0 = NaN = inf / inf; NaN stays NaN). pow2_ceil_exp gives e >= 1 for any positive p.
 __device__ __forceinline__ float pow2_inv_of_exp(uint32_t e) {
