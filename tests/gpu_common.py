@@ -31,6 +31,14 @@ def randn(*shape, g: torch.Generator, dtype=torch.float32, scale: float = 1.0) -
     return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
 
 
+def cuda_kernels(fn):
+    """(fn(), the names of the GPU activities it launched, in order) through torch.profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def rand_qweight(fmt: str, o: int, i: int, g: torch.Generator):
     """A random CUDA ds4.ops.base.QWeight [o, i]: fp8 (E4M3 bytes without NaN, the stored layout), fp8t (the same laid
     out for the tensor cores) or fp4 (E2M1 pairs), E8M0 scales 2^-11 .. 2^-4."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_common import BF16, DEV, TOL, gen, poison, rand_qweight, randn, rel, require_extension
+from gpu_common import BF16, DEV, TOL, cuda_kernels, gen, poison, rand_qweight, randn, rel, require_extension
 
 pytestmark = pytest.mark.gpu
 kernels_attn = require_extension("ds4.kernels_attn")  # skips this module without CUDA
@@ -406,9 +406,10 @@ def test_indexer_scores_apply_the_query_rope(B, T):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_indexer_select_skips_rows_whose_entries_all_fit(monkeypatch, bf16):
-    """The decode selection in one op (scores kernel, then top-k): rows with at most k visible entries take all of
-    them (their scores are not computed), others the top-k of their scores. The same indices as the scores op
-    followed by the top-k op, with the skip on or off (DS4_INDEXER_SKIP=0), and as the torch twin's."""
+    """The decode selection in one op (scores kernel, then top-k; two launches, also with bf16 scores, which the
+    scores kernel writes as fp32 values for the top-k): rows with at most k visible entries take all of them (their
+    scores are not computed), others the top-k of their scores. The same indices as the scores op followed by the
+    top-k op, with the skip on or off (DS4_INDEXER_SKIP=0), and as the torch twin's."""
     g = gen(51 + bf16)
     B, H, d, T, k = 5, 64, 128, 4096, 512
     f = freqs(4)
@@ -421,8 +422,11 @@ def test_indexer_select_skips_rows_whose_entries_all_fit(monkeypatch, bf16):
     fused = FusedCudaIndexer()
     monkeypatch.delenv("DS4_INDEXER_SKIP", raising=False)
     poison()
-    got = fused.select(q, w, keys, k, p, 4, bf16, c, f)
-    two = fused.topk(fused.scores(q, w, keys, bf16, p, 4, c, f)[:, 0], k, p, 4)
+    got, launched = cuda_kernels(lambda: fused.select(q, w, keys, k, p, 4, bf16, c, f))
+    assert len(launched) == 2 and "indexer_kernel" in launched[0] and "topk" in launched[1], launched
+    sc = fused.scores(q, w, keys, bf16, p, 4, c, f)
+    assert sc.dtype == (BF16 if bf16 else torch.float32)
+    two = fused.topk(sc[:, 0], k, p, 4)
     monkeypatch.setenv("DS4_INDEXER_SKIP", "0")
     full = fused.select(q, w, keys, k, p, 4, bf16, c, f)
     ref = TorchIndexer().select(q, w, keys, k, p, 4, bf16, c, f)

@@ -462,10 +462,12 @@ void check_freqs(const at::Tensor& freqs, const char* op) {
               "ds4_attn.", op, ": freqs must be a contiguous float32 CUDA tensor [R/2]");
 }
 
-// skip_k: see launch_indexer_scores (indexer_select's scores, read by its top-k alone)
+// skip_k: see launch_indexer_scores (indexer_select's scores, read by its top-k alone); out_f32: bf16 scores written
+// as fp32 (launch_indexer_scores; indexer_select's, for its top-k)
 static at::Tensor indexer_scores_impl(const at::Tensor& q, const at::Tensor& w, const at::Tensor& keys, bool bf16,
                                       const std::optional<at::Tensor>& pos, int64_t ratio, double w_scale,
-                                      const std::optional<at::Tensor>& rope_freqs, int64_t skip_k, bool q_fp4) {
+                                      const std::optional<at::Tensor>& rope_freqs, int64_t skip_k, bool q_fp4,
+                                      bool out_f32 = false) {
   check_cuda(q, "q");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4, "ds4_attn.indexer: q must be bf16 [B, S, H, d]");
   check_cuda(w, "w");
@@ -495,7 +497,7 @@ static at::Tensor indexer_scores_impl(const at::Tensor& q, const at::Tensor& w, 
   TORCH_CHECK(!q_fp4 || (rope_freqs.has_value() && ds4_attn::hadamard_fp4_ok((int)d)),
               "ds4_attn.indexer: q_fp4 needs rope_freqs and an index head dim that is a power of two in [32, 256]");
   c10::cuda::CUDAGuard guard(q.device());
-  auto out = at::empty({B, S, T}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  auto out = at::empty({B, S, T}, q.options().dtype(bf16 && !out_f32 ? at::kBFloat16 : at::kFloat));
   if (B * S == 0 || T == 0) return out;
   check_launch(ds4_attn::launch_indexer_scores(q.data_ptr(), w.data_ptr(), w.scalar_type() == at::kBFloat16,
                                                (float)w_scale, keys.data_ptr(), keys.stride(0),
@@ -503,7 +505,7 @@ static at::Tensor indexer_scores_impl(const at::Tensor& q, const at::Tensor& w, 
                                                pos.has_value() ? pos->data_ptr<int64_t>() : nullptr, (int)ratio,
                                                rope_freqs.has_value() ? rope_freqs->data_ptr<float>() : nullptr,
                                                (int)R, out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream(),
-                                               (int)skip_k, q_fp4),
+                                               (int)skip_k, q_fp4, bf16 && out_f32),
                "indexer_scores");
   return out;
 }
@@ -528,10 +530,11 @@ at::Tensor indexer_select(const at::Tensor& q, const at::Tensor& w, const at::Te
   TORCH_CHECK(k >= 1 && k <= keys.size(1), "ds4_attn.indexer_select: need 1 <= k <= T (keys' rows)");
   const char* env = std::getenv("DS4_INDEXER_SKIP");
   const bool skip = !(env && env[0] == '0');
+  // bf16 scores (qat) are written as fp32 values, which the top-k reads: before session 72 they were written as bf16
+  // and cast by a launch of its own on the CSA layer's critical path (2.8 us per layer on an H100)
   at::Tensor sc = indexer_scores_impl(q, w, keys, bf16, pos, ratio, w_scale, rope_freqs, skip ? k : 0,
-                                      q_fp4);
-  // bf16 scores (qat): the top-k reads fp32 (a cast of the rows it skips converts bytes it then never reads)
-  return topk_indices(sc.select(1, 0).to(at::kFloat).contiguous(), k, pos, ratio);
+                                      q_fp4, true);
+  return topk_indices(sc.select(1, 0), k, pos, ratio);
 }
 
 // ---- decode attention (positions instead of masks, gather by index, output de-rotation) ---------------

@@ -109,7 +109,8 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
 // out[r, t] = sum_h w_scale * w[r, h] * ReLU(q[r, h] . keys[b, t]),  r = b*S + s; q bf16 [B, S, H, d]
 // contiguous, w fp32 (w_bf16: bf16) [B, S, H] contiguous, keys bf16 rows at keys + b*k_b + t*k_r (d contiguous).
 // bf16 = true reproduces the reference's BF16 einsum / ReLU / product (sum in fp32, one rounding) and
-// writes bf16; else fp32 throughout and fp32 out.
+// writes bf16 (out_f32: writes those bf16 values as fp32, for a top-k that reads fp32: no cast launch between);
+// else fp32 throughout and fp32 out.
 // pos (optional, S == 1): entries t >= (pos[b] + 1) / ratio are not visible yet and score -inf.
 // rope_freqs (optional, with pos; R = 2 len(freqs) <= min(d, 256)): q is taken before its interleaved RoPE
 // of the last R dims at pos, which the kernel applies as ds4_attn's head_rope (norm off) does.
@@ -120,7 +121,7 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
 cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, float w_scale, const void* keys, long k_b,
                                   long k_r, int B, int S, int H, int d, int T, bool bf16, const int64_t* pos, int ratio,
                                   const float* rope_freqs, int R, void* out, cudaStream_t st, int skip_k = 0,
-                                  bool q_fp4 = false);
+                                  bool q_fp4 = false, bool out_f32 = false);
 
 // ---- top-k (topk.cu) ------------------------------------------------------------------------------
 // out[b, :k] = indices of the k largest of scores[b, :T] (fp32, contiguous rows), unsorted; ties at the

@@ -33,7 +33,8 @@ constexpr int IX_BLOCKS_PER_SM = 4;  // the grid's cap (per row: / rows): 4 bloc
 template <bool GQ>
 __device__ __forceinline__ void indexer_chunk(const uint16_t* ks, int LD, const uint16_t* qr, int qld, int H, int d,
                                               int T, int tlim, int t0, long r, const void* w, bool w_bf16,
-                                              float w_scale, bool bf16, float (&red)[IX_WARPS][IX_KC], void* out) {
+                                              float w_scale, bool bf16, bool out_f32, float (&red)[IX_WARPS][IX_KC],
+                                              void* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   auto head_w = [&](int h) {  // the reference's order: fp32 of the (bf16) weight, times the scale
@@ -96,10 +97,10 @@ __device__ __forceinline__ void indexer_chunk(const uint16_t* ks, int LD, const 
     for (int w2 = 0; w2 < IX_WARPS; ++w2) v += red[w2][j];
     if (t0 + j >= tlim) v = -INFINITY;
     const long o = r * T + t0 + j;
-    if (bf16)
+    if (bf16 && !out_f32)
       static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(v);
     else
-      static_cast<float*>(out)[o] = v;
+      static_cast<float*>(out)[o] = bf16 ? bf16r(v) : v;  // (out_f32: the bf16 score's value, as its cast gives)
   }
   DS4_MARK(6);
 }
@@ -111,7 +112,7 @@ __device__ __forceinline__ void indexer_chunk(const uint16_t* ks, int LD, const 
 __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __restrict__ q,
                                                              const void* __restrict__ w, bool w_bf16, float w_scale,
                                                              const uint16_t* __restrict__ keys, long k_b, long k_r,
-                                                             int S, int H, int d, int T, bool bf16,
+                                                             int S, int H, int d, int T, bool bf16, bool out_f32,
                                                              const int64_t* __restrict__ pos, int ratio,
                                                              const float* __restrict__ rope_freqs, int R, void* out,
                                                              int skip_k, bool q_fp4) {
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     const int t0 = ch * IX_KC;
     for (int j = threadIdx.x; j < IX_KC && t0 + j < T; j += IX_THREADS) {
       const long o = (long)r * T + t0 + j;
-      if (bf16)
+      if (bf16 && !out_f32)
         static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16(-INFINITY);
       else
         static_cast<float*>(out)[o] = -INFINITY;
@@ -211,9 +212,11 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
     __syncthreads();
     DS4_MARK(4);
     if (rope_freqs)
-      indexer_chunk<false>(kbuf(i), LD, qr, qld, H, d, T, tlim, ch * IX_KC, r, w, w_bf16, w_scale, bf16, red, out);
+      indexer_chunk<false>(kbuf(i), LD, qr, qld, H, d, T, tlim, ch * IX_KC, r, w, w_bf16, w_scale, bf16, out_f32, red,
+                            out);
     else
-      indexer_chunk<true>(kbuf(i), LD, qr, qld, H, d, T, tlim, ch * IX_KC, r, w, w_bf16, w_scale, bf16, red, out);
+      indexer_chunk<true>(kbuf(i), LD, qr, qld, H, d, T, tlim, ch * IX_KC, r, w, w_bf16, w_scale, bf16, out_f32, red,
+                            out);
     __syncthreads();  // red and this chunk's buffer are free again
   }
 }
@@ -221,7 +224,8 @@ __global__ void __launch_bounds__(IX_THREADS) indexer_kernel(const uint16_t* __r
 cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, float w_scale, const void* keys, long k_b,
                                   long k_r, int B, int S, int H, int d, int T, bool bf16, const int64_t* pos, int ratio,
                                   const float* rope_freqs, int R, void* out, cudaStream_t st, int skip_k,
-                                  bool q_fp4) {
+                                  bool q_fp4, bool out_f32) {
+  if (out_f32 && !bf16) return cudaErrorInvalidValue;
   if (skip_k < 0 || (skip_k > 0 && pos == nullptr)) return cudaErrorInvalidValue;
   if (q_fp4 && (rope_freqs == nullptr || !hadamard_fp4_ok(d))) return cudaErrorInvalidValue;
   if (d < 16 || d % 16 || H < 1 || B < 1 || S < 1 || (long)B * S > 65535) return cudaErrorInvalidValue;
@@ -245,7 +249,7 @@ cudaError_t launch_indexer_scores(const void* q, const void* w, bool w_bf16, flo
   const int cap = std::max(1, per_sm * attn_sm_count() / rows);
   dim3 grid(std::min(chunks, cap), rows);
   return ds4_pdl::launch(indexer_kernel, grid, dim3(IX_THREADS), smem, st, static_cast<const uint16_t*>(q), w, w_bf16,
-                         w_scale, static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, pos, ratio,
+                         w_scale, static_cast<const uint16_t*>(keys), k_b, k_r, S, H, d, T, bf16, out_f32, pos, ratio,
                          rope_freqs, R, out, skip_k, q_fp4);
 }
 

@@ -99,11 +99,12 @@ class FusedCudaAttention:
                and (not act_quant or qat_staged(qa, wq_b.fmt, wq_b.out_features, qa.shape[1])))
         if not use:  # (this class's rms_norm: one launch, where the twin's torch ops are several)
             return apply_row_skip(linear(self.rms_norm(qa, weight, eps), wq_b, act_quant=act_quant), skip)
-        # skip: the kernel decides on the device and spreads the kept rows' tiles over the skipped rows' blocks. Not
-        # where its tiles are not 16 rows, and not under qat: the spread sums the kept rows' rounds in another order
-        # than the GEMV after the act_quant_sim launch (within TOL, not its bits), so there the zeros come after the
-        # whole staged GEMV and staged qat keeps the launch's bits
-        if skip is not None and (skip.rows % 16 or act_quant):
+        # skip: the kernel decides on the device and spreads the kept rows' tiles over the skipped rows' blocks (not
+        # where its tiles are not 16 rows). Under qat too (staged): where the skip applies, the spread sums the kept
+        # rows' rounds in another order than the launch path (act_quant_sim, the GEMV, then the zeros: within TOL, not
+        # its bits), as under plain; elsewhere the same bits. Before session 72 staged qat took the launch path's
+        # order here, and the zeros cost five torch launches on a CSA layer's critical path (12 us on an H100).
+        if skip is not None and skip.rows % 16:
             return apply_row_skip(self.q_up(qa, weight, eps, wq_b, linear, act_quant), skip)
         ks = None if skip is None else (skip.pos, skip.ratio, skip.k, skip.rows)
         return kernels.gemv_rmsnorm(qa.contiguous(), wq_b.weight, wq_b.scale, wq_b.fmt, weight.contiguous(), eps, ks,

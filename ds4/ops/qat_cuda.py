@@ -7,7 +7,8 @@ take (CPU, other dtypes, a last dim the block does not divide) run the torch twi
 DS4_ACT_QUANT (read per call; any other value is an error): unset or "staged" (the default since session 71: where a
 one-token tensor-core GEMV or MoE kernel takes it at the plain launch's own depth, `staged` /
 ds4.kernels.act_quant_staged_ok / moe_act_quant_ok, the simulation happens inside that kernel's activation staging,
-act_quant=True, with no launch of its own, and with the launch path's bits; elsewhere the one launch), "kernel" (the one
+act_quant=True, with no launch of its own, and with the launch path's bits (but for the merged decode query's row skip,
+ds4.ops.attn_cuda's q_up: within TOL where it applies); elsewhere the one launch), "kernel" (the one
 launch before every FP8 / FP4 GEMV, the ablation), or "torch" (the twin everywhere, the ablation). The staging drops
 qat's step from 104 to 72 kernels. In session 56 it decoded no faster than the launch on an H200 (120.4 / 120.4
 against 120.1 us per layer), when each thread loaded and simulated one vector at a time; since session 71 the loads go
