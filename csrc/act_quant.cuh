@@ -33,24 +33,24 @@ __device__ __forceinline__ uint32_t act_quant_exp(float amax) {
   return pow2_ceil_exp(__fmul_rn(fmaxf(amax, 1e-4f), 1.0f / 448.0f));
 }
 
+// One value's simulation at its block's scale: e4m3(clamp(x / s, +-448)) * s in fp32, x / s as x * sc.inv (the same
+// bits, pow2_inv_of_exp). Also the attention entries' FP8 simulation of their nope dims (ds4_attn's decode_glue.cu).
+__device__ __forceinline__ float act_quant_value(float x, const Pow2Scale& sc) {
+  const float y = fminf(fmaxf(__fmul_rn(x, sc.inv), -448.f), 448.f);
+  const __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);  // nearest, ties to even
+  return __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(e, __NV_E4M3))), sc.s);
+}
+
 // The simulated values of the 8 bf16 in v (16 bytes), a lane's share of a block of B values held by B / 8
 // consecutive lanes: every lane of the warp calls it (the amax's shuffles), lanes without values with zeros.
 template <int B>
 __device__ __forceinline__ uint4 act_quant_vec(const uint4& v) {
   float f[8];
-  const uint32_t ex = act_quant_exp(act_quant_amax<B>(v, f));
-  const float s = __uint_as_float(ex << 23), inv = pow2_inv_of_exp(ex);  // x / s, bit for bit
+  const Pow2Scale sc = pow2_scale_of_exp(act_quant_exp(act_quant_amax<B>(v, f)));
   uint32_t o4[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    float r[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float y = fminf(fmaxf(__fmul_rn(f[2 * q + h], inv), -448.f), 448.f);
-      const __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);  // nearest, ties to even
-      r[h] = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(e, __NV_E4M3))), s);
-    }
-    const __nv_bfloat162 b = __floats2bfloat162_rn(r[0], r[1]);
+    const __nv_bfloat162 b = __floats2bfloat162_rn(act_quant_value(f[2 * q], sc), act_quant_value(f[2 * q + 1], sc));
     o4[q] = *reinterpret_cast<const uint32_t*>(&b);
   }
   return make_uint4(o4[0], o4[1], o4[2], o4[3]);

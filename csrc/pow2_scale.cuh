@@ -22,4 +22,13 @@ __device__ __forceinline__ float pow2_inv_of_exp(uint32_t e) {
   return e <= 253u ? __uint_as_float((254u - e) << 23) : 0.f;
 }
 
+// The scale s = 2^(e - 127) of a biased exponent e (pow2_ceil_exp's) and its exact reciprocal (pow2_inv_of_exp): a
+// simulation divides by s as x * inv and multiplies back by s.
+struct Pow2Scale {
+  float s, inv;
+};
+__device__ __forceinline__ Pow2Scale pow2_scale_of_exp(uint32_t e) {
+  return {__uint_as_float(e << 23), pow2_inv_of_exp(e)};
+}
+
 }  // namespace ds4

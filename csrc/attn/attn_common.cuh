@@ -130,10 +130,12 @@ __device__ __forceinline__ void hadamard_fp4_warp(float (&v)[VPL], int lane) {
   }
 #pragma unroll
   for (int o = 1; o < LPB; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const uint32_t ex = ds4::pow2_ceil_exp(__fmul_rn(fmaxf(m, 6.f * 0x1p-126f), (float)(1.0 / 6.0)));
-  const float s = __uint_as_float(ex << 23), inv = ds4::pow2_inv_of_exp(ex);  // v / s, bit for bit
+  // v * inv: v / s, bit for bit
+  const ds4::Pow2Scale ps =
+      ds4::pow2_scale_of_exp(ds4::pow2_ceil_exp(__fmul_rn(fmaxf(m, 6.f * 0x1p-126f), (float)(1.0 / 6.0))));
 #pragma unroll
-  for (int i = 0; i < VPL; ++i) v[i] = bf16r(__fmul_rn(e2m1_round(fminf(fmaxf(__fmul_rn(v[i], inv), -6.f), 6.f)), s));
+  for (int i = 0; i < VPL; ++i)
+    v[i] = bf16r(__fmul_rn(e2m1_round(fminf(fmaxf(__fmul_rn(v[i], ps.inv), -6.f), 6.f)), ps.s));
 }
 
 // hadamard_fp4_warp on a row of d bf16 (uint16_t) or fp32 (bf16 values) in shared or global memory: src -> dst (the

@@ -14,8 +14,8 @@
 //                        what does not need the projection is loaded before the PDL wait (see the kernel).
 // Positions are int64 device tensors; angles are fp32 pos * f as torch.polar's, with accurate
 // sincosf (no fast-math anywhere). Values are rounded to bf16 where the reference rounds.
-#include <cuda_fp8.h>
 
+#include "../act_quant.cuh"  // the entries' FP8 simulation: numerics=qat's act_quant_sim arithmetic
 #include "../rmsnorm_dev.cuh"
 #include "attn_common.cuh"
 #include "attn_launch.h"
@@ -37,19 +37,6 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 }
 
 __device__ __forceinline__ float wload(const void* w, bool w_f32, int i) { return ld_as_float(w, i, w_f32); }
-
-// s = 2^ceil(log2(amax * fp32(1/448))) with the reference's bit trick (ds4.quant.qat._pow2_ceil_scale).
-__device__ __forceinline__ float fp8_pow2_scale(float amax) {
-  return __uint_as_float(ds4::pow2_ceil_exp(fmaxf(amax, 1e-4f) * (1.0f / 448.0f)) << 23);
-}
-
-// s: fp8_pow2_scale's; x * (1 / s) is x / s bit for bit (ds4::pow2_inv_of_exp), without an IEEE division
-__device__ __forceinline__ float fp8_roundtrip(float x, float s) {
-  const float v = fminf(fmaxf(__fmul_rn(x, ds4::pow2_inv_of_exp(__float_as_uint(s) >> 23)), -448.f), 448.f);
-  const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
-  const __half_raw hr = __nv_cvt_fp8_to_halfraw(q, __NV_E4M3);
-  return __half2float(__half(hr)) * s;
-}
 
 // The constants of finish_entry, formed before the PDL wait (weights, and positions: see compress_step_kernel):
 // wt[c] = the norm weight as fp32, trig[2i], trig[2i + 1] = cos, sin of position * freqs[i] (the last R dims). The
@@ -101,9 +88,9 @@ __device__ void finish_entry(float* v, int w, const float* wt, const float* trig
       const float a0 = c0 < nope ? v[c0] : 0.f, a1 = c1 < nope ? v[c1] : 0.f;
       float amax = fmaxf(fabsf(a0), fabsf(a1));
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const float s = fp8_pow2_scale(amax);
-      if (c0 < nope) v[c0] = bf16r(fp8_roundtrip(a0, s));
-      if (c1 < nope) v[c1] = bf16r(fp8_roundtrip(a1, s));
+      const ds4::Pow2Scale s = ds4::pow2_scale_of_exp(ds4::act_quant_exp(amax));  // act_quant_sim's (act_quant.cuh)
+      if (c0 < nope) v[c0] = bf16r(ds4::act_quant_value(a0, s));
+      if (c1 < nope) v[c1] = bf16r(ds4::act_quant_value(a1, s));
     }
     __syncthreads();
   }
