@@ -6,7 +6,7 @@
 // DS4_MARKs (clock64 of thread 0 per block), plus the blocks' timeline (globaltimer): span from the
 // first block's start to the last block's end, mean block life, blocks resident at once.
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_phases.cu -o /tmp/probe && /tmp/probe [stream]
+//   nvcc -std=c++17 -O3 -arch=sm_90 -DDS4_PROBE scripts/probe_phases.cu -o /tmp/probe && /tmp/probe [stream|sparse]
 //
 // The FMA GEMV variants (rows per warp R, chunks in flight U) are a sweep of the template parameters
 // that the extension picks by shape; the read-only kernels give the ceiling of the same access patterns.
@@ -15,6 +15,7 @@
 #include "../csrc/attn/sparse_attn.cu"
 #include "../csrc/gemv.cu"
 #include "../csrc/moe.cu"
+#include "../csrc/moe_dp4a.cu"  // moe.cu launches its gate+up (moe=fp4_dp4a)
 #include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
 #include "probe_util.cuh"
 
@@ -638,6 +639,10 @@ int main(int argc, char** argv) {
     probe_l2("shared w13 4096x4096", ds4::FMT_FP8, 4096, 4096, 0);
     probe_l2("wq_a+wkv 1536x4096", ds4::FMT_FP8, 1536, 4096, 0);
     probe_l2("fp4 12288x4096", ds4::FMT_FP4, 12288, 4096, 0);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "sparse") {  // the attention core alone
+    for (int pos : {63, 200, 8191}) probe_sparse(pos);
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "indexer") {  // the indexer's scores kernel (decode), both q forms,
