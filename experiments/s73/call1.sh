@@ -5,6 +5,7 @@
 #      row included; test_attn_kernels_gpu.py's sparse rows);
 #   2. the slope (4 and 12 layers): the default (cluster) and nocl (the two launches), alternating, two passes each;
 #   3. scripts/profile_step.py --timeline at 8 layers for the default (6 replays' paths).
+# Needs experiments/s73/attn_cluster_combine.diff applied (git apply): its DS4_ATTN_CLUSTER and tokens nocl, cl2-4.
 # Logs in $OUT. Usage (carry build/site): OUT=$OUT bash experiments/s73/call1.sh   (BUDGET=560 s)
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"

@@ -6,6 +6,7 @@
 #   1. build; the decode attention GPU rows (test_decode_glue_gpu.py);
 #   2. the slope (4 and 12 layers): cl3, cl4, nocl, cl2, two passes each;
 #   3. scripts/profile_step.py --timeline at 8 layers for cl3 and cl4.
+# Needs experiments/s73/attn_cluster_combine.diff applied (git apply): its DS4_ATTN_CLUSTER and tokens nocl, cl2-4.
 # Logs in $OUT. Usage (carry build/site): OUT=$OUT bash experiments/s73/call3.sh   (BUDGET=400 s)
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"

@@ -4,6 +4,7 @@
 # attention core's end than when they launch while the combine runs, i.e. the rounds they load before their PDL wait
 # are worth that window; deeper, more of wo_a lands in it.
 #   1. build; 2. the slope (4 and 12 layers): the defaults, gd4, gd8, two passes each in one process.
+# Needs experiments/s73/grouped_depth.diff applied (git apply): its DS4_GROUPED_DEPTH and tokens gdN.
 # Logs in $OUT. Usage (carry build/site): OUT=$OUT bash experiments/s73/call6.sh   (BUDGET=300 s)
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
