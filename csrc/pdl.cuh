@@ -28,6 +28,12 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
+// A kernel's pre-wait work may read what the launch two back wrote only because the kernel in between waits before it
+// lets its successor launch (begin). Three kernels release their successor at their start instead (launch_dependents,
+// then wait): the attention combine (csrc/attn/sparse_attn.cu), the one-token hc finish (csrc/attn/hc.cu) and, opt-in,
+// the router's top-k (csrc/router.cu); their successors (weight GEMVs, the top-k, the routed gate+up) read only
+// weights before their own wait. Completion stays transitive: every kernel waits before it exits.
+//
 // wait for the previous kernel, then let the next one launch: the first statement of most kernels. (Letting
 // the latency-bound kernels before a weight GEMV — the sparse combine, the hc finish — trigger only after their
 // own loads had returned, so the GEMV's early weight loads would not queue in front of theirs, measured slower:

@@ -13,6 +13,9 @@
 //   router_topk_kernel (the default): the tail alone, one block per token (the scores by every thread,
 //     the top-k by one warp); the logits come from the BF16 GEMV (gemv.cu: one row per warp for these
 //     few rows) or the FFN site's hc finish (the router fold).
+#include <cstdlib>
+#include <cstring>
+
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "route_dev.cuh"
@@ -33,8 +36,13 @@ __global__ void __launch_bounds__(RT_MAX_THREADS) router_topk_kernel(const float
                                                                      const int64_t* __restrict__ token_ids, int topk,
                                                                      float route_scale, float* __restrict__ w_out,
                                                                      int64_t* __restrict__ ids_out,
-                                                                     const SinkhornRide ride) {
-  ds4_pdl::begin();
+                                                                     const SinkhornRide ride, bool early_trigger) {
+  if (early_trigger) {  // (router_trigger_early)
+    ds4_pdl::launch_dependents();
+    ds4_pdl::wait();
+  } else {
+    ds4_pdl::begin();
+  }
   extern __shared__ float sh[];  // scores [E], then keys [E]
   unsigned* key = reinterpret_cast<unsigned*>(sh + E);
   __shared__ int sel[ROUTER_MAX_K];
@@ -157,6 +165,15 @@ cudaError_t launch_router_fused(const void* x, int n_tok, const void* gate, int 
                          bias, tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, logits, w_out, ids_out, ride);
 }
 
+// DS4_ROUTER_TRIGGER=early (read per launch; opt-in, the ablation): the top-k lets the next launch (the routed gate+up)
+// launch at its start, before its own PDL wait, so the gate+up's blocks are resident (before the shared expert's,
+// forked on a side stream by an event) when the ids land. Safe for a next launch that waits (PDL) before it reads:
+// the top-k's completion still implies its predecessor's.
+static bool router_trigger_early() {
+  const char* v = std::getenv("DS4_ROUTER_TRIGGER");
+  return v != nullptr && std::strcmp(v, "early") == 0;
+}
+
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias, const void* tid2eid,
                                bool tid64, const int64_t* token_ids, int topk, float route_scale, float* w_out,
                                int64_t* ids_out, cudaStream_t st, const SinkhornRide& ride) {
@@ -169,7 +186,8 @@ cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const floa
   int threads = ((E + 31) / 32) * 32;
   if (ride.comb != nullptr && threads < 64) threads = 64;  // a ride: warp 1 runs it
   return ds4_pdl::launch(router_topk_kernel, dim3(n_tok), dim3(threads), 2L * E * sizeof(float), st, logits, E, bias,
-                         tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out, ride);
+                         tid2eid, tid64 ? 1 : 0, token_ids, topk, route_scale, w_out, ids_out, ride,
+                         router_trigger_early());
 }
 
 }  // namespace ds4

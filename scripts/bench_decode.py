@@ -61,7 +61,13 @@ with the FP8 projections in the stored layout, as notile8),
 pj (DS4_PJOIN=moe: the shared expert's branch joins the routed down kernel by programmatic edges, so that kernel
 may launch and start its weight loads before the shared down drains; ds4.ops.side_stream.Branch.join), pja
 (DS4_PJOIN=attn: the attention branches — window write, compressors, indexer — join the attention core's chunk
-kernel by programmatic edges too, so that it may launch while wq_b runs; with pj both sites), early
+kernel by programmatic edges too, so that it may launch while wq_b runs; with pj both sites), noctrig
+(DS4_COMBINE_TRIGGER=wait: the attention combine lets the next launch, wo_a's GEMV, launch only after its own PDL
+wait, the form before session 74; the default lets it launch at the combine's start, so wo_a's blocks load their
+first weights while the chunk kernel runs; csrc/attn/sparse_attn.cu), nohtrig (DS4_HC_TRIGGER=wait: the same for
+the one-token hc finishes, whose next launch is wq_a + wkv's GEMV or the router's top-k; csrc/attn/hc.cu), rtrig
+(DS4_ROUTER_TRIGGER=early: the router's top-k lets the routed gate+up launch at its start; opt-in; csrc/router.cu),
+early
 (DS4_ATTN_EARLY=1: the chunk kernel takes the position, its RoPE table and the first chunk's rows that no launch of
 the step writes before its PDL wait; opt-in, meant with pja),
 late (DS4_LATE_COMPRESS=1: a captured graph per compressor phase, where layers whose window does not end at the
@@ -221,7 +227,8 @@ PLAIN_TOKENS = frozenset({
     "ref", "kernels", "fused", "wobf16", "dp4a", "graph", "qat", "aqtorch", "aqstaged", "aqlaunch", "ixqtorch",
     "nopack", "notile", "tile", "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8",
     "k2048", "w1", "w2", "w4", "smem", "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf",
-    "kroute", "nohcr", "hcq", "pj", "late", "pja", "early", "nohcf", "noride", "rideattn", "xcombine", "noidxskip",
+    "kroute", "nohcr", "hcq", "pj", "late", "pja", "early", "noctrig", "nohtrig", "rtrig", "nohcf", "noride",
+    "rideattn", "xcombine", "noidxskip",
     "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared",
     "xrouter", "xrouted", "xattn"})
 NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
@@ -433,6 +440,12 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_ROUTER"] = "0" if "nohcr" in toks else "1"
     os.environ["DS4_HC_QKV"] = "1" if "hcq" in toks else "0"
     os.environ["DS4_PJOIN"] = ",".join(site for site, tok in (("moe", "pj"), ("attn", "pja")) if tok in toks)
+    # noctrig / nohtrig: the attention combine / the one-token hc finishes let the next launch (wo_a's GEMV; wq_a +
+    # wkv's or the router's top-k) launch only after their own PDL wait (the defaults since session 74 let it launch
+    # at their start); rtrig: the router's top-k lets the routed gate+up launch at its start (opt-in)
+    os.environ["DS4_COMBINE_TRIGGER"] = "wait" if "noctrig" in toks else "early"
+    os.environ["DS4_HC_TRIGGER"] = "wait" if "nohtrig" in toks else "early"
+    os.environ["DS4_ROUTER_TRIGGER"] = "early" if "rtrig" in toks else "wait"
     os.environ["DS4_ATTN_EARLY"] = "1" if "early" in toks else "0"
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"

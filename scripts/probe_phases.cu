@@ -153,7 +153,7 @@ static void probe_sparse(int pos) {
   auto freqs = dev_random<float>(32, 0.f, 1.f);
   auto combine = [&](int) {  // after the chunk kernel above: its ml / opart are the inputs
     ds4_attn::sparse_combine_kernel<<<dim3(H, 1), D / 4 < 128 ? D / 4 : 128, ds4_attn::sparse_combine_smem(nsplit)>>>(
-        opart, ml, sink, nsplit, H, D, dpos, freqs, 64, out, ds4::SinkhornRide{});
+        opart, ml, sink, nsplit, H, D, dpos, freqs, 64, out, ds4::SinkhornRide{}, false);
   };
   std::printf("sparse_combine pos %d: %.2f us\n", pos, time_us(combine));
 }

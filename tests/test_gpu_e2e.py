@@ -307,6 +307,12 @@ def _tiny_weights_for(impls: Impls, seed: int, vocab: int | None = None):
     pytest.param(Impls(**_FUSED), {"DS4_PJOIN": "all"}, {}, id="fused-programmatic_join"),
     # a captured graph per compressor phase, the compressor branches joined late where no window ends (opt-in)
     pytest.param(Impls(**_FUSED), {"DS4_LATE_COMPRESS": "1"}, {}, id="fused-late_compress"),
+    # the attention combine letting wo_a launch only after its own PDL wait (the form before session 74; graph only)
+    pytest.param(Impls(**_FUSED), {"DS4_COMBINE_TRIGGER": "wait"}, {}, id="fused-combine_trigger_wait"),
+    # the hc finishes letting the next launch start only after their own PDL wait (the form before session 74)
+    pytest.param(Impls(**_FUSED), {"DS4_HC_TRIGGER": "wait"}, {}, id="fused-hc_trigger_wait"),
+    # the router's top-k letting the routed gate+up launch at its start (opt-in; graph only)
+    pytest.param(Impls(**_FUSED), {"DS4_ROUTER_TRIGGER": "early"}, {}, id="fused-router_trigger_early"),
     # the routed gate+up on the integer pipe (moe=fp4_dp4a) in both runtimes
     pytest.param(Impls(**{**_FUSED, "moe": "fp4_dp4a"}), {}, {}, id="fused-dp4a")])
 def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch):

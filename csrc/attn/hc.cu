@@ -15,6 +15,9 @@
 //                with iters = 0 in a later launch of the decode step (the "ride", ds4.ops.hc_cuda). The V4
 //                case (bf16, n = 4) takes hc_finish_norm_kernel instead: x and its norm in registers, 5.0 us;
 //   hc_post:     out[k] = post[k] x + sum_j comb[j, k] res[j], elementwise.
+#include <cstdlib>
+#include <cstring>
+
 #include "../ds4_common.cuh"  // the FP8 weight decode the projection fold shares with the ds4 GEMVs
 #include "../sinkhorn_dev.cuh"
 #include "attn_common.cuh"
@@ -408,7 +411,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
     const float* __restrict__ scale, const float* __restrict__ base, int iters, float hc_eps, float norm_eps,
     __nv_bfloat16* __restrict__ x, float* __restrict__ post, float* __restrict__ comb, const void* __restrict__ norm,
     bool norm_f32, const __nv_bfloat16* __restrict__ gate = nullptr, int E = 0, float* __restrict__ logits = nullptr,
-    const HcProj proj = HcProj{}) {
+    const HcProj proj = HcProj{}, bool early_trigger = false) {
   static_assert(R == 0 || Q == 0, "one fold per launch");
   constexpr int VEC = Q > 0 ? 1 : HCN_VEC;  // 8-value chunks per x thread (the projection fold: D <= 4096)
   constexpr int RQ = R > Q ? R : Q;         // the block's dot products
@@ -419,6 +422,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
   const bool sk_warp = warp == HCN_WARPS;  // the last warp: thread 0 (the probe's timeline) is an x / norm thread
   const bool lead = blockIdx.x == 0;       // writes x, post and comb (a fold's other blocks: their products only)
   const int nch = D / 8;
+  if (early_trigger) ds4_pdl::launch_dependents();  // (hc_trigger_early)
   for (int i = threadIdx.x; i < mix; i += HCN_THREADS) s_base[i] = base[i];
   if (threadIdx.x < 3) s_scale[threadIdx.x] = scale[threadIdx.x];
   float wn[VEC][8];
@@ -461,7 +465,8 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
       }
     }
   }
-  ds4_pdl::begin();
+  if (early_trigger) ds4_pdl::wait();
+  else ds4_pdl::begin();
   DS4_MARK(1);
   uint4 hv[VEC][N];
   const __nv_bfloat16* ht = h + (long)t * N * D;
@@ -641,6 +646,17 @@ cudaError_t launch_hc_post_partials(const void* x, bool x_f32, const void* res, 
                                HcPostArgs{x, x_f32, post, comb, n, D, out}, st);
 }
 
+// The one-token hc finish (and its router fold) lets the next launch (wq_a + wkv's GEMV at the attention site, the
+// router's top-k at the FFN site) launch at its start, before its own PDL wait, instead of after it: that GEMV's blocks
+// become resident, and load their first weight rounds, while the MoE down before the finish drains. Safe for any next
+// launch that waits (PDL) before it reads: the finish's completion still implies its predecessor's. One H100, three
+// interleaved passes: 117.2 / 117.6 / 117.8 against 119.1 / 119.1 / 119.2 us per layer (experiments/session74.md).
+// DS4_HC_TRIGGER=wait (read per launch; the ablation, bench token nohtrig) keeps the trigger after the wait.
+static bool hc_trigger_early() {
+  const char* v = std::getenv("DS4_HC_TRIGGER");
+  return !(v != nullptr && std::strcmp(v, "wait") == 0);
+}
+
 cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N, int n, int D, int mix, int nsplit,
                              const float* scale, const float* base, int iters, float hc_eps, float norm_eps,
                              bool head, void* x, float* post, float* comb, const void* norm, bool norm_f32,
@@ -653,7 +669,7 @@ cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N
     return ds4_pdl::launch(kern, dim3(1, N), dim3(HCN_THREADS), 0, st, static_cast<const __nv_bfloat16*>(h), part, D,
                            mix, nsplit, scale, base, iters, hc_eps, norm_eps, static_cast<__nv_bfloat16*>(x), post,
                            comb, norm, norm_f32, static_cast<const __nv_bfloat16*>(nullptr), 0,
-                           static_cast<float*>(nullptr), HcProj{});
+                           static_cast<float*>(nullptr), HcProj{}, hc_trigger_early());
   }
   if (norm != nullptr)
     return ds4_pdl::launch(hc_finish_kernel<HC_NORM_THREADS>, dim3(1, N), dim3(HC_NORM_THREADS), (size_t)D * sizeof(float),
@@ -694,7 +710,7 @@ cudaError_t launch_hc_finish_router(const void* h, const float* part, int N, int
   return ds4_pdl::launch(kern, dim3((E + HCR_ROWS - 1) / HCR_ROWS, N), dim3(HCN_THREADS), 0, st,
                          static_cast<const __nv_bfloat16*>(h), part, D, mix, nsplit, scale, base, iters, hc_eps,
                          norm_eps, static_cast<__nv_bfloat16*>(x), post, comb, norm, norm_f32,
-                         static_cast<const __nv_bfloat16*>(gate), E, logits, HcProj{});
+                         static_cast<const __nv_bfloat16*>(gate), E, logits, HcProj{}, hc_trigger_early());
 }
 
 bool hc_proj_fold_ok(int n, int D) {
@@ -715,7 +731,7 @@ cudaError_t launch_hc_finish_proj(const void* h, const float* part, int N, int n
   return ds4_pdl::launch(kern, dim3((O + HCQ_ROWS - 1) / HCQ_ROWS, N), dim3(HCN_THREADS), 0, st,
                          static_cast<const __nv_bfloat16*>(h), part, D, mix, nsplit, scale, base, iters, hc_eps,
                          norm_eps, static_cast<__nv_bfloat16*>(x), post, comb, norm, norm_f32,
-                         static_cast<const __nv_bfloat16*>(nullptr), 0, static_cast<float*>(nullptr), proj);
+                         static_cast<const __nv_bfloat16*>(nullptr), 0, static_cast<float*>(nullptr), proj, false);
 }
 
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,

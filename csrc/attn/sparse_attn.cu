@@ -19,6 +19,7 @@
 //   RoPE dims de-rotated in the combine - no mask, gather or de-rotation ops around the kernel.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 
 #include "../sinkhorn_dev.cuh"
 #include "attn_common.cuh"
@@ -383,12 +384,15 @@ __global__ void __launch_bounds__(SP_THREADS) sparse_chunk_kernel(SparseArgs a, 
 __global__ void sparse_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                       const float* __restrict__ sink, int nsplit, int H, int D,
                                       const int64_t* __restrict__ pos, const float* __restrict__ freqs, int R,
-                                      __nv_bfloat16* __restrict__ out, const ds4::SinkhornRide ride) {
+                                      __nv_bfloat16* __restrict__ out, const ds4::SinkhornRide ride,
+                                      bool early_trigger) {
   extern __shared__ float2 s_ml[];  // [nsplit] (max, sum) of each split, then int [nsplit]: the valid splits
   int* s_valid = reinterpret_cast<int*>(s_ml + nsplit);
   __shared__ int s_nvalid;
+  if (early_trigger) ds4_pdl::launch_dependents();  // (combine_trigger_early)
   if (ride.comb != nullptr && blockIdx.x == 0 && threadIdx.x == 0) ds4::sinkhorn_ride(ride, blockIdx.y);
-  ds4_pdl::begin();
+  if (early_trigger) ds4_pdl::wait();
+  else ds4_pdl::begin();
   const int h = blockIdx.x, r = blockIdx.y, lane = threadIdx.x & 31;
   const float2* mlh = reinterpret_cast<const float2*>(ml) + (long)r * nsplit * H + h;  // split c at mlh[c * H]
   for (int c = threadIdx.x; c < nsplit; c += blockDim.x) s_ml[c] = mlh[(long)c * H];
@@ -474,6 +478,18 @@ __global__ void combine_zero_kernel(__nv_bfloat16* __restrict__ out, int H, int 
 
 static size_t sparse_combine_smem(int nsplit) { return (size_t)nsplit * (sizeof(float2) + sizeof(int)); }
 
+// A decode row's combine lets the next launch (the grouped wo_a GEMV) launch at its start, before its own PDL wait,
+// instead of after it: wo_a's blocks then become resident, and load their first weight rounds, while the chunk kernel
+// still runs (it holds a few SMs at a short context) rather than from the chunk kernel's end. Safe for any next launch
+// that waits (PDL) before it reads: the combine's completion still implies the chunk kernel's (it waits for it before
+// it exits). One H100, 7 interleaved pairs in two processes: 0.6-1.0 us per layer faster (120.9-121.5 against
+// 121.8-122.3, experiments/session74.md). DS4_COMBINE_TRIGGER=wait (read per launch; the ablation, bench token noctrig)
+// keeps the trigger after the wait.
+static bool combine_trigger_early(const SparseArgs& a) {
+  const char* v = std::getenv("DS4_COMBINE_TRIGGER");
+  return a.pos != nullptr && a.S == 1 && !(v != nullptr && std::strcmp(v, "wait") == 0);
+}
+
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st,
                                const ds4::SinkhornRide& ride) {
   // DS4_X_COMBINE=1 (read per launch): the removal diagnostic xcombine of scripts/bench_decode.py, timing only
@@ -514,7 +530,7 @@ cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, fl
   }
   return ds4_pdl::launch(sparse_combine_kernel, dim3(a.H, a.B * a.S), dim3(threads), csmem, st,
                          static_cast<const float*>(opart), static_cast<const float*>(ml), a.sink, nsplit, a.H, a.D,
-                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out), ride);
+                         a.pos, a.freqs, a.R, static_cast<__nv_bfloat16*>(out), ride, combine_trigger_early(a));
 }
 
 }  // namespace ds4_attn
