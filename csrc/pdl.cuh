@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <cstring>
 
 namespace ds4_pdl {
 
@@ -41,6 +42,25 @@ __device__ __forceinline__ void launch_dependents() {
 __device__ __forceinline__ void begin() {
   wait();
   launch_dependents();
+}
+
+// The early-trigger form (the kernels named above): release_early(early) before the kernel's pre-wait work, then
+// begin(early) — the wait alone where it released, else begin().
+__device__ __forceinline__ void release_early(bool early) {
+  if (early) launch_dependents();
+}
+__device__ __forceinline__ void begin(bool released) {
+  if (released) wait();
+  else begin();
+}
+
+// Host: whether a launch of such a kernel releases early: the environment variable `env` (read per launch; the
+// ablation) says "early" or "wait"; unset or anything else, `by_default`.
+inline bool trigger_early(const char* env, bool by_default) {
+  const char* v = std::getenv(env);
+  if (v != nullptr && std::strcmp(v, "early") == 0) return true;
+  if (v != nullptr && std::strcmp(v, "wait") == 0) return false;
+  return by_default;
 }
 
 // Host: launches on the current device use PDL (compute capability >= 9.0 and DS4_PDL != "0"; the

@@ -13,9 +13,6 @@
 //   router_topk_kernel (the default): the tail alone, one block per token (the scores by every thread,
 //     the top-k by one warp); the logits come from the BF16 GEMV (gemv.cu: one row per warp for these
 //     few rows) or the FFN site's hc finish (the router fold).
-#include <cstdlib>
-#include <cstring>
-
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "route_dev.cuh"
@@ -37,12 +34,8 @@ __global__ void __launch_bounds__(RT_MAX_THREADS) router_topk_kernel(const float
                                                                      float route_scale, float* __restrict__ w_out,
                                                                      int64_t* __restrict__ ids_out,
                                                                      const SinkhornRide ride, bool early_trigger) {
-  if (early_trigger) {  // (router_trigger_early)
-    ds4_pdl::launch_dependents();
-    ds4_pdl::wait();
-  } else {
-    ds4_pdl::begin();
-  }
+  ds4_pdl::release_early(early_trigger);  // (router_trigger_early)
+  ds4_pdl::begin(early_trigger);
   extern __shared__ float sh[];  // scores [E], then keys [E]
   unsigned* key = reinterpret_cast<unsigned*>(sh + E);
   __shared__ int sel[ROUTER_MAX_K];
@@ -169,10 +162,7 @@ cudaError_t launch_router_fused(const void* x, int n_tok, const void* gate, int 
 // launch at its start, before its own PDL wait, so the gate+up's blocks are resident (before the shared expert's,
 // forked on a side stream by an event) when the ids land. Safe for a next launch that waits (PDL) before it reads:
 // the top-k's completion still implies its predecessor's.
-static bool router_trigger_early() {
-  const char* v = std::getenv("DS4_ROUTER_TRIGGER");
-  return v != nullptr && std::strcmp(v, "early") == 0;
-}
+static bool router_trigger_early() { return ds4_pdl::trigger_early("DS4_ROUTER_TRIGGER", false); }
 
 cudaError_t launch_router_topk(const float* logits, int n_tok, int E, const float* bias, const void* tid2eid,
                                bool tid64, const int64_t* token_ids, int topk, float route_scale, float* w_out,

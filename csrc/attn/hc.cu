@@ -15,9 +15,6 @@
 //                with iters = 0 in a later launch of the decode step (the "ride", ds4.ops.hc_cuda). The V4
 //                case (bf16, n = 4) takes hc_finish_norm_kernel instead: x and its norm in registers, 5.0 us;
 //   hc_post:     out[k] = post[k] x + sum_j comb[j, k] res[j], elementwise.
-#include <cstdlib>
-#include <cstring>
-
 #include "../ds4_common.cuh"  // the FP8 weight decode the projection fold shares with the ds4 GEMVs
 #include "../sinkhorn_dev.cuh"
 #include "attn_common.cuh"
@@ -422,7 +419,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
   const bool sk_warp = warp == HCN_WARPS;  // the last warp: thread 0 (the probe's timeline) is an x / norm thread
   const bool lead = blockIdx.x == 0;       // writes x, post and comb (a fold's other blocks: their products only)
   const int nch = D / 8;
-  if (early_trigger) ds4_pdl::launch_dependents();  // (hc_trigger_early)
+  ds4_pdl::release_early(early_trigger);  // (hc_trigger_early)
   for (int i = threadIdx.x; i < mix; i += HCN_THREADS) s_base[i] = base[i];
   if (threadIdx.x < 3) s_scale[threadIdx.x] = scale[threadIdx.x];
   float wn[VEC][8];
@@ -465,8 +462,7 @@ __global__ void __launch_bounds__(HCN_THREADS, 1) hc_finish_norm_kernel(
       }
     }
   }
-  if (early_trigger) ds4_pdl::wait();
-  else ds4_pdl::begin();
+  ds4_pdl::begin(early_trigger);
   DS4_MARK(1);
   uint4 hv[VEC][N];
   const __nv_bfloat16* ht = h + (long)t * N * D;
@@ -652,10 +648,7 @@ cudaError_t launch_hc_post_partials(const void* x, bool x_f32, const void* res, 
 // launch that waits (PDL) before it reads: the finish's completion still implies its predecessor's. One H100, three
 // interleaved passes: 117.2 / 117.6 / 117.8 against 119.1 / 119.1 / 119.2 us per layer (experiments/session74.md).
 // DS4_HC_TRIGGER=wait (read per launch; the ablation, bench token nohtrig) keeps the trigger after the wait.
-static bool hc_trigger_early() {
-  const char* v = std::getenv("DS4_HC_TRIGGER");
-  return !(v != nullptr && std::strcmp(v, "wait") == 0);
-}
+static bool hc_trigger_early() { return ds4_pdl::trigger_early("DS4_HC_TRIGGER", true); }
 
 cudaError_t launch_hc_finish(const void* h, bool h_f32, const float* part, int N, int n, int D, int mix, int nsplit,
                              const float* scale, const float* base, int iters, float hc_eps, float norm_eps,

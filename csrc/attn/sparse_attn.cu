@@ -19,7 +19,6 @@
 //   RoPE dims de-rotated in the combine - no mask, gather or de-rotation ops around the kernel.
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 
 #include "../sinkhorn_dev.cuh"
 #include "attn_common.cuh"
@@ -389,10 +388,9 @@ __global__ void sparse_combine_kernel(const float* __restrict__ opart, const flo
   extern __shared__ float2 s_ml[];  // [nsplit] (max, sum) of each split, then int [nsplit]: the valid splits
   int* s_valid = reinterpret_cast<int*>(s_ml + nsplit);
   __shared__ int s_nvalid;
-  if (early_trigger) ds4_pdl::launch_dependents();  // (combine_trigger_early)
+  ds4_pdl::release_early(early_trigger);  // (combine_trigger_early)
   if (ride.comb != nullptr && blockIdx.x == 0 && threadIdx.x == 0) ds4::sinkhorn_ride(ride, blockIdx.y);
-  if (early_trigger) ds4_pdl::wait();
-  else ds4_pdl::begin();
+  ds4_pdl::begin(early_trigger);
   const int h = blockIdx.x, r = blockIdx.y, lane = threadIdx.x & 31;
   const float2* mlh = reinterpret_cast<const float2*>(ml) + (long)r * nsplit * H + h;  // split c at mlh[c * H]
   for (int c = threadIdx.x; c < nsplit; c += blockDim.x) s_ml[c] = mlh[(long)c * H];
@@ -486,8 +484,7 @@ static size_t sparse_combine_smem(int nsplit) { return (size_t)nsplit * (sizeof(
 // 121.8-122.3, experiments/session74.md). DS4_COMBINE_TRIGGER=wait (read per launch; the ablation, bench token noctrig)
 // keeps the trigger after the wait.
 static bool combine_trigger_early(const SparseArgs& a) {
-  const char* v = std::getenv("DS4_COMBINE_TRIGGER");
-  return a.pos != nullptr && a.S == 1 && !(v != nullptr && std::strcmp(v, "wait") == 0);
+  return a.pos != nullptr && a.S == 1 && ds4_pdl::trigger_early("DS4_COMBINE_TRIGGER", true);
 }
 
 cudaError_t launch_sparse_attn(const SparseArgs& a, int nsplit, float* opart, float* ml, void* out, cudaStream_t st,
