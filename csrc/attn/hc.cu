@@ -724,7 +724,9 @@ cudaError_t launch_hc_finish_proj(const void* h, const float* part, int N, int n
   return ds4_pdl::launch(kern, dim3((O + HCQ_ROWS - 1) / HCQ_ROWS, N), dim3(HCN_THREADS), 0, st,
                          static_cast<const __nv_bfloat16*>(h), part, D, mix, nsplit, scale, base, iters, hc_eps,
                          norm_eps, static_cast<__nv_bfloat16*>(x), post, comb, norm, norm_f32,
-                         static_cast<const __nv_bfloat16*>(nullptr), 0, static_cast<float*>(nullptr), proj, false);
+                         static_cast<const __nv_bfloat16*>(nullptr), 0, static_cast<float*>(nullptr), proj,
+                         false);  // (the opt-in projection fold keeps the wait-first order: the early trigger was not
+                                  // measured with it)
 }
 
 cudaError_t launch_hc_post(const void* x, bool x_f32, const void* res, bool res_f32, const float* post,
