@@ -892,6 +892,11 @@ void l2_prefetch(const at::Tensor& t0, const std::optional<at::Tensor>& t1, cons
 static bool join_programmatic(int64_t side, int64_t main) {
   return ds4::capture_join_programmatic(reinterpret_cast<cudaStream_t>(side), reinterpret_cast<cudaStream_t>(main));
 }
+// Host-only: a branch just forked from main (side waits on it) depends on main's last kernels by programmatic edges
+// instead (capture.cu); false where it cannot, and the fork stays a full edge.
+static bool fork_programmatic(int64_t main, int64_t side) {
+  return ds4::capture_fork_programmatic(reinterpret_cast<cudaStream_t>(main), reinterpret_cast<cudaStream_t>(side));
+}
 
 TORCH_LIBRARY(ds4, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? scale, int fmt, int groups=1, int kernel=0, bool out_f32=False, "
@@ -933,6 +938,7 @@ TORCH_LIBRARY(ds4, m) {
   m.def("moe_ffn_ok(int topk, int dim, int inter, int shared_inter, int fold_n) -> bool", &moe_ffn_ok_host);
   m.def("moe_ffn_probe(int blocks) -> Tensor", &moe_ffn_probe);  // host-only diagnostic (DS4_FFN_PROBE=1)
   m.def("join_programmatic(int side, int main) -> bool", &join_programmatic);  // host-only, during a capture
+  m.def("fork_programmatic(int main, int side) -> bool", &fork_programmatic);  // host-only, during a capture
 }
 
 TORCH_LIBRARY_IMPL(ds4, CUDA, m) {

@@ -232,6 +232,9 @@ cudaError_t launch_l2_prefetch(const L2PrefetchArgs& a, cudaStream_t st);
 // While both streams are captured into one graph: add the side stream's last captured nodes (kernels only) to the
 // main stream's dependency set with programmatic edges (capture.cu); false (nothing changed) where it cannot.
 bool capture_join_programmatic(cudaStream_t side, cudaStream_t main);
+// While both are captured into one graph: the side stream (forked from main: waiting on it) depends on main's last
+// captured kernels by programmatic edges instead (capture.cu); false (nothing changed) where it cannot.
+bool capture_fork_programmatic(cudaStream_t main, cudaStream_t side);
 
 // One-shot all-reduce over peer memory (allreduce.cu, parallel.comm=ll): out[i] = (sum over ranks r in rank
 // order of the partials x_r[i], each rounded to bf16 first and the sum too when round_bf16). peers[r]:

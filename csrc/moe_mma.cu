@@ -26,7 +26,12 @@ constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
 template <int FMT, int U, int W, bool AQ = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
 moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
-  ds4_pdl::begin();  // expert ids, route weights (or the router's logits) and x come from the previous kernels
+  // Expert ids, route weights (or the router's logits) and x come from the previous kernels. One expert without
+  // routing (the shared expert: its slot and weight are constants) reads none of them before staging x, so its
+  // blocks load their first weight rounds before the wait (what a programmatic fork of its branch, DS4_PFORK=shared,
+  // lets overlap the kernels before it).
+  const bool weights_first = a.ids == nullptr && a.rw == nullptr && a.route_logits == nullptr;
+  if (!weights_first) ds4_pdl::begin();
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(MMA_STREAM_MAX_TILES));
@@ -40,13 +45,17 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   const int RT = (a.inter + 15) / 16, total = __popc(m) * RT;
   const int ppb = (total + gridDim.x - 1) / gridDim.x;
   const int p0 = blockIdx.x * ppb, np = min(ppb, total - p0);
-  if (np <= 0) return;  // block-uniform
+  if (np <= 0) {  // block-uniform; every block waits before it exits (completion stays transitive: csrc/pdl.cuh)
+    if (weights_first) ds4_pdl::begin();
+    return;
+  }
   routed_pair_tiles<FMT>(a, m, s_ids, p0, np, RT, s_tw, s_ts, s_row0, s_slot);
   __syncthreads();
   auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], a.inter}; };
   auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),
                                   a.s13_ld, reinterpret_cast<uint8_t*>(xs + a.dim));
   st.prefetch();
+  if (weights_first) ds4_pdl::begin();
   gate_up_pairs<FMT, AQ>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
                      [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; });
 }

@@ -61,7 +61,10 @@ with the FP8 projections in the stored layout, as notile8),
 pj (DS4_PJOIN=moe: the shared expert's branch joins the routed down kernel by programmatic edges, so that kernel
 may launch and start its weight loads before the shared down drains; ds4.ops.side_stream.Branch.join), pja
 (DS4_PJOIN=attn: the attention branches — window write, compressors, indexer — join the attention core's chunk
-kernel by programmatic edges too, so that it may launch while wq_b runs; with pj both sites), noctrig
+kernel by programmatic edges too, so that it may launch while wq_b runs; with pj both sites), nopfsh (DS4_PFORK=none:
+the shared expert's branch forks from the main stream by a full edge, the form before session 76; the default forks it
+by programmatic edges, so its gate+up launches at the hc finish's start and loads its first weight rounds before its
+PDL wait; ds4.ops.side_stream.fork), noctrig
 (DS4_COMBINE_TRIGGER=wait: the attention combine lets the next launch, wo_a's GEMV, launch only after its own PDL
 wait, the form before session 74; the default lets it launch at the combine's start, so wo_a's blocks load their
 first weights while the chunk kernel runs; csrc/attn/sparse_attn.cu), nohtrig (DS4_HC_TRIGGER=wait: the same for
@@ -227,7 +230,7 @@ PLAIN_TOKENS = frozenset({
     "ref", "kernels", "fused", "wobf16", "dp4a", "graph", "qat", "aqtorch", "aqstaged", "aqlaunch", "ixqtorch",
     "nopack", "notile", "tile", "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8",
     "k2048", "w1", "w2", "w4", "smem", "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf",
-    "kroute", "nohcr", "hcq", "pj", "late", "pja", "early", "noctrig", "nohtrig", "rtrig", "nohcf", "noride",
+    "kroute", "nohcr", "hcq", "pj", "nopfsh", "late", "pja", "early", "noctrig", "nohtrig", "rtrig", "nohcf", "noride",
     "rideattn", "xcombine", "noidxskip",
     "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared",
     "xrouter", "xrouted", "xattn"})
@@ -440,6 +443,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_ROUTER"] = "0" if "nohcr" in toks else "1"
     os.environ["DS4_HC_QKV"] = "1" if "hcq" in toks else "0"
     os.environ["DS4_PJOIN"] = ",".join(site for site, tok in (("moe", "pj"), ("attn", "pja")) if tok in toks)
+    os.environ["DS4_PFORK"] = "none" if "nopfsh" in toks else "shared"
     # noctrig / nohtrig: the attention combine / the one-token hc finishes let the next launch (wo_a's GEMV; wq_a +
     # wkv's or the router's top-k) launch only after their own PDL wait (the defaults since session 74 let it launch
     # at their start); rtrig: the router's top-k lets the routed gate+up launch at its start (opt-in)
@@ -485,7 +489,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # just this run's; launch shapes that follow the capacity then show in the step
     cap = _number_token(toks, "cap", 0)
     g = Generator(model, 1, max(len(prompt) + new_tokens + 8, cap), runtime=runtime)
-    pjoins = side_stream.programmatic_joins()
+    pjoins, pforks = side_stream.programmatic_joins(), side_stream.programmatic_fork_count()
     t0 = time.perf_counter()
     g.generate([prompt], 4, stop_at_eos=False)  # warm-up (and graph capture)
     warm = time.perf_counter() - t0
@@ -506,6 +510,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
         "warmup_s": warm, "graph_capture_s": f.get("graph_capture_s"), "graph_pool_mib": f.get("graph_pool_mib"),
         "graphs": f.get("graphs"),  # captured steps: one per compressor phase (DS4_LATE_COMPRESS)
         "programmatic_joins": side_stream.programmatic_joins() - pjoins,  # pj: made while capturing (DS4_PJOIN)
+        "programmatic_forks": side_stream.programmatic_fork_count() - pforks,  # the same (DS4_PFORK; 0 with nopfsh)
         "tokens": out.tokens[0][:16],
         # every token after the first the same: the state has likely gone NaN (greedy argmax of NaN logits is 0), and
         # the router's ids with it, so the step ran another MoE workload and its time compares with nothing

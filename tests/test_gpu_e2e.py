@@ -11,6 +11,7 @@ import torch
 
 from ds4.model.args import small, tiny
 from ds4.model.transformer import Transformer
+from ds4.ops import side_stream
 from ds4.registry import Impls, ImplUnavailable, build_ops, torch_reference_ops
 from ds4.runtime.generate import Generator
 from ds4.weights.synthetic import random_weights
@@ -313,6 +314,11 @@ def _tiny_weights_for(impls: Impls, seed: int, vocab: int | None = None):
     pytest.param(Impls(**_FUSED), {"DS4_HC_TRIGGER": "wait"}, {}, id="fused-hc_trigger_wait"),
     # the router's top-k letting the routed gate+up launch at its start (opt-in; graph only)
     pytest.param(Impls(**_FUSED), {"DS4_ROUTER_TRIGGER": "early"}, {}, id="fused-router_trigger_early"),
+    # the shared expert's branch forked by a full edge (DS4_PFORK=none: the form before session 76; graph only)
+    pytest.param(Impls(**_FUSED), {"DS4_PFORK": "none"}, {}, id="fused-fork_full_edge"),
+    # the shared expert's branch forked by programmatic edges (the default; graph only), its gate+up on the tensor cores
+    # (DS4_MMA=all: tiny's shapes), which load their first weight rounds before their PDL wait, in both runtimes
+    pytest.param(Impls(**_FUSED), {"DS4_PFORK": "shared"}, {"DS4_MMA": "all"}, id="fused-programmatic_fork_shared"),
     # the routed gate+up on the integer pipe (moe=fp4_dp4a) in both runtimes
     pytest.param(Impls(**{**_FUSED, "moe": "fp4_dp4a"}), {}, {}, id="fused-dp4a")])
 def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch):
@@ -326,6 +332,7 @@ def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch)
     if env.get("DS4_HC_FOLD") == "1":
         prompts = prompts[:1]  # the hc fold takes one decode row
     outs = []
+    forks = side_stream.programmatic_fork_count()
     for runtime in ("eager", "cuda_graph"):
         for k, v in graph_env.items():
             if runtime == "cuda_graph":
@@ -333,6 +340,8 @@ def test_cuda_graph_matches_eager_1000_steps(impls, graph_env, env, monkeypatch)
         g = Generator(_model(args, w, impls), 2, 1100, runtime=runtime)
         outs.append(g.generate(prompts, 1000, stop_at_eos=False).tokens)
     assert outs[0] == outs[1]
+    if graph_env.get("DS4_PFORK"):  # the captured step did fork by programmatic edges
+        assert side_stream.programmatic_fork_count() > forks
 
 
 @pytest.mark.parametrize("late", [None, "1"], ids=["one_graph", "late_compress"])

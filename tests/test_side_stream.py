@@ -13,6 +13,24 @@ def test_cpu_device_never_forks():
     assert side_stream.fork(torch.device("cpu"), "DS4_COMPRESS_OVERLAP") is None
 
 
+@pytest.mark.parametrize("value,expected", [(None, {"shared"}), ("", set()), ("none", set()),
+                                                  ("shared", {"shared"})])
+def test_programmatic_fork_sites_follow_the_environment(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("DS4_PFORK", raising=False)
+    else:
+        monkeypatch.setenv("DS4_PFORK", value)
+    assert side_stream.programmatic_fork_sites() == expected
+    # outside a capture nothing forks, programmatic or not
+    assert side_stream.fork(torch.device("cpu"), "DS4_SHARED_OVERLAP", site="shared") is None
+
+
+def test_programmatic_fork_sites_reject_unknown_names(monkeypatch):
+    monkeypatch.setenv("DS4_PFORK", "shared,compress")  # (session 74's compressor fork is not in the tree)
+    with pytest.raises(ValueError, match="DS4_PFORK.*compress"):
+        side_stream.programmatic_fork_sites()
+
+
 def test_inline_branch_runs_its_body_in_order_and_join_is_a_no_op():
     x = torch.zeros(3)
     branch = TorchAttention().branch(x, "compress")

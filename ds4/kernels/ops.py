@@ -165,6 +165,14 @@ def join_programmatic(side: torch.cuda.Stream, main: torch.cuda.Stream) -> bool:
     return bool(_ops().join_programmatic(side.cuda_stream, main.cuda_stream))
 
 
+def fork_programmatic(main: torch.cuda.Stream, side: torch.cuda.Stream) -> bool:
+    """While a graph is captured, right after `side` was made to wait for `main` (a fork): side's next launch depends on
+    main's last kernels by programmatic edges instead (csrc/capture.cu), so it may launch once they have let their
+    successors launch (it must be a ds4 kernel: it waits for them before reading their outputs). False where it cannot
+    (no PDL, not capturing, a non-kernel last node): then the fork stays a full edge."""
+    return bool(_ops().fork_programmatic(main.cuda_stream, side.cuda_stream))
+
+
 def hc_fold_ok(kind: str, fmt: str, rows: int, cols: int, topk: int = 1, n: int = 4) -> bool:
     """Whether a launch can fold the next mHC site's partials (host-only; reads DS4_MMA like gemv's auto):
     kind "gemv" (an [rows, cols] weight) or "moe_down" (dim = rows, inter = cols, topk)."""

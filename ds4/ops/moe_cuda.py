@@ -478,7 +478,10 @@ class Fp4TopkMoE:
         # the same sum and rounding, but where only the routed down folds — tiny's FP8 shared expert on the FMA
         # kernels — the next site's partials were summed in another order, and batch-1 graph and eager tokens
         # parted after 152 steps: H200, session 40.)
-        side = side_stream.fork(x.device, "DS4_SHARED_OVERLAP")
+        # The branch's first launch is the gate+up kernel (x bf16, no qat simulation before it), which waits before it
+        # reads x: only then may it fork by programmatic edges (DS4_PFORK=shared, the default)
+        site = "shared" if x.dtype == torch.bfloat16 and not act_quant else None
+        side = side_stream.fork(x.device, "DS4_SHARED_OVERLAP", site=site)
         with side_stream.Branch(side, x.device) as branch:
             out = self._shared_down(self._shared_h(x, mw, act_quant), mw, act_quant, None)
         return SharedUp(out, branch)

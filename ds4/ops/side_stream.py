@@ -38,16 +38,54 @@ def side_stream(device: torch.device, slot: int = 0) -> torch.cuda.Stream:
     return _SIDE[idx, slot, prio]
 
 
-def fork(device: torch.device, env: str, slot: int = 0) -> torch.cuda.Stream | None:
+def fork(device: torch.device, env: str, slot: int = 0, site: str | None = None) -> torch.cuda.Stream | None:
     """Side stream `slot`, made to wait for everything issued so far on the current stream, while a graph is
-    captured and the environment variable `env` is not "0" (the ablation); else None (stay in line)."""
+    captured and the environment variable `env` is not "0" (the ablation); else None (stay in line).
+    site: the caller's name for this fork where the branch's first launch is a ds4 kernel that waits (PDL) before it
+    reads anything the main stream wrote. Where DS4_PFORK names the site, the branch then depends on the main stream's
+    last kernels by programmatic edges (ds4.kernels.fork_programmatic): its first kernel launches once they have let
+    their successors launch, beside the main stream's next kernel, instead of after they end."""
     if device.type != "cuda":
         return None
     side = side_stream(device, slot)
     if not torch.cuda.is_current_stream_capturing() or os.environ.get(env) == "0":
         return None
-    side.wait_stream(torch.cuda.current_stream(device))
+    main = torch.cuda.current_stream(device)
+    side.wait_stream(main)
+    if site is not None and site in programmatic_fork_sites():
+        from ds4 import kernels
+        if kernels.unavailable_reason() is None and kernels.fork_programmatic(main, side):
+            global _pforks
+            _pforks += 1
     return side
+
+
+# shared: the shared expert's branch (moe=fp4_topk's shared_up), whose gate+up loads its first weight rounds before its
+# PDL wait; the default since session 76 (one H100: about 1 us per layer faster, experiments/session76.md). Session 74
+# forked the compressors' branches so (experiments/s74/programmatic_fork.diff): no gain.
+PFORK_SITES = ("shared",)
+PFORK_DEFAULT = "shared"
+
+
+def programmatic_fork_sites() -> set[str]:
+    """The fork sites DS4_PFORK names (comma list; read per call; unset: PFORK_DEFAULT; "" or "none": none, every
+    fork a full edge, the form before session 76)."""
+    v = os.environ.get("DS4_PFORK", PFORK_DEFAULT)
+    if v == "none":
+        return set()
+    sites = {t for t in v.split(",") if t}
+    if sites - set(PFORK_SITES):
+        raise ValueError(f"DS4_PFORK={v!r}: unknown fork site(s) {', '.join(sorted(sites - set(PFORK_SITES)))}; "
+                         f"the sites are {', '.join(PFORK_SITES)}")
+    return sites
+
+
+_pforks = 0  # programmatic forks made so far in this process
+
+
+def programmatic_fork_count() -> int:
+    """How many branch forks were made by programmatic edges in this process so far."""
+    return _pforks
 
 
 def programmatic_sites() -> set[str]:
