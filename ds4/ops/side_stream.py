@@ -61,7 +61,7 @@ def fork(device: torch.device, env: str, slot: int = 0, site: str | None = None)
 
 
 # shared: the shared expert's branch (moe=fp4_topk's shared_up), whose gate+up loads its first weight rounds before its
-# PDL wait; the default since session 76 (one H100: about 1 us per layer faster, experiments/session76.md). Session 74
+# PDL wait; the default since session 76 (two H100s: 1-2.3 us per layer faster, experiments/session76.md). Session 74
 # forked the compressors' branches so (experiments/s74/programmatic_fork.diff): no gain.
 PFORK_SITES = ("shared",)
 PFORK_DEFAULT = "shared"

@@ -3,7 +3,8 @@
 #   H200: issue #7's seed-phase sweep and the defaults' slope (experiments/s71/call.sh's H200 branch).
 #   otherwise: 1. build; 2. graph = eager over 1000 steps (tiny: the defaults, the full-edge fork with the mended
 #   fork-count check); 3. the slope: the defaults against the existing knobs whose balance the fork may move: the
-#   shared expert on part of a resident wave (shw75, shw50) and its programmatic join to the routed down (pj), three
+#   shared expert on part of a resident wave (shw75), its programmatic join to the routed down (pj) and the routed
+#   gate+up on 85 % of a wave (rw85), two
 #   passes in one process.
 # Logs in $OUT. Usage (carry build/site): OUT=$OUT bash experiments/s76/call3.sh
 set -u
@@ -20,8 +21,8 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider --tb=short "$G[fused]" "$G[f
   > "$OUT/graph.log" 2>&1
 echo "graph = eager rc=$? at +$(el)s: $(tail -1 "$OUT/graph.log")"; grep -E "FAILED|ERROR" "$OUT/graph.log" | head
 B=kernels+fused+graph+cap8192
-R=$B,$B+shw75,$B+shw50,$B+pj
-timeout 150 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 --variants "$R,$R,$R" \
+R=$B,$B+shw75,$B+pj,$B+rw85
+timeout 100 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 --variants "$R,$R" \
   --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? at +$(el)s"; grep -E "copy bandwidth|us/layer" "$OUT/bench.log"
 echo "total $(el)s"
