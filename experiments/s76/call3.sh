@@ -4,8 +4,7 @@
 #   otherwise: 1. build; 2. graph = eager over 1000 steps (tiny: the defaults, the full-edge fork with the mended
 #   fork-count check); 3. the slope: the defaults against the existing knobs whose balance the fork may move: the
 #   shared expert on part of a resident wave (shw75), its programmatic join to the routed down (pj) and the routed
-#   gate+up on 85 % of a wave (rw85), two
-#   passes in one process.
+#   gate+up on 85 % of a wave (rw85), two passes in one process.
 # Logs in $OUT. Usage (carry build/site): OUT=$OUT bash experiments/s76/call3.sh
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
