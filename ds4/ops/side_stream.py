@@ -71,12 +71,16 @@ def programmatic_fork_sites() -> set[str]:
     """The fork sites DS4_PFORK names (comma list; read per call; unset: PFORK_DEFAULT; "" or "none": none, every
     fork a full edge, the form before session 76)."""
     v = os.environ.get("DS4_PFORK", PFORK_DEFAULT)
-    if v == "none":
-        return set()
+    return set() if v == "none" else _named_sites("DS4_PFORK", v, PFORK_SITES, "fork", "")
+
+
+def _named_sites(env: str, v: str, known: tuple[str, ...], what: str, also: str) -> set[str]:
+    """The sites of env's comma list v; an unknown name raises (a misspelt site would time the plain edges under the
+    option's name). also: the list's other accepted words, for the message."""
     sites = {t for t in v.split(",") if t}
-    if sites - set(PFORK_SITES):
-        raise ValueError(f"DS4_PFORK={v!r}: unknown fork site(s) {', '.join(sorted(sites - set(PFORK_SITES)))}; "
-                         f"the sites are {', '.join(PFORK_SITES)}")
+    if sites - set(known):
+        raise ValueError(f"{env}={v!r}: unknown {what} site(s) {', '.join(sorted(sites - set(known)))}; "
+                         f"the sites are {', '.join(known)}{also}")
     return sites
 
 
@@ -93,13 +97,7 @@ def programmatic_sites() -> set[str]:
     by programmatic edges (Branch.join). Opt-in: on an H200 the routed down joined so (one join per layer) measured
     115.4 / 115.5 against 115.1 / 115.4 us per layer (session 27, experiments/decode_session27_h200.md): no gain."""
     v = os.environ.get("DS4_PJOIN", "")
-    if v == "all":
-        return set(PJOIN_SITES)
-    sites = {t for t in v.split(",") if t}
-    if sites - set(PJOIN_SITES):  # (a misspelt site would time the event joins under the option's name)
-        raise ValueError(f"DS4_PJOIN={v!r}: unknown join site(s) {', '.join(sorted(sites - set(PJOIN_SITES)))}; "
-                         f"the sites are {', '.join(PJOIN_SITES)} or all")
-    return sites
+    return set(PJOIN_SITES) if v == "all" else _named_sites("DS4_PJOIN", v, PJOIN_SITES, "join", " or all")
 
 
 # moe: the routed MoE down kernel after the shared expert's branch (moe=fp4_topk); attn: the attention core's chunk
