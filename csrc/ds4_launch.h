@@ -37,9 +37,6 @@ int env_depth(const char* name);  // a depth variable: 8, 4, 2, or 0 where unset
 // their PDL wait: DS4_PREFETCH / DS4_PREFETCH_DOWN = N (0: none, the loads all after the wait), else -1 = all
 // of the stream's depth (the default). Read at every launch (an ablation knob).
 int mma_prefetch_rounds(bool down);
-// Whether a one-token tensor-core GEMV (grouped rows, rows of K, the hc fold's form) requests its blocks' whole weight
-// shares into L2 before its PDL wait: DS4_GEMV_L2's site letters (gemv.cu; read at every launch, an ablation knob).
-bool gemv_l2_share(bool grouped, int K, bool fold);
 // Diagnostic (timing only; the outputs are unchanged): DS4_SPACER holding the letter g / d / u puts an empty PDL
 // launch in front of every tensor-core GEMV / MoE down / MoE gate+up launch, so that kernel launches only once
 // the kernel before it has ended: what PDL's early launch is worth per kernel class (H200: 1-3 us per kernel,

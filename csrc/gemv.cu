@@ -9,7 +9,6 @@
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
 #include "hc_fold.cuh"
-#include "l2_prefetch.cuh"
 #include "mma_dot.cuh"
 #include "rmsnorm_dev.cuh"
 
@@ -152,8 +151,6 @@ __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv
   }
 }
 
-constexpr long L2_SHARE_CHUNK = 16 * 1024;  // bytes per bulk L2 request of gemv_mma_kernel's l2_share
-
 // Tensor-core GEMV, one token: block b owns the 16-row tiles [b * tpb, (b + 1) * tpb) (tpb = tiles
 // per block, even split of the grid), its warps stream their rounds (MmaStream). Grouped rows
 // (wo_a): each group has its own activations; the groups a block's tiles touch are staged. NORM (one
@@ -165,8 +162,7 @@ template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false, bool AQ 
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, CW>()))
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                 int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb,
-                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold, int pre, const RowSkip skip,
-                int l2_share) {
+                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold, int pre, const RowSkip skip) {
   DS4_MARK(0);
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
@@ -200,13 +196,6 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
                                    reinterpret_cast<uint8_t*>(xs + (long)ng * K));
   const int pre_rounds = pre < 0 ? (1 << 30) : pre;  // mma_prefetch_rounds
   st.prefetch(pre_rounds);  // weights do not depend on the previous kernel: load them before waiting (PDL)
-  // l2_share (DS4_GEMV_L2, gemv_l2_share): the rest of the block's tiles requested into L2 too, so that HBM streams
-  // them while the kernels before the wait are latency-bound (one bulk request per thread of L2_SHARE_CHUNK bytes)
-  if (l2_share) {
-    const long rowb = row_bytes<FMT>(K), bytes = (long)nt * 16 * rowb;
-    for (long off = (long)threadIdx.x * L2_SHARE_CHUNK; off < bytes; off += (long)blockDim.x * L2_SHARE_CHUNK)
-      prefetch_l2(W + (long)t0 * 16 * rowb + off, min(L2_SHARE_CHUNK, bytes - off));
-  }
   // the fold's buffers after the stream's (recomputed where used: nothing of the fold stays live in registers
   // across the stream)
   [[maybe_unused]] auto fs = [&] {
@@ -310,7 +299,7 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   return ds4_pdl::launch(kern, dim3(blocks), dim3(MMA_STREAM_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
                          out_f32 ? 1 : 0, O, K, group_rows, tpb, nw, nw_f32 ? 1 : 0, eps, fold,
-                         mma_prefetch_rounds(false), skip, gemv_l2_share(group_rows > 0, K, FOLD) ? 1 : 0);
+                         mma_prefetch_rounds(false), skip);
 }
 
 __global__ void spacer_kernel() { ds4_pdl::begin(); }
@@ -319,19 +308,6 @@ cudaError_t launch_spacer_before(char kind, cudaStream_t st) {
   const char* env = std::getenv("DS4_SPACER");
   if (!env || !std::strchr(env, kind)) return cudaSuccess;
   return ds4_pdl::launch(spacer_kernel, dim3(1), dim3(32), 0, st);
-}
-
-// DS4_GEMV_L2 (read at every launch; the ablation, bench tokens l2SITES): letters of the one-token tensor-core GEMVs
-// whose blocks request their whole weight share into L2 before the PDL wait (gemv_mma_kernel's l2_share):
-// o (grouped rows: wo_a), q (ungrouped rows of K <= 2048: wq_b, the indexer's wq_b), a (longer rows without the hc
-// fold: wq_a + wkv), b (with the fold: wo_b). Why: wo_a's blocks launch at the attention combine's start and wait
-// about 7 us while the attention core, latency-bound, leaves HBM idle (the 8-layer timelines); their register
-// rounds take only the first few KB of each warp's rows.
-bool gemv_l2_share(bool grouped, int K, bool fold) {
-  const char* env = std::getenv("DS4_GEMV_L2");
-  if (env == nullptr) return false;
-  const char site = grouped ? 'o' : fold ? 'b' : K <= 2048 ? 'q' : 'a';
-  return std::strchr(env, site) != nullptr;
 }
 
 int mma_prefetch_rounds(bool down) {

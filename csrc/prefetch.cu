@@ -16,7 +16,6 @@
 // local expert e = ids[k] - id_offset, skipped when e is not in [0, n_local).
 #include "ds4_common.cuh"
 #include "ds4_launch.h"
-#include "l2_prefetch.cuh"
 
 #include <algorithm>
 
@@ -25,6 +24,17 @@ namespace ds4 {
 constexpr int PF_THREADS = 128;
 constexpr long PF_CHUNK = 4096;
 constexpr int PF_MAX_BLOCKS = 264;
+
+__device__ __forceinline__ void prefetch_l2(const char* p, long bytes) {
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t(15);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~uintptr_t(15);
+  if (e <= a) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((unsigned)(e - a)) : "memory");
+#else
+  for (uintptr_t q = a; q < e; q += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(q));
+#endif
+}
 
 __global__ void __launch_bounds__(PF_THREADS) l2_prefetch_kernel(const L2PrefetchArgs a) {
   const int per_slot = a.chunk_end[a.n_ranges - 1];  // chunks of all ranges of one slot

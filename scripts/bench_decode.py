@@ -96,9 +96,6 @@ scores rows whose visible entries the top-k takes all of, as before session 37; 
 deferN (Attention.defer_compress = N: the compressors project up to N tokens at once, the largest divisor of the
 ratio, on every N-th step, instead of every token at its own step; session 38, opt-in), deferhN (the same for the HCA
 layers' compressor alone),
-l2SITES (DS4_GEMV_L2=SITES, letters of o q a b: the one-token tensor-core GEMVs at those sites — o wo_a, q wq_b and the
-indexer's wq_b, a wq_a + wkv, b wo_b — request their blocks' whole weight shares into L2 before their PDL wait;
-opt-in; csrc/gemv.cu),
 preN / dpreN (DS4_PREFETCH / DS4_PREFETCH_DOWN=N: the tensor-core GEMVs / the MoE down kernels load only N weight
 rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
@@ -248,8 +245,7 @@ def unknown_tokens(toks: set[str]) -> list[str]:
     def known(t: str) -> bool:
         return (t in PLAIN_TOKENS or any(t.startswith(p) and t[len(p):].isdigit() for p in NUMBERED_TOKENS)
                 or (t.startswith("sp") and t[2:] != "" and set(t[2:]) <= set("gdu"))
-                or (t.startswith("pf") and t[2:] != "" and set(t[2:]) <= set(prefetch.SITES))
-                or (t.startswith("l2") and t[2:] != "" and set(t[2:]) <= set(GEMV_L2_SITES)))
+                or (t.startswith("pf") and t[2:] != "" and set(t[2:]) <= set(prefetch.SITES)))
     return sorted(t for t in toks if not known(t))
 
 
@@ -384,15 +380,6 @@ def _prefetch_sites(toks: set[str]) -> str:
     return "1" if "pf" in toks else "0"
 
 
-GEMV_L2_SITES = "oqab"  # DS4_GEMV_L2's site letters (csrc/gemv.cu gemv_l2_share)
-
-
-def _gemv_l2_sites(toks: set[str]) -> str | None:
-    """DS4_GEMV_L2 for a variant: the letters of its l2SITES tokens, sorted; None (unset: no site) without one."""
-    sites = "".join(t[2:] for t in toks if t.startswith("l2") and t[2:] and set(t[2:]) <= set(GEMV_L2_SITES))
-    return "".join(sorted(set(sites))) or None
-
-
 def attention_options(model, toks: set[str]) -> None:
     """The Attention modules' decode options of this variant (before the Generator allocates the state)."""
     for mod in model.modules():
@@ -496,7 +483,6 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # pf: the L2 prefetch's default sites; pfSITES (letters of ds4.ops.prefetch.SITES, e.g. pfqodb): those
     # sites; neither: no prefetch (DS4_L2_PREFETCH)
     os.environ["DS4_L2_PREFETCH"] = _prefetch_sites(toks)
-    _set_or_unset("DS4_GEMV_L2", _gemv_l2_sites(toks))  # l2SITES: GEMV blocks' weight shares into L2 before the wait
     attention_options(model, toks)
     runtime = "cuda_graph" if "graph" in toks else "eager"
     # capN: caches sized for N positions (the app's max_seq_len; V4-Flash's default is 8192) instead of

@@ -19,13 +19,6 @@ def test_bench_tokens_choose_the_sites(tokens, expected):
 
 
 @pytest.mark.parametrize("tokens,expected", [
-    ({"kernels", "graph"}, None), ({"l2o"}, "o"), ({"l2qo", "l2a"}, "aoq"), ({"l2x", "l2"}, None),
-])
-def test_gemv_l2_tokens_choose_the_sites(tokens, expected):
-    assert _bench_decode()._gemv_l2_sites(tokens) == expected
-
-
-@pytest.mark.parametrize("tokens,expected", [
     ({"kernels", "graph"}, (None, None, None)), ({"pre0"}, ("0", None, None)), ({"pre1", "dpre0"}, ("1", "0", None)),
     ({"spg", "spd"}, (None, None, "dg")), ({"spgdu"}, (None, None, "gdu")),
     ({"sprio", "pre", "dprex"}, (None, None, None)),  # another token, and no number: not these knobs
@@ -141,10 +134,8 @@ def test_defer_tokens_pick_their_layers(tokens, csa, hca):
 
 def test_unknown_and_misplaced_variants_are_refused(capsys):
     bd = _bench_decode()
-    assert bd.unknown_tokens({"kernels", "fused", "graph", "cap8192", "rd4", "lrd2", "spgd", "pfqo", "deferh8",
-                              "l2oq"}) == []
-    assert bd.unknown_tokens({"kernels", "kernal", "rdx", "spx", "co60", "l2x"}) == ["co60", "kernal", "l2x", "rdx",
-                                                                                    "spx"]
+    assert bd.unknown_tokens({"kernels", "fused", "graph", "cap8192", "rd4", "lrd2", "spgd", "pfqo", "deferh8"}) == []
+    assert bd.unknown_tokens({"kernels", "kernal", "rdx", "spx", "co60"}) == ["co60", "kernal", "rdx", "spx"]
     assert bd.check_variants(["ref", "kernels+graph", "kernels+graph+noride"], 1) == []
     errs = bd.check_variants(["kernels", "ref", "kernels+typo"], 1)
     assert "variant ref: without kernels after a variant with them" in errs[0] and "typo" in errs[1]

@@ -435,32 +435,6 @@ def test_gemv_rmsnorm_fp8t_equals_fp8(skip):
     assert torch.equal(y, kernels.gemv_rmsnorm(x, w, s, "fp8", nw, 1e-6, sk))
 
 
-@pytest.mark.parametrize("site,o,i,groups", [("o", 8192, 4096, 8), ("q", 32768, 1024, 1), ("a", 1536, 4096, 1),
-                                            ("q", 208, 384, 1)])
-def test_gemv_l2_share_is_bit_exact(site, o, i, groups, monkeypatch):
-    """DS4_GEMV_L2: the blocks of that site's GEMV also request their whole weight share into L2 before the PDL wait
-    (a hint): the same bits as without it, the q_norm form and the index query's row skip included."""
-    g = gen(seed_of("l2_share", site, o, i, groups))
-    w, s = rand_fp8_weight(o, i, g)
-    x = rand_x(1, groups * i, g)
-    wt = tile_fp8_mma(w)
-    nw = (1 + 0.1 * torch.randn(i, device=DEV, generator=g)).to(torch.bfloat16)
-    sk = (torch.tensor([40], device=DEV), 4, 16, 32768 - 4096) if o == 32768 else None
-
-    def run():
-        poison()
-        if site == "q" and o == 32768:
-            return kernels.gemv_rmsnorm(x, wt, s, "fp8t", nw, 1e-6, sk)
-        return kernels.gemv(x, wt, s, "fp8t", groups=groups, kernel="mma")
-
-    monkeypatch.delenv("DS4_GEMV_L2", raising=False)
-    ref = run()
-    monkeypatch.setenv("DS4_GEMV_L2", "oqab")
-    y = run()
-    assert torch.isfinite(y).all()
-    assert torch.equal(y, ref)
-
-
 def test_fp8t_refused_where_it_cannot_be_laid_out():
     g = gen(11)
     w, s = rand_fp8_weight(200, 272, g)  # neither whole tiles nor whole rounds
