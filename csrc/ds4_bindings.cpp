@@ -848,6 +848,18 @@ at::Tensor moe_ffn_probe(int64_t blocks) {
   return t;
 }
 
+// The step probe of the routed MoE kernels (ds4_launch.h; a build with -DDS4_MOE_PROBE), on the CPU: the records,
+// int64 [2, 16, 1024, 8] (kind, launch slot, block, mark), and the tickets each kind's blocks took, int64 [2].
+std::vector<at::Tensor> moe_step_probe(bool clear) {
+  auto rec = at::zeros({2, 16, 1024, 8}, at::TensorOptions().dtype(at::kLong));
+  unsigned tickets[2] = {0, 0};
+  const cudaError_t e = ds4::moe_probe_read(reinterpret_cast<unsigned long long*>(rec.data_ptr()), tickets, clear);
+  TORCH_CHECK(e != cudaErrorNotSupported, "moe_step_probe: this build of the ds4 extension has no MoE step probe "
+              "(build it with DS4_NVCC_FLAGS=-DDS4_MOE_PROBE into its own DS4_EXT_BUILD_DIR)");
+  check_launch(e, "moe_step_probe");
+  return {rec, at::tensor({(int64_t)tickets[0], (int64_t)tickets[1]}, at::TensorOptions().dtype(at::kLong))};
+}
+
 // Prefetch into L2 (no output): the given tensors (t0 and the present ones of t1..t3) whole, or with ids
 // (int64 [n], on the device) the experts ids[k] - id_offset of tensors stacked by local expert ([E_local, ...],
 // all with the same E_local).
@@ -937,6 +949,7 @@ TORCH_LIBRARY(ds4, m) {
         "Tensor(a!)? fold_out=None, Tensor(b!)? fold_part=None, Tensor? shared_h=None) -> Tensor");
   m.def("moe_ffn_ok(int topk, int dim, int inter, int shared_inter, int fold_n) -> bool", &moe_ffn_ok_host);
   m.def("moe_ffn_probe(int blocks) -> Tensor", &moe_ffn_probe);  // host-only diagnostic (DS4_FFN_PROBE=1)
+  m.def("moe_step_probe(bool clear) -> Tensor[]", &moe_step_probe);  // host-only diagnostic (-DDS4_MOE_PROBE builds)
   m.def("join_programmatic(int side, int main) -> bool", &join_programmatic);  // host-only, during a capture
   m.def("fork_programmatic(int main, int side) -> bool", &fork_programmatic);  // host-only, during a capture
 }

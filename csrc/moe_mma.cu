@@ -18,6 +18,63 @@ namespace ds4 {
 
 constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
 
+// The step probe (an alt build, -DDS4_MOE_PROBE; scripts/probe_moe_step.py): thread 0 of each block of the routed
+// experts' launches (ids or routing given; the shared expert's are not recorded) notes %globaltimer at the kernel's
+// marks (moe_mark; clock64 at marks 0 and 5 into [6], [7]: the SM clock over the block's life) and at its exit
+// copies them to g_moe_probe[k][launch % MOE_PROBE_SLOTS][block] (k = 0 gate+up, 1 down). The launch is the block's
+// ticket / grid size: every block takes one ticket at its exit, and a kind's next launch (the next layer's) ends after
+// all blocks of this one. Taken at the exit so that the atomic does not delay the marks. Compiled out of the
+// library's build.
+constexpr int MOE_PROBE_BLOCKS = 1024, MOE_PROBE_SLOTS = 16;
+#ifdef DS4_MOE_PROBE
+__device__ unsigned long long g_moe_probe[2][MOE_PROBE_SLOTS][MOE_PROBE_BLOCKS][8];
+__device__ unsigned g_moe_probe_tickets[2];
+__device__ __forceinline__ unsigned long long* moe_probe_row() {
+  __shared__ unsigned long long row[8];
+  return row;
+}
+__device__ __forceinline__ bool moe_probed(const MoEArgs& a) {
+  return threadIdx.x == 0 && (a.ids != nullptr || a.route_logits != nullptr);
+}
+__device__ __forceinline__ void moe_mark(const MoEArgs& a, int i) {
+  if (!moe_probed(a)) return;
+  unsigned long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  if (i == 0)
+    for (int j = 0; j < 8; ++j) moe_probe_row()[j] = 0ULL;  // (marks a kind does not have stay 0)
+  moe_probe_row()[i] = ns;
+  if (i == 0 || i == 5) moe_probe_row()[i == 0 ? 6 : 7] = (unsigned long long)clock64();
+}
+// at each exit of a kernel of kind k; done: the block reached mark 5 (else its row is written as zeros)
+__device__ __forceinline__ void moe_probe_exit(const MoEArgs& a, int k, bool done) {
+  if (!moe_probed(a)) return;
+  const unsigned launch = atomicAdd(&g_moe_probe_tickets[k], 1u) / gridDim.x;
+  if (blockIdx.x >= MOE_PROBE_BLOCKS) return;
+  unsigned long long* dst = g_moe_probe[k][launch % MOE_PROBE_SLOTS][blockIdx.x];
+  for (int i = 0; i < 8; ++i) dst[i] = done ? moe_probe_row()[i] : 0ULL;
+}
+#else
+__device__ __forceinline__ void moe_mark(const MoEArgs&, int) {}
+__device__ __forceinline__ void moe_probe_exit(const MoEArgs&, int, bool) {}
+#endif
+
+cudaError_t moe_probe_read(unsigned long long* host, unsigned* tickets, bool clear) {
+#ifdef DS4_MOE_PROBE
+  cudaError_t e = cudaMemcpyFromSymbol(host, g_moe_probe, sizeof(g_moe_probe));
+  if (e == cudaSuccess) e = cudaMemcpyFromSymbol(tickets, g_moe_probe_tickets, sizeof(g_moe_probe_tickets));
+  if (e != cudaSuccess || !clear) return e;
+  static unsigned long long zeros[2][MOE_PROBE_SLOTS][MOE_PROBE_BLOCKS][8] = {};
+  static unsigned zt[2] = {0, 0};
+  e = cudaMemcpyToSymbol(g_moe_probe, zeros, sizeof(zeros));
+  return e == cudaSuccess ? cudaMemcpyToSymbol(g_moe_probe_tickets, zt, sizeof(zt)) : e;
+#else
+  (void)host;
+  (void)tickets;
+  (void)clear;
+  return cudaErrorNotSupported;
+#endif
+}
+
 // The (w1, w3) row pairs of all local slots, 16 rows each: pair p = u * RT + rt (local slot u,
 // row tile rt of `inter`). Block b streams pairs [b * ppb, (b + 1) * ppb) as local tiles 2 pl (w1) and
 // 2 pl + 1 (w3) (ppb: the pairs split evenly over the grid, from the device's count of local slots).
@@ -31,7 +88,9 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   // blocks load their first weight rounds before the wait (what a programmatic fork of its branch, DS4_PFORK=shared,
   // lets overlap the kernels before it).
   const bool weights_first = a.ids == nullptr && a.rw == nullptr && a.route_logits == nullptr;
+  moe_mark(a, 0);
   if (!weights_first) ds4_pdl::begin();
+  moe_mark(a, 1);
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(MMA_STREAM_MAX_TILES));
@@ -47,6 +106,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   const int p0 = blockIdx.x * ppb, np = min(ppb, total - p0);
   if (np <= 0) {  // block-uniform; every block waits before it exits (completion stays transitive: csrc/pdl.cuh)
     if (weights_first) ds4_pdl::begin();
+    moe_probe_exit(a, 0, false);
     return;
   }
   routed_pair_tiles<FMT>(a, m, s_ids, p0, np, RT, s_tw, s_ts, s_row0, s_slot);
@@ -55,9 +115,12 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),
                                   a.s13_ld, reinterpret_cast<uint8_t*>(xs + a.dim));
   st.prefetch();
+  moe_mark(a, 2);
   if (weights_first) ds4_pdl::begin();
   gate_up_pairs<FMT, AQ>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
                      [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; });
+  moe_mark(a, 5);
+  moe_probe_exit(a, 0, true);
 }
 
 // The down kernels' warps per block on the register stream: MMA_STREAM_WARPS, or 16 in an alt build
@@ -95,6 +158,7 @@ template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false, bool AQ = fals
 __global__ void __launch_bounds__(32 * down_warps<U>(), (down_min_blocks<U, W, FOLD>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
                     void* __restrict__ out, int tpb, const HcFold fold, int pre) {
+  moe_mark(a, 0);
   extern __shared__ float4 smem4[];
   constexpr int NW = down_warps<U>();
   float* part = reinterpret_cast<float*>(smem4);
@@ -120,6 +184,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
                                       a.s2_ld, reinterpret_cast<uint8_t*>(hs + (long)a.topk * a.inter));
   const int pre_rounds = pre < 0 ? (1 << 30) : pre;  // mma_prefetch_rounds
   st.prefetch(pre_rounds);
+  moe_mark(a, 1);
   // the fold's buffers after the stream's (recomputed where used: nothing of the fold stays live in registers
   // across the stream)
   [[maybe_unused]] auto fs = [&] {
@@ -128,13 +193,16 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   };
   if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, a.dim);  // a weight: before the wait
   ds4_pdl::begin();  // h and add come from the previous kernels
+  moe_mark(a, 2);
   st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, a.dim);
   stage_mma_rows<FMT, false, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   mma_part_zero(part, nt, NW);
   __syncthreads();
+  moe_mark(a, 3);
   st.run(part);
   __syncthreads();
+  moe_mark(a, 4);
   for (int i = threadIdx.x; i < nt * 16; i += blockDim.x) {
     const int r = t0 * 16 + i;
     if (r < a.dim) {
@@ -143,6 +211,8 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
     }
   }
   if constexpr (FOLD) hc_fold_epilogue(fold, fs(), t0, nt, a.dim);
+  moe_mark(a, 5);
+  moe_probe_exit(a, 1, true);
 }
 
 static bool moe_mma_ok(const MoEArgs& a) {

@@ -7,6 +7,8 @@ NaN-filled memory), relative L2 error <= 1e-2. Imports only ds4.kernels, ds4.ops
 and ds4.quant."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from gpu_common import DEV, TOL, gen, poison, rel, require_extension, seed_of
@@ -639,6 +641,14 @@ def test_moe_down_prefetch_split_is_bit_exact(depth, monkeypatch):
         monkeypatch.setenv("DS4_PREFETCH_DOWN", n)
         poison()
         assert torch.equal(kernels.moe_down(h, ids, 6, w2, s2, layout, 32, 16, add, False), y), n
+
+
+@pytest.mark.skipif("DS4_MOE_PROBE" in os.environ.get("DS4_NVCC_FLAGS", ""), reason="a probe build has the probe")
+def test_moe_step_probe_says_it_needs_its_build():
+    """The routed MoE kernels' step probe (scripts/probe_moe_step.py) is compiled out of the library's build: asking
+    it for its records raises, naming the build that has them."""
+    with pytest.raises(RuntimeError, match="DS4_MOE_PROBE"):
+        torch.ops.ds4.moe_step_probe(False)
 
 
 def test_spacer_diagnostic_launches_before_the_named_kernels(monkeypatch):

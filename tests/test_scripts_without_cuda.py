@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs these scripts")
-@pytest.mark.parametrize("script", ["ncu_kernels", "diag_graph_state", "diag_options", "bench_kernels"])
+@pytest.mark.parametrize("script", ["ncu_kernels", "diag_graph_state", "diag_options", "bench_kernels",
+                                    "probe_moe_step"])
 def test_gpu_script_says_why_it_cannot_run(script):
     env = dict(os.environ, DS4_NO_JIT="1", PYTHONPATH=str(ROOT))  # never a compile attempt here
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py")], capture_output=True, text=True,
