@@ -2,7 +2,8 @@
 extension built with the step probe, csrc/moe_mma.cu's -DDS4_MOE_PROBE, into a folder of its own):
 
     DS4_NVCC_FLAGS=-DDS4_MOE_PROBE DS4_EXT_BUILD_DIR=$PWD/.ext_build_probe \\
-      DS4_ATTN_EXT_BUILD_DIR=$PWD/.ext_build/attn python scripts/probe_moe_step.py --layers 8 [--replays 6] [--out f.json]
+      DS4_ATTN_EXT_BUILD_DIR=$PWD/.ext_build/attn python scripts/probe_moe_step.py --layers 8 [--replays 6] \\
+      [--out f.json]
 
 Each block of the routed gate+up and down launches writes %globaltimer at its marks (csrc/moe_mma.cu): gate+up
 0 start, 1 after the PDL wait, 2 first weight rounds issued, 5 end; down 0 start, 1 first weight rounds issued (before
@@ -183,8 +184,8 @@ def main() -> int:
     print(torch.cuda.get_device_name(dev))
     res = {"gpu": torch.cuda.get_device_name(dev), "layers": a.layers, "alone": alone(a.replays, dev),
            "step": in_step(a.layers, a.replays, dev)}
-    print("\nmedians over the repetitions (alone) and over the replays' layers but the last (step: the last layer's down "
-          "has no hc fold)")
+    print("\nmedians over the repetitions (alone) and over the replays' layers but the last (step: the last layer's "
+          "down has no hc fold)")
     show("alone", medians(res["alone"]))
     show("step", medians([s for rep in res["step"] for s in rep[:-1]]))
     if a.out:
