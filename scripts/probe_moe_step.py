@@ -1,9 +1,12 @@
 """The routed experts' one-token kernels block by block, inside a replayed decode step and alone (needs the ds4
 extension built with the step probe, csrc/moe_mma.cu's -DDS4_MOE_PROBE, into a folder of its own):
 
-    DS4_NVCC_FLAGS=-DDS4_MOE_PROBE DS4_EXT_BUILD_DIR=$PWD/.ext_build_probe \\
+    DS4_NVCC_FLAGS=-DDS4_MOE_PROBE DS4_ATTN_NVCC_FLAGS= DS4_EXT_BUILD_DIR=$PWD/.ext_build_probe \\
       DS4_ATTN_EXT_BUILD_DIR=$PWD/.ext_build/attn python scripts/probe_moe_step.py --layers 8 [--replays 6] \\
       [--out f.json]
+
+(DS4_ATTN_NVCC_FLAGS= keeps the attention extension's flags the library build's, which DS4_NVCC_FLAGS would otherwise
+set too, so the shared attention build is not compiled again.)
 
 Each block of the routed gate+up and down launches writes %globaltimer at its marks (csrc/moe_mma.cu): gate+up
 0 start, 1 after the PDL wait, 2 first weight rounds issued, 5 end; down 0 start, 1 first weight rounds issued (before

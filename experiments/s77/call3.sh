@@ -14,7 +14,7 @@ t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
 nvidia-smi -L; date -u
 python3 scripts/build_ext.py -q > "$OUT/build.log" 2>&1; rc=$?; echo "build rc=$rc at +$(el)s"
 [ $rc -ne 0 ] && { tail -30 "$OUT/build.log"; exit 1; }
-PROBE_ENV=(DS4_NVCC_FLAGS=-DDS4_MOE_PROBE DS4_EXT_BUILD_DIR="$PWD/.ext_build_probe"
+PROBE_ENV=(DS4_NVCC_FLAGS=-DDS4_MOE_PROBE DS4_ATTN_NVCC_FLAGS= DS4_EXT_BUILD_DIR="$PWD/.ext_build_probe"
            DS4_ATTN_EXT_BUILD_DIR="$PWD/.ext_build/attn")
 env "${PROBE_ENV[@]}" python3 scripts/build_ext.py -q > "$OUT/build_probe.log" 2>&1 &
 PB=$!
