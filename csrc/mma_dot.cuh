@@ -193,7 +193,7 @@ __device__ __forceinline__ uint4 mma_stage_vec(const uint4& in4) {
 }
 
 // Rows 0 .. nrows-1 of bf16 activations (row(r): 16-byte aligned, K % 8 == 0) -> bf16 x 2^64, permuted
-// for mma_chunk, into shared memory rows of K. A thread issues up to B (4) 16-byte loads before it
+// for mma_chunk, into shared memory rows of K. A thread issues up to 4 16-byte loads before it
 // converts and stores any (the staging sits between a kernel's PDL wait and its first MMA). CG: loads
 // through L2 only (ld.global.cg), for rows other blocks of the same launch wrote (moe_ffn.cu).
 // AQ (numerics=qat, K % 128 == 0, blockDim % 32 == 0): the values staged are act_quant_sim(x, 128)'s (act_quant.cuh),
@@ -204,13 +204,13 @@ __device__ __forceinline__ uint4 mma_stage_vec(const uint4& in4) {
 // in the shuffles. (Before session 71 the AQ form loaded one vector at a time, simulating it before the next load:
 // one dependent L2 round trip per vector a thread stages, 6 of them in the MoE down at V4's shapes; 4 loads held
 // across the simulation spilled.)
-template <int FMT, bool CG = false, bool AQ = false, int B = 4, typename RowFn>
+template <int FMT, bool CG = false, bool AQ = false, typename RowFn>
 __device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, int nrows, int K) {
   const int per = K / 8, total = nrows * per;
-  for (int i0 = threadIdx.x; i0 < total; i0 += B * blockDim.x) {
-    uint4 in4[B];
+  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
+    uint4 in4[4];
 #pragma unroll
-    for (int j = 0; j < B; ++j) {
+    for (int j = 0; j < 4; ++j) {
       const int i = i0 + j * blockDim.x, r = i / per;
       if (i < total) {
         const uint4* p = reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
@@ -218,7 +218,7 @@ __device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, in
       }
     }
 #pragma unroll
-    for (int j = 0; j < B; ++j) {
+    for (int j = 0; j < 4; ++j) {
       const int i = i0 + j * blockDim.x;
       if (i < total) *reinterpret_cast<uint4*>(dst + (long)i * 8) = AQ ? in4[j] : mma_stage_vec<FMT>(in4[j]);
     }

@@ -111,21 +111,18 @@ __device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x
   }
 }
 
-// down_add_value: add[o] as a float (exact: a bf16 or an fp32), for down_store_with, which a kernel may load early.
-__device__ __forceinline__ float down_add_value(const void* add, bool add_bf16, long o) {
-  return add_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(add)[o]) : static_cast<const float*>(add)[o];
-}
-
 // out[o] of a down projection v:
 //   fp32 add: fp32 out = add + v (accumulation); bf16 out = bf16(add + bf16(v)), the reference's order
 //     when the shared expert's output (v, rounded to bf16) is added to the fp32 routed sum (add);
 //   bf16 add (a.add_bf16: the shared expert's output, already rounded): out = add + v, v the fp32 routed
 //     sum — the same sum, for when the shared expert ran first.
-// Returns the value as stored. down_store_with takes add[o] as loaded (down_add_value), down_store loads it.
+// Returns the value as stored.
 template <bool OUT_F32>
-__device__ __forceinline__ float down_store_with(void* out, long o, bool has_add, float add_v, bool add_bf16, float v) {
+__device__ __forceinline__ float down_store(void* out, long o, const void* add, bool add_bf16, float v) {
   float y = v;
-  if (has_add) y = add_bf16 ? add_v + v : add_v + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v)));
+  if (add != nullptr)
+    y = add_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(add)[o]) + v
+                 : static_cast<const float*>(add)[o] + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v)));
   if (OUT_F32) {
     reinterpret_cast<float*>(out)[o] = y;
     return y;
@@ -133,11 +130,6 @@ __device__ __forceinline__ float down_store_with(void* out, long o, bool has_add
   const __nv_bfloat16 b = __float2bfloat16(y);
   reinterpret_cast<__nv_bfloat16*>(out)[o] = b;
   return __bfloat162float(b);
-}
-template <bool OUT_F32>
-__device__ __forceinline__ float down_store(void* out, long o, const void* add, bool add_bf16, float v) {
-  return down_store_with<OUT_F32>(out, o, add != nullptr, add != nullptr ? down_add_value(add, add_bf16, o) : 0.f,
-                                  add_bf16, v);
 }
 
 // Both matrices of an expert ([inter, dim] w1 / w3, [dim, inter] w2) in layout a.fmt (layout_shape_ok). FMT_FP4T /

@@ -157,7 +157,7 @@ template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_bl
 template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false, bool AQ = false>
 __global__ void __launch_bounds__(32 * down_warps<U>(), (down_min_blocks<U, W, FOLD>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
-                    void* __restrict__ out, int tpb, const HcFold fold, int pre, int early) {
+                    void* __restrict__ out, int tpb, const HcFold fold, int pre) {
   moe_mark(a, 0);
   extern __shared__ float4 smem4[];
   constexpr int NW = down_warps<U>();
@@ -194,24 +194,9 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, a.dim);  // a weight: before the wait
   ds4_pdl::begin();  // h and add come from the previous kernels
   moe_mark(a, 2);
-  // early (moe_down_early, the default): the epilogue's `add` (the shared expert's output) is loaded now, each thread
-  // the row it stores, so its L2 round trip overlaps the staging instead of following the stream; and the fold's form
-  // at depth 2 (U = 1, V4's rule; 128 registers) stages h with all of a thread's loads in flight at once (8: V4's
-  // 6 x 2048 values are 6 a thread, one round trip instead of two). Why: in the decode step the staging took 3.1 us
-  // and the fold's epilogue 2.6 us of the routed down's blocks, their stream 6.9 (H100, the step probe,
-  // experiments/session77.md).
-  const bool add_early = early && add != nullptr && nt * 16 <= (int)blockDim.x;
-  float add_v = 0.f;
-  if (add_early && (int)threadIdx.x < nt * 16 && t0 * 16 + (int)threadIdx.x < a.dim)
-    add_v = down_add_value(add, a.add_bf16, t0 * 16 + threadIdx.x);
   st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, a.dim);
-  auto h_row = [=](int u) { return h + (long)s_slot[u] * a.inter; };
-  bool staged = false;
-  if constexpr (FOLD && U == 1) {  // (the deeper streams' registers spill with 8 loads in flight: ptxas)
-    if (early) stage_mma_rows<FMT, false, AQ, 8>(hs, h_row, nU, a.inter), staged = true;
-  }
-  if (!staged) stage_mma_rows<FMT, false, AQ>(hs, h_row, nU, a.inter);
+  stage_mma_rows<FMT, false, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   mma_part_zero(part, nt, NW);
   __syncthreads();
   moe_mark(a, 3);
@@ -221,9 +206,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   for (int i = threadIdx.x; i < nt * 16; i += blockDim.x) {
     const int r = t0 * 16 + i;
     if (r < a.dim) {
-      const float v = mma_part_sum<NW>(part, i >> 4, i & 15);
-      const float y = add_early ? down_store_with<OUT_F32>(out, r, true, add_v, a.add_bf16, v)
-                                : down_store<OUT_F32>(out, r, add, a.add_bf16, v);
+      const float y = down_store<OUT_F32>(out, r, add, a.add_bf16, mma_part_sum<NW>(part, i >> 4, i & 15));
       if constexpr (FOLD) fs().ys[i] = y;
     }
   }
@@ -299,14 +282,6 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
                          reinterpret_cast<__nv_bfloat16*>(h));
 }
 
-// The one-token MoE down's early loads after its PDL wait (moe_down_mma_kernel's early): DS4_DOWN_EARLY=0 (read at
-// every launch; the ablation, bench token nodnearly) takes the form before session 77 (add loaded in the epilogue, h
-// staged 4 loads at a time).
-static bool moe_down_early() {
-  const char* env = std::getenv("DS4_DOWN_EARLY");
-  return !(env != nullptr && env[0] == '0');
-}
-
 template <int FMT, int U, int W, bool F32, bool FOLD = false, bool AQ = false>
 static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
                                const HcFold& fold = HcFold{}) {
@@ -329,8 +304,7 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
   if ((e = launch_spacer_before('d', st)) != cudaSuccess) return e;
   return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(threads), smem, st, a,
-                         reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb, fold, mma_prefetch_rounds(true),
-                         moe_down_early() ? 1 : 0);
+                         reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb, fold, mma_prefetch_rounds(true));
 }
 
 // A per-kernel depth knob (`name`, read at every launch) where set, else the per-shape rule for rows of K.

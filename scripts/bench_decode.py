@@ -96,9 +96,6 @@ scores rows whose visible entries the top-k takes all of, as before session 37; 
 deferN (Attention.defer_compress = N: the compressors project up to N tokens at once, the largest divisor of the
 ratio, on every N-th step, instead of every token at its own step; session 38, opt-in), deferhN (the same for the HCA
 layers' compressor alone),
-nodnearly (DS4_DOWN_EARLY=0: the one-token MoE down loads its epilogue's `add` there and stages h 4 loads a thread at a
-time, the form before session 77; the default loads add right after its PDL wait and, in the hc fold's form, stages h
-in one round trip; csrc/moe_mma.cu),
 preN / dpreN (DS4_PREFETCH / DS4_PREFETCH_DOWN=N: the tensor-core GEMVs / the MoE down kernels load only N weight
 rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
@@ -234,7 +231,7 @@ PLAIN_TOKENS = frozenset({
     "nopack", "notile", "tile", "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8",
     "k2048", "w1", "w2", "w4", "smem", "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf",
     "kroute", "nohcr", "hcq", "pj", "nopfsh", "late", "pja", "early", "noctrig", "nohtrig", "rtrig", "nohcf", "noride",
-    "rideattn", "xcombine", "noidxskip", "nodnearly",
+    "rideattn", "xcombine", "noidxskip",
     "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared",
     "xrouter", "xrouted", "xattn"})
 NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
@@ -454,7 +451,6 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     os.environ["DS4_HC_TRIGGER"] = "wait" if "nohtrig" in toks else "early"
     os.environ["DS4_ROUTER_TRIGGER"] = "early" if "rtrig" in toks else "wait"
     os.environ["DS4_ATTN_EARLY"] = "1" if "early" in toks else "0"
-    os.environ["DS4_DOWN_EARLY"] = "0" if "nodnearly" in toks else "1"
     os.environ["DS4_LATE_COMPRESS"] = "1" if "late" in toks else "0"
     os.environ["DS4_HC_FOLD"] = "0" if "nohcf" in toks else "1"
     os.environ["DS4_SINKHORN_RIDE"] = "0" if "noride" in toks else ("attn" if "rideattn" in toks else "1")

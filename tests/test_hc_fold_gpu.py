@@ -99,38 +99,6 @@ def test_moe_down_fold(fmt, dims, n, stream, monkeypatch):
     _check_fold(y, fold, scale, base, norm)
 
 
-@pytest.mark.parametrize("fmt,fold_n,add_dtype,out_f32", [("fp4t", 4, BF16, False), ("fp4t", 0, torch.float32, False),
-                                                       ("fp4t", 0, torch.float32, True), ("fp4p", 4, BF16, False),
-                                                       ("fp8", 0, BF16, False)])
-def test_moe_down_early_loads_are_bit_exact(fmt, fold_n, add_dtype, out_f32, monkeypatch):
-    """The down kernel's early loads (the default): `add` read right after the PDL wait, each thread its epilogue row,
-    and in the fold's depth-2 form h staged with 8 loads a thread; DS4_DOWN_EARLY=0, the form before session 77: the
-    same output, streams and partials bit for bit (bf16 and fp32 add, bf16 and fp32 out)."""
-    dim, inter = 4096, 2048
-    g = gen(seed_of("down_early", fmt, fold_n, str(add_dtype), out_f32))
-    (w1, s1, w3, s3, w2, s2), _ = make_experts(16, dim, inter, g, fmt)
-    ids = torch.tensor([[33, 40, 47, 32, 35, 44]], device=DEV)
-    weights = torch.rand(1, 6, device=DEV, generator=g) + 0.1
-    x, add = rand_x(1, dim, g), rand_x(1, dim, g).to(add_dtype)
-    h = kernels.moe_gate_up(x, ids, weights, w1, s1, w3, s3, fmt, 32, 16, 10.0)
-    site = _site(fold_n, dim, g)[0] if fold_n else None
-
-    def down():
-        fold = None if site is None else HcFold(site.res, site.post, site.comb, site.fn, torch.full_like(site.out, 7.0),
-                                                torch.full_like(site.part, 7.0))
-        poison()
-        y = kernels.moe_down(h, ids, 6, w2, s2, fmt, 32, 16, add, out_f32, kernel="mma", fold=fold)
-        return y, fold
-
-    monkeypatch.delenv("DS4_DOWN_EARLY", raising=False)
-    y, fold = down()
-    monkeypatch.setenv("DS4_DOWN_EARLY", "0")
-    y0, fold0 = down()
-    assert torch.isfinite(y.float()).all() and torch.equal(y, y0)
-    if fold is not None:
-        assert torch.equal(fold.out, fold0.out) and torch.equal(fold.part, fold0.part)
-
-
 def test_fold_finish_with_the_router():
     """hc_fold_finish with a gate: the router fold's finish on the fold's partials (x, post, comb as without it;
     logits = x . gate^T)."""
