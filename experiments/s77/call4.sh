@@ -5,6 +5,8 @@
 #   1. the library's build (rotation on), then the alt build (-DDS4_STAGE_ROT=0, main extension only) beside
 #   2. the GPU tests (the MoE / GEMV kernel tests, moe_ffn, the hc fold, graph = eager [fused]);
 #   3. the slope in two processes: the build, then the alt build (two passes each).
+# NOT RUN in session 77 (no device time was left): the change is not in the tree. Apply it first:
+#   git apply experiments/s77/stage_rot.diff
 # Logs in $OUT. Usage (carry build/site): OUT=$OUT bash experiments/s77/call4.sh
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
