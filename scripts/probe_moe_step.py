@@ -11,8 +11,9 @@ set too, so the shared attention build is not compiled again.)
 Each block of the routed gate+up and down launches writes %globaltimer at its marks (csrc/moe_mma.cu): gate+up
 0 start, 1 after the PDL wait, 2 first weight rounds issued, 5 end; down 0 start, 1 first weight rounds issued (before
 the PDL wait), 2 after the wait, 3 h staged (its stream starts), 4 its stream done, 5 end (after the hc fold's
-epilogue in the step). A replay's record is its last layer's. "Alone" is the same pair of launches (fp4t, random
-weights and ids, no fold, fp32 out) in eager stream order, nothing beside them.
+epilogue in the step). A block files its marks under its launch (its exit ticket / grid size), so one replay gives
+every layer's pair. "Alone" is the same pair of launches (fp4t, random weights and ids, no fold, fp32 out) in eager
+stream order, nothing beside them.
 
 Printed per case, in us from the gate+up's last block end (t = 0): the down's blocks' start / wait return / stream
 start / end (first, median, last), each block's phases (median), the gate+up's span, and the SM clock over the
