@@ -57,9 +57,7 @@ constexpr int FFN_PROBE_BLOCKS = 1024;
 __device__ unsigned long long g_ffn_probe[FFN_PROBE_BLOCKS][4];
 __device__ __forceinline__ void ffn_mark(bool on, int i) {
   if (!on || threadIdx.x != 0 || blockIdx.x >= FFN_PROBE_BLOCKS) return;
-  unsigned long long ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-  g_ffn_probe[blockIdx.x][i] = ns;
+  g_ffn_probe[blockIdx.x][i] = ds4_pdl::globaltimer();
 }
 
 __device__ __forceinline__ void ffn_grid_barrier() {

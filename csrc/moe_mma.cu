@@ -38,8 +38,7 @@ __device__ __forceinline__ bool moe_probed(const MoEArgs& a) {
 }
 __device__ __forceinline__ void moe_mark(const MoEArgs& a, int i) {
   if (!moe_probed(a)) return;
-  unsigned long long ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  const unsigned long long ns = ds4_pdl::globaltimer();
   if (i == 0)
     for (int j = 0; j < 8; ++j) moe_probe_row()[j] = 0ULL;  // (marks a kind does not have stay 0)
   moe_probe_row()[i] = ns;

@@ -75,6 +75,14 @@ inline bool enabled() {
   return major_of[dev] >= 9;
 }
 
+// The GPU's nanosecond clock (%globaltimer), the same on every SM: the phase probes' timestamps (DS4_MARK below,
+// moe_ffn.cu's DS4_FFN_PROBE, moe_mma.cu's DS4_MOE_PROBE).
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
 // Phase probe: scripts/probe_phases.cu compiles the kernels with DS4_PROBE; thread 0 of each block
 // then records clock64() and %globaltimer at DS4_MARK(i) (i < 8), so a kernel's time can be split
 // into its phases and its blocks' timeline seen. Compiled out in the extensions.
@@ -84,8 +92,7 @@ __device__ unsigned long long probe_ns[4096][8];
 __device__ __forceinline__ void probe_mark(int i) {
   const unsigned b = blockIdx.y * gridDim.x + blockIdx.x;
   if (threadIdx.x != 0 || b >= 4096) return;
-  unsigned long long ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  const unsigned long long ns = globaltimer();
   probe_clk[b][i] = clock64();
   probe_ns[b][i] = ns;
 }
