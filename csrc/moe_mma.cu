@@ -20,17 +20,18 @@ constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
 
 // The step probe (an alt build, -DDS4_MOE_PROBE; scripts/probe_moe_step.py): thread 0 of each block of the routed
 // experts' launches (ids or routing given; the shared expert's are not recorded) notes %globaltimer at the kernel's
-// marks (moe_mark; clock64 at marks 0 and 5 into [6], [7]: the SM clock over the block's life) and at its exit
+// marks (moe_mark; clock64 at marks 0 and 5 into [6], [7]: the SM clock over the block's life; the down's epilogue
+// marks 8 and 9 after [7]) and at its exit
 // copies them to g_moe_probe[k][launch % MOE_PROBE_SLOTS][block] (k = 0 gate+up, 1 down). The launch is the block's
 // ticket / grid size: every block takes one ticket at its exit, and a kind's next launch (the next layer's) ends after
 // all blocks of this one. Taken at the exit so that the atomic does not delay the marks. Compiled out of the
 // library's build.
-constexpr int MOE_PROBE_BLOCKS = 1024, MOE_PROBE_SLOTS = 16;
+constexpr int MOE_PROBE_BLOCKS = 1024, MOE_PROBE_SLOTS = 16, MOE_PROBE_MARKS = 10;
 #ifdef DS4_MOE_PROBE
-__device__ unsigned long long g_moe_probe[2][MOE_PROBE_SLOTS][MOE_PROBE_BLOCKS][8];
+__device__ unsigned long long g_moe_probe[2][MOE_PROBE_SLOTS][MOE_PROBE_BLOCKS][MOE_PROBE_MARKS];
 __device__ unsigned g_moe_probe_tickets[2];
 __device__ __forceinline__ unsigned long long* moe_probe_row() {
-  __shared__ unsigned long long row[8];
+  __shared__ unsigned long long row[MOE_PROBE_MARKS];
   return row;
 }
 __device__ __forceinline__ bool moe_probed(const MoEArgs& a) {
@@ -40,7 +41,7 @@ __device__ __forceinline__ void moe_mark(const MoEArgs& a, int i) {
   if (!moe_probed(a)) return;
   const unsigned long long ns = ds4_pdl::globaltimer();
   if (i == 0)
-    for (int j = 0; j < 8; ++j) moe_probe_row()[j] = 0ULL;  // (marks a kind does not have stay 0)
+    for (int j = 0; j < MOE_PROBE_MARKS; ++j) moe_probe_row()[j] = 0ULL;  // (marks a kind does not have stay 0)
   moe_probe_row()[i] = ns;
   if (i == 0 || i == 5) moe_probe_row()[i == 0 ? 6 : 7] = (unsigned long long)clock64();
 }
@@ -50,7 +51,7 @@ __device__ __forceinline__ void moe_probe_exit(const MoEArgs& a, int k, bool don
   const unsigned launch = atomicAdd(&g_moe_probe_tickets[k], 1u) / gridDim.x;
   if (blockIdx.x >= MOE_PROBE_BLOCKS) return;
   unsigned long long* dst = g_moe_probe[k][launch % MOE_PROBE_SLOTS][blockIdx.x];
-  for (int i = 0; i < 8; ++i) dst[i] = done ? moe_probe_row()[i] : 0ULL;
+  for (int i = 0; i < MOE_PROBE_MARKS; ++i) dst[i] = done ? moe_probe_row()[i] : 0ULL;
 }
 #else
 __device__ __forceinline__ void moe_mark(const MoEArgs&, int) {}
@@ -62,7 +63,7 @@ cudaError_t moe_probe_read(unsigned long long* host, unsigned* tickets, bool cle
   cudaError_t e = cudaMemcpyFromSymbol(host, g_moe_probe, sizeof(g_moe_probe));
   if (e == cudaSuccess) e = cudaMemcpyFromSymbol(tickets, g_moe_probe_tickets, sizeof(g_moe_probe_tickets));
   if (e != cudaSuccess || !clear) return e;
-  static unsigned long long zeros[2][MOE_PROBE_SLOTS][MOE_PROBE_BLOCKS][8] = {};
+  static unsigned long long zeros[2][MOE_PROBE_SLOTS][MOE_PROBE_BLOCKS][MOE_PROBE_MARKS] = {};
   static unsigned zt[2] = {0, 0};
   e = cudaMemcpyToSymbol(g_moe_probe, zeros, sizeof(zeros));
   return e == cudaSuccess ? cudaMemcpyToSymbol(g_moe_probe_tickets, zt, sizeof(zt)) : e;
@@ -209,6 +210,16 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
       if constexpr (FOLD) fs().ys[i] = y;
     }
   }
+  moe_mark(a, 8);
+#ifdef DS4_MOE_PROBE
+  // the probe's split of the fold's epilogue: its copies landed (the epilogue's own wait and barrier then find
+  // nothing to wait for; an extra barrier in this build only)
+  if constexpr (FOLD) {
+    cp_async_wait<0>();
+    __syncthreads();
+    moe_mark(a, 9);
+  }
+#endif
   if constexpr (FOLD) hc_fold_epilogue(fold, fs(), t0, nt, a.dim);
   moe_mark(a, 5);
   moe_probe_exit(a, 1, true);

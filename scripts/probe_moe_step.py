@@ -10,10 +10,10 @@ set too, so the shared attention build is not compiled again.)
 
 Each block of the routed gate+up and down launches writes %globaltimer at its marks (csrc/moe_mma.cu): gate+up
 0 start, 1 after the PDL wait, 2 first weight rounds issued, 5 end; down 0 start, 1 first weight rounds issued (before
-the PDL wait), 2 after the wait, 3 h staged (its stream starts), 4 its stream done, 5 end (after the hc fold's
-epilogue in the step). A block files its marks under its launch (its exit ticket / grid size), so one replay gives
-every layer's pair. "Alone" is the same pair of launches (fp4t, random weights and ids, no fold, fp32 out) in eager
-stream order, nothing beside them.
+the PDL wait), 2 after the wait, 3 h staged (its stream starts), 4 its stream done, 8 its rows stored, 9 (with the hc
+fold, in the step) the fold's copies landed, 5 end (after the fold's epilogue). A block files its marks under its
+launch (its exit ticket / grid size), so one replay gives every layer's pair. "Alone" is the same pair of launches
+(fp4t, random weights and ids, no fold, fp32 out) in eager stream order, nothing beside them.
 
 Printed per case, in us from the gate+up's last block end (t = 0): the down's blocks' start / wait return / stream
 start / end (first, median, last), each block's phases (median), the gate+up's span, and the SM clock over the
@@ -45,7 +45,7 @@ GU, DN = 0, 1
 
 
 def read(clear: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The probe's records [2, 16, 1024, 8] (kind, launch % 16, block, mark) and tickets [2] (torch.ops.ds4
+    """The probe's records [2, 16, 1024, 10] (kind, launch % 16, block, mark) and tickets [2] (torch.ops.ds4
     .moe_step_probe), zeroed after the copy."""
     rec, tickets = torch.ops.ds4.moe_step_probe(clear)
     return rec, tickets
@@ -56,7 +56,7 @@ def _q(v: list[float]) -> tuple[float, float, float]:
 
 
 def summary(gu: torch.Tensor, dn: torch.Tensor) -> dict:
-    """One layer's figures from its gate+up and down records ([1024, 8] each), in us relative to the gate+up's last
+    """One layer's figures from its gate+up and down records ([1024, 10] each), in us relative to the gate+up's last
     block end; {} where either launch left no complete block."""
     gu = gu[gu[:, 5] > 0].double()  # the blocks that reached their end mark (gate+up's idle blocks write zeros)
     dn = dn[dn[:, 0] > 0].double()
@@ -66,12 +66,15 @@ def summary(gu: torch.Tensor, dn: torch.Tensor) -> dict:
     us = lambda t: [float(x) for x in ((t - t0) / 1e3).tolist()]  # noqa: E731
     ghz = lambda r: statistics.median(((r[:, 7] - r[:, 6]) / (r[:, 5] - r[:, 0])).tolist())  # noqa: E731
     d = lambda a, b: statistics.median(((dn[:, b] - dn[:, a]) / 1e3).tolist())  # noqa: E731
+    folded, nan = bool((dn[:, 9] > 0).all()), float("nan")
     return {
         "gu_blocks": len(gu), "dn_blocks": len(dn),
         "gu_start": _q(us(gu[:, 0])), "gu_waited": _q(us(gu[:, 1])), "gu_end": _q(us(gu[:, 5])),
         "dn_start": _q(us(dn[:, 0])), "dn_waited": _q(us(dn[:, 2])), "dn_run": _q(us(dn[:, 3])),
         "dn_ran": _q(us(dn[:, 4])), "dn_end": _q(us(dn[:, 5])),
         "dn_prefetch": d(0, 1), "dn_wait": d(1, 2), "dn_stage": d(2, 3), "dn_stream": d(3, 4), "dn_epilogue": d(4, 5),
+        # the epilogue's parts: rows stored; with the fold (mark 9 set), its copies' wait and the fold's pass
+        "dn_store": d(4, 8), "dn_fold_wait": d(8, 9) if folded else nan, "dn_fold": d(9, 5) if folded else nan,
         "dn_life": d(0, 5), "gu_ghz": ghz(gu), "dn_ghz": ghz(dn),
     }
 
@@ -96,6 +99,8 @@ def show(name: str, s: dict) -> None:
     print(f"  down block (median us): prefetch {s['dn_prefetch']:.2f}  wait {s['dn_wait']:.2f}  "
           f"stage {s['dn_stage']:.2f}  stream {s['dn_stream']:.2f}  epilogue {s['dn_epilogue']:.2f}  "
           f"life {s['dn_life']:.2f}")
+    print(f"  down epilogue (median us): rows stored {s['dn_store']:.2f}  fold's copies waited "
+          f"{s['dn_fold_wait']:.2f}  fold {s['dn_fold']:.2f}")
 
 
 def in_step(layers: int, replays: int, dev: torch.device) -> list[list[dict]]:
