@@ -16,6 +16,23 @@
 
 namespace ds4 {
 
+// DS4_FOLD_PASS (a build switch, default 1; the ablation builds with 0): the epilogue's form. 1: the streams' values
+// of all the block's tiles are formed first (to s.red), then each (tile, mix) sum is taken by 8 lanes and 3 shuffles
+// (hc_fold_sums); 0: the form before session 78 (hc_fold_pass), in passes of blockDim elements, each element's
+// MIX + 1 products summed over lane quads, then the quads' sums by one thread per (tile, mix). Why: the step probe
+// (scripts/probe_moe_step.py, session 78) put 1.8 us of the MoE down's blocks in the fold's pass, where its
+// arithmetic is a few hundred cycles by count: its 2 busy warps issue ~140 shared-memory / shuffle instructions each,
+// beside the other block of the SM still streaming weights. The new form spreads the sums over 7 warps at ~19 each.
+#ifndef DS4_FOLD_PASS
+#define DS4_FOLD_PASS 1
+#endif
+constexpr int HC_FOLD_LANES = 8;  // lanes per (tile, mix) sum in hc_fold_sums
+
+// s.red's floats: the streams' values of nt tiles (hc_fold_sums), or the quad slots (hc_fold_pass)
+__host__ __device__ constexpr long hc_fold_red_floats(int nt, int n, int mix, int threads) {
+  return DS4_FOLD_PASS ? (long)nt * 16 * n : (long)(threads / 4 + 1) * (mix + 1);
+}
+
 // Shared-memory floats of a block's fold buffers for up to nt tiles (see HcFoldSmem; the kernels size and
 // lay them out for their tiles per block and index them with the block's own tile count) in blocks of `threads`.
 __host__ __device__ constexpr long hc_fold_smem_floats(int nt, int n, int mix, int threads = MMA_STREAM_THREADS) {
@@ -24,7 +41,7 @@ __host__ __device__ constexpr long hc_fold_smem_floats(int nt, int n, int mix, i
          + 16                                     // post, comb (n + n * n <= 20; padded to 16 B blocks below)
          + 16                                     // (pad)
          + (long)nt * 16                          // y of the block's rows, as stored
-         + (long)(threads / 4 + 1) * (mix + 1)    // one reduction slot per lane quad and mix (+1: pad)
+         + hc_fold_red_floats(nt, n, mix, threads)
          + 8;                                     // alignment slack
 }
 
@@ -33,7 +50,8 @@ struct HcFoldSmem {
   __nv_bfloat16* res;   // [n][nt * 16]
   float* pc;            // post [n] then comb [n * n]
   float* ys;            // [nt * 16]
-  float* red;           // [mix + 1][quads + 1]: quads = blockDim.x / 4 (hc_fold_smem_floats' threads / 4), one pad column
+  float* red;           // DS4_FOLD_PASS: the streams' values [nt][n][16]; else [mix + 1][quads + 1]: quads = blockDim.x / 4
+                        // (hc_fold_smem_floats' threads / 4), one pad column
 };
 
 __device__ __forceinline__ HcFoldSmem hc_fold_smem(float* base, int nt, int n, int mix) {
@@ -136,11 +154,55 @@ __device__ __forceinline__ void hc_fold_pass(const HcFold& f, const HcFoldSmem& 
   __syncthreads();  // s.red is rewritten by the next pass
 }
 
+// The epilogue for n streams in the DS4_FOLD_PASS form: every element (tile tl, stream j, row rr) of the block's
+// tiles formed as in hc_fold_pass, stored, and kept as float in s.red[(tl n + j) 16 + rr]; then each (tile, mix) sum
+// over its tile's 16 n elements taken by HC_FOLD_LANES consecutive lanes, 2 n products each, and added over the lanes
+// with 3 shuffles in a fixed order (deterministic). Lane `sub` of mix m takes the elements 8 c + sub, c = (q + m) mod 2n
+// for q = 0, 1, ...: the 4 mixes of a warp then read fn rows of the same bank offset at different c (no conflict at
+// one tile per block, V4's shapes).
+template <int N>
+__device__ __forceinline__ void hc_fold_sums(const HcFold& f, const HcFoldSmem& s, int t0, int nt, int D) {
+  constexpr int MIX = (2 + N) * N, ET = 16 * N, Q = ET / HC_FOLD_LANES;
+  for (int e = threadIdx.x; e < nt * ET; e += blockDim.x) {
+    const int tl = e / ET, j = (e - tl * ET) >> 4, i = tl * 16 + (e & 15);
+    float acc = 0.f;
+#pragma unroll
+    for (int q = 0; q < N; ++q) acc += s.pc[N + q * N + j] * __bfloat162float(s.res[q * nt * 16 + i]);
+    const __nv_bfloat16 b = __float2bfloat16(s.pc[j] * s.ys[i] + acc);
+    static_cast<__nv_bfloat16*>(f.out)[(long)j * D + t0 * 16 + i] = b;
+    s.red[e] = __bfloat162float(b);
+  }
+  __syncthreads();
+  const int pairs = nt * (MIX + 1), per_round = blockDim.x / HC_FOLD_LANES, sub = threadIdx.x % HC_FOLD_LANES;
+  for (int p0 = 0; p0 < pairs; p0 += per_round) {  // (a uniform bound: every lane reaches the shuffles)
+    const int p = p0 + (int)threadIdx.x / HC_FOLD_LANES;
+    const bool ok = p < pairs;
+    const int tl = ok ? p / (MIX + 1) : 0, m = ok ? p - tl * (MIX + 1) : 0;
+    const float* v = s.red + (long)tl * ET;
+    float acc = 0.f;
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      const int el = ((q + m) % Q) * HC_FOLD_LANES + sub, j = el >> 4;
+      const float w = m < MIX ? s.fn[((long)m * N + j) * nt * 16 + tl * 16 + (el & 15)] : v[el];
+      acc += ok ? w * v[el] : 0.f;
+    }
+#pragma unroll
+    for (int o = 1; o < HC_FOLD_LANES; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (ok && sub == 0) f.part[(long)m * (D / 16) + t0 + tl] = acc;
+  }
+}
+
 // The epilogue: the caller has stored its rows and put them (as stored) in s.ys, for local tiles
 // [0, nt) (global tiles t0 + tl, nsplit = D / 16 of them); every thread of the block calls this.
 __device__ __forceinline__ void hc_fold_epilogue(const HcFold& f, const HcFoldSmem& s, int t0, int nt, int D) {
   cp_async_wait<0>();
   __syncthreads();  // s.ys, and every thread's copies
+  if constexpr (DS4_FOLD_PASS) {
+    if (f.n == 4) hc_fold_sums<4>(f, s, t0, nt, D);
+    else if (f.n == 2) hc_fold_sums<2>(f, s, t0, nt, D);
+    else hc_fold_sums<1>(f, s, t0, nt, D);
+    return;
+  }
   const int total = nt * 16 * f.n;
   for (int e0 = 0; e0 < total; e0 += blockDim.x) {
     if (f.n == 4) hc_fold_pass<4>(f, s, t0, nt, D, e0);

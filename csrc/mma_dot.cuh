@@ -204,30 +204,23 @@ __device__ __forceinline__ uint4 mma_stage_vec(const uint4& in4) {
 // in the shuffles. (Before session 71 the AQ form loaded one vector at a time, simulating it before the next load:
 // one dependent L2 round trip per vector a thread stages, 6 of them in the MoE down at V4's shapes; 4 loads held
 // across the simulation spilled.)
-// DS4_STAGE_ROT (a build switch, default 1; the ablation builds with 0): without AQ, block b's threads take the
-// vectors from (8 b) mod total on, wrapping (the same vectors to the same places): every block of a launch stages the
-// same activations right after the same PDL wait, and in step they would all ask for the same 128-byte line at once.
-#ifndef DS4_STAGE_ROT
-#define DS4_STAGE_ROT 1
-#endif
 template <int FMT, bool CG = false, bool AQ = false, typename RowFn>
 __device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, int nrows, int K) {
   const int per = K / 8, total = nrows * per;
-  const int rot = DS4_STAGE_ROT && !AQ && total > 0 ? (int)((blockIdx.x * 8u) % (unsigned)total) : 0;
   for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
     uint4 in4[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int i = i0 + j * blockDim.x, v = i + rot < total ? i + rot : i + rot - total, r = v / per;
+      const int i = i0 + j * blockDim.x, r = i / per;
       if (i < total) {
-        const uint4* p = reinterpret_cast<const uint4*>(row(r) + (long)(v - r * per) * 8);
+        const uint4* p = reinterpret_cast<const uint4*>(row(r) + (long)(i - r * per) * 8);
         in4[j] = CG ? __ldcg(p) : *p;
       }
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int i = i0 + j * blockDim.x, v = i + rot < total ? i + rot : i + rot - total;
-      if (i < total) *reinterpret_cast<uint4*>(dst + (long)v * 8) = AQ ? in4[j] : mma_stage_vec<FMT>(in4[j]);
+      const int i = i0 + j * blockDim.x;
+      if (i < total) *reinterpret_cast<uint4*>(dst + (long)i * 8) = AQ ? in4[j] : mma_stage_vec<FMT>(in4[j]);
     }
   }
   if constexpr (AQ) {
