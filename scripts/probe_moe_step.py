@@ -16,8 +16,8 @@ launch (its exit ticket / grid size), so one replay gives every layer's pair. "A
 (fp4t, random weights and ids, no fold, fp32 out) in eager stream order, nothing beside them.
 
 Printed per case, in us from the gate+up's last block end (t = 0): the down's blocks' start / wait return / stream
-start / end (first, median, last), each block's phases (median), the gate+up's span, and the SM clock over the
-blocks' lives (clock64 / globaltimer). Why: the routed down runs 17-19 us for 25 MB in the step (H100, session 76),
+start / end (first, median, last), each block's phases (the mean over the blocks), the gate+up's span, and the SM
+clock over the blocks' lives (clock64 / globaltimer). Why: the routed down runs 17-19 us for 25 MB in the step (H100, session 76),
 13.4 us per launch back to back alone (session 63).
 """
 from __future__ import annotations
@@ -65,7 +65,10 @@ def summary(gu: torch.Tensor, dn: torch.Tensor) -> dict:
     t0 = gu[:, 5].max()
     us = lambda t: [float(x) for x in ((t - t0) / 1e3).tolist()]  # noqa: E731
     ghz = lambda r: statistics.median(((r[:, 7] - r[:, 6]) / (r[:, 5] - r[:, 0])).tolist())  # noqa: E731
-    d = lambda a, b: statistics.median(((dn[:, b] - dn[:, a]) / 1e3).tolist())  # noqa: E731
+    # a phase's mean over the blocks: %globaltimer ticks every 256 ns on the H100s of sessions 77-78, so a median of
+    # differences is a multiple of 0.256 us, where the mean of many blocks' (their phases random against the
+    # ticks) resolves finer
+    d = lambda a, b: statistics.fmean(((dn[:, b] - dn[:, a]) / 1e3).tolist())  # noqa: E731
     folded, nan = bool((dn[:, 9] > 0).all()), float("nan")
     return {
         "gu_blocks": len(gu), "dn_blocks": len(dn),
@@ -96,10 +99,10 @@ def show(name: str, s: dict) -> None:
           f"SM {s['gu_ghz']:.2f} GHz")
     print(f"  down     start {f(s['dn_start'])}  waited {f(s['dn_waited'])}  stream {f(s['dn_run'])}")
     print(f"           streamed {f(s['dn_ran'])}  end {f(s['dn_end'])}  SM {s['dn_ghz']:.2f} GHz")
-    print(f"  down block (median us): prefetch {s['dn_prefetch']:.2f}  wait {s['dn_wait']:.2f}  "
+    print(f"  down block (mean us): prefetch {s['dn_prefetch']:.2f}  wait {s['dn_wait']:.2f}  "
           f"stage {s['dn_stage']:.2f}  stream {s['dn_stream']:.2f}  epilogue {s['dn_epilogue']:.2f}  "
           f"life {s['dn_life']:.2f}")
-    print(f"  down epilogue (median us): rows stored {s['dn_store']:.2f}  fold's copies waited "
+    print(f"  down epilogue (mean us): rows stored {s['dn_store']:.2f}  fold's copies waited "
           f"{s['dn_fold_wait']:.2f}  fold {s['dn_fold']:.2f}")
 
 
