@@ -17,8 +17,8 @@ launch (its exit ticket / grid size), so one replay gives every layer's pair. "A
 
 Printed per case, in us from the gate+up's last block end (t = 0): the down's blocks' start / wait return / stream
 start / end (first, median, last), each block's phases (the mean over the blocks), the gate+up's span, and the SM
-clock over the blocks' lives (clock64 / globaltimer). Why: the routed down runs 17-19 us for 25 MB in the step (H100, session 76),
-13.4 us per launch back to back alone (session 63).
+clock over the blocks' lives (clock64 / globaltimer). Why: the routed down runs 17-19 us for 25 MB in the step (H100,
+session 76), 13.4 us per launch back to back alone (session 63).
 """
 from __future__ import annotations
 
