@@ -5,7 +5,8 @@
 # fold's pass, a few hundred cycles of arithmetic by count.
 # Steps: the library's build; the alt build and the probe build (the new form) beside; the GPU tests (the fold,
 # moe_ffn, MoE / GEMV kernels, graph = eager [fused] and [fused-hc_fold]); the slope in three processes (new, alt,
-# new; two passes each); the probe. Logs in $OUT. Usage (carry build/site): OUT=$OUT bash experiments/s78/call2.sh
+# new; two passes each); the probe; on an H200, issue #7's seed sweep. Logs in $OUT (one tarball).
+# Usage (carry build/site): OUT=$OUT bash experiments/s78/call2.sh
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/build/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16 WANDB_SILENT=true
@@ -41,5 +42,16 @@ if [ $prc -eq 0 ]; then
     > "$OUT/probe.log" 2>&1
   echo "probe rc=$? at +$(el)s"; sed -n '/^medians/,$p' "$OUT/probe.log"
 fi
+if nvidia-smi -L | grep -q H200; then  # issue #7's seed sweep on an H200 (none since session 46): as s75/call4.sh
+  JOBS=experiment=seed_phase1,ds4_best,ds4_cuda_graph,seed_phase4,seed_phase6,seed_phase2,seed_phase3,seed_phase5
+  timeout 300 python3 -m ds4 ablation=seed_phases model.n_layers=8 tracking=none max_new_tokens=32 $JOBS \
+    hydra.sweep.dir=/tmp/sweep_seed > "$OUT/seed_sweep.log" 2>&1
+  echo "sweep rc=$? at +$(el)s"
+  python3 -m ds4.compare /tmp/sweep_seed --baseline seed_phase1 --no-plot --md "$OUT/seed_phases.md" \
+    > "$OUT/seed_compare.log" 2>&1
+  echo "compare rc=$?"; cat "$OUT/seed_phases.md"
+  (cd /tmp/sweep_seed && tar czf "$OUT/seed_metrics.tgz" */metrics.json)
+fi
 echo "total $(el)s"
-(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude='call*.out' . && find . -type f ! -name logs.tgz ! -name 'call*.out' -delete)
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude='call*.out' . &&
+  find . -type f ! -name logs.tgz ! -name 'call*.out' -delete)
