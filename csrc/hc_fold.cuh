@@ -16,32 +16,17 @@
 
 namespace ds4 {
 
-// DS4_FOLD_PASS (a build switch, default 1; the ablation builds with 0): the epilogue's form. 1: the streams' values
-// of all the block's tiles are formed first (to s.red), then each (tile, mix) sum is taken by 8 lanes and 3 shuffles
-// (hc_fold_sums); 0: the form before session 78 (hc_fold_pass), in passes of blockDim elements, each element's
-// MIX + 1 products summed over lane quads, then the quads' sums by one thread per (tile, mix). Why: the step probe
-// (scripts/probe_moe_step.py, session 78) put 1.8 us of the MoE down's blocks in the fold's pass, where its
-// arithmetic is a few hundred cycles by count: its 2 busy warps issue ~140 shared-memory / shuffle instructions each,
-// beside the other block of the SM still streaming weights. The new form spreads the sums over 7 warps at ~19 each.
-#ifndef DS4_FOLD_PASS
-#define DS4_FOLD_PASS 1
-#endif
 constexpr int HC_FOLD_LANES = 8;  // lanes per (tile, mix) sum in hc_fold_sums
 
-// s.red's floats: the streams' values of nt tiles (hc_fold_sums), or the quad slots (hc_fold_pass)
-__host__ __device__ constexpr long hc_fold_red_floats(int nt, int n, int mix, int threads) {
-  return DS4_FOLD_PASS ? (long)nt * 16 * n : (long)(threads / 4 + 1) * (mix + 1);
-}
-
 // Shared-memory floats of a block's fold buffers for up to nt tiles (see HcFoldSmem; the kernels size and
-// lay them out for their tiles per block and index them with the block's own tile count) in blocks of `threads`.
-__host__ __device__ constexpr long hc_fold_smem_floats(int nt, int n, int mix, int threads = MMA_STREAM_THREADS) {
+// lay them out for their tiles per block and index them with the block's own tile count).
+__host__ __device__ constexpr long hc_fold_smem_floats(int nt, int n, int mix) {
   return (long)nt * 16 * n * mix                  // fn slice
          + ((long)nt * 16 * n + 1) / 2            // res slice (bf16)
          + 16                                     // post, comb (n + n * n <= 20; padded to 16 B blocks below)
          + 16                                     // (pad)
          + (long)nt * 16                          // y of the block's rows, as stored
-         + hc_fold_red_floats(nt, n, mix, threads)
+         + (long)nt * 16 * n                      // the new streams' values, as stored
          + 8;                                     // alignment slack
 }
 
@@ -50,8 +35,7 @@ struct HcFoldSmem {
   __nv_bfloat16* res;   // [n][nt * 16]
   float* pc;            // post [n] then comb [n * n]
   float* ys;            // [nt * 16]
-  float* red;           // DS4_FOLD_PASS: the streams' values [nt][n][16]; else [mix + 1][quads + 1]: quads = blockDim.x / 4
-                        // (hc_fold_smem_floats' threads / 4), one pad column
+  float* sv;            // [nt][n][16]: the new streams' values, as stored
 };
 
 __device__ __forceinline__ HcFoldSmem hc_fold_smem(float* base, int nt, int n, int mix) {
@@ -66,7 +50,7 @@ __device__ __forceinline__ HcFoldSmem hc_fold_smem(float* base, int nt, int n, i
   p += 32;
   s.ys = p;
   p += (long)nt * 16;
-  s.red = p;
+  s.sv = p;
   return s;
 }
 
@@ -96,70 +80,18 @@ __device__ __forceinline__ void hc_fold_load_act(const HcFold& f, const HcFoldSm
   cp_async_commit();
 }
 
-// The epilogue for n streams (MIX = (2 + n) n mixes), one pass over up to blockDim elements (thread e of the
-// pass: tile e / (16 n), stream (e / 16) % n, row e % 16 — consecutive lanes take consecutive rows of one
-// stream of one tile). Each thread forms its element's MIX + 1 products at once (unrolled: independent
-// chains), sums them over its lane quad (2 shuffles each), and the quads' sums of a tile are added by one
-// thread per (tile, m) from shared memory in a fixed order (deterministic). A first version reduced each
-// mix over 16-64 lanes with 5 dependent shuffles in a loop: ~125 dependent shuffles on every block's tail
-// (session 14, run 3). The slots of one mix are a row of quads + 1 floats: the threads of one tile read
-// the rows of consecutive mixes at the same column, which a stride of quads (a multiple of 32) put in one
-// shared-memory bank (25-way conflicts, 16 loads each, on every folding block's tail).
-template <int N>
-__device__ __forceinline__ void hc_fold_pass(const HcFold& f, const HcFoldSmem& s, int t0, int nt, int D, int e0) {
-  constexpr int MIX = (2 + N) * N, ET = 16 * N;  // mixes, elements per tile
-  const int total = nt * ET, e = e0 + threadIdx.x, nsplit = D / 16;
-  const bool ok = e < total;
-  const int tl = ok ? e / ET : 0, j = ok ? (e - tl * ET) >> 4 : 0, rr = e & 15, i = tl * 16 + rr;
-  float v = 0.f;
-  if (ok) {
-    float acc = 0.f;
-#pragma unroll
-    for (int q = 0; q < N; ++q) acc += s.pc[N + q * N + j] * __bfloat162float(s.res[q * nt * 16 + i]);
-    const __nv_bfloat16 b = __float2bfloat16(s.pc[j] * s.ys[i] + acc);
-    static_cast<__nv_bfloat16*>(f.out)[(long)j * D + t0 * 16 + i] = b;
-    v = __bfloat162float(b);
-  }
-  const int quads = blockDim.x / 4, rs = quads + 1;  // slots per mix row (padded: see above)
-#pragma unroll
-  for (int m0 = 0; m0 <= MIX; m0 += 8) {  // 8 mixes at a time: few live registers in the 64-register kernels
-    float p[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int m = m0 + k;
-      p[k] = m < MIX ? (ok ? s.fn[((long)m * N + j) * nt * 16 + i] * v : 0.f) : v * v;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      p[k] += __shfl_xor_sync(0xffffffffu, p[k], 1);
-      p[k] += __shfl_xor_sync(0xffffffffu, p[k], 2);
-    }
-    if ((threadIdx.x & 3) == 0) {
-#pragma unroll
-      for (int k = 0; k < 8; ++k)
-        if (m0 + k <= MIX) s.red[(m0 + k) * rs + (threadIdx.x >> 2)] = p[k];
-    }
-  }
-  __syncthreads();
-  // one thread per (tile of this pass, m): the tile's ET / 4 quads in order
-  const int tiles = min(nt - e0 / ET, (int)blockDim.x / ET);
-  for (int k = threadIdx.x; k < tiles * (MIX + 1); k += blockDim.x) {
-    const int tt = k / (MIX + 1), m = k - tt * (MIX + 1);
-    const float* r = s.red + m * rs + tt * (ET / 4);
-    float acc = 0.f;
-#pragma unroll
-    for (int q = 0; q < ET / 4; ++q) acc += r[q];
-    f.part[(long)m * nsplit + t0 + e0 / ET + tt] = acc;
-  }
-  __syncthreads();  // s.red is rewritten by the next pass
-}
-
-// The epilogue for n streams in the DS4_FOLD_PASS form: every element (tile tl, stream j, row rr) of the block's
-// tiles formed as in hc_fold_pass, stored, and kept as float in s.red[(tl n + j) 16 + rr]; then each (tile, mix) sum
-// over its tile's 16 n elements taken by HC_FOLD_LANES consecutive lanes, 2 n products each, and added over the lanes
-// with 3 shuffles in a fixed order (deterministic). Lane `sub` of mix m takes the elements 8 c + sub, c = (q + m) mod 2n
-// for q = 0, 1, ...: the 4 mixes of a warp then read fn rows of the same bank offset at different c (no conflict at
-// one tile per block, V4's shapes).
+// The epilogue for n streams (MIX = (2 + n) n mixes). First every element (tile tl, stream j, row rr) of the block's
+// tiles: its new stream value formed (hc.cu's hc_post_elem), stored, and kept as stored in s.sv[(tl n + j) 16 + rr].
+// Then each (tile, mix) sum over its tile's 16 n elements, taken by HC_FOLD_LANES consecutive lanes, 2 n products each,
+// and added over the lanes by 3 shuffles in a fixed order (deterministic). Lane `sub` of mix m takes the elements
+// 8 c + sub, c = (q + m) mod 2n for q = 0, 1, ...: the 4 mixes of a warp read fn rows at the same bank offset, each at
+// its own c (no bank conflict at one tile per block, V4's shapes).
+// Why this form (session 78): the one before it reduced each element's MIX + 1 products over lane quads (2 shuffles
+// each) and the quads' sums by one thread per (tile, mix), in passes of blockDim elements; at one tile per block
+// 2 warps did it all, about 140 shared-memory and shuffle instructions each, and the MoE step probe
+// (scripts/probe_moe_step.py) put 1.8 us (median) of the routed down's blocks in it, beside the SM's other block still
+// streaming weights. Here 7 warps take the sums, about 19 such instructions each: the probe's 0.96 us (mean), and
+// 113.6-113.9 against 115.3 / 115.5 us per layer for the form before (H100, experiments/session78.md).
 template <int N>
 __device__ __forceinline__ void hc_fold_sums(const HcFold& f, const HcFoldSmem& s, int t0, int nt, int D) {
   constexpr int MIX = (2 + N) * N, ET = 16 * N, Q = ET / HC_FOLD_LANES;
@@ -170,7 +102,7 @@ __device__ __forceinline__ void hc_fold_sums(const HcFold& f, const HcFoldSmem& 
     for (int q = 0; q < N; ++q) acc += s.pc[N + q * N + j] * __bfloat162float(s.res[q * nt * 16 + i]);
     const __nv_bfloat16 b = __float2bfloat16(s.pc[j] * s.ys[i] + acc);
     static_cast<__nv_bfloat16*>(f.out)[(long)j * D + t0 * 16 + i] = b;
-    s.red[e] = __bfloat162float(b);
+    s.sv[e] = __bfloat162float(b);
   }
   __syncthreads();
   const int pairs = nt * (MIX + 1), per_round = blockDim.x / HC_FOLD_LANES, sub = threadIdx.x % HC_FOLD_LANES;
@@ -178,12 +110,12 @@ __device__ __forceinline__ void hc_fold_sums(const HcFold& f, const HcFoldSmem& 
     const int p = p0 + (int)threadIdx.x / HC_FOLD_LANES;
     const bool ok = p < pairs;
     const int tl = ok ? p / (MIX + 1) : 0, m = ok ? p - tl * (MIX + 1) : 0;
-    const float* v = s.red + (long)tl * ET;
+    const float* v = s.sv + (long)tl * ET;
     float acc = 0.f;
 #pragma unroll
     for (int q = 0; q < Q; ++q) {
       const int el = ((q + m) % Q) * HC_FOLD_LANES + sub, j = el >> 4;
-      const float w = m < MIX ? s.fn[((long)m * N + j) * nt * 16 + tl * 16 + (el & 15)] : v[el];
+      const float w = m < MIX ? s.fn[((long)m * N + j) * nt * 16 + tl * 16 + (el & 15)] : v[el];  // (MIX: s^2)
       acc += ok ? w * v[el] : 0.f;
     }
 #pragma unroll
@@ -193,22 +125,14 @@ __device__ __forceinline__ void hc_fold_sums(const HcFold& f, const HcFoldSmem& 
 }
 
 // The epilogue: the caller has stored its rows and put them (as stored) in s.ys, for local tiles
-// [0, nt) (global tiles t0 + tl, nsplit = D / 16 of them); every thread of the block calls this.
+// [0, nt) (global tiles t0 + tl, nsplit = D / 16 of them); every thread of the block calls this (blockDim a multiple
+// of 32). It ends without a barrier: nothing after it in a kernel reads the fold's shared memory.
 __device__ __forceinline__ void hc_fold_epilogue(const HcFold& f, const HcFoldSmem& s, int t0, int nt, int D) {
   cp_async_wait<0>();
   __syncthreads();  // s.ys, and every thread's copies
-  if constexpr (DS4_FOLD_PASS) {
-    if (f.n == 4) hc_fold_sums<4>(f, s, t0, nt, D);
-    else if (f.n == 2) hc_fold_sums<2>(f, s, t0, nt, D);
-    else hc_fold_sums<1>(f, s, t0, nt, D);
-    return;
-  }
-  const int total = nt * 16 * f.n;
-  for (int e0 = 0; e0 < total; e0 += blockDim.x) {
-    if (f.n == 4) hc_fold_pass<4>(f, s, t0, nt, D, e0);
-    else if (f.n == 2) hc_fold_pass<2>(f, s, t0, nt, D, e0);
-    else hc_fold_pass<1>(f, s, t0, nt, D, e0);
-  }
+  if (f.n == 4) hc_fold_sums<4>(f, s, t0, nt, D);
+  else if (f.n == 2) hc_fold_sums<2>(f, s, t0, nt, D);
+  else hc_fold_sums<1>(f, s, t0, nt, D);
 }
 
 }  // namespace ds4

@@ -300,7 +300,7 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
   auto kern = moe_down_mma_kernel<FMT, U, W, F32, FOLD, AQ>;
   auto smem_for = [&](int tpb) {
     return 4L * mma_part_floats(tpb, down_warps<U>()) + 2L * a.topk * a.inter + mma_stream_smem<FMT, U, W>() +
-           (FOLD ? 4L * hc_fold_smem_floats(tpb, fold.n, fold.mix, threads) : 0L);
+           (FOLD ? 4L * hc_fold_smem_floats(tpb, fold.n, fold.mix) : 0L);
   };
   if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
     if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32, FOLD, AQ>(a, h, add, out, st, fold);
@@ -384,9 +384,9 @@ bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, int n) {
   a.topk = topk;
   a.dim = dim;
   a.inter = inter;
-  // at one tile per block, the partial sums and the fold's reduction slots for the register stream's warps (the
-  // most a down block has)
-  const long fold_smem = 4L * hc_fold_smem_floats(1, n, (2 + n) * n, 32 * DS4_DOWN_WARPS);
+  // at one tile per block, the partial sums for the register stream's warps (the most a down block has) and the
+  // fold's buffers
+  const long fold_smem = 4L * hc_fold_smem_floats(1, n, (2 + n) * n);
   return topk >= 1 && moe_use_mma(a) == 1 &&
          4L * mma_part_floats(1, DS4_DOWN_WARPS) + 2L * topk * inter + fold_smem <= MOE_MMA_SMEM_CAP;
 }
