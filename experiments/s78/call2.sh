@@ -7,6 +7,8 @@
 # moe_ffn, MoE / GEMV kernels, graph = eager [fused] and [fused-hc_fold]); the slope in three processes (new, alt,
 # new; two passes each); the probe; on an H200, issue #7's seed sweep. Logs in $OUT (one tarball).
 # Usage (carry build/site): OUT=$OUT bash experiments/s78/call2.sh
+# (As run, its closing tar failed, "file changed as we read it", so the logs did not come back beyond 8 files;
+# call3.sh writes its logs outside $OUT and tars them from there.)
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/build/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16 WANDB_SILENT=true

@@ -2,6 +2,10 @@
 # Session 78, call 4 (the warm machine of call 3): the final code against the fold's epilogue before session 78, on a
 # second H100: the alt build takes experiments/s78/hc_fold_before.cuh (csrc/hc_fold.cuh at d644886) in place of
 # csrc/hc_fold.cuh in this machine's copy of the tree; the slope in three processes (final, before, final).
+# RAN AND FAILED (no figure): the script put the final hc_fold.cuh back right after the alt build, so every bench
+# process saw sources newer than its build and compiled the extension again (ds4: "its sources changed"), and each ran
+# past its 60 s timeout. A rerun must keep the swapped file in place until the alt bench has loaded its build, or
+# build the alt from a copy of the tree.
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/build/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16 WANDB_SILENT=true
