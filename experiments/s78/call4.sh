@@ -6,6 +6,8 @@
 # process saw sources newer than its build and compiled the extension again (ds4: "its sources changed"), and each ran
 # past its 60 s timeout. A rerun must keep the swapped file in place until the alt bench has loaded its build, or
 # build the alt from a copy of the tree.
+# experiments/s78/hc_fold_before.cuh (removed after the call: it is in git) is written by
+#   git show d644886:csrc/hc_fold.cuh > experiments/s78/hc_fold_before.cuh
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/build/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16 WANDB_SILENT=true
