@@ -21,11 +21,10 @@ constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
 // The step probe (an alt build, -DDS4_MOE_PROBE; scripts/probe_moe_step.py): thread 0 of each block of the routed
 // experts' launches (ids or routing given; the shared expert's are not recorded) notes %globaltimer at the kernel's
 // marks (moe_mark; clock64 at marks 0 and 5 into [6], [7]: the SM clock over the block's life; the down's epilogue
-// marks 8 and 9 after [7]) and at its exit
-// copies them to g_moe_probe[k][launch % MOE_PROBE_SLOTS][block] (k = 0 gate+up, 1 down). The launch is the block's
-// ticket / grid size: every block takes one ticket at its exit, and a kind's next launch (the next layer's) ends after
-// all blocks of this one. Taken at the exit so that the atomic does not delay the marks. Compiled out of the
-// library's build.
+// marks 8 and 9 after them) and at its exit copies them to g_moe_probe[k][launch % MOE_PROBE_SLOTS][block] (k = 0
+// gate+up, 1 down). The launch is the block's ticket / grid size: every block takes one ticket at its exit, and a
+// kind's next launch (the next layer's) ends after all blocks of this one. Taken at the exit so that the atomic does
+// not delay the marks. Compiled out of the library's build.
 constexpr int MOE_PROBE_BLOCKS = 1024, MOE_PROBE_SLOTS = 16, MOE_PROBE_MARKS = 10;
 #ifdef DS4_MOE_PROBE
 __device__ unsigned long long g_moe_probe[2][MOE_PROBE_SLOTS][MOE_PROBE_BLOCKS][MOE_PROBE_MARKS];
