@@ -849,9 +849,11 @@ at::Tensor moe_ffn_probe(int64_t blocks) {
 }
 
 // The step probe of the routed MoE kernels (ds4_launch.h; a build with -DDS4_MOE_PROBE), on the CPU: the records,
-// int64 [2, 16, 1024, 10] (kind, launch slot, block, mark), and the tickets each kind's blocks took, int64 [2].
+// int64 [2, 16, 1024, 10] (kind, launch slot, block, mark: ds4_launch.h's MOE_PROBE_*), and the tickets each kind's
+// blocks took, int64 [2].
 std::vector<at::Tensor> moe_step_probe(bool clear) {
-  auto rec = at::zeros({2, 16, 1024, 10}, at::TensorOptions().dtype(at::kLong));
+  auto rec = at::zeros({2, ds4::MOE_PROBE_SLOTS, ds4::MOE_PROBE_BLOCKS, ds4::MOE_PROBE_MARKS},
+                       at::TensorOptions().dtype(at::kLong));
   unsigned tickets[2] = {0, 0};
   const cudaError_t e = ds4::moe_probe_read(reinterpret_cast<unsigned long long*>(rec.data_ptr()), tickets, clear);
   TORCH_CHECK(e != cudaErrorNotSupported, "moe_step_probe: this build of the ds4 extension has no MoE step probe "

@@ -177,9 +177,11 @@ cudaError_t launch_moe_ffn(const MoEArgs& r, const MoEArgs& s, const void* x, vo
 // (PDL wait's end, phase 1's end, barrier exit, end; 0 where a block stopped earlier), copied to host[blocks][4].
 cudaError_t moe_ffn_probe_read(unsigned long long* host, int blocks);
 // The step probe of the routed experts' one-token tensor-core kernels (moe_mma.cu; an alt build with -DDS4_MOE_PROBE,
-// else cudaErrorNotSupported): host[2][16][1024][8] = per kind (gate+up, down), launch slot (launch % 16) and block,
-// %globaltimer at its marks (0 where a block did not reach one) and clock64 at its first and last ([6], [7]); tickets[2]
-// = the blocks each kind saw exit (launches x grid); clear zeroes both after the copy.
+// else cudaErrorNotSupported): host[2][MOE_PROBE_SLOTS][MOE_PROBE_BLOCKS][MOE_PROBE_MARKS] = per kind (gate+up, down),
+// launch slot (launch % MOE_PROBE_SLOTS) and block, %globaltimer at its marks 0-5, 8, 9 (0 where a block did not reach
+// one) and clock64 at its first and last ([6], [7]); tickets[2] = the blocks each kind saw exit (launches x grid);
+// clear zeroes both after the copy.
+constexpr int MOE_PROBE_BLOCKS = 1024, MOE_PROBE_SLOTS = 16, MOE_PROBE_MARKS = 10;
 cudaError_t moe_probe_read(unsigned long long* host, unsigned* tickets, bool clear);
 
 // Prefill's weight dequantisation (dequant.cu): E stacked matrices [O, K] in layout fmt (fp8 / fp8t / any fp4; experts

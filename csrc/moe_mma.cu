@@ -25,7 +25,7 @@ constexpr long MOE_MMA_SMEM_CAP = 160 * 1024;
 // gate+up, 1 down). The launch is the block's ticket / grid size: every block takes one ticket at its exit, and a
 // kind's next launch (the next layer's) ends after all blocks of this one. Taken at the exit so that the atomic does
 // not delay the marks. Compiled out of the library's build.
-constexpr int MOE_PROBE_BLOCKS = 1024, MOE_PROBE_SLOTS = 16, MOE_PROBE_MARKS = 10;
+// (MOE_PROBE_BLOCKS, MOE_PROBE_SLOTS, MOE_PROBE_MARKS: ds4_launch.h, the host's record shape)
 #ifdef DS4_MOE_PROBE
 __device__ unsigned long long g_moe_probe[2][MOE_PROBE_SLOTS][MOE_PROBE_BLOCKS][MOE_PROBE_MARKS];
 __device__ unsigned g_moe_probe_tickets[2];
