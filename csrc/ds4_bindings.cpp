@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -254,6 +255,9 @@ bool moe_route_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, in
 bool moe_act_quant_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, bool gate_up) {
   return ds4::moe_act_quant_ok(one_token_moe(fmt, topk, dim, inter), gate_up);
 }
+
+// Whether the launches of a kind (one letter of DS4_BULK_STAGE: g, d, u) now stage their activations by bulk copies.
+bool bulk_stage_site_host(std::string site) { return site.size() == 1 && ds4::bulk_stage_site(site[0]); }
 
 bool gemv_act_quant_ok_host(int64_t fmt, int64_t rows, int64_t cols) {
   return ds4::gemv_act_quant_ok((int)fmt, ds4::KERNEL_AUTO, 1, (int)rows, (int)cols, 0);
@@ -926,6 +930,7 @@ TORCH_LIBRARY(ds4, m) {
         "Tensor(c!)? fold_out=None, Tensor(d!)? fold_part=None, bool act_quant=False) -> Tensor");
   m.def("moe_route_ok(int fmt, int topk, int dim, int inter, int n_experts) -> bool", &moe_route_ok_host);
   m.def("moe_act_quant_ok(int fmt, int topk, int dim, int inter, bool gate_up) -> bool", &moe_act_quant_ok_host);
+  m.def("bulk_stage_site(str site) -> bool", &bulk_stage_site_host);
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
         "float route_scale, Tensor? logits=None, Tensor(a!)? comb=None, int iters=0, float hc_eps=0.0) "
         "-> (Tensor, Tensor)");

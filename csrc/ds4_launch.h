@@ -42,6 +42,12 @@ int mma_prefetch_rounds(bool down);
 // the kernel before it has ended: what PDL's early launch is worth per kernel class (H200: 1-3 us per kernel,
 // experiments/decode_session32_h200.md). launch_spacer_before returns cudaSuccess when it launches nothing.
 cudaError_t launch_spacer_before(char kind, cudaStream_t st);
+// Opt-in (an ablation; the outputs are the same bits): DS4_BULK_STAGE holding the letter g / d / u (or "all") has every
+// one-row tensor-core GEMV (not its RMSNorm or qat forms) / MoE down / MoE gate+up launch stage its activations by
+// bulk copies on the TMA unit (csrc/bulk_stage.cuh) instead of its threads' loads; sm_90+ only (elsewhere false).
+// Read at every launch. bulk_piece_ok: a piece such a copy takes (16-byte aligned address, size a multiple of 16).
+bool bulk_stage_site(char site);
+bool bulk_piece_ok(const void* p, long bytes);
 
 // out[t, o] = sum_k x[t, xoff(o) + k] * W[o, k]   (t < n_tok <= 8)
 // fmt 0 bf16 / 1 fp8 (E4M3 + E8M0 128x128) / 2 fp4 (E2M1 pairs + E8M0 per 32); not 3 (fp4p: MoE only).

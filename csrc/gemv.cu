@@ -157,12 +157,14 @@ __device__ __forceinline__ void stage_mma_rmsnorm(__nv_bfloat16* dst, const __nv
 // ungrouped row): x is RMS-normalised with the weight nw first (stage_mma_rmsnorm); a separate
 // instantiation, so the plain kernels' registers are not touched by it. FOLD (one ungrouped bf16 row,
 // O = D): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its buffers after
-// the stream's in shared memory; at most 2 blocks per SM (as the moe down's FOLD form).
+// the stream's in shared memory; at most 2 blocks per SM (as the moe down's FOLD form). bulk (DS4_BULK_STAGE=g,
+// sm_90, neither NORM nor AQ; bulk_stage.cuh): x's rows staged by one bulk copy, issued by thread 0 after the wait.
 template <int FMT, int U, int CW, bool NORM = false, bool FOLD = false, bool AQ = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (FOLD ? 2 : mma_min_blocks<U, CW>()))
 gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
                 int s_ld, void* __restrict__ out, int out_f32, int O, int K, int group_rows, int tpb,
-                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold, int pre, const RowSkip skip) {
+                const void* __restrict__ nw, int nw_f32, float eps, const HcFold fold, int pre, const RowSkip skip,
+                int bulk) {
   DS4_MARK(0);
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
@@ -203,13 +205,27 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
                                                  mma_stream_smem<FMT, U, CW>()), tpb, fold.n, fold.mix);
   };
   if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, O);  // a weight: before the wait
+  __shared__ uint64_t s_bar;
+  const bool bulk_x = bulk_arch() && !NORM && !AQ && bulk != 0;
   ds4_pdl::begin();
+  if (bulk_x && threadIdx.x == 0) {
+    const uint32_t bytes = 2u * ng * K;
+    bulk_begin(&s_bar, bytes);
+    bulk_copy(xs, x + (long)g0 * K, bytes, &s_bar);
+  }
   zero_skipped();
   st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, O);
   mma_part_zero(part, nt);
-  if constexpr (NORM) stage_mma_rmsnorm<FMT, AQ>(xs, x, K, nw, nw_f32 != 0, eps);
-  else stage_mma_rows<FMT, false, AQ>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K);
+  if constexpr (NORM) {
+    stage_mma_rmsnorm<FMT, AQ>(xs, x, K, nw, nw_f32 != 0, eps);
+  } else if (bulk_x) {
+    if (threadIdx.x == 0) bulk_wait(&s_bar);
+    __syncthreads();
+    stage_mma_inplace<FMT>(xs, ng * K / 8);
+  } else {
+    stage_mma_rows<FMT, false, AQ>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K);
+  }
   __syncthreads();
   DS4_MARK(1);
   st.run(part);
@@ -299,7 +315,7 @@ static cudaError_t gemv_mma_go(const void* x, const void* W, const void* S, int 
   return ds4_pdl::launch(kern, dim3(blocks), dim3(MMA_STREAM_THREADS), smem, st, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<const uint8_t*>(W), reinterpret_cast<const uint8_t*>(S), s_ld, out,
                          out_f32 ? 1 : 0, O, K, group_rows, tpb, nw, nw_f32 ? 1 : 0, eps, fold,
-                         mma_prefetch_rounds(false), skip);
+                         mma_prefetch_rounds(false), skip, bulk_stage_site('g') && bulk_piece_ok(x, 2L * K) ? 1 : 0);
 }
 
 __global__ void spacer_kernel() { ds4_pdl::begin(); }
@@ -308,6 +324,21 @@ cudaError_t launch_spacer_before(char kind, cudaStream_t st) {
   const char* env = std::getenv("DS4_SPACER");
   if (!env || !std::strchr(env, kind)) return cudaSuccess;
   return ds4_pdl::launch(spacer_kernel, dim3(1), dim3(32), 0, st);
+}
+
+bool bulk_stage_site(char site) {
+  const char* v = std::getenv("DS4_BULK_STAGE");
+  if (v == nullptr || *v == '\0') return false;
+  if (std::strcmp(v, "all") != 0 && std::strchr(v, site) == nullptr) return false;
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    return false;
+  return major >= 9;
+}
+
+bool bulk_piece_ok(const void* p, long bytes) {
+  return p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 == 0 && bytes > 0 && bytes % 16 == 0;
 }
 
 int mma_prefetch_rounds(bool down) {

@@ -27,6 +27,7 @@
 //    is scaled before accumulation.
 #pragma once
 #include "act_quant.cuh"
+#include "bulk_stage.cuh"
 #include "cp_async.cuh"
 #include "ds4_common.cuh"
 
@@ -231,6 +232,16 @@ __device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, in
       const uint4 v = act_quant_vec<128>(i < total ? *d : make_uint4(0u, 0u, 0u, 0u));
       if (i < total) *d = mma_stage_vec<FMT>(v);
     }
+  }
+}
+
+// The raw bf16 vectors a bulk copy staged (bulk_stage.cuh) converted in place as stage_mma_rows converts them: nvec
+// 16-byte vectors from dst, each thread its own (no barrier among them; the caller's barrier follows).
+template <int FMT>
+__device__ __forceinline__ void stage_mma_inplace(__nv_bfloat16* dst, int nvec) {
+  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+    uint4* p = reinterpret_cast<uint4*>(dst) + i;
+    *p = mma_stage_vec<FMT>(*p);
   }
 }
 

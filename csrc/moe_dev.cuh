@@ -93,12 +93,19 @@ __device__ __forceinline__ void routed_pair_tiles(const MoEArgs& a, unsigned m, 
 // A block's one-token gate+up over np (w1, w3) tile pairs (local tiles 2 pl and 2 pl + 1, first rows row0[2 pl]) on
 // stream st, its first rounds already requested: x staged for FMT, the stream run, then
 // out(pl, row) = swiglu(gate, up) * weight(pl) for the rows < inter. Every thread of the block calls it. AQ: x staged
-// FP8-simulated (stage_mma_rows' AQ).
+// FP8-simulated (stage_mma_rows' AQ). bulk_bar (not AQ): x already requested by a bulk copy completing on it
+// (bulk_stage.cuh; thread 0 waits, then each thread converts its vectors).
 template <int FMT, bool AQ = false, typename Stream, typename WeightFn, typename OutFn>
 __device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x, int dim, __nv_bfloat16* xs,
                                               float* part, int np, const int* row0, int inter, float limit,
-                                              WeightFn weight, OutFn out) {
-  stage_mma_rows<FMT, false, AQ>(xs, [=](int) { return x; }, 1, dim);
+                                              WeightFn weight, OutFn out, uint64_t* bulk_bar = nullptr) {
+  if (!AQ && bulk_bar != nullptr) {
+    if (threadIdx.x == 0) bulk_wait(bulk_bar);
+    __syncthreads();
+    stage_mma_inplace<FMT>(xs, dim / 8);
+  } else {
+    stage_mma_rows<FMT, false, AQ>(xs, [=](int) { return x; }, 1, dim);
+  }
   mma_part_zero(part, 2 * np);
   __syncthreads();
   st.run(part);
@@ -116,13 +123,14 @@ __device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x
 //     when the shared expert's output (v, rounded to bf16) is added to the fp32 routed sum (add);
 //   bf16 add (a.add_bf16: the shared expert's output, already rounded): out = add + v, v the fp32 routed
 //     sum — the same sum, for when the shared expert ran first.
-// Returns the value as stored.
+// Returns the value as stored. down_store_at reads the add at add[ao] (a copy of add's rows elsewhere: the routed
+// down's bulk staging puts its rows in shared memory).
 template <bool OUT_F32>
-__device__ __forceinline__ float down_store(void* out, long o, const void* add, bool add_bf16, float v) {
+__device__ __forceinline__ float down_store_at(void* out, long o, const void* add, long ao, bool add_bf16, float v) {
   float y = v;
   if (add != nullptr)
-    y = add_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(add)[o]) + v
-                 : static_cast<const float*>(add)[o] + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v)));
+    y = add_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(add)[ao]) + v
+                 : static_cast<const float*>(add)[ao] + (OUT_F32 ? v : __bfloat162float(__float2bfloat16(v)));
   if (OUT_F32) {
     reinterpret_cast<float*>(out)[o] = y;
     return y;
@@ -130,6 +138,10 @@ __device__ __forceinline__ float down_store(void* out, long o, const void* add, 
   const __nv_bfloat16 b = __float2bfloat16(y);
   reinterpret_cast<__nv_bfloat16*>(out)[o] = b;
   return __bfloat162float(b);
+}
+template <bool OUT_F32>
+__device__ __forceinline__ float down_store(void* out, long o, const void* add, bool add_bf16, float v) {
+  return down_store_at<OUT_F32>(out, o, add, o, add_bf16, v);
 }
 
 // Both matrices of an expert ([inter, dim] w1 / w3, [dim, inter] w2) in layout a.fmt (layout_shape_ok). FMT_FP4T /

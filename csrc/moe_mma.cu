@@ -78,10 +78,12 @@ cudaError_t moe_probe_read(unsigned long long* host, unsigned* tickets, bool cle
 // row tile rt of `inter`). Block b streams pairs [b * ppb, (b + 1) * ppb) as local tiles 2 pl (w1) and
 // 2 pl + 1 (w3) (ppb: the pairs split evenly over the grid, from the device's count of local slots).
 // Epilogue: h[slot, row] = swiglu(gate, up) * route weight. AQ (numerics=qat, the launch's aq): x staged
-// FP8-simulated.
+// FP8-simulated. bulk (DS4_BULK_STAGE=u, sm_90, not AQ; bulk_stage.cuh): x staged by a bulk copy, which thread 0
+// issues once x is final and the block has its tiles (routed: before its first weight rounds).
 template <int FMT, int U, int W, bool AQ = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
-moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h) {
+moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h,
+                       int bulk) {
   // Expert ids, route weights (or the router's logits) and x come from the previous kernels. One expert without
   // routing (the shared expert: its slot and weight are constants) reads none of them before staging x, so its
   // blocks load their first weight rounds before the wait (what a programmatic fork of its branch, DS4_PFORK=shared,
@@ -113,11 +115,18 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], a.inter}; };
   auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),
                                   a.s13_ld, reinterpret_cast<uint8_t*>(xs + a.dim));
+  __shared__ uint64_t s_bar;
+  const bool bulk_x = bulk_arch() && !AQ && bulk != 0;
+  auto issue_x = [&] {
+    if (bulk_x && threadIdx.x == 0) bulk_begin(&s_bar, 2u * a.dim), bulk_copy(xs, x, 2u * a.dim, &s_bar);
+  };
+  if (!weights_first) issue_x();
   st.prefetch();
   moe_mark(a, 2);
-  if (weights_first) ds4_pdl::begin();
+  if (weights_first) ds4_pdl::begin(), issue_x();
   gate_up_pairs<FMT, AQ>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
-                     [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; });
+                     [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; },
+                     bulk_x ? &s_bar : nullptr);
   moe_mark(a, 5);
   moe_probe_exit(a, 0, true);
 }
@@ -152,11 +161,13 @@ template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_bl
 // FOLD (bf16 out, one token): the epilogue also forms the hc fold's streams and partials (hc_fold.cuh), its
 // buffers after the stream's in shared memory; at most 2 blocks per SM (of 8 warps, 128 registers: the epilogue spilled
 // at depth 2's 64, and V4's 256 down tiles fill 2 blocks per SM either way). AQ (numerics=qat, the launch's aq): h
-// staged FP8-simulated.
+// staged FP8-simulated. bulk (DS4_BULK_STAGE=d, sm_90, not AQ; bulk_stage.cuh): bit 0, h staged by bulk copies
+// (thread 0 issues them right after the PDL wait); bit 1, with them the block's add rows into shared memory, for the
+// epilogue (where its tiles are whole and at most 4).
 template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false, bool AQ = false>
 __global__ void __launch_bounds__(32 * down_warps<U>(), (down_min_blocks<U, W, FOLD>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
-                    void* __restrict__ out, int tpb, const HcFold fold, int pre) {
+                    void* __restrict__ out, int tpb, const HcFold fold, int pre, int bulk) {
   moe_mark(a, 0);
   extern __shared__ float4 smem4[];
   constexpr int NW = down_warps<U>();
@@ -166,6 +177,8 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   __shared__ const uint8_t* s_s[32];
   __shared__ int s_slot[32], s_ids[32];
   __shared__ float s_rw[32];
+  __shared__ uint64_t s_bar;
+  __shared__ float4 s_add4[16];  // bulk's add rows: 4 tiles of bf16 or fp32
   moe_slots(a, reinterpret_cast<float*>(hs), s_ids, s_rw, false);  // hs is free until the staging below
   const unsigned m = moe_local_slots(a, s_ids);
   const int nU = __popc(m);
@@ -191,11 +204,26 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
                                                  mma_stream_smem<FMT, U, W>()), tpb, fold.n, fold.mix);
   };
   if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, a.dim);  // a weight: before the wait
+  const bool bulk_h = bulk_arch() && !AQ && (bulk & 1) != 0;
+  const bool bulk_add = bulk_h && (bulk & 2) != 0 && add != nullptr && nt <= 4 && (t0 + nt) * 16 <= a.dim;
+  const int add_size = a.add_bf16 ? 2 : 4;
   ds4_pdl::begin();  // h and add come from the previous kernels
   moe_mark(a, 2);
+  if (bulk_h && threadIdx.x == 0) {
+    const uint32_t hb = 2u * a.inter, ab = bulk_add ? 16u * nt * add_size : 0u;
+    bulk_begin(&s_bar, nU * hb + ab);
+    for (int u = 0; u < nU; ++u) bulk_copy(hs + (long)u * a.inter, h + (long)s_slot[u] * a.inter, hb, &s_bar);
+    if (bulk_add) bulk_copy(s_add4, static_cast<const uint8_t*>(add) + (long)t0 * 16 * add_size, ab, &s_bar);
+  }
   st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, a.dim);
-  stage_mma_rows<FMT, false, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
+  if (bulk_h) {
+    if (threadIdx.x == 0) bulk_wait(&s_bar);
+    __syncthreads();
+    stage_mma_inplace<FMT>(hs, nU * a.inter / 8);
+  } else {
+    stage_mma_rows<FMT, false, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
+  }
   mma_part_zero(part, nt, NW);
   __syncthreads();
   moe_mark(a, 3);
@@ -205,7 +233,9 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   for (int i = threadIdx.x; i < nt * 16; i += blockDim.x) {
     const int r = t0 * 16 + i;
     if (r < a.dim) {
-      const float y = down_store<OUT_F32>(out, r, add, a.add_bf16, mma_part_sum<NW>(part, i >> 4, i & 15));
+      const float v = mma_part_sum<NW>(part, i >> 4, i & 15);
+      const float y = bulk_add ? down_store_at<OUT_F32>(out, r, s_add4, i, a.add_bf16, v)
+                               : down_store<OUT_F32>(out, r, add, a.add_bf16, v);
       if constexpr (FOLD) fs().ys[i] = y;
     }
   }
@@ -288,7 +318,8 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
   if (grid < floor_grid) grid = floor_grid;
   if ((e = launch_spacer_before('u', st)) != cudaSuccess) return e;
   return ds4_pdl::launch(kern, dim3(grid), dim3(MMA_STREAM_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
-                         reinterpret_cast<__nv_bfloat16*>(h));
+                         reinterpret_cast<__nv_bfloat16*>(h),
+                         !AQ && bulk_stage_site('u') && bulk_piece_ok(x, 2L * a.dim) ? 1 : 0);
 }
 
 template <int FMT, int U, int W, bool F32, bool FOLD = false, bool AQ = false>
@@ -312,8 +343,13 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
   const long smem = smem_for(tpb);
   if ((e = set_smem(kern, smem)) != cudaSuccess) return e;
   if ((e = launch_spacer_before('d', st)) != cudaSuccess) return e;
+  // DS4_BULK_STAGE=d: h (rows of inter) and, where add's rows can be copied too, add by bulk copies
+  int bulk = 0;
+  if (!AQ && bulk_stage_site('d') && bulk_piece_ok(h, 2L * a.inter))
+    bulk = 1 | (add != nullptr && bulk_piece_ok(add, 16L * (a.add_bf16 ? 2 : 4)) ? 2 : 0);
   return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(threads), smem, st, a,
-                         reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb, fold, mma_prefetch_rounds(true));
+                         reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb, fold, mma_prefetch_rounds(true),
+                         bulk);
 }
 
 // A per-kernel depth knob (`name`, read at every launch) where set, else the per-shape rule for rows of K.

@@ -99,7 +99,9 @@ layers' compressor alone),
 preN / dpreN (DS4_PREFETCH / DS4_PREFETCH_DOWN=N: the tensor-core GEMVs / the MoE down kernels load only N weight
 rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
-launch; a diagnostic, outputs unchanged), qat (numerics=qat: the official reference's FP8 / FP4 activation
+launch; a diagnostic, outputs unchanged), bsLETTERS (DS4_BULK_STAGE, letters of g d u: those kernels stage their
+activations — and the MoE downs the shared expert's output they add — by bulk copies on the TMA unit, sm_90; opt-in,
+the same bits), qat (numerics=qat: the official reference's FP8 / FP4 activation
 simulations; plain without it), aqtorch (DS4_ACT_QUANT=torch: with qat, the FP8 activation simulation by its torch
 twin, about a dozen launches, instead of the staging; the same bits), aqstaged (DS4_ACT_QUANT=staged: with
 qat, the simulation inside the activation staging of the one-row tensor-core GEMVs that take it (wq_a + wkv, q_norm +
@@ -205,12 +207,21 @@ def launch_order_env(toks: set[str]) -> dict[str, str | None]:
     """The variables of the launch-order ablations (None: unset, the library default). preN / dpreN: the tensor-core
     GEMVs / the MoE down kernels load only N weight rounds before their PDL wait (DS4_PREFETCH / DS4_PREFETCH_DOWN;
     default all of their depth). spLETTERS (letters of g d u): an empty PDL launch before every tensor-core GEMV /
-    MoE down / MoE gate+up launch (DS4_SPACER; timing only, outputs unchanged)."""
+    MoE down / MoE gate+up launch (DS4_SPACER; timing only, outputs unchanged). bsLETTERS (letters of g d u): those
+    kernels stage their activations by bulk copies on the TMA unit instead of their threads' loads (DS4_BULK_STAGE,
+    sm_90; csrc/bulk_stage.cuh; the same bits)."""
     def rounds(prefix):
         n = _number_token(toks, prefix, -1)
         return str(n) if n >= 0 else None
-    sp = sorted(t[2:] for t in toks if t.startswith("sp") and t[2:] and set(t[2:]) <= set("gdu"))
-    return {"DS4_PREFETCH": rounds("pre"), "DS4_PREFETCH_DOWN": rounds("dpre"), "DS4_SPACER": "".join(sp) or None}
+    def letters(prefix):
+        return "".join(sorted(t[2:] for t in toks if _is_letters_token(t, prefix))) or None
+    return {"DS4_PREFETCH": rounds("pre"), "DS4_PREFETCH_DOWN": rounds("dpre"), "DS4_SPACER": letters("sp"),
+            "DS4_BULK_STAGE": letters("bs")}
+
+
+def _is_letters_token(t: str, prefix: str) -> bool:
+    """A spLETTERS / bsLETTERS token: the prefix, then letters of g d u (the kernel kinds)."""
+    return t.startswith(prefix) and t[len(prefix):] != "" and set(t[len(prefix):]) <= set("gdu")
 
 
 def depth_env(toks: set[str]) -> dict[str, str | None]:
@@ -244,7 +255,7 @@ def unknown_tokens(toks: set[str]) -> list[str]:
     """The tokens no code here reads (a misspelt or retired one would time the variant without it, under its name)."""
     def known(t: str) -> bool:
         return (t in PLAIN_TOKENS or any(t.startswith(p) and t[len(p):].isdigit() for p in NUMBERED_TOKENS)
-                or (t.startswith("sp") and t[2:] != "" and set(t[2:]) <= set("gdu"))
+                or _is_letters_token(t, "sp") or _is_letters_token(t, "bs")
                 or (t.startswith("pf") and t[2:] != "" and set(t[2:]) <= set(prefetch.SITES)))
     return sorted(t for t in toks if not known(t))
 

@@ -19,13 +19,20 @@ def test_bench_tokens_choose_the_sites(tokens, expected):
 
 
 @pytest.mark.parametrize("tokens,expected", [
-    ({"kernels", "graph"}, (None, None, None)), ({"pre0"}, ("0", None, None)), ({"pre1", "dpre0"}, ("1", "0", None)),
-    ({"spg", "spd"}, (None, None, "dg")), ({"spgdu"}, (None, None, "gdu")),
-    ({"sprio", "pre", "dprex"}, (None, None, None)),  # another token, and no number: not these knobs
+    ({"kernels", "graph"}, (None, None, None, None)), ({"pre0"}, ("0", None, None, None)),
+    ({"pre1", "dpre0"}, ("1", "0", None, None)), ({"spg", "spd"}, (None, None, "dg", None)),
+    ({"spgdu"}, (None, None, "gdu", None)), ({"bsd", "spu"}, (None, None, "u", "d")),
+    ({"bsdgu"}, (None, None, None, "dgu")),
+    ({"sprio", "pre", "dprex", "bsx", "bs"}, (None, None, None, None)),  # other tokens, no number / letters: not these
 ])
 def test_launch_order_tokens_set_their_variables(tokens, expected):
     env = _bench_decode().launch_order_env(tokens)
-    assert (env["DS4_PREFETCH"], env["DS4_PREFETCH_DOWN"], env["DS4_SPACER"]) == expected
+    assert (env["DS4_PREFETCH"], env["DS4_PREFETCH_DOWN"], env["DS4_SPACER"], env["DS4_BULK_STAGE"]) == expected
+
+
+def test_bulk_stage_tokens_are_known():
+    bd = _bench_decode()
+    assert bd.unknown_tokens({"bsd", "bsgdu", "bsx", "bs"}) == ["bs", "bsx"]
 
 
 @pytest.mark.parametrize("tokens,expected", [

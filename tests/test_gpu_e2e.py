@@ -304,6 +304,10 @@ def _tiny_weights_for(impls: Impls, seed: int, vocab: int | None = None):
     # the same with the projection fold (opt-in: the attention site's finish forms wq_a + wkv's rows)
     pytest.param(Impls(**_FUSED), {}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all", "DS4_HC_QKV": "1", "DS4_FP8_TILE": "0"},
                  id="fused-hc_fold-proj_fold"),
+    # the one-token tensor-core kernels staging their activations by bulk copies (opt-in, sm_90; graph only: eager's
+    # register staging is the reference), one decode row as the hc fold rows take
+    pytest.param(Impls(**_FUSED), {"DS4_BULK_STAGE": "all"}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"},
+                 id="fused-hc_fold-bulk_stage"),
     # the shared expert's branch joined to the routed down by programmatic edges (opt-in; graph only)
     pytest.param(Impls(**_FUSED), {"DS4_PJOIN": "all"}, {}, id="fused-programmatic_join"),
     # a captured graph per compressor phase, the compressor branches joined late where no window ends (opt-in)

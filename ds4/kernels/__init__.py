@@ -24,10 +24,10 @@ import torch
 
 from ds4.kernels.ops import (AR_CHUNK, AR_FOLD_ROWS, AR_MAX_WORLD, ARGMAX_MAX_ROWS, DEQUANT_FMTS,  # noqa: F401
                              DP4A_MAX_DIM, ROUTER_MAX_EXPERTS, ROUTER_MAX_K, InKernelRoute, act_quant_sim,
-                             act_quant_staged_ok, all_reduce_ll, all_reduce_ll_fold, argmax, dequant, dequant_ok,
-                             dp4a_ok, fork_programmatic, gemv, gemv_deferred, gemv_deferred_ok, gemv_fold,
-                             gemv_max_tokens, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok, join_programmatic, l2_prefetch,
-                             moe_act_quant_ok, moe_down, moe_ffn, moe_ffn_ok, moe_gate_up, moe_route_ok,
+                             act_quant_staged_ok, all_reduce_ll, all_reduce_ll_fold, argmax, bulk_stage_site,
+                             dequant, dequant_ok, dp4a_ok, fork_programmatic, gemv, gemv_deferred, gemv_deferred_ok,
+                             gemv_fold, gemv_max_tokens, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok, join_programmatic,
+                             l2_prefetch, moe_act_quant_ok, moe_down, moe_ffn, moe_ffn_ok, moe_gate_up, moe_route_ok,
                              router)  # (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]

@@ -280,6 +280,12 @@ def moe_ffn_ok(topk: int, dim: int, inter: int, shared_inter: int, fold_n: int =
     return bool(_ops().moe_ffn_ok(int(topk), int(dim), int(inter), int(shared_inter), int(fold_n)))
 
 
+def bulk_stage_site(site: str) -> bool:
+    """Whether the one-token tensor-core launches of a kind — "g" GEMVs, "d" MoE downs, "u" MoE gate+ups — now stage
+    their activations by bulk copies on the TMA unit (DS4_BULK_STAGE names the kind, or "all"; sm_90+)."""
+    return bool(_ops().bulk_stage_site(site))
+
+
 def moe_route_ok(fmt: str, topk: int, dim: int, inter: int, n_experts: int) -> bool:
     """Whether the one-token MoE kernels can route for themselves (InKernelRoute) at this shape (host-only)."""
     return fmt in FMT and bool(_ops().moe_route_ok(FMT[fmt], topk, dim, inter, n_experts))
