@@ -5,7 +5,8 @@
 # (experiments/session78.md); the staging follows the weight rounds requested before the PDL wait.
 # Steps: the library's build and the probe build beside it; the GPU tests (tests/test_bulk_stage_gpu.py, the MoE / GEMV /
 # fold kernels, graph = eager [fused], [fused-hc_fold], [fused-hc_fold-bulk_stage]); the slope with the bulk sites
-# interleaved in one process; the probe without and with bsd (and pj, the programmatic join, as a diagnostic); the
+# interleaved in one process; the probe without and with bsd (and as diagnostics pj, the programmatic join, and dpre0,
+# no weight rounds before the down's wait: is its staging slowed by those rounds' loads in flight?); the
 # SASS of the V4 instances (for the load scoreboards); on an H200, issue #7's seed sweep. Logs: one tarball in $OUT.
 # Usage (carry build/site): OUT=$OUT bash experiments/s79/call1.sh
 set -u
@@ -33,14 +34,14 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short "$G[fused]" "$G[f
   "$G[fused-hc_fold-bulk_stage]" > "$L/graph.log" 2>&1
 echo "graph = eager rc=$? at +$(el)s: $(tail -1 "$L/graph.log")"; grep -E "FAILED|ERROR" "$L/graph.log" | head
 B=kernels+fused+graph+cap8192
-V="$B,$B+bsd,$B+bsg,$B+bsu,$B+bsdgu,$B,$B+bsd,$B+bsdgu"
-DS4_NO_JIT=1 timeout 200 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 --variants "$V" \
+V="$B,$B+bsd,$B+bsg,$B+bsu,$B+bsdgu,$B+pj,$B+pj+bsd,$B,$B+bsd,$B+bsdgu"
+DS4_NO_JIT=1 timeout 240 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 --variants "$V" \
   --out "$L/bench.json" > "$L/bench.log" 2>&1
 echo "bench rc=$? at +$(el)s"; grep -E "copy bandwidth|us/layer|Error" "$L/bench.log"
 wait $PB; prc=$?; echo "probe build rc=$prc at +$(el)s"
 if [ $prc -eq 0 ]; then
-  for pv in base bsd pj; do
-    case $pv in base) E=();; bsd) E=(DS4_BULK_STAGE=d);; pj) E=(DS4_PJOIN=moe);; esac
+  for pv in base bsd pj dpre0; do
+    case $pv in base) E=();; bsd) E=(DS4_BULK_STAGE=d);; pj) E=(DS4_PJOIN=moe);; dpre0) E=(DS4_PREFETCH_DOWN=0);; esac
     env "${PROBE_ENV[@]}" "${E[@]}" DS4_NO_JIT=1 timeout 60 python3 scripts/probe_moe_step.py --layers 8 --replays 6 \
       --out "$L/probe_$pv.json" > "$L/probe_$pv.log" 2>&1
     echo "probe $pv rc=$? at +$(el)s"; sed -n '/^step/,$p' "$L/probe_$pv.log"
