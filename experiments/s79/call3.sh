@@ -23,11 +23,15 @@ PROBE_ENV=(DS4_NVCC_FLAGS=-DDS4_MOE_PROBE DS4_EXT_BUILD_DIR="$PWD/.ext_build_pro
 python3 scripts/build_ext.py -q > "$L/build.log" 2>&1; rc=$?; echo "build rc=$rc at +$(el)s"
 [ $rc -ne 0 ] && { grep -E "error" "$L/build.log" | head -20; tail -20 "$L/build.log"; exit 1; }
 PB=
-if [ "${PROBE:-0}" = 1 ]; then env "${PROBE_ENV[@]}" python3 scripts/build_ext.py -q > "$L/build_probe.log" 2>&1 & PB=$!; fi
+if [ "${PROBE:-0}" = 1 ]; then
+  env "${PROBE_ENV[@]}" python3 scripts/build_ext.py -q > "$L/build_probe.log" 2>&1 &
+  PB=$!
+fi
 K=(); [ "${SLIM:-0}" = 1 ] && K=(-k h_copies)
 timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_staging_trials_gpu.py "${K[@]}" \
   > "$L/trial_tests.log" 2>&1
-echo "trial tests rc=$? at +$(el)s: $(tail -1 "$L/trial_tests.log")"; grep -E "FAILED|ERROR|Error" "$L/trial_tests.log" | head
+echo "trial tests rc=$? at +$(el)s: $(tail -1 "$L/trial_tests.log")"
+grep -E "FAILED|ERROR|Error" "$L/trial_tests.log" | head
 [ "${SLIM:-0}" = 1 ] || timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_hc_fold_gpu.py \
   tests/test_moe_ffn_gpu.py tests/test_kernels_gpu.py -k "moe" > "$L/units.log" 2>&1
 echo "kernel tests rc=$? at +$(el)s: $(tail -1 "$L/units.log")"; grep -E "FAILED|ERROR" "$L/units.log" | head
@@ -44,6 +48,7 @@ if [ -n "$PB" ] && wait $PB; then
   for r in 1 4 8; do
     env "${PROBE_ENV[@]}" DS4_H_COPIES=$r DS4_NO_JIT=1 timeout 60 python3 scripts/probe_moe_step.py --layers 8 \
       --replays 6 --out "$L/probe_h$r.json" > "$L/probe_h$r.log" 2>&1
-    echo "probe copies=$r rc=$? at +$(el)s"; sed -n '/^medians/,$p' "$L/probe_h$r.log" | grep -E "^alone|^step|down block"
+    echo "probe copies=$r rc=$? at +$(el)s"
+    sed -n '/^medians/,$p' "$L/probe_h$r.log" | grep -E "^alone|^step|down block"
   done
 fi
