@@ -3,8 +3,9 @@
 # staged by bulk copies on the TMA unit: g GEMVs, d MoE downs with their add, u MoE gate+ups). Why: the step probe put
 # the routed down's staging of h (24 KB from L2) at 3.3 us in the step and 3.5 alone, against 7.1 of weight stream
 # (experiments/session78.md); the staging follows the weight rounds requested before the PDL wait.
-# Steps: the library's build and the probe build beside it; the GPU tests (tests/test_bulk_stage_gpu.py, the MoE / GEMV /
-# fold kernels, graph = eager [fused], [fused-hc_fold], [fused-hc_fold-bulk_stage]); the slope with the bulk sites
+# Steps: the library's build and the probe build beside it; the GPU tests (tests/test_bulk_stage_gpu.py, since renamed
+# tests/test_staging_trials_gpu.py; the MoE / GEMV / fold kernels; graph = eager [fused], [fused-hc_fold],
+# [fused-hc_fold-bulk_stage]); the slope with the bulk sites
 # interleaved in one process; the probe without and with bsd (and as diagnostics pj, the programmatic join, and dpre0,
 # no weight rounds before the down's wait: is its staging slowed by those rounds' loads in flight?); the
 # SASS of the V4 instances (for the load scoreboards); on an H200, issue #7's seed sweep. Logs: one tarball in $OUT.
@@ -25,7 +26,8 @@ PROBE_ENV=(DS4_NVCC_FLAGS=-DDS4_MOE_PROBE DS4_EXT_BUILD_DIR="$PWD/.ext_build_pro
 env "${PROBE_ENV[@]}" python3 scripts/build_ext.py -q > "$L/build_probe.log" 2>&1 &
 PB=$!
 timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_bulk_stage_gpu.py > "$L/bulk_tests.log" 2>&1
-echo "bulk tests rc=$? at +$(el)s: $(tail -1 "$L/bulk_tests.log")"; grep -E "FAILED|ERROR|Error" "$L/bulk_tests.log" | head
+echo "bulk tests rc=$? at +$(el)s: $(tail -1 "$L/bulk_tests.log")"
+grep -E "FAILED|ERROR|Error" "$L/bulk_tests.log" | head
 timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_hc_fold_gpu.py tests/test_moe_ffn_gpu.py \
   tests/test_kernels_gpu.py -k "fold or moe or gemv or spacer" > "$L/units.log" 2>&1
 echo "kernel tests rc=$? at +$(el)s: $(tail -1 "$L/units.log")"; grep -E "FAILED|ERROR" "$L/units.log" | head
@@ -50,7 +52,9 @@ fi
 CUOBJ=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
 SO=$(ls .ext_build/*.so 2>/dev/null | head -1)
 if [ -n "$SO" ] && [ -x "$CUOBJ" ]; then
-  "$CUOBJ" -sass "$SO" 2>/dev/null | awk '/Function : /{p = ($0 ~ /moe_down_mma_kernelILi4ELi1ELi2ELb0ELb1ELb0E|moe_gate_up_mma_kernelILi4ELi2ELi2ELb0E|gemv_mma_kernelILi5ELi4ELi2ELb0ELb0ELb0E/)} p' \
+  PAT='moe_down_mma_kernelILi4ELi1ELi2ELb0ELb1ELb0E|moe_gate_up_mma_kernelILi4ELi2ELi2ELb0E'
+  PAT="$PAT|gemv_mma_kernelILi5ELi4ELi2ELb0ELb0ELb0E"
+  "$CUOBJ" -sass "$SO" 2>/dev/null | awk -v pat="$PAT" '/Function : /{p = ($0 ~ pat)} p' \
     | gzip > "$L/sass_v4.txt.gz"; echo "sass: $(zcat "$L/sass_v4.txt.gz" | grep -c 'Function :') functions"
 fi
 if nvidia-smi -L | grep -q H200; then  # issue #7's seed sweep on an H200 (none since session 46)
