@@ -408,13 +408,7 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
                 "ds4.moe_gate_up: act_quant needs one token on a tensor-core kernel that stages it (moe_act_quant_ok)");
   }
   c10::cuda::CUDAGuard guard(x.device());
-  // (the trial DS4_H_COPIES: one token's h written R times, the tensor returned the first copy, a view of the whole
-  // allocation; moe_down below recognises it by its storage)
-  ds4::MoEArgs one = a;
-  one.n_tok = 1;
-  const int64_t hc = N == 1 ? ds4::moe_h_copies(one) : 1;
-  auto h = at::empty({hc * N * k, inter}, x.options());
-  if (hc > 1) h = h.narrow(0, 0, N * k);
+  auto h = at::empty({N * k, inter}, x.options());
   if (N == 0) return h;
   const int step = ds4::moe_max_tokens((int)fmt, (int)k, (int)dim, (int)inter);
   TORCH_CHECK(step >= 1, "ds4.moe_gate_up: shape too large for the shared-memory tiles");
@@ -425,8 +419,7 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
     c.ids = ids.has_value() ? static_cast<const int64_t*>(ids->data_ptr()) + t0 * k : nullptr;
     c.rw = route_w.has_value() ? static_cast<const float*>(route_w->data_ptr()) + t0 * k : nullptr;
     check_launch(ds4::launch_moe_gate_up(c, static_cast<const at::BFloat16*>(x.data_ptr()) + t0 * dim,
-                                         static_cast<at::BFloat16*>(h.data_ptr()) + t0 * k * inter, st, act_quant,
-                                         (int)hc),
+                                         static_cast<at::BFloat16*>(h.data_ptr()) + t0 * k * inter, st, act_quant),
                  "moe_gate_up");
   }
   return h;
@@ -508,14 +501,6 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
   c10::cuda::CUDAGuard guard(h.device());
   auto out = at::empty({N, dim}, h.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (N == 0) return out;
-  int hc = 1;  // the trial DS4_H_COPIES: the copies moe_gate_up wrote, where h is its first one
-  if (N == 1) {
-    ds4::MoEArgs one = a;
-    one.n_tok = 1;
-    const int r = ds4::moe_h_copies(one);
-    const size_t whole = (size_t)r * h.numel() * 2;
-    if (r > 1 && h.is_contiguous() && h.storage_offset() == 0 && h.storage().nbytes() == whole) hc = r;
-  }
   const int step = ds4::moe_max_tokens((int)fmt, (int)topk, (int)dim, (int)inter);
   TORCH_CHECK(step >= 1, "ds4.moe_down: shape too large for the shared-memory tiles");
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
@@ -528,7 +513,7 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
                                       add.has_value() ? static_cast<const char*>(add->data_ptr()) +
                                                             t0 * dim * add->element_size() : nullptr,
                                       static_cast<char*>(out.data_ptr()) + t0 * dim * esz, out_f32, st,
-                                      nfold == 6 ? &fold : nullptr, act_quant, hc),
+                                      nfold == 6 ? &fold : nullptr, act_quant),
                  "moe_down");
   }
   return out;

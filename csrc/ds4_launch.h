@@ -158,23 +158,15 @@ bool moe_route_ok(const MoEArgs& a);
 // Whether kernel DP4A takes this gate+up (moe_dp4a.cu): one token, routed FMT_FP4 experts with E8M0 scales, ids
 // given (no routing in the kernel, no bf16 pointers), dim a multiple of 32 up to 4096, topk <= 32.
 bool moe_dp4a_ok(const MoEArgs& a);
-// Trial (opt-in; DS4_H_COPIES=R, 2..8, read at every call of moe_h_copies): the one-token tensor-core gate+up writes
-// h R times (copy r at h + r * topk * inter) and the down's block b stages copy b mod R, so that the down's blocks,
-// which all read the same 24 KB of h right after their PDL wait, spread their reads over R times the L2 lines. Why:
-// that staging took 3.1 us alone whether by the threads' loads, by bulk copies on the TMA unit or with no weight loads
-// in flight (H200, experiments/session79.md). moe_h_copies(a): R where a launch of these arguments takes the one-token
-// tensor-core kernels (else 1); the caller allocates h for R copies and passes the same R to both launches.
-int moe_h_copies(const MoEArgs& a);
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, dim]*/,
-                               void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st, bool aq = false,
-                               int h_copies = 1);
+                               void* h /*bf16 [n_tok*topk, inter]*/, cudaStream_t st, bool aq = false);
 // out[t, :] = (add ? add[t, :] : 0) + sum over the local (token, slot) pairs of h[t*topk+j] @ w2[e]^T
 // (add fp32, or bf16 with a.add_bf16; the rounding order is down_store's in moe_dev.cuh). The one-token
 // tensor-core kernel reads ids (or routes from route_logits) before its PDL wait: they must not be
 // written by the launch right before (in the decode step they come from the router, before the
 // gate+up launch). fold (hc_fold_ok(1, ...); bf16 out): the epilogue also forms the hc fold's streams and partials.
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
-                            cudaStream_t st, const HcFold* fold = nullptr, bool aq = false, int h_copies = 1);
+                            cudaStream_t st, const HcFold* fold = nullptr, bool aq = false);
 
 // The whole one-token MoE FFN in one launch (moe_ffn.cu): r the routed experts (FMT_FP4T, ids and rw given,
 // one token), s the shared expert (FP8, one expert, its w1 / w3 / w2 set like launch_moe_gate_up's and

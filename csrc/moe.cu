@@ -291,13 +291,12 @@ static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStre
   return gate_up_go<FMT, 8>(a, x, h, st);
 }
 
-cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq, int h_copies) {
+cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq) {
   if (a.kernel == KERNEL_DP4A) return aq ? cudaErrorInvalidValue : launch_moe_gate_up_dp4a(a, x, h, st);
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && (!moe_route_ok(a) || !a.ids_out || !a.rw_out))) return cudaErrorInvalidValue;
   if (aq && !moe_act_quant_ok(a, true)) return cudaErrorInvalidValue;
-  if (h_copies != 1 && (mma != 1 || h_copies != moe_h_copies(a))) return cudaErrorInvalidValue;
-  if (mma) return launch_moe_gate_up_mma(a, x, h, st, aq, h_copies);
+  if (mma) return launch_moe_gate_up_mma(a, x, h, st, aq);
   if (!moe_shape_ok(a) || !moe_layout_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return gate_up_nt<FMT_FP4>(a, x, h, st);
   if (a.fmt == FMT_FP4P) return gate_up_nt<FMT_FP4P>(a, x, h, st);
@@ -334,19 +333,18 @@ static cudaError_t down_nt(const MoEArgs& a, const void* h, const void* add, voi
 }
 
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
-                            cudaStream_t st, const HcFold* fold, bool aq, int h_copies) {
+                            cudaStream_t st, const HcFold* fold, bool aq) {
   if (a.kernel == KERNEL_DP4A) return cudaErrorInvalidValue;  // a gate+up kernel only
   const int mma = moe_use_mma(a);
-  if (h_copies < 1 || (h_copies > 1 && (mma != 1 || a.n_tok != 1))) return cudaErrorInvalidValue;
   if (mma < 0 || (a.route_logits && !moe_route_ok(a)) || (aq && !moe_act_quant_ok(a, false)))
     return cudaErrorInvalidValue;
   if (fold != nullptr) {  // the hc fold: one token, bf16 out, the tensor-core kernel
     if (mma != 1 || out_f32 || a.n_tok != 1 || !hc_fold_ok(1, a.fmt, a.dim, a.inter, a.topk, fold->n) ||
         fold->mix != (2 + fold->n) * fold->n)
       return cudaErrorInvalidValue;
-    return launch_moe_down_mma(a, h, add, out, false, st, fold, aq, h_copies);
+    return launch_moe_down_mma(a, h, add, out, false, st, fold, aq);
   }
-  if (mma) return launch_moe_down_mma(a, h, add, out, out_f32, st, nullptr, aq, h_copies);
+  if (mma) return launch_moe_down_mma(a, h, add, out, out_f32, st, nullptr, aq);
   if (!moe_shape_ok(a) || !moe_layout_ok(a)) return cudaErrorInvalidValue;
   if (a.fmt == FMT_FP4) return down_nt<FMT_FP4>(a, h, add, out, out_f32, st);
   if (a.fmt == FMT_FP4P) return down_nt<FMT_FP4P>(a, h, add, out, out_f32, st);

@@ -92,7 +92,7 @@ __device__ __forceinline__ void routed_pair_tiles(const MoEArgs& a, unsigned m, 
 
 // A block's one-token gate+up over np (w1, w3) tile pairs (local tiles 2 pl and 2 pl + 1, first rows row0[2 pl]) on
 // stream st, its first rounds already requested: x staged for FMT, the stream run, then
-// out(pl, row, swiglu(gate, up) * weight(pl)) stores it, for the rows < inter. Every thread of the block calls it. AQ: x staged
+// out(pl, row) = swiglu(gate, up) * weight(pl) for the rows < inter. Every thread of the block calls it. AQ: x staged
 // FP8-simulated (stage_mma_rows' AQ). bulk_bar (not AQ): x already requested by a bulk copy completing on it
 // (bulk_stage.cuh; thread 0 waits, then each thread converts its vectors).
 template <int FMT, bool AQ = false, typename Stream, typename WeightFn, typename OutFn>
@@ -113,8 +113,8 @@ __device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x
   for (int i = threadIdx.x; i < np * 16; i += blockDim.x) {
     const int pl = i >> 4, row = row0[2 * pl] + (i & 15);
     if (row < inter)
-      out(pl, row, swiglu_h(mma_part_sum(part, 2 * pl, i & 15), mma_part_sum(part, 2 * pl + 1, i & 15), limit,
-                            weight(pl)));
+      out(pl, row) = swiglu_h(mma_part_sum(part, 2 * pl, i & 15), mma_part_sum(part, 2 * pl + 1, i & 15), limit,
+                              weight(pl));
   }
 }
 
@@ -154,11 +154,10 @@ inline bool moe_layout_ok(const MoEArgs& a) {
 // The tensor-core half of launch_moe_gate_up / launch_moe_down (moe_mma.cu). moe_use_mma: 0 = the FMA kernels,
 // 1 = the tensor-core ones, -1 = an explicit tensor-core request (a.kernel) that does not apply.
 int moe_use_mma(const MoEArgs& a);
-cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq,
-                                   int h_copies = 1);
+cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq);
 // The integer-pipe gate+up (moe_dp4a.cu), launch_moe_gate_up's kernel DP4A.
 cudaError_t launch_moe_gate_up_dp4a(const MoEArgs& a, const void* x, void* h, cudaStream_t st);
 cudaError_t launch_moe_down_mma(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
-                                cudaStream_t st, const HcFold* fold, bool aq, int h_copies = 1);
+                                cudaStream_t st, const HcFold* fold, bool aq);
 
 }  // namespace ds4

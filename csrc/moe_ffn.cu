@@ -129,7 +129,7 @@ moe_ffn_kernel(const MoEArgs r, const MoEArgs s, const __nv_bfloat16* __restrict
     moe_slots(r, part1, s_ids, s_rw, false);
     if (np > 0)
       gate_up_pairs<FMT_FP8>(st, x, s.dim, xs, part1, np, s_row0, s.inter, s.limit, [](int) { return 1.f; },
-                             [&](int, int row, __nv_bfloat16 v) { h_sh[row] = v; });
+                             [&](int, int row) -> __nv_bfloat16& { return h_sh[row]; });
   } else {  // the routed experts: pairs p = u * RT + rt (local slot u, row tile rt), as moe_gate_up_mma_kernel
     ds4_pdl::begin();
     ffn_mark(p.probe, 0);
@@ -147,8 +147,8 @@ moe_ffn_kernel(const MoEArgs r, const MoEArgs s, const __nv_bfloat16* __restrict
       st.prefetch();
       gate_up_pairs<FMT_FP4T>(st, x, r.dim, xs, part1, np, s_row0, r.inter, r.limit,
                               [&](int pl) { return s_rw[s_slot[pl]]; },
-                              [&](int pl, int row, __nv_bfloat16 v) {
-                                hbuf[(long)s_slot[pl] * r.inter + row] = v;
+                              [&](int pl, int row) -> __nv_bfloat16& {
+                                return hbuf[(long)s_slot[pl] * r.inter + row];
                               });
     }
   }

@@ -83,7 +83,7 @@ cudaError_t moe_probe_read(unsigned long long* host, unsigned* tickets, bool cle
 template <int FMT, int U, int W, bool AQ = false>
 __global__ void __launch_bounds__(MMA_STREAM_THREADS, (mma_min_blocks<U, W>()))
 moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ h,
-                       int bulk, int h_copies) {
+                       int bulk) {
   // Expert ids, route weights (or the router's logits) and x come from the previous kernels. One expert without
   // routing (the shared expert: its slot and weight are constants) reads none of them before staging x, so its
   // blocks load their first weight rounds before the wait (what a programmatic fork of its branch, DS4_PFORK=shared,
@@ -125,9 +125,7 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   moe_mark(a, 2);
   if (weights_first) ds4_pdl::begin(), issue_x();
   gate_up_pairs<FMT, AQ>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
-                     [&](int pl, int row, __nv_bfloat16 v) {
-                       for (int c = 0; c < h_copies; ++c) h[((long)c * a.topk + s_slot[pl]) * a.inter + row] = v;
-                     },
+                     [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; },
                      bulk_x ? &s_bar : nullptr);
   moe_mark(a, 5);
   moe_probe_exit(a, 0, true);
@@ -169,7 +167,7 @@ template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_bl
 template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false, bool AQ = false>
 __global__ void __launch_bounds__(32 * down_warps<U>(), (down_min_blocks<U, W, FOLD>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
-                    void* __restrict__ out, int tpb, const HcFold fold, int pre, int bulk, int h_copies) {
+                    void* __restrict__ out, int tpb, const HcFold fold, int pre, int bulk) {
   moe_mark(a, 0);
   extern __shared__ float4 smem4[];
   constexpr int NW = down_warps<U>();
@@ -207,7 +205,6 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   };
   if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, a.dim);  // a weight: before the wait
   const bool bulk_h = bulk_arch() && !AQ && (bulk & 1) != 0;
-  h += (long)(blockIdx.x % h_copies) * a.topk * a.inter;  // (the trial DS4_H_COPIES; else copy 0)
   const bool bulk_add = bulk_h && (bulk & 2) != 0 && add != nullptr && nt <= 4 && (t0 + nt) * 16 <= a.dim;
   const int add_size = a.add_bf16 ? 2 : 4;
   ds4_pdl::begin();  // h and add come from the previous kernels
@@ -265,13 +262,6 @@ static bool moe_mma_ok(const MoEArgs& a) {
          4L * mma_part_floats(MMA_STREAM_MAX_TILES, DS4_DOWN_WARPS) + 2L * a.topk * a.inter <= MOE_MMA_SMEM_CAP;
 }
 
-int moe_h_copies(const MoEArgs& a) {
-  const char* env = std::getenv("DS4_H_COPIES");
-  const int r = env ? std::atoi(env) : 1;
-  if (r <= 1 || a.n_tok != 1 || a.kernel == KERNEL_DP4A || moe_use_mma(a) != 1) return 1;
-  return std::min(r, 8);
-}
-
 // 0: use the FMA kernels; 1: use the MMA kernels; -1: an explicit MMA request that does not apply
 int moe_use_mma(const MoEArgs& a) {
   const bool ok = moe_mma_ok(a);
@@ -312,10 +302,10 @@ static int moe_wave(const MoEArgs& a, int wave, bool gate_up) {
 }
 
 template <int FMT, int U, int W, bool AQ = false>
-static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st, int h_copies) {
+static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cudaStream_t st) {
   const long smem = 4L * mma_part_floats(MMA_STREAM_MAX_TILES) + 2L * a.dim + mma_stream_smem<FMT, U, W>();
   if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
-    if (smem > MOE_MMA_SMEM_CAP) return gate_up_mma_go<FMT, 8 / W, W, AQ>(a, x, h, st, h_copies);
+    if (smem > MOE_MMA_SMEM_CAP) return gate_up_mma_go<FMT, 8 / W, W, AQ>(a, x, h, st);
   }
   auto kern = moe_gate_up_mma_kernel<FMT, U, W, AQ>;
   int wave = 0;  // (an AQ instance: its plain twin's, twin_wave)
@@ -329,12 +319,12 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
   if ((e = launch_spacer_before('u', st)) != cudaSuccess) return e;
   return ds4_pdl::launch(kern, dim3(grid), dim3(MMA_STREAM_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
                          reinterpret_cast<__nv_bfloat16*>(h),
-                         !AQ && bulk_stage_site('u') && bulk_piece_ok(x, 2L * a.dim) ? 1 : 0, h_copies);
+                         !AQ && bulk_stage_site('u') && bulk_piece_ok(x, 2L * a.dim) ? 1 : 0);
 }
 
 template <int FMT, int U, int W, bool F32, bool FOLD = false, bool AQ = false>
 static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
-                               const HcFold& fold, int h_copies) {
+                               const HcFold& fold = HcFold{}) {
   const int T = (a.dim + 15) / 16;
   constexpr int threads = 32 * down_warps<U>();
   auto kern = moe_down_mma_kernel<FMT, U, W, F32, FOLD, AQ>;
@@ -343,8 +333,7 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
            (FOLD ? 4L * hc_fold_smem_floats(tpb, fold.n, fold.mix) : 0L);
   };
   if constexpr (U == 0) {  // the shared-memory stream does not fit: registers
-    if (smem_for(1) > MOE_MMA_SMEM_CAP)
-      return down_mma_go<FMT, 8 / W, W, F32, FOLD, AQ>(a, h, add, out, st, fold, h_copies);
+    if (smem_for(1) > MOE_MMA_SMEM_CAP) return down_mma_go<FMT, 8 / W, W, F32, FOLD, AQ>(a, h, add, out, st, fold);
   }
   int wave = 0;  // (an AQ instance: its plain twin's, twin_wave)
   cudaError_t e = twin_wave(kern, moe_down_mma_kernel<FMT, U, W, F32, FOLD, false>, threads, smem_for(1), wave);
@@ -360,7 +349,7 @@ static cudaError_t down_mma_go(const MoEArgs& a, const void* h, const void* add,
     bulk = 1 | (add != nullptr && bulk_piece_ok(add, 16L * (a.add_bf16 ? 2 : 4)) ? 2 : 0);
   return ds4_pdl::launch(kern, dim3((T + tpb - 1) / tpb), dim3(threads), smem, st, a,
                          reinterpret_cast<const __nv_bfloat16*>(h), add, out, tpb, fold, mma_prefetch_rounds(true),
-                         bulk, h_copies);
+                         bulk);
 }
 
 // A per-kernel depth knob (`name`, read at every launch) where set, else the per-shape rule for rows of K.
@@ -402,8 +391,7 @@ bool moe_act_quant_ok(const MoEArgs& a, bool gate_up) {
          (gate_up ? a.dim : a.inter) % 128 == 0 && (gate_up || down_depth(a) < 4);
 }
 
-cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq,
-                                   int h_copies) {
+cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq) {
   if (aq && !moe_act_quant_ok(a, true)) return cudaErrorInvalidValue;
   if (fmt_tiled(a.fmt)) {
     if (!moe_layout_ok(a)) return cudaErrorInvalidValue;
@@ -411,17 +399,17 @@ cudaError_t launch_moe_gate_up_mma(const MoEArgs& a, const void* x, void* h, cud
       return with_tiled_shape(gate_up_depth(a), [&](auto, auto u) {
         constexpr int U = decltype(u)::value;
         constexpr bool AQ = decltype(aqc)::value;
-        return a.fmt == FMT_FP8T ? gate_up_mma_go<FMT_FP8T, U, FP4T_W, AQ>(a, x, h, st, h_copies)
-                                 : gate_up_mma_go<FMT_FP4T, U, FP4T_W, AQ>(a, x, h, st, h_copies);
+        return a.fmt == FMT_FP8T ? gate_up_mma_go<FMT_FP8T, U, FP4T_W, AQ>(a, x, h, st)
+                                 : gate_up_mma_go<FMT_FP4T, U, FP4T_W, AQ>(a, x, h, st);
       });
     };
     return aq ? go(std::true_type{}) : go(std::false_type{});
   }
   return with_mma_shape(mma_width(a.fmt, a.dim, mma_max_width()), gate_up_depth(a), [&](auto cw, auto u) {
     constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
-    if (a.fmt == FMT_FP8) return gate_up_mma_go<FMT_FP8, U, CW>(a, x, h, st, h_copies);
-    return a.fmt == FMT_FP4P ? gate_up_mma_go<FMT_FP4P, U, CW>(a, x, h, st, h_copies)
-                             : gate_up_mma_go<FMT_FP4, U, CW>(a, x, h, st, h_copies);
+    if (a.fmt == FMT_FP8) return gate_up_mma_go<FMT_FP8, U, CW>(a, x, h, st);
+    return a.fmt == FMT_FP4P ? gate_up_mma_go<FMT_FP4P, U, CW>(a, x, h, st)
+                             : gate_up_mma_go<FMT_FP4, U, CW>(a, x, h, st);
   });
 }
 
@@ -442,34 +430,34 @@ bool moe_down_fold_ok(int fmt, int topk, int dim, int inter, int n) {
 // with or without the hc fold.
 template <bool F32, bool FOLD>
 static cudaError_t down_mma(const MoEArgs& a, const void* h, const void* add, void* out, cudaStream_t st,
-                            const HcFold& fold, bool aq, int h_copies) {
+                            const HcFold& fold, bool aq) {
   if (aq) {  // (moe_act_quant_ok: the tiled layouts) at depth 2
     if (!moe_act_quant_ok(a, false)) return cudaErrorInvalidValue;
     constexpr int U = 2 / FP4T_W;
-    return a.fmt == FMT_FP8T ? down_mma_go<FMT_FP8T, U, FP4T_W, F32, FOLD, true>(a, h, add, out, st, fold, h_copies)
-                             : down_mma_go<FMT_FP4T, U, FP4T_W, F32, FOLD, true>(a, h, add, out, st, fold, h_copies);
+    return a.fmt == FMT_FP8T ? down_mma_go<FMT_FP8T, U, FP4T_W, F32, FOLD, true>(a, h, add, out, st, fold)
+                             : down_mma_go<FMT_FP4T, U, FP4T_W, F32, FOLD, true>(a, h, add, out, st, fold);
   }
   if (fmt_tiled(a.fmt)) {
     if (!moe_layout_ok(a)) return cudaErrorInvalidValue;
     return with_tiled_shape(down_depth(a), [&](auto, auto u) {
       constexpr int U = decltype(u)::value;
-      return a.fmt == FMT_FP8T ? down_mma_go<FMT_FP8T, U, FP4T_W, F32, FOLD>(a, h, add, out, st, fold, h_copies)
-                               : down_mma_go<FMT_FP4T, U, FP4T_W, F32, FOLD>(a, h, add, out, st, fold, h_copies);
+      return a.fmt == FMT_FP8T ? down_mma_go<FMT_FP8T, U, FP4T_W, F32, FOLD>(a, h, add, out, st, fold)
+                               : down_mma_go<FMT_FP4T, U, FP4T_W, F32, FOLD>(a, h, add, out, st, fold);
     });
   }
   return with_mma_shape(mma_width(a.fmt, a.inter, mma_max_width()), down_depth(a), [&](auto cw, auto u) {
     constexpr int CW = decltype(cw)::value, U = decltype(u)::value;
-    if (a.fmt == FMT_FP8) return down_mma_go<FMT_FP8, U, CW, F32, FOLD>(a, h, add, out, st, fold, h_copies);
-    if (a.fmt == FMT_FP4P) return down_mma_go<FMT_FP4P, U, CW, F32, FOLD>(a, h, add, out, st, fold, h_copies);
-    return down_mma_go<FMT_FP4, U, CW, F32, FOLD>(a, h, add, out, st, fold, h_copies);
+    if (a.fmt == FMT_FP8) return down_mma_go<FMT_FP8, U, CW, F32, FOLD>(a, h, add, out, st, fold);
+    if (a.fmt == FMT_FP4P) return down_mma_go<FMT_FP4P, U, CW, F32, FOLD>(a, h, add, out, st, fold);
+    return down_mma_go<FMT_FP4, U, CW, F32, FOLD>(a, h, add, out, st, fold);
   });
 }
 
 cudaError_t launch_moe_down_mma(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
-                                cudaStream_t st, const HcFold* fold, bool aq, int h_copies) {
-  if (fold != nullptr) return down_mma<false, true>(a, h, add, out, st, *fold, aq, h_copies);
-  return out_f32 ? down_mma<true, false>(a, h, add, out, st, HcFold{}, aq, h_copies)
-                 : down_mma<false, false>(a, h, add, out, st, HcFold{}, aq, h_copies);
+                                cudaStream_t st, const HcFold* fold, bool aq) {
+  if (fold != nullptr) return down_mma<false, true>(a, h, add, out, st, *fold, aq);
+  return out_f32 ? down_mma<true, false>(a, h, add, out, st, HcFold{}, aq)
+                 : down_mma<false, false>(a, h, add, out, st, HcFold{}, aq);
 }
 
 }  // namespace ds4

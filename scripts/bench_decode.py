@@ -101,8 +101,7 @@ rounds before their PDL wait, the rest after it; default all), spLETTERS
 (DS4_SPACER, letters of g d u: an empty PDL launch in front of every tensor-core GEMV / MoE down / MoE gate+up
 launch; a diagnostic, outputs unchanged), bsLETTERS (DS4_BULK_STAGE, letters of g d u: those kernels stage their
 activations — and the MoE downs the shared expert's output they add — by bulk copies on the TMA unit, sm_90; opt-in,
-the same bits), hcopyN (DS4_H_COPIES=N: the one-token MoE gate+up writes h N times and the down's blocks stage a copy
-each, spreading their reads of the same lines; a trial, the same bits), qat (numerics=qat: the official reference's FP8 / FP4 activation
+the same bits), qat (numerics=qat: the official reference's FP8 / FP4 activation
 simulations; plain without it), aqtorch (DS4_ACT_QUANT=torch: with qat, the FP8 activation simulation by its torch
 twin, about a dozen launches, instead of the staging; the same bits), aqstaged (DS4_ACT_QUANT=staged: with
 qat, the simulation inside the activation staging of the one-row tensor-core GEMVs that take it (wq_a + wkv, q_norm +
@@ -210,16 +209,14 @@ def launch_order_env(toks: set[str]) -> dict[str, str | None]:
     default all of their depth). spLETTERS (letters of g d u): an empty PDL launch before every tensor-core GEMV /
     MoE down / MoE gate+up launch (DS4_SPACER; timing only, outputs unchanged). bsLETTERS (letters of g d u): those
     kernels stage their activations by bulk copies on the TMA unit instead of their threads' loads (DS4_BULK_STAGE,
-    sm_90; csrc/bulk_stage.cuh; the same bits). hcopyN: the one-token MoE gate+up writes h N times and the down's
-    blocks stage a copy each (DS4_H_COPIES; a trial, the same bits)."""
+    sm_90; csrc/bulk_stage.cuh; the same bits)."""
     def rounds(prefix):
         n = _number_token(toks, prefix, -1)
         return str(n) if n >= 0 else None
     def letters(prefix):
         return "".join(sorted(t[2:] for t in toks if _is_letters_token(t, prefix))) or None
-    copies = _number_token(toks, "hcopy", 1)
     return {"DS4_PREFETCH": rounds("pre"), "DS4_PREFETCH_DOWN": rounds("dpre"), "DS4_SPACER": letters("sp"),
-            "DS4_BULK_STAGE": letters("bs"), "DS4_H_COPIES": str(copies) if copies > 1 else None}
+            "DS4_BULK_STAGE": letters("bs")}
 
 
 def _is_letters_token(t: str, prefix: str) -> bool:
@@ -248,7 +245,7 @@ PLAIN_TOKENS = frozenset({
     "rideattn", "xcombine", "noidxskip",
     "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared",
     "xrouter", "xrouted", "xattn"})
-NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre", "hcopy")
+NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
 # qat's FP8 activation simulation modes (DS4_ACT_QUANT) by token: one per variant at most
 ACT_QUANT_TOKENS = {"aqtorch": "torch", "aqstaged": "staged", "aqlaunch": "kernel"}
 TP_ONLY_TOKENS = frozenset({"bf16", "ll", "symm", "arf", "arfnp", "arfpack", "xar"})  # nothing to reduce at world 1
@@ -264,9 +261,9 @@ def unknown_tokens(toks: set[str]) -> list[str]:
 
 
 # Numbered tokens whose number leaves the step as it is (the library's default): rd0 / lrd0 / dn0 / shd0 unset the depth
-# knob, cap0 sizes nothing, defer0 / deferh0 defer nothing, hcopy0 copies nothing, rw / shw at 0 or from 100 take the
-# whole wave. A variant named with one would time the default under another name.
-_IDLE_AT_ZERO = ("rd", "lrd", "dn", "shd", "cap", "defer", "deferh", "hcopy")
+# knob, cap0 sizes nothing, defer0 / deferh0 defer nothing, rw / shw at 0 or from 100 take the whole wave. A variant
+# named with one would time the default under another name.
+_IDLE_AT_ZERO = ("rd", "lrd", "dn", "shd", "cap", "defer", "deferh")
 _WAVE_SHARES = ("rw", "shw")
 
 

@@ -28,12 +28,6 @@ def test_bench_tokens_choose_the_sites(tokens, expected):
 def test_launch_order_tokens_set_their_variables(tokens, expected):
     env = _bench_decode().launch_order_env(tokens)
     assert (env["DS4_PREFETCH"], env["DS4_PREFETCH_DOWN"], env["DS4_SPACER"], env["DS4_BULK_STAGE"]) == expected
-    assert env["DS4_H_COPIES"] is None
-
-
-@pytest.mark.parametrize("tokens,expected", [({"hcopy4"}, "4"), ({"hcopy1"}, None), ({"kernels"}, None)])
-def test_h_copies_token_sets_its_variable(tokens, expected):
-    assert _bench_decode().launch_order_env(tokens)["DS4_H_COPIES"] == expected
 
 
 def test_bulk_stage_tokens_are_known():

@@ -308,9 +308,6 @@ def _tiny_weights_for(impls: Impls, seed: int, vocab: int | None = None):
     # register staging is the reference), one decode row as the hc fold rows take
     pytest.param(Impls(**_FUSED), {"DS4_BULK_STAGE": "all"}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"},
                  id="fused-hc_fold-bulk_stage"),
-    # the one-token MoE gate+up writing h 4 times, the down's blocks staging a copy each (a trial; graph only)
-    pytest.param(Impls(**_FUSED), {"DS4_H_COPIES": "4"}, {"DS4_HC_FOLD": "1", "DS4_MMA": "all"},
-                 id="fused-hc_fold-h_copies"),
     # the shared expert's branch joined to the routed down by programmatic edges (opt-in; graph only)
     pytest.param(Impls(**_FUSED), {"DS4_PJOIN": "all"}, {}, id="fused-programmatic_join"),
     # a captured graph per compressor phase, the compressor branches joined late where no window ends (opt-in)

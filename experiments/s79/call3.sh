@@ -6,8 +6,11 @@
 # Steps (cut to fit the 469 s of device time left): the library's build; the GPU tests
 # (tests/test_staging_trials_gpu.py, the MoE kernels, graph = eager [fused], [fused-hc_fold], [fused-hc_fold-h_copies]);
 # the slope with R = 4, 8 interleaved in one process; with PROBE=1 also the probe build and the probe with R = 1, 4, 8.
-# Logs: one tarball in $OUT. SLIM=1 (as run, 289 s of device time left): the trial's own tests only, no graph test, the
+# Logs: one tarball in $OUT. SLIM=1 (for 289 s of device time left): the trial's own tests only, no graph test, the
 # slope's variants R = 1, 4, 8, 1.
+# Not run in session 79 (too little device time was left to start a machine). The trial is not in the tree: first,
+# here, git apply experiments/s79/h_copies.diff (it adds the trial and its tests, tests/test_bulk_stage_gpu.py renamed
+# tests/test_staging_trials_gpu.py), then
 # Usage (carry build/site): [SLIM=1] OUT=$OUT bash experiments/s79/call3.sh
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
