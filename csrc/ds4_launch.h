@@ -45,7 +45,8 @@ cudaError_t launch_spacer_before(char kind, cudaStream_t st);
 // Opt-in (an ablation; the outputs are the same bits): DS4_BULK_STAGE holding the letter g / d / u (or "all") has every
 // one-row tensor-core GEMV (not its RMSNorm or qat forms) / MoE down / MoE gate+up launch stage its activations by
 // bulk copies on the TMA unit (csrc/bulk_stage.cuh) instead of its threads' loads; sm_90+ only (elsewhere false).
-// Read at every launch. bulk_piece_ok: a piece such a copy takes (16-byte aligned address, size a multiple of 16).
+// Read at every launch. Not faster (H200, experiments/session79.md). bulk_piece_ok: a piece such a copy takes
+// (16-byte aligned address, size a multiple of 16).
 bool bulk_stage_site(char site);
 bool bulk_piece_ok(const void* p, long bytes);
 

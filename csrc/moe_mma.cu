@@ -118,12 +118,18 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   __shared__ uint64_t s_bar;
   const bool bulk_x = bulk_arch() && !AQ && bulk != 0;
   auto issue_x = [&] {
-    if (bulk_x && threadIdx.x == 0) bulk_begin(&s_bar, 2u * a.dim), bulk_copy(xs, x, 2u * a.dim, &s_bar);
+    if (bulk_x && threadIdx.x == 0) {
+      bulk_begin(&s_bar, 2u * a.dim);
+      bulk_copy(xs, x, 2u * a.dim, &s_bar);
+    }
   };
   if (!weights_first) issue_x();
   st.prefetch();
   moe_mark(a, 2);
-  if (weights_first) ds4_pdl::begin(), issue_x();
+  if (weights_first) {
+    ds4_pdl::begin();
+    issue_x();
+  }
   gate_up_pairs<FMT, AQ>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
                      [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; },
                      bulk_x ? &s_bar : nullptr);
