@@ -6,8 +6,8 @@
 // streaming their weights (H100, the step probe, experiments/session78.md), and 3.5 us alone, where h sat in L2 long
 // before. Its staging starts right after the weight rounds it requested before its PDL wait; whether the h loads then
 // queue behind those loads in the block's own load path (its scoreboards, its SM's outstanding requests) is the
-// question a bulk copy, which holds neither, answers. It answered no: on an H200 the staging took as long alone (3.1 us)
-// and the step was slower (bsd 101.1 against 99.5 us per layer; experiments/session79.md), so this stays an opt-in.
+// question a bulk copy, which holds neither, answers. It answered no: on an H200 the staging took as long alone
+// (3.1 us) and the step was slower (bsd 101.1 against 99.5 us per layer; experiments/session79.md): an opt-in.
 //
 // Protocol (one copy group per launch, thread 0 drives it, parity 0):
 //   thread 0: bulk_begin(bar, bytes) — init, then arm it for `bytes`; bulk_copy(...) for each piece;

@@ -54,7 +54,8 @@ def functions(lines):
 def fmt(off: str, text: str, c: dict) -> str:
     bar = lambda b: "-" if b == 7 else str(b)  # noqa: E731
     wait = ",".join(map(str, c["wait"])) or "-"
-    return f"{off}  W{bar(c['wb'])} R{bar(c['rb'])} wait[{wait:>11}] s{c['stall']:<2}{'y' if c['yield'] else ' '} {text}"
+    yld = "y" if c["yield"] else " "
+    return f"{off}  W{bar(c['wb'])} R{bar(c['rb'])} wait[{wait:>11}] s{c['stall']:<2}{yld} {text}"
 
 
 def main() -> int:
