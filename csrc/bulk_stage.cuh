@@ -12,8 +12,8 @@
 // Protocol (one copy group per launch, thread 0 drives it, parity 0):
 //   thread 0: bulk_begin(bar, bytes) — init, then arm it for `bytes`; bulk_copy(...) for each piece;
 //   ... every thread's other work ...
-//   thread 0: bulk_wait(bar); then a block barrier; then each thread converts its own staged vectors in place
-//   (stage_mma_inplace, mma_dot.cuh).
+//   every thread: stage_mma_bulk_landed (mma_dot.cuh): thread 0 waits on the barrier, a block barrier, then each
+//   thread converts its own staged vectors in place.
 // Pieces: 16-byte aligned, sizes multiples of 16 (the host checks before choosing it). The shared memory they land in
 // may have been written by the block's threads before (scratch): the fence in bulk_begin orders those generic writes
 // before the async ones, and the caller has a block barrier between them and bulk_begin.

@@ -220,9 +220,7 @@ gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__
   if constexpr (NORM) {
     stage_mma_rmsnorm<FMT, AQ>(xs, x, K, nw, nw_f32 != 0, eps);
   } else if (bulk_x) {
-    if (threadIdx.x == 0) bulk_wait(&s_bar);
-    __syncthreads();
-    stage_mma_inplace<FMT>(xs, ng * K / 8);
+    stage_mma_bulk_landed<FMT>(&s_bar, xs, ng * K / 8);
   } else {
     stage_mma_rows<FMT, false, AQ>(xs, [=](int g) { return x + (long)(g0 + g) * K; }, ng, K);
   }
@@ -330,11 +328,7 @@ bool bulk_stage_site(char site) {
   const char* v = std::getenv("DS4_BULK_STAGE");
   if (v == nullptr || *v == '\0') return false;
   if (std::strcmp(v, "all") != 0 && std::strchr(v, site) == nullptr) return false;
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-    return false;
-  return major >= 9;
+  return ds4_pdl::device_major() >= 9;
 }
 
 bool bulk_piece_ok(const void* p, long bytes) {

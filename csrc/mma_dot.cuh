@@ -235,10 +235,13 @@ __device__ __forceinline__ void stage_mma_rows(__nv_bfloat16* dst, RowFn row, in
   }
 }
 
-// The raw bf16 vectors a bulk copy staged (bulk_stage.cuh) converted in place as stage_mma_rows converts them: nvec
-// 16-byte vectors from dst, each thread its own (no barrier among them; the caller's barrier follows).
+// The end of a staging by bulk copies (bulk_stage.cuh) that complete on bar: thread 0 waits for them, the block
+// synchronises, then the nvec raw bf16 vectors from dst are converted in place as stage_mma_rows converts them, each
+// thread its own (the caller's barrier follows). Every thread of the block calls it.
 template <int FMT>
-__device__ __forceinline__ void stage_mma_inplace(__nv_bfloat16* dst, int nvec) {
+__device__ __forceinline__ void stage_mma_bulk_landed(uint64_t* bar, __nv_bfloat16* dst, int nvec) {
+  if (threadIdx.x == 0) bulk_wait(bar);
+  __syncthreads();
   for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
     uint4* p = reinterpret_cast<uint4*>(dst) + i;
     *p = mma_stage_vec<FMT>(*p);

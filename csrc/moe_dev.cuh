@@ -100,9 +100,7 @@ __device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x
                                               float* part, int np, const int* row0, int inter, float limit,
                                               WeightFn weight, OutFn out, uint64_t* bulk_bar = nullptr) {
   if (!AQ && bulk_bar != nullptr) {
-    if (threadIdx.x == 0) bulk_wait(bulk_bar);
-    __syncthreads();
-    stage_mma_inplace<FMT>(xs, dim / 8);
+    stage_mma_bulk_landed<FMT>(bulk_bar, xs, dim / 8);
   } else {
     stage_mma_rows<FMT, false, AQ>(xs, [=](int) { return x; }, 1, dim);
   }

@@ -224,9 +224,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, a.dim);
   if (bulk_h) {
-    if (threadIdx.x == 0) bulk_wait(&s_bar);
-    __syncthreads();
-    stage_mma_inplace<FMT>(hs, nU * a.inter / 8);
+    stage_mma_bulk_landed<FMT>(&s_bar, hs, nU * a.inter / 8);
   } else {
     stage_mma_rows<FMT, false, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   }

@@ -63,16 +63,21 @@ inline bool trigger_early(const char* env, bool by_default) {
   return by_default;
 }
 
+// Host: the current device's compute capability major (asked once per device; 0 where it cannot be asked).
+inline int device_major() {
+  static int major_of[64] = {0};  // per device, 0 = not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (major_of[dev] == 0) cudaDeviceGetAttribute(&major_of[dev], cudaDevAttrComputeCapabilityMajor, dev);
+  return major_of[dev];
+}
+
 // Host: launches on the current device use PDL (compute capability >= 9.0 and DS4_PDL != "0"; the
 // variable is read at every launch so one process can measure both, e.g. before two graph captures).
 inline bool enabled() {
   const char* env = std::getenv("DS4_PDL");
   if (env && env[0] == '0') return false;
-  static int major_of[64] = {0};  // per device, 0 = not asked yet
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (major_of[dev] == 0) cudaDeviceGetAttribute(&major_of[dev], cudaDevAttrComputeCapabilityMajor, dev);
-  return major_of[dev] >= 9;
+  return device_major() >= 9;
 }
 
 // The GPU's nanosecond clock (%globaltimer), the same on every SM: the phase probes' timestamps (DS4_MARK below,
