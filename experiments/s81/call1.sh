@@ -26,7 +26,7 @@ env "${PROBE_ENV[@]}" python3 scripts/build_ext.py -q > "$L/build_probe.log" 2>&
 PB=$!
 B=kernels+fused+graph+cap8192
 V="$B,$B+bsd,$B+dpre0,$B+bsd+dpre0,$B+bsd+dpre1,$B,$B+bsd+dpre0"
-PV="base bsd dpre0 bsd_dpre0 bsd_dpre1"
+PV="base bsd_dpre0 bsd dpre0 bsd_dpre1"  # the pair that answers first
 if [ "${SLIM:-0}" = 1 ]; then V="$B,$B+bsd+dpre0,$B,$B+bsd+dpre0"; PV="base bsd_dpre0"; fi  # short device time
 DS4_NO_JIT=1 timeout 240 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 --variants "$V" \
   --out "$L/bench.json" > "$L/bench.log" 2>&1
