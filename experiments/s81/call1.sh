@@ -8,7 +8,8 @@
 # h is the block's first request. The probe shows whether the staging then drops; the slope whether the step gains.
 # Steps: the library's build and the probe build beside it; the probe with base / bsd / dpre0 / bsd+dpre0 / bsd+dpre1;
 # the slope with the same variants interleaved. About 6 device minutes. Logs: one tarball in $OUT.
-# Usage (carry build/site): OUT=$OUT [SLIM=1] bash experiments/s81/call1.sh (SLIM: 2 variants, 2 probes)
+# Usage (carry build/site): OUT=$OUT [SLIM=1] bash experiments/s81/call1.sh (SLIM: 2 variants, 2 probes;
+#   ULTRA=1: SLIM's variants, no probes)
 set -u
 OUT=${OUT:-/tmp/ds4_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/build/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 MAX_JOBS=16 WANDB_SILENT=true
@@ -22,18 +23,22 @@ PROBE_ENV=(DS4_NVCC_FLAGS=-DDS4_MOE_PROBE DS4_EXT_BUILD_DIR="$PWD/.ext_build_pro
            DS4_ATTN_EXT_BUILD_DIR="$PWD/.ext_build/attn")
 python3 scripts/build_ext.py -q > "$L/build.log" 2>&1; rc=$?; echo "build rc=$rc at +$(el)s"
 [ $rc -ne 0 ] && { grep -E "error" "$L/build.log" | head -20; exit 1; }
-env "${PROBE_ENV[@]}" python3 scripts/build_ext.py -q > "$L/build_probe.log" 2>&1 &
-PB=$!
+PB=
+# ULTRA (the session's last minutes): no probe build, no probes
+[ "${ULTRA:-0}" = 1 ] || { env "${PROBE_ENV[@]}" python3 scripts/build_ext.py -q > "$L/build_probe.log" 2>&1 & PB=$!; }
 B=kernels+fused+graph+cap8192
 V="$B,$B+bsd,$B+dpre0,$B+bsd+dpre0,$B+bsd+dpre1,$B,$B+bsd+dpre0"
 PV="base bsd_dpre0 bsd dpre0 bsd_dpre1"  # the pair that answers first
-if [ "${SLIM:-0}" = 1 ]; then V="$B,$B+bsd+dpre0,$B,$B+bsd+dpre0"; PV="base bsd_dpre0"; fi  # short device time
+if [ "${SLIM:-0}" = 1 ] || [ "${ULTRA:-0}" = 1 ]; then  # short device time
+  V="$B,$B+bsd+dpre0,$B,$B+bsd+dpre0"; PV="base bsd_dpre0"
+fi
 DS4_NO_JIT=1 timeout 240 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 --variants "$V" \
   --out "$L/bench.json" > "$L/bench.log" 2>&1
 echo "bench rc=$? at +$(el)s"; grep -E "copy bandwidth|us/layer|Error" "$L/bench.log"; snap
 timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_bulk_stage_gpu.py -k gemv \
   > "$L/bulk_gemv_tests.log" 2>&1
 echo "bulk gemv tests rc=$? at +$(el)s: $(tail -1 "$L/bulk_gemv_tests.log")"; snap
+[ -n "$PB" ] || exit 0
 wait $PB; prc=$?; echo "probe build rc=$prc at +$(el)s"
 if [ $prc -eq 0 ]; then
   for pv in $PV; do
