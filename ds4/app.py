@@ -191,8 +191,8 @@ def memory_need(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> list[
     """(what, bytes) a rank's GPU holds at the run's peak beyond its activations: the weights as stored, the decode
     state at (max_batch, max_seq_len) (every rank holds all of it: one KV head), the copy of it that a CUDA-graph
     capture takes, the fidelity reference's batch-1 state beside it, attn=fused_cuda_wo_bf16's BF16 wo_b.wo_a. On
-    the CPU also the torch MoE's fp32 dequantisation of a decode step's routed experts (its largest transient: a
-    one-layer V4-Flash run's resident set rose 0.63 GiB in its decode step, session 68)."""
+    the CPU also the torch MoE's fp32 dequantisation of the routed experts in its largest forward (its largest
+    transient: a one-layer V4-Flash run's resident set rose 0.63 GiB in a decode step of 6 rows, session 68)."""
     from ds4.model.transformer import Transformer
     from ds4.tasks.common import fidelity_plan_for
     from ds4.weights.schema import local_tensors
@@ -207,9 +207,13 @@ def memory_need(spec: RunSpec, args: ModelArgs, chosen: dict[str, str]) -> list[
                                                                                        spec.dtype)))
     if spec.device.type != "cuda":  # moe_torch.routed: w1, w3, w2 of the gathered (token, slot) rows, or one expert
         from ds4.ops.moe_torch import GATHER_MAX_ROWS
-        rows = spec.max_batch * args.n_activated_experts
-        rows = rows if rows <= GATHER_MAX_ROWS else 1
-        parts.append(("a decode step's routed experts in fp32", 3 * rows * args.moe_inter_dim * args.dim * 4))
+        k = args.n_activated_experts
+        # any forward of n tokens with n x k <= GATHER_MAX_ROWS gathers: a decode step (n = max_batch) and a short
+        # prompt's prefill too (n = batch x its length: V4-Flash's 6 experts, a 10-token prompt, 60 rows); longer
+        # ones loop over the experts (one expert's rows)
+        prefill_n = GATHER_MAX_ROWS // (spec.batch * k) * spec.batch
+        rows = max((n * k for n in (spec.max_batch, prefill_n) if 0 < n * k <= GATHER_MAX_ROWS), default=1)
+        parts.append(("the largest forward's routed experts in fp32", 3 * rows * args.moe_inter_dim * args.dim * 4))
     if chosen.get("attn") == "fused_cuda_wo_bf16":  # [dim, local heads x head_dim] BF16 per layer, formed in fp32
         gr, i = args.o_groups // spec.tp * args.o_lora_rank, args.n_heads * args.head_dim // args.o_groups
         per = args.dim * args.n_heads // spec.tp * args.head_dim

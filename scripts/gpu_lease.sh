@@ -59,6 +59,8 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}   # the lent GPUs are s
 if ls .whl/*.whl >/dev/null 2>&1; then   # hydra-core / omegaconf wheels carried from the dev machine
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
+elif [ -d build/site/hydra ]; then   # or the same packages installed into build/site (pip install --target)
+  export PYTHONPATH=$PWD/build/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi

@@ -42,6 +42,7 @@ from ds4.runtime.generate import Generator  # noqa: E402
 from ds4.weights.synthetic import random_weights  # noqa: E402
 
 GU, DN = 0, 1
+PROBE_SLOTS = 16  # launches of each kind recorded per replay (csrc/ds4_launch.h MOE_PROBE_SLOTS)
 
 
 def read(clear: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,10 +183,13 @@ def medians(rows: list[dict]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8, help=f"2 to {PROBE_SLOTS} (the probe's launch slots)")
     ap.add_argument("--replays", type=int, default=6)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if not 2 <= a.layers <= PROBE_SLOTS:  # more would overwrite the first layers' slots; the last layer is left out
+        ap.error(f"--layers {a.layers}: 2 to {PROBE_SLOTS} (the probe records {PROBE_SLOTS} launches of each kind "
+                 "per replay, and its summaries leave the last layer out)")
     kernels.require("probe_moe_step")
     try:
         read(True)

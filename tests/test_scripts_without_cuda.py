@@ -22,3 +22,14 @@ def test_gpu_script_says_why_it_cannot_run(script):
     assert r.returncode == 1
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith(f"{script}: needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("layers", ["1", "17"])
+def test_probe_moe_step_refuses_layers_past_its_slots(layers):
+    """The MoE step probe records 16 launches of each kind per replay: a 17th layer would overwrite layer 0's records
+    and be summarised as it (session 81's review), so the script refuses such counts before it needs a GPU."""
+    env = dict(os.environ, DS4_NO_JIT="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_moe_step.py"), "--layers", layers],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 2
+    assert f"--layers {layers}: 2 to 16" in r.stderr

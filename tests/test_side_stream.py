@@ -21,8 +21,6 @@ def test_programmatic_fork_sites_follow_the_environment(monkeypatch, value, expe
     else:
         monkeypatch.setenv("DS4_PFORK", value)
     assert side_stream.programmatic_fork_sites() == expected
-    # outside a capture nothing forks, programmatic or not
-    assert side_stream.fork(torch.device("cpu"), "DS4_SHARED_OVERLAP", site="shared") is None
 
 
 def test_programmatic_fork_sites_reject_unknown_names(monkeypatch):

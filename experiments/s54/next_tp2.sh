@@ -4,7 +4,8 @@
 # 104 µs per layer since). #7's targets at tp=2: the full 43-layer model at TPOT <= 3.3 ms, and the seed-phase sweep
 # run with tp=2. Three device calls (one call runs at most 600 s; a warm machine keeps the build between them), each
 # through scripts/gpu_lease.sh, with `carry: [".whl"]` (the hydra / omegaconf wheels: the device image has neither,
-# and the sweep's `python -m ds4` needs them):
+# and the sweep's `python -m ds4` needs them) or, since session 81, `carry: ["build/site"]` (the same packages
+# installed into that folder, as sessions 73-81 carried it):
 #   bash experiments/s54/next_tp2.sh tests   # build + the 2-GPU tests (tp=2 vs tp=1, graph vs eager, comm=ll's kernel)
 #   bash experiments/s54/next_tp2.sh bench   # the full model: comm=ll, shared expert sliced (session 18's best form)
 #   bash experiments/s54/next_tp2.sh sweep   # seed_phase1 against ds4_best in one sweep (session 17's form)
