@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 81, call 1: session 80's ready script (experiments/s80/next_bsd_dpre0.sh) with one step added: the GEMV's
 # bulk-staging GPU test (session 79's review mend, 63dacd3, never run on a GPU for the plain GEMV).
-# The script's own text follows. The reading left for the routed down's
+# (That script is now a pointer here.) The reading left for the routed down's
 # 3.2-3.5 us of staging h (session 79: not the block's load path; session 80 call 1: not the lines' L2 slices): h is
 # requested after the block's own weight rounds and comes back behind them. With DS4_BULK_STAGE=d (thread 0 issues h's
 # bulk copies right after the PDL wait, before prefetch_rest) and DS4_PREFETCH_DOWN=0 (no weight round before the wait)
