@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ds4 import dist as ddist
 from ds4 import tracking
+from ds4.kernels.ops import kind_switch_problems
 from ds4.model.args import ModelArgs, preset
 from ds4.registry import COMPONENTS, Impls, ImplUnavailable, Setup, build_ops
 from ds4.tasks.common import Context, RunSpec, format_figures, reset_memory, source_commit
@@ -404,6 +405,8 @@ def execute(spec: RunSpec, record: dict, log=print) -> dict:
     record["notes"] = {c: ops.notes[c] for c in ops.notes}
     # the DS4_* switches (ablations, diagnostics) change what runs under the same names: recorded and printed
     record["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DS4_")}
+    if bad := kind_switch_problems(record["env"]):
+        raise UserError("; ".join(bad))
     log(f"ds4 {spec.task}: model={spec.model if spec.weights_kind == 'synthetic' else spec.weights_path} "
         f"({args.n_layers} layers, dim {args.dim}), weights={spec.weights_kind}, device={spec.device}, "
         f"dtype={str(spec.dtype).removeprefix('torch.')}")

@@ -352,6 +352,30 @@ def test_ds4_switches_are_recorded_and_printed(monkeypatch):
     assert any(line.startswith("  environment ") and "DS4_SPARSE_MAX_SPLITS=8" in line for line in lines)
 
 
+@pytest.mark.parametrize("name,value,ok", [
+    ("DS4_BULK_STAGE", "dg", True), ("DS4_BULK_STAGE", "all", True), ("DS4_BULK_STAGE", "1", False),
+    ("DS4_BULK_STAGE", "dual", False), ("DS4_SPACER", "u", True), ("DS4_SPACER", "all", False)])
+def test_kind_switches_take_only_kind_letters(monkeypatch, name, value, ok):
+    """The kernel-kind switches (letters g d u) refuse other values before the weights load: the launches look for
+    their letter in the value, so "1" would turn nothing on and "dual" the downs and gate+ups, silently."""
+    monkeypatch.setenv(name, value)
+    loads = []
+
+    def load_weights(*args):
+        loads.append(args)
+        raise RuntimeError("at the weights")
+    monkeypatch.setattr(app, "load_weights", load_weights)
+    spec = _spec("max_new_tokens=1", "model.n_layers=1", "profile=false")
+    if ok:
+        with pytest.raises(RuntimeError, match="at the weights"):  # past the check
+            app.execute(spec, {}, log=lambda line: None)
+        assert loads
+    else:
+        with pytest.raises(app.UserError, match=f"{name}='{value}': takes letters of g, d, u"):
+            app.execute(spec, {}, log=lambda line: None)
+        assert not loads
+
+
 def test_prompt_null_is_no_text():
     assert _spec("prompt=null").prompt == "" and _spec("prompt=123").prompt == "123"
 

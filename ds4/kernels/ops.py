@@ -286,6 +286,24 @@ def bulk_stage_site(site: str) -> bool:
     return bool(_ops().bulk_stage_site(site))
 
 
+# The switches that name one-token tensor-core kernel kinds by letter (csrc/ds4_launch.h): "g" GEMVs, "d" MoE downs,
+# "u" MoE gate+ups. The launches look for their letter in the value, so a value with other letters ("1", "on") turns
+# nothing on and one like "dual" turns on d and u: kind_switch_problems names such values before a run starts.
+KIND_SWITCHES = {"DS4_SPACER": "g, d, u", "DS4_BULK_STAGE": 'g, d, u or "all"'}
+
+
+def kind_switch_problems(env: dict[str, str]) -> list[str]:
+    """One line per kind switch set in env (os.environ's form) whose value is not letters of g d u (or, for
+    DS4_BULK_STAGE, "all"); empty values are unset. Host-only, no extension."""
+    out = []
+    for name, takes in KIND_SWITCHES.items():
+        v = env.get(name, "")
+        if v == "" or (name == "DS4_BULK_STAGE" and v == "all") or set(v) <= set("gdu"):
+            continue
+        out.append(f"{name}={v!r}: takes letters of {takes} (the kernel kinds it applies to)")
+    return out
+
+
 def moe_route_ok(fmt: str, topk: int, dim: int, inter: int, n_experts: int) -> bool:
     """Whether the one-token MoE kernels can route for themselves (InKernelRoute) at this shape (host-only)."""
     return fmt in FMT and bool(_ops().moe_route_ok(FMT[fmt], topk, dim, inter, n_experts))
