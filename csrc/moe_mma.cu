@@ -158,6 +158,16 @@ template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_bl
                                              : 1;
 }
 
+// DS4_DOWN_H_FIRST=1 (an alt build for the MoE step probe, -DDS4_DOWN_H_FIRST=1 in DS4_NVCC_FLAGS; a diagnostic, the
+// same bits): the down's weight rounds not loaded before its PDL wait are requested only once h has landed, so that
+// h's loads queue behind no weight round of the launch (with DS4_PREFETCH_DOWN=0: none at all). Session 82's
+// question: is h's staging time (3.3-4.0 us in the step on an H100, by thread loads or bulk copies, first or not) its
+// loads' latency behind the weight traffic? A build-time switch: as a launch argument it moved the registers of 79
+// kernels (the V4 fold down 88 -> 92) and gave some of the depth-2 downs spills.
+#ifndef DS4_DOWN_H_FIRST
+#define DS4_DOWN_H_FIRST 0
+#endif
+
 // Row tiles of `dim`, each the sum over the local slots (segments) of their w2 rows times h; block b
 // streams tiles [b * tpb, (b + 1) * tpb).
 // The expert ids are read, and the first weight rounds loaded, before the PDL wait: in the decode step
@@ -169,7 +179,7 @@ template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_bl
 // at depth 2's 64, and V4's 256 down tiles fill 2 blocks per SM either way). AQ (numerics=qat, the launch's aq): h
 // staged FP8-simulated. bulk (DS4_BULK_STAGE=d, sm_90, not AQ; bulk_stage.cuh): bit 0, h staged by bulk copies
 // (thread 0 issues them right after the PDL wait); bit 1, with them the block's add rows into shared memory, for the
-// epilogue (where its tiles are whole and at most 4).
+// epilogue (where its tiles are whole and at most 4). DS4_DOWN_H_FIRST (below): h staged before the rest of the rounds.
 template <int FMT, int U, int W, bool OUT_F32, bool FOLD = false, bool AQ = false>
 __global__ void __launch_bounds__(32 * down_warps<U>(), (down_min_blocks<U, W, FOLD>()))
 moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const void* __restrict__ add,
@@ -211,6 +221,7 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   };
   if constexpr (FOLD) hc_fold_load_fn(fold, fs(), t0, nt, a.dim);  // a weight: before the wait
   const bool bulk_h = bulk_arch() && !AQ && (bulk & 1) != 0;
+  constexpr bool h_first = DS4_DOWN_H_FIRST != 0;
   const bool bulk_add = bulk_h && (bulk & 2) != 0 && add != nullptr && nt <= 4 && (t0 + nt) * 16 <= a.dim;
   const int add_size = a.add_bf16 ? 2 : 4;
   ds4_pdl::begin();  // h and add come from the previous kernels
@@ -221,13 +232,14 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
     for (int u = 0; u < nU; ++u) bulk_copy(hs + (long)u * a.inter, h + (long)s_slot[u] * a.inter, hb, &s_bar);
     if (bulk_add) bulk_copy(s_add4, static_cast<const uint8_t*>(add) + (long)t0 * 16 * add_size, ab, &s_bar);
   }
-  st.prefetch_rest(pre_rounds);
+  if constexpr (!h_first) st.prefetch_rest(pre_rounds);
   if constexpr (FOLD) hc_fold_load_act(fold, fs(), t0, nt, a.dim);
   if (bulk_h) {
     stage_mma_bulk_landed<FMT>(&s_bar, hs, nU * a.inter / 8);
   } else {
     stage_mma_rows<FMT, false, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
   }
+  if constexpr (h_first) st.prefetch_rest(pre_rounds);
   mma_part_zero(part, nt, NW);
   __syncthreads();
   moe_mark(a, 3);
