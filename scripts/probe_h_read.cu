@@ -8,6 +8,7 @@
 //   written    h written by a 384-block kernel right before (each block a slice, as the gate+up writes h)
 //   reread     the same h read again by the same reader right after (its lines clean and resident in L2)
 //   distinct   every block reads its own 24 KB (6 MB written right before; no line shared by two blocks)
+//   copies8    block b reads copy b mod 8 of h (session 80's DS4_H_COPIES=8, which staged no faster in the step)
 //   evicted    h written, then 128 MB streamed by all SMs (h's lines most likely out of L2), then read
 //   one        a single block reads h right after it was written (no other block loads anything)
 //   chain      one thread's dependent loads (a pointer chase through h's lines): the mean latency of one L2 hit
@@ -55,12 +56,12 @@ __global__ void streamer(const uint4* big, long nvec, uint32_t* sink) {
   if (acc == 0x12345678u) sink[0] = acc;
 }
 
-// The staging: each block reads VEC vectors of h (+ block * VEC where distinct) into shared memory, IN loads in flight
+// The staging: block b reads VEC vectors of copy b mod copies of h into shared memory, IN loads in flight
 // per thread before it stores them (4: the library's stage_mma_rows; 8: all of a thread's 6 at once)
 template <int IN, int LD = 0>  // LD: 0 plain loads (the library's), 1 ld.global.nc, 2 ld.global.cg (L2 only)
-__global__ void __launch_bounds__(THREADS) reader(const uint4* h, bool distinct, uint64_t* out) {
+__global__ void __launch_bounds__(THREADS) reader(const uint4* h, int copies, uint64_t* out) {
   __shared__ uint4 s[VEC];
-  const uint4* src = h + (distinct ? (long)blockIdx.x * VEC : 0);
+  const uint4* src = h + (long)(blockIdx.x % copies) * VEC;  // copies: 1 (h), 8 (session 80's hcopy8), BLOCKS
   __syncthreads();
   uint64_t t0 = 0;
   if (threadIdx.x == 0) t0 = gtimer();
@@ -142,28 +143,32 @@ int main() {
   CK(cudaGetDeviceProperties(&p, 0));
   std::printf("%s, %d SMs; %d blocks x %d threads stage %d bytes each\n", p.name, p.multiProcessorCount, BLOCKS,
               THREADS, VEC * 16);
-  run("written", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<4><<<BLOCKS, THREADS>>>(h, false, out); },
+  run("written", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<4><<<BLOCKS, THREADS>>>(h, 1, out); },
       BLOCKS);
   run("reread", [&](uint32_t r) {
     writer<<<384, 256>>>(h, VEC, r);
-    reader<4><<<BLOCKS, THREADS>>>(h, false, out);
-    reader<4><<<BLOCKS, THREADS>>>(h, false, out);
+    reader<4><<<BLOCKS, THREADS>>>(h, 1, out);
+    reader<4><<<BLOCKS, THREADS>>>(h, 1, out);
   }, BLOCKS);
   run("distinct", [&](uint32_t r) {
     writer<<<384, 256>>>(hd, (long)BLOCKS * VEC, r);
-    reader<4><<<BLOCKS, THREADS>>>(hd, true, out);
+    reader<4><<<BLOCKS, THREADS>>>(hd, BLOCKS, out);
+  }, BLOCKS);
+  run("copies8", [&](uint32_t r) {
+    writer<<<384, 256>>>(hd, 8L * VEC, r);
+    reader<4><<<BLOCKS, THREADS>>>(hd, 8, out);
   }, BLOCKS);
   run("evicted", [&](uint32_t r) {
     writer<<<384, 256>>>(h, VEC, r);
     streamer<<<p.multiProcessorCount * 4, 512>>>(big, big_bytes / 16, sink);
-    reader<4><<<BLOCKS, THREADS>>>(h, false, out);
+    reader<4><<<BLOCKS, THREADS>>>(h, 1, out);
   }, BLOCKS);
-  run("one", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<4><<<1, THREADS>>>(h, false, out); }, 1);
-  run("allin", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<8><<<BLOCKS, THREADS>>>(h, false, out); },
+  run("one", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<4><<<1, THREADS>>>(h, 1, out); }, 1);
+  run("allin", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<8><<<BLOCKS, THREADS>>>(h, 1, out); },
       BLOCKS);
-  run("nc", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<4, 1><<<BLOCKS, THREADS>>>(h, false, out); },
+  run("nc", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<4, 1><<<BLOCKS, THREADS>>>(h, 1, out); },
       BLOCKS);
-  run("cg", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<4, 2><<<BLOCKS, THREADS>>>(h, false, out); },
+  run("cg", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<4, 2><<<BLOCKS, THREADS>>>(h, 1, out); },
       BLOCKS);
   // the chase: h's 192 lines, 192 dependent loads, right after they were written (the first pass) and again
   const int lines = VEC * 16 / 128, n = lines;
