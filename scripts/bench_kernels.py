@@ -139,6 +139,9 @@ def main() -> int:
     ap.add_argument("--l2-hot", action="store_true",
                     help="the dense GEMV rows on one weight set, no rotation: where it fits, the weight stays in L2 "
                          "between calls (what a GEMV gains from an L2 prefetch; ds4.ops.prefetch)")
+    ap.add_argument("--moe-bound", action="store_true",
+                    help="only the routed MoE rows (the library's defaults) and the bound of a split-K fused pair: "
+                         "the gate+up alone at 1.5x V4's inter, whose w1 + w3 are the pair's weight bytes")
     ap.add_argument("--mma", default="w2d8",
                     help="[mma wNdM] rows: comma-separated DS4_MMA_W (N) / DS4_MMA_DEPTH (M) pairs, e.g. w2d8,w2d4; "
                          "M = 0: the shared-memory stream (DS4_MMA_LOAD=smem)")
@@ -189,7 +192,7 @@ def main() -> int:
         del ws
 
     print(f"GPU {torch.cuda.get_device_name()} | copy bandwidth {bw:.0f} GB/s | tokens {n}", flush=True)
-    compare = not args.quick and n == 1
+    compare = not args.quick and n == 1 and not args.moe_bound
     shapes = [tuple(int(v) for v in t.strip().lstrip("w").split("d")) for t in args.mma.split(",") if t.strip()]
 
     def variants():
@@ -208,29 +211,30 @@ def main() -> int:
         for v in ("DS4_MMA_W", "DS4_MMA_DEPTH", "DS4_MMA_LOAD"):
             os.environ.pop(v, None)
 
-    # FP8 dense projections (V4-Flash): linear=gemv_cuda's default fp8t layout, then the stored one
-    gemv_case("fp8t wq_a+wkv 1536x4096", 1536, 4096, fmt="fp8t")
-    gemv_case("fp8t wq_b 32768x1024", 32768, 1024, target=10.5, fmt="fp8t")
-    gemv_case("fp8t wo_a 8x(1024x4096) grouped", 8192, 4096, groups=8, fmt="fp8t")
-    gemv_case("fp8t wo_b 4096x8192", 4096, 8192, fmt="fp8t")
-    for kern, tag in variants():
-        gemv_case("fp8 wq_a+wkv 1536x4096" + tag, 1536, 4096, kernel=kern)
-        gemv_case("fp8 wq_b 32768x1024" + tag, 32768, 1024, kernel=kern, target=10.5)
-        gemv_case("fp8 wo_a 8x(1024x4096) grouped" + tag, 8192, 4096, groups=8, kernel=kern)
-        gemv_case("fp8 wo_b 4096x8192" + tag, 4096, 8192, kernel=kern)
-        gemv_case("fp8 idx_wq_b 8192x1024" + tag, 8192, 1024, kernel=kern)
-    if args.dense_only:
-        return finish()
+    if not args.moe_bound:  # (the dense and FP4 GEMV rows)
+        # FP8 dense projections (V4-Flash): linear=gemv_cuda's default fp8t layout, then the stored one
+        gemv_case("fp8t wq_a+wkv 1536x4096", 1536, 4096, fmt="fp8t")
+        gemv_case("fp8t wq_b 32768x1024", 32768, 1024, target=10.5, fmt="fp8t")
+        gemv_case("fp8t wo_a 8x(1024x4096) grouped", 8192, 4096, groups=8, fmt="fp8t")
+        gemv_case("fp8t wo_b 4096x8192", 4096, 8192, fmt="fp8t")
+        for kern, tag in variants():
+            gemv_case("fp8 wq_a+wkv 1536x4096" + tag, 1536, 4096, kernel=kern)
+            gemv_case("fp8 wq_b 32768x1024" + tag, 32768, 1024, kernel=kern, target=10.5)
+            gemv_case("fp8 wo_a 8x(1024x4096) grouped" + tag, 8192, 4096, groups=8, kernel=kern)
+            gemv_case("fp8 wo_b 4096x8192" + tag, 4096, 8192, kernel=kern)
+            gemv_case("fp8 idx_wq_b 8192x1024" + tag, 8192, 1024, kernel=kern)
+        if args.dense_only:
+            return finish()
 
-    # one MXFP4 GEMV (one expert's w1)
-    one = rand_fp4((), 2048, 4096, g)
-    bts = nbytes(*one) + n * 4096 * 2 + n * 2048 * 2
-    ws = [one] + [rand_fp4((), 2048, 4096, g) for _ in range(max(1, math.ceil(L2_ROTATE_BYTES / bts)) - 1)][:63]
-    x = torch.randn(n, 4096, device=DEV).to(torch.bfloat16)
-    for kern, tag in variants():
-        record("fp4 gemv 2048x4096" + tag, bts,
-               [(lambda w=w, s=s, kern=kern: kernels.gemv(x, w, s, "fp4", kernel=kern)) for w, s in ws])
-    del ws
+        # one MXFP4 GEMV (one expert's w1)
+        one = rand_fp4((), 2048, 4096, g)
+        bts = nbytes(*one) + n * 4096 * 2 + n * 2048 * 2
+        ws = [one] + [rand_fp4((), 2048, 4096, g) for _ in range(max(1, math.ceil(L2_ROTATE_BYTES / bts)) - 1)][:63]
+        x = torch.randn(n, 4096, device=DEV).to(torch.bfloat16)
+        for kern, tag in variants():
+            record("fp4 gemv 2048x4096" + tag, bts,
+                   [(lambda w=w, s=s, kern=kern: kernels.gemv(x, w, s, "fp4", kernel=kern)) for w, s in ws])
+        del ws
 
     # routed MoE: 256 stacked FP4 experts, top-6, rotating distinct ids
     E, dim, inter, k = 256, 4096, 2048, 6
@@ -265,6 +269,21 @@ def main() -> int:
     t1, t3, t2 = (tile_fp4_mma(w) for w in (p1, p3, p2))  # the fp4t layout moe=fp4_topk runs on by default
     for kern, tag in variants():
         moe_rows("fp4t", t1, t3, t2, kern, tag)
+    if args.moe_bound:
+        # The bound of a split-K fused routed MoE (not built): each gate+up block would also multiply its own slice of
+        # h by the matching columns of w2 and the partial sums be reduced after, so no block stages h after a launch
+        # boundary (session 82: 3.3-4.0 us of the down's block life in the step). The gate+up alone at 1.5x the
+        # inter streams the pair's weight bytes (w1 + w3 at V4's inter, and w2) in one launch: against the pair's
+        # row above it bounds what that fusion could gain, before its reduction's cost.
+        wide = 3 * inter // 2
+        u1, v1 = rand_fp4((E,), wide, dim, g)
+        u3, v3 = rand_fp4((E,), wide, dim, g)
+        u1, u3 = (tile_fp4_mma(pack_fp4_mma(w)) for w in (u1, u3))
+        b_wide = int(avg_exp * nbytes(u1, v1, u3, v3) / E) + n * dim * 2 + n * k * wide * 2
+        record(f"moe fp4 gate+up at inter {wide}", b_wide,
+               [(lambda ids=ids: kernels.moe_gate_up(x, ids, rw, u1, v1, u3, v3, "fp4t", 0, E, 10.0))
+                for ids in idsets])
+        return finish()
     if n == 1 and kernels.dp4a_ok("fp4", n, dim):  # moe=fp4_dp4a: w1 / w3 stored, the integer-pipe gate+up
         def dp4a_gu(ids):
             return kernels.moe_gate_up(x, ids, rw, w1, s1, w3, s3, "fp4", 0, E, 10.0, kernel="dp4a")
