@@ -126,6 +126,7 @@ import time
 import torch
 
 from ds4 import dist as ddist
+from ds4.kernels.ops import KERNEL_KINDS
 from ds4.model.args import preset
 from ds4.model.attention import Attention
 from ds4.model.transformer import Transformer
@@ -221,7 +222,7 @@ def launch_order_env(toks: set[str]) -> dict[str, str | None]:
 
 def _is_letters_token(t: str, prefix: str) -> bool:
     """A spLETTERS / bsLETTERS token: the prefix, then letters of g d u (the kernel kinds)."""
-    return t.startswith(prefix) and t[len(prefix):] != "" and set(t[len(prefix):]) <= set("gdu")
+    return t.startswith(prefix) and t[len(prefix):] != "" and set(t[len(prefix):]) <= set(KERNEL_KINDS)
 
 
 def depth_env(toks: set[str]) -> dict[str, str | None]:

@@ -286,20 +286,23 @@ def bulk_stage_site(site: str) -> bool:
     return bool(_ops().bulk_stage_site(site))
 
 
-# The switches that name one-token tensor-core kernel kinds by letter (csrc/ds4_launch.h): "g" GEMVs, "d" MoE downs,
-# "u" MoE gate+ups. The launches look for their letter in the value, so a value with other letters ("1", "on") turns
-# nothing on and one like "dual" turns on d and u: kind_switch_problems names such values before a run starts.
-KIND_SWITCHES = {"DS4_SPACER": "g, d, u", "DS4_BULK_STAGE": 'g, d, u or "all"'}
+# The one-token tensor-core kernel kinds by letter (csrc/ds4_launch.h): "g" GEMVs, "d" MoE downs, "u" MoE gate+ups,
+# and the switches that name them, each with the words it takes besides. The launches look for their letter in the
+# value, so a value with other letters ("1", "on") turns nothing on and one like "dual" turns on d and u:
+# kind_switch_problems names such values before a run starts.
+KERNEL_KINDS = "gdu"
+KIND_SWITCHES = {"DS4_SPACER": (), "DS4_BULK_STAGE": ("all",)}
 
 
 def kind_switch_problems(env: dict[str, str]) -> list[str]:
-    """One line per kind switch set in env (os.environ's form) whose value is not letters of g d u (or, for
-    DS4_BULK_STAGE, "all"); empty values are unset. Host-only, no extension."""
+    """One line per kind switch set in env (os.environ's form) whose value is neither letters of KERNEL_KINDS nor one
+    of its words; empty values are unset. Host-only, no extension."""
     out = []
-    for name, takes in KIND_SWITCHES.items():
+    for name, words in KIND_SWITCHES.items():
         v = env.get(name, "")
-        if v == "" or (name == "DS4_BULK_STAGE" and v == "all") or set(v) <= set("gdu"):
+        if v == "" or v in words or set(v) <= set(KERNEL_KINDS):
             continue
+        takes = ", ".join(KERNEL_KINDS) + "".join(f' or "{w}"' for w in words)
         out.append(f"{name}={v!r}: takes letters of {takes} (the kernel kinds it applies to)")
     return out
 
