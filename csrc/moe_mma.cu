@@ -168,6 +168,19 @@ template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_bl
 #define DS4_DOWN_H_FIRST 0
 #endif
 
+// DS4_DOWN_STAGE_PROBE (an alt build for the MoE step probe, a diagnostic, the same bits): session 83's standalone
+// scripts/probe_h_read.cu stages the same 24 KB of h in 256 blocks in 0.8 us on an H100, where the down's blocks take
+// 3.3-3.8 us (experiments/session83.md). Is the down's first staging slow for a cold start (its code's instruction
+// fetches after gigabytes of weights went through L2, or its address translations) rather than for the loads?
+//   1 (prewarm): before the PDL wait every thread runs the staging once on h as it stands (the previous layer's; the
+//     staging after the wait rewrites the same places from the same threads), so the code and h's pages are warm;
+//   2 (twice): after the staging the block stages h again by L2 loads (.cg: the lines are not in L1 either) and the
+//     probe's mark 2 is taken again before it, so the probe's "stage" is the second staging and its "wait" the
+//     wait plus the first.
+#ifndef DS4_DOWN_STAGE_PROBE
+#define DS4_DOWN_STAGE_PROBE 0
+#endif
+
 // Row tiles of `dim`, each the sum over the local slots (segments) of their w2 rows times h; block b
 // streams tiles [b * tpb, (b + 1) * tpb).
 // The expert ids are read, and the first weight rounds loaded, before the PDL wait: in the decode step
@@ -224,6 +237,11 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   constexpr bool h_first = DS4_DOWN_H_FIRST != 0;
   const bool bulk_add = bulk_h && (bulk & 2) != 0 && add != nullptr && nt <= 4 && (t0 + nt) * 16 <= a.dim;
   const int add_size = a.add_bf16 ? 2 : 4;
+  auto stage_h_rows = [&](auto cg) {
+    stage_mma_rows<FMT, decltype(cg)::value, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU,
+                                                 a.inter);
+  };
+  if constexpr (DS4_DOWN_STAGE_PROBE == 1) stage_h_rows(std::false_type{});
   ds4_pdl::begin();  // h and add come from the previous kernels
   moe_mark(a, 2);
   if (bulk_h && threadIdx.x == 0) {
@@ -237,7 +255,12 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
   if (bulk_h) {
     stage_mma_bulk_landed<FMT>(&s_bar, hs, nU * a.inter / 8);
   } else {
-    stage_mma_rows<FMT, false, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU, a.inter);
+    stage_h_rows(std::false_type{});
+  }
+  if constexpr (DS4_DOWN_STAGE_PROBE == 2) {
+    __syncthreads();
+    moe_mark(a, 2);
+    stage_h_rows(std::true_type{});
   }
   if constexpr (h_first) st.prefetch_rest(pre_rounds);
   mma_part_zero(part, nt, NW);
