@@ -241,7 +241,9 @@ moe_down_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ h, const 
     stage_mma_rows<FMT, decltype(cg)::value, AQ>(hs, [=](int u) { return h + (long)s_slot[u] * a.inter; }, nU,
                                                  a.inter);
   };
-  if constexpr (DS4_DOWN_STAGE_PROBE == 1) stage_h_rows(std::false_type{});
+  // (not with bulk copies: their async writes into hs would race this staging's late stores)
+  if constexpr (DS4_DOWN_STAGE_PROBE == 1)
+    if (!bulk_h) stage_h_rows(std::false_type{});
   ds4_pdl::begin();  // h and add come from the previous kernels
   moe_mark(a, 2);
   if (bulk_h && threadIdx.x == 0) {

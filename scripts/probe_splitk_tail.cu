@@ -8,6 +8,9 @@
 //              output (4096 fp32, 16 KB; P = 384 at two 16-row pairs per block, 192 at four), then R consumer
 //              blocks each sum their 4096 / R columns over the P partials in a fixed order (deterministic) and store
 //              bf16
+// Each case runs twice: as above (no kernel triggers; its successor launches when it exits) and "+trig", where every
+// kernel lets its successor launch right after its own wait (griddepcontrol.launch_dependents: the library's
+// ds4_pdl::begin), so the consumer's blocks are launched while the producer runs.
 // The question (session 83): the down's blocks spend 3.3-4.0 us staging h in the step (experiments/session82.md);
 // would a split-K pair's reduction be a cheaper tail than that staging plus the down's own launch?
 //
@@ -31,26 +34,31 @@ constexpr int DIM = 4096, H_VEC = 6 * 2048 / 8;  // h: 1536 16-byte vectors
 constexpr int THREADS = 256;
 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ bool g_trigger;  // +trig: launch the successor right after the wait (set once per case, before it runs)
+__device__ __forceinline__ void pdl_begin() {
+  pdl_wait();
+  if (g_trigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 // Producers. Every kernel waits first: the previous pair's consumer is its predecessor in the stream.
-__global__ void prod_empty() { pdl_wait(); }
+__global__ void prod_empty() { pdl_begin(); }
 __global__ void prod_h(uint4* h, uint32_t salt) {
-  pdl_wait();
+  pdl_begin();
   const int per = (H_VEC + gridDim.x - 1) / gridDim.x;
   for (int i = blockIdx.x * per + threadIdx.x; i < min(H_VEC, (blockIdx.x + 1) * per); i += blockDim.x)
     h[i] = make_uint4(i ^ salt, i + salt, 3u, 4u);
 }
 __global__ void prod_part(float4* part, uint32_t salt) {  // block b: its partial, DIM fp32
-  pdl_wait();
+  pdl_begin();
   for (int i = threadIdx.x; i < DIM / 4; i += blockDim.x)
     part[(long)blockIdx.x * (DIM / 4) + i] = make_float4(i, salt, blockIdx.x, 1.f);
 }
 
 // Consumers
-__global__ void cons_empty() { pdl_wait(); }
+__global__ void cons_empty() { pdl_begin(); }
 __global__ void __launch_bounds__(THREADS) cons_h(const uint4* h, float* out) {
   __shared__ uint4 s[H_VEC];
-  pdl_wait();
+  pdl_begin();
   for (int i0 = threadIdx.x; i0 < H_VEC; i0 += 4 * THREADS) {
     uint4 v[4];
 #pragma unroll
@@ -70,7 +78,7 @@ __global__ void __launch_bounds__(THREADS) cons_part(const float4* part, int P, 
   constexpr int L = C / 4, G = THREADS / L;
   static_assert(L >= 1 && THREADS % L == 0, "columns per block");
   __shared__ float4 s[G][L];
-  pdl_wait();
+  pdl_begin();
   const int l = threadIdx.x % L, g = threadIdx.x / L;
   const float4* src = part + blockIdx.x * L + l;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -148,28 +156,37 @@ int main() {
     for (int a = 0; a < 5; ++a)
       for (int b = a + 1; b < 5; ++b)
         if (best[b] < best[a]) std::swap(best[a], best[b]);
-    std::printf("%-12s %7.2f us   (runs %.2f .. %.2f)\n", name, best[2], best[0], best[4]);
+    std::printf("%-18s %7.2f us   (runs %.2f .. %.2f)\n", name, best[2], best[0], best[4]);
     return 0;
   };
   auto go = [](cudaError_t a, cudaError_t b) { return a != cudaSuccess ? a : b; };
-  time("empty", [&](uint32_t) { return go(pdl_launch(prod_empty, 384, st), pdl_launch(cons_empty, 256, st)); });
-  time("h 384/256", [&](uint32_t s) {
-    return go(pdl_launch(prod_h, 384, st, h, s), pdl_launch(cons_h, 256, st, (const uint4*)h, out));
-  });
-  for (int P : {384, 192}) {
-    char name[32];
-    std::snprintf(name, sizeof name, "part%d/128", P);
+  for (bool trig : {false, true}) {
+    CK(cudaMemcpyToSymbol(g_trigger, &trig, sizeof trig));
+    const char* tag = trig ? "+trig" : "";
+    char name[40];
+    std::snprintf(name, sizeof name, "empty%s", tag);
+    time(name, [&](uint32_t) { return go(pdl_launch(prod_empty, 384, st), pdl_launch(cons_empty, 256, st)); });
+    std::snprintf(name, sizeof name, "h 384/256%s", tag);
     time(name, [&](uint32_t s) {
-      return go(pdl_launch(prod_part, P, st, part, s), pdl_launch(cons_part<32>, DIM / 32, st, (const float4*)part, P, y));
+      return go(pdl_launch(prod_h, 384, st, h, s), pdl_launch(cons_h, 256, st, (const uint4*)h, out));
     });
-    std::snprintf(name, sizeof name, "part%d/256", P);
-    time(name, [&](uint32_t s) {
-      return go(pdl_launch(prod_part, P, st, part, s), pdl_launch(cons_part<16>, DIM / 16, st, (const float4*)part, P, y));
-    });
-    std::snprintf(name, sizeof name, "part%d/512", P);
-    time(name, [&](uint32_t s) {
-      return go(pdl_launch(prod_part, P, st, part, s), pdl_launch(cons_part<8>, DIM / 8, st, (const float4*)part, P, y));
-    });
+    for (int P : {384, 192}) {
+      std::snprintf(name, sizeof name, "part%d/128%s", P, tag);
+      time(name, [&](uint32_t s) {
+        return go(pdl_launch(prod_part, P, st, part, s),
+                  pdl_launch(cons_part<32>, DIM / 32, st, (const float4*)part, P, y));
+      });
+      std::snprintf(name, sizeof name, "part%d/256%s", P, tag);
+      time(name, [&](uint32_t s) {
+        return go(pdl_launch(prod_part, P, st, part, s),
+                  pdl_launch(cons_part<16>, DIM / 16, st, (const float4*)part, P, y));
+      });
+      std::snprintf(name, sizeof name, "part%d/512%s", P, tag);
+      time(name, [&](uint32_t s) {
+        return go(pdl_launch(prod_part, P, st, part, s),
+                  pdl_launch(cons_part<8>, DIM / 8, st, (const float4*)part, P, y));
+      });
+    }
   }
   return 0;
 }

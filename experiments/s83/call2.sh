@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 83's ready call (one GPU, about 6 device minutes with the start; not run in session 83: the device time ran
+# Session 83's ready call (one GPU, about 8 device minutes with the start; not run in session 83: the device time ran
 # out). Call 1's scripts/probe_h_read.cu staged the routed down's 24 KB of h in 256 blocks in 0.8 us (H100), where the
 # library's down blocks take 3.3-3.8 us. Is the down's first staging a cold start (instruction fetches of code that
 # the weight streams evicted from L2, or address translations) rather than its loads? Alt builds of csrc/moe_mma.cu
@@ -7,7 +7,9 @@
 #   1 prewarm: the staging run once before the PDL wait on h as it stands (code and pages warm, h's lines not);
 #   2 twice:   h staged again by .cg loads after the staging; the probe's "stage" is the second staging.
 # Steps: four builds side by side (the library's, prewarm without the probe, the two probe builds; each its own
-# folders); the MoE step probe in the two probe builds (twice first: it answers the question); then the slope, one
+# folders), and meanwhile scripts/probe_splitk_tail.cu with and without the library's early trigger and
+# scripts/probe_code_fetch.cu (cold code from the SM's caches, L2, DRAM); the MoE step
+# probe in the two probe builds (twice first: it answers the question); then the slope, one
 # process per build (the library's, prewarm, the library's again, prewarm again). Logs: one tarball in $OUT.
 # Usage (carry build/site): OUT=$OUT bash experiments/s83/call2.sh
 set -u
@@ -32,6 +34,12 @@ in_build() {  # build command...
 for b in base pw sp1 sp2; do
   in_build $b python3 scripts/build_ext.py -q > "$L/build_$b.log" 2>&1 &
 done
+# while the builds compile (the GPU idle): the launch-boundary probe again, now also with the library's trigger
+nvcc -std=c++17 -O3 -arch=sm_90 scripts/probe_splitk_tail.cu -o /tmp/probe_tail && /tmp/probe_tail \
+  > "$L/probe_splitk_tail.log" 2>&1; cat "$L/probe_splitk_tail.log"
+# and what running cold code costs a block (from the SM's caches, from L2, from DRAM)
+nvcc -std=c++17 -O3 -arch=sm_90 scripts/probe_code_fetch.cu -o /tmp/probe_code && /tmp/probe_code \
+  > "$L/probe_code_fetch.log" 2>&1; cat "$L/probe_code_fetch.log"; snap
 wait; echo "builds at +$(el)s"
 for b in base pw sp1 sp2; do grep -q "extension ready" "$L/build_$b.log" || { echo "build $b failed:";
   grep -E "error" "$L/build_$b.log" | head -5; }; done
@@ -44,6 +52,7 @@ done
 B=kernels+fused+graph+cap8192
 i=0
 for b in base pw base pw; do
+  [ "$(el)" -gt 470 ] && { echo "the rest skipped at +$(el)s (the per-call limit is 600 s)"; break; }
   i=$((i + 1))
   in_build $b env DS4_NO_JIT=1 timeout 100 python3 scripts/bench_decode.py --layers 4,12 --new-tokens 48 \
     --variants "$B,$B" --out "$L/bench_${i}_$b.json" > "$L/bench_${i}_$b.log" 2>&1
