@@ -21,6 +21,7 @@
 #include "../csrc/gemv.cu"
 #include "../csrc/moe.cu"
 #include "../csrc/moe_mma.cu"  // gemv.cu's hc_fold_ok asks moe_down_fold_ok
+#include "../csrc/moe_dp4a.cu"  // moe.cu's launch_moe_gate_up calls it
 #include "probe_gemv.cuh"
 
 #include <cmath>

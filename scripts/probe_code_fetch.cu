@@ -22,20 +22,8 @@
 #include <cstdio>
 #include <vector>
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      return 1;                                                                            \
-    }                                                                                      \
-  } while (0)
+#include "probe_util.cuh"
 
-__device__ __forceinline__ uint64_t gtimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
 // the timer read once dep is computed (an input of the read, so the compiler cannot move the work after it)
 __device__ __forceinline__ uint64_t gtimer_after(uint32_t dep) {
   uint64_t t;
@@ -64,19 +52,6 @@ __global__ void __launch_bounds__(32) straight(uint32_t seed, uint32_t* sink, ui
   const uint64_t t1 = gtimer_after(acc);
   if (acc == 0x12345678u) sink[blockIdx.x] = acc;  // keeps the chains
   if (threadIdx.x == 0) out[blockIdx.x] = t1 - t0;
-}
-
-// all SMs read nvec vectors of a large buffer (evicting L2); the sum keeps the loads
-__global__ void streamer(const uint4* big, long nvec, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += (long)gridDim.x * blockDim.x)
-    acc ^= big[i].x;
-  if (acc == 0x12345678u) sink[0] = acc;
-}
-
-static double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 template <int S>

@@ -23,37 +23,16 @@
 #include <cstdio>
 #include <vector>
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      return 1;                                                                        \
-    }                                                                                  \
-  } while (0)
+#include "probe_util.cuh"
 
 constexpr int ROWS = 6, K = 2048, VEC = ROWS * K / 8;  // 1536 16-byte vectors: 24 KB
 constexpr int THREADS = 256, BLOCKS = 256;
-
-__device__ __forceinline__ uint64_t gtimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
 
 // 384 blocks write h (or, distinct, BLOCKS copies of it): each block an equal slice, as the gate+up's tiles do
 __global__ void writer(uint4* h, long nvec, uint32_t salt) {
   const long per = (nvec + gridDim.x - 1) / gridDim.x;
   for (long i = blockIdx.x * per + threadIdx.x; i < min(nvec, (blockIdx.x + 1) * per); i += blockDim.x)
     h[i] = make_uint4((uint32_t)i ^ salt, (uint32_t)i + salt, 3u, 4u);
-}
-
-// all SMs read nvec vectors of a large buffer (evicting L2); the sum keeps the loads
-__global__ void streamer(const uint4* big, long nvec, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += (long)gridDim.x * blockDim.x)
-    acc ^= big[i].x;  // plain loads: a streaming hint (ld.cs) could leave h's lines in L2
-  if (acc == 0x12345678u) sink[0] = acc;
 }
 
 // The staging: block b reads VEC vectors of copy b mod copies of h into shared memory, IN loads in flight
@@ -107,11 +86,6 @@ static Stat stat(const std::vector<uint64_t>& o, int blocks) {
   }
   return {s / blocks, m};
 }
-static double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 int main() {
   const long big_bytes = 128L << 20;
   uint4 *h, *hd, *big;

@@ -21,14 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      return 1;                                                                            \
-    }                                                                                      \
-  } while (0)
+#include "probe_util.cuh"
 
 constexpr int DIM = 4096, H_VEC = 6 * 2048 / 8;  // h: 1536 16-byte vectors
 constexpr int THREADS = 256;

@@ -1,9 +1,12 @@
-// Host helpers shared by the probes (scripts/probe_phases.cu, probe_bulk.cu, probe_chain.cu): error check, random
-// device buffers, CUDA-event timing.
+// Helpers shared by the probes (scripts/probe_phases.cu, probe_bulk.cu, probe_chain.cu, probe_h_read.cu,
+// probe_splitk_tail.cu, probe_code_fetch.cu, ...): error check, random device buffers, CUDA-event timing, medians; on
+// the device, the global timer and an L2-evicting stream.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -89,4 +92,26 @@ static double rel_l2(const std::vector<float>& y, const std::vector<float>& ref)
     nrm += (double)ref[i] * ref[i];
   }
   return std::sqrt(err / (nrm > 0 ? nrm : 1.0));
+}
+
+// The median of v (the upper one of an even count).
+static double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The global timer in ns (one clock for all SMs).
+__device__ __forceinline__ uint64_t gtimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// All SMs read nvec vectors of a large buffer (to evict L2); the xor keeps the loads. Plain loads: a streaming hint
+// (ld.cs) could leave what it should evict in L2.
+__global__ void streamer(const uint4* big, long nvec, uint32_t* sink) {
+  uint32_t acc = 0;
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += (long)gridDim.x * blockDim.x)
+    acc ^= big[i].x;
+  if (acc == 0x12345678u) sink[0] = acc;
 }
