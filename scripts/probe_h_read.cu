@@ -86,6 +86,7 @@ static Stat stat(const std::vector<uint64_t>& o, int blocks) {
   }
   return {s / blocks, m};
 }
+
 int main() {
   const long big_bytes = 128L << 20;
   uint4 *h, *hd, *big;

@@ -18,8 +18,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <vector>
 
 #include "probe_util.cuh"
 
@@ -134,8 +136,8 @@ int main() {
   std::printf("%s, %d SMs; per pair of launches (PDL), us: the median of 5 runs of 400 pairs\n", p.name,
               p.multiProcessorCount);
   const int pairs = 400;
-  auto time = [&](const char* name, auto pair) -> int {
-    float best[5];
+  auto time = [&](const char* name, auto pair) {  // (CK exits on an error)
+    std::vector<double> runs;
     for (int r = 0; r < 5; ++r) {
       for (int i = 0; i < 20; ++i) CK(pair((uint32_t)i));
       CK(cudaEventRecord(e0, st));
@@ -144,13 +146,10 @@ int main() {
       CK(cudaEventSynchronize(e1));
       float ms;
       CK(cudaEventElapsedTime(&ms, e0, e1));
-      best[r] = ms * 1e3f / pairs;
+      runs.push_back(ms * 1e3 / pairs);
     }
-    for (int a = 0; a < 5; ++a)
-      for (int b = a + 1; b < 5; ++b)
-        if (best[b] < best[a]) std::swap(best[a], best[b]);
-    std::printf("%-18s %7.2f us   (runs %.2f .. %.2f)\n", name, best[2], best[0], best[4]);
-    return 0;
+    std::printf("%-18s %7.2f us   (runs %.2f .. %.2f)\n", name, median(runs),
+                *std::min_element(runs.begin(), runs.end()), *std::max_element(runs.begin(), runs.end()));
   };
   auto go = [](cudaError_t a, cudaError_t b) { return a != cudaSuccess ? a : b; };
   for (bool trig : {false, true}) {
