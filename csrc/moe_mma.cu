@@ -170,7 +170,7 @@ template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_bl
 
 // DS4_DOWN_STAGE_PROBE (an alt build for the MoE step probe, a diagnostic, the same bits): session 83's standalone
 // scripts/probe_h_read.cu stages the same 24 KB of h in 256 blocks in 0.8 us on an H100, where the down's blocks take
-// 3.3-3.8 us (experiments/session83.md). Is the down's first staging slow for a cold start (its code's instruction
+// 3.3-3.9 us (experiments/session83.md). Is the down's first staging slow for a cold start (its code's instruction
 // fetches after gigabytes of weights went through L2, or its address translations) rather than for the loads?
 //   1 (prewarm): before the PDL wait every thread runs the staging once on h as it stands (the previous layer's; the
 //     staging after the wait rewrites the same places from the same threads), so the code and h's pages are warm;

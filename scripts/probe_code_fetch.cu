@@ -1,6 +1,6 @@
 // Probe (no torch, no library code): what running code for the first time costs a block, when that code is in the
 // SM's instruction caches, only in L2, or only in DRAM. Session 83's reading of the routed down's slow staging of h
-// (3.3-3.8 us in the library against 0.8 us in scripts/probe_h_read.cu, experiments/session83.md) is a cold start:
+// (3.3-3.9 us in the library against 0.8 us in scripts/probe_h_read.cu, experiments/session83.md) is a cold start:
 // each layer's weight streams send about 100 MB through the 50 MB L2 and many kernels run per layer, so a kernel's
 // code may come from L2 or DRAM every time it runs.
 //

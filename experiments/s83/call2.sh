@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 83's ready call (one GPU, about 8 device minutes with the start; not run in session 83: the device time ran
 # out). Call 1's scripts/probe_h_read.cu staged the routed down's 24 KB of h in 256 blocks in 0.8 us (H100), where the
-# library's down blocks take 3.3-3.8 us. Is the down's first staging a cold start (instruction fetches of code that
+# library's down blocks take 3.3-3.9 us. Is the down's first staging a cold start (instruction fetches of code that
 # the weight streams evicted from L2, or address translations) rather than its loads? Alt builds of csrc/moe_mma.cu
 # (-DDS4_DOWN_STAGE_PROBE, a diagnostic, the same bits; the default build's code is unchanged):
 #   1 prewarm: the staging run once before the PDL wait on h as it stands (code and pages warm, h's lines not);
