@@ -50,21 +50,6 @@ __global__ void __launch_bounds__(THREADS) chain_kernel(const float* prev, float
   }
 }
 
-// ds4_pdl::launch with PDL chosen per call (not by DS4_PDL)
-template <typename... KArgs, typename... Args>
-static void launch(bool pdl, void (*kernel)(KArgs...), int grid, int block, cudaStream_t st, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(block);
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  CK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
-
 // Microseconds per replay of the graph that capture(stream) records (3 warm-up replays, then `reps` timed).
 template <typename F>
 static float graph_us(F capture, int reps) {
@@ -98,7 +83,7 @@ static float run(int N, int G, int work, float** bufs, unsigned* cnt, bool* ok) 
   const float us = graph_us([&](cudaStream_t st) {
     CK(cudaMemsetAsync(cnt, 0, sizeof(unsigned) * (N + 1), st));
     for (int k = 0; k < N; ++k)
-      launch(MODE != 0, chain_kernel<MODE>, G, THREADS, st, (const float*)bufs[k], bufs[k + 1], cnt + 1 + k,
+      launch_pdl(MODE != 0, chain_kernel<MODE>, G, THREADS, st, (const float*)bufs[k], bufs[k + 1], cnt + 1 + k,
              (int)(k == 0), G, work);
   }, 20);
   std::vector<float> h((size_t)G * THREADS);
@@ -137,8 +122,8 @@ static float run_pair(bool pdl, int wblocks, int wthreads, int iters, float* buf
   const int P = 20;
   return graph_us([&](cudaStream_t st) {
     for (int k = 0; k < P; ++k) {
-      launch(pdl, busy_kernel, sms, BUSY_THREADS, st, buf, iters);
-      launch(pdl, waiter_kernel, wblocks, wthreads, st, buf + 1);
+      launch_pdl(pdl, busy_kernel, sms, BUSY_THREADS, st, buf, iters);
+      launch_pdl(pdl, waiter_kernel, wblocks, wthreads, st, buf + 1);
     }
   }, 10) / P;
 }

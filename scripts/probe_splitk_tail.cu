@@ -1,6 +1,6 @@
-// Probe (no torch, no library code): what a launch boundary costs the routed MoE in two structures, each a
-// producer and a consumer launched back to back with PDL (the consumer waits on griddepcontrol.wait, as the
-// library's kernels do), 400 pairs timed by events, per pair:
+// Probe (no torch; of the library only csrc/pdl.cuh's wait and trigger): what a launch boundary costs the routed
+// MoE in two structures, each a producer and a consumer launched back to back with PDL (the consumer waits on
+// griddepcontrol.wait, as the library's kernels do), 400 pairs timed by events, per pair:
 //   empty      the producer writes nothing, the consumer waits and exits: the boundary alone
 //   h          today's: 384 producer blocks write h (6 x 2048 bf16, 24 KB; each a slice, as the gate+up), 256
 //              consumer blocks each stage all of h into shared memory (the down's stage_mma_rows: 4 loads in flight)
@@ -23,16 +23,16 @@
 #include <cstdio>
 #include <vector>
 
+#include "../csrc/pdl.cuh"
 #include "probe_util.cuh"
 
 constexpr int DIM = 4096, H_VEC = 6 * 2048 / 8;  // h: 1536 16-byte vectors
 constexpr int THREADS = 256;
 
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ bool g_trigger;  // +trig: launch the successor right after the wait (set once per case, before it runs)
 __device__ __forceinline__ void pdl_begin() {
-  pdl_wait();
-  if (g_trigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  ds4_pdl::wait();
+  if (g_trigger) ds4_pdl::launch_dependents();
 }
 
 // Producers. Every kernel waits first: the previous pair's consumer is its predecessor in the stream.
@@ -103,20 +103,6 @@ __global__ void __launch_bounds__(THREADS) cons_part(const float4* part, int P, 
   }
 }
 
-template <typename K, typename... A>
-static cudaError_t pdl_launch(K kern, int grid, cudaStream_t st, A... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(THREADS);
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kern, args...);
-}
-
 int main() {
   uint4* h;
   float4* part;
@@ -139,9 +125,9 @@ int main() {
   auto time = [&](const char* name, auto pair) {  // (CK exits on an error)
     std::vector<double> runs;
     for (int r = 0; r < 5; ++r) {
-      for (int i = 0; i < 20; ++i) CK(pair((uint32_t)i));
+      for (int i = 0; i < 20; ++i) pair((uint32_t)i);
       CK(cudaEventRecord(e0, st));
-      for (int i = 0; i < pairs; ++i) CK(pair((uint32_t)i));
+      for (int i = 0; i < pairs; ++i) pair((uint32_t)i);
       CK(cudaEventRecord(e1, st));
       CK(cudaEventSynchronize(e1));
       float ms;
@@ -151,32 +137,35 @@ int main() {
     std::printf("%-18s %7.2f us   (runs %.2f .. %.2f)\n", name, median(runs),
                 *std::min_element(runs.begin(), runs.end()), *std::max_element(runs.begin(), runs.end()));
   };
-  auto go = [](cudaError_t a, cudaError_t b) { return a != cudaSuccess ? a : b; };
   for (bool trig : {false, true}) {
     CK(cudaMemcpyToSymbol(g_trigger, &trig, sizeof trig));
     const char* tag = trig ? "+trig" : "";
     char name[40];
     std::snprintf(name, sizeof name, "empty%s", tag);
-    time(name, [&](uint32_t) { return go(pdl_launch(prod_empty, 384, st), pdl_launch(cons_empty, 256, st)); });
+    time(name, [&](uint32_t) {
+      launch_pdl(true, prod_empty, 384, THREADS, st);
+      launch_pdl(true, cons_empty, 256, THREADS, st);
+    });
     std::snprintf(name, sizeof name, "h 384/256%s", tag);
     time(name, [&](uint32_t s) {
-      return go(pdl_launch(prod_h, 384, st, h, s), pdl_launch(cons_h, 256, st, (const uint4*)h, out));
+      launch_pdl(true, prod_h, 384, THREADS, st, h, s);
+      launch_pdl(true, cons_h, 256, THREADS, st, (const uint4*)h, out);
     });
     for (int P : {384, 192}) {
       std::snprintf(name, sizeof name, "part%d/128%s", P, tag);
       time(name, [&](uint32_t s) {
-        return go(pdl_launch(prod_part, P, st, part, s),
-                  pdl_launch(cons_part<32>, DIM / 32, st, (const float4*)part, P, y));
+        launch_pdl(true, prod_part, P, THREADS, st, part, s);
+        launch_pdl(true, cons_part<32>, DIM / 32, THREADS, st, (const float4*)part, P, y);
       });
       std::snprintf(name, sizeof name, "part%d/256%s", P, tag);
       time(name, [&](uint32_t s) {
-        return go(pdl_launch(prod_part, P, st, part, s),
-                  pdl_launch(cons_part<16>, DIM / 16, st, (const float4*)part, P, y));
+        launch_pdl(true, prod_part, P, THREADS, st, part, s);
+        launch_pdl(true, cons_part<16>, DIM / 16, THREADS, st, (const float4*)part, P, y);
       });
       std::snprintf(name, sizeof name, "part%d/512%s", P, tag);
       time(name, [&](uint32_t s) {
-        return go(pdl_launch(prod_part, P, st, part, s),
-                  pdl_launch(cons_part<8>, DIM / 8, st, (const float4*)part, P, y));
+        launch_pdl(true, prod_part, P, THREADS, st, part, s);
+        launch_pdl(true, cons_part<8>, DIM / 8, THREADS, st, (const float4*)part, P, y);
       });
     }
   }

@@ -1,6 +1,6 @@
 // Helpers shared by the probes (scripts/probe_phases.cu, probe_bulk.cu, probe_chain.cu, probe_h_read.cu,
-// probe_splitk_tail.cu, probe_code_fetch.cu, ...): error check, random device buffers, CUDA-event timing, medians; on
-// the device, the global timer and an L2-evicting stream.
+// probe_splitk_tail.cu, probe_code_fetch.cu, ...): error check, random device buffers, CUDA-event timing, medians,
+// launches with or without PDL; on the device, the global timer and an L2-evicting stream.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -114,4 +114,20 @@ __global__ void streamer(const uint4* big, long nvec, uint32_t* sink) {
   for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += (long)gridDim.x * blockDim.x)
     acc ^= big[i].x;
   if (acc == 0x12345678u) sink[0] = acc;
+}
+
+// A launch with the PDL attribute (programmatic stream serialization) or without it, chosen per call: the probes'
+// form of the library's ds4_pdl::launch, which DS4_PDL decides.
+template <typename... KArgs, typename... Args>
+static void launch_pdl(bool pdl, void (*kernel)(KArgs...), int grid, int block, cudaStream_t st, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  CK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
