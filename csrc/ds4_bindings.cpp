@@ -252,6 +252,11 @@ bool moe_route_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, in
   return ds4::moe_route_ok(a);
 }
 
+// The split-K pair's partial rows at a shape on the current device (-1: kernel "splitk" does not take it).
+int64_t moe_splitk_rows_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter) {
+  return ds4::moe_splitk_rows(one_token_moe(fmt, topk, dim, inter));
+}
+
 bool moe_act_quant_ok_host(int64_t fmt, int64_t topk, int64_t dim, int64_t inter, bool gate_up) {
   return ds4::moe_act_quant_ok(one_token_moe(fmt, topk, dim, inter), gate_up);
 }
@@ -344,7 +349,8 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
                        const std::optional<at::Tensor>& ptrs, int64_t fmt, int64_t expert_offset, int64_t n_local,
                        double limit, int64_t kernel, const std::optional<at::Tensor>& route_logits,
                        const std::optional<at::Tensor>& route_bias, const std::optional<at::Tensor>& tid2eid,
-                       const std::optional<at::Tensor>& token_ids, double route_scale, bool act_quant) {
+                       const std::optional<at::Tensor>& token_ids, double route_scale, bool act_quant,
+                       const std::optional<at::Tensor>& w2, const std::optional<at::Tensor>& s2) {
   check_cuda(x, "x");
   check_cuda(w1, "w1");
   check_cuda(w3, "w3");
@@ -408,6 +414,31 @@ at::Tensor moe_gate_up(const at::Tensor& x, const std::optional<at::Tensor>& ids
                 "ds4.moe_gate_up: act_quant needs one token on a tensor-core kernel that stages it (moe_act_quant_ok)");
   }
   c10::cuda::CUDAGuard guard(x.device());
+  if (ds4::kernel_splitk((int)kernel)) {  // the split-K pair's first launch: partial rows of the output, not h
+    const int64_t rows = ds4::moe_splitk_rows(a);
+    TORCH_CHECK(N == 1 && ids.has_value() && route_w.has_value() && !a.route_logits && !act_quant && rows >= 1 &&
+                    w2.has_value() && s2.has_value() && !ptrs.has_value(),
+                "ds4.moe_gate_up: kernel splitk takes one token of routed fp4t experts with ids, route weights, w2 and "
+                "s2, no routing in the kernel or act_quant, at the shapes moe_splitk_rows takes");
+    check_cuda(*w2, "w2");
+    check_cuda(*s2, "s2");
+    check_weight(*w2, fmt, "w2");
+    TORCH_CHECK(w2->dim() == w1.dim() && w2->size(0) == w1.size(0) && w2->size(-2) == dim &&
+                    logical_in(*w2, fmt) == inter && scale_ld(s2, fmt, "w2") == inter / 32 && s2->size(-2) == dim,
+                "ds4.moe_gate_up: kernel splitk's w2 [E, dim, inter] and s2 [E, dim, inter / 32] must match w1");
+    a.W2 = w2->data_ptr();
+    a.S2 = s2->data_ptr();
+    a.w2_estride = w2->dim() == 3 ? w2->stride(0) * w2->element_size() : 0;
+    a.s2_estride = s2->dim() == 3 ? s2->stride(0) : 0;
+    a.s2_ld = inter / 32;
+    auto parts = at::empty({rows, dim}, x.options().dtype(at::kFloat));
+    ds4::MoEArgs c = a;
+    c.ids = static_cast<const int64_t*>(ids->data_ptr());
+    c.rw = static_cast<const float*>(route_w->data_ptr());
+    check_launch(ds4::launch_moe_gate_up(c, x.data_ptr(), parts.data_ptr(), at::cuda::getCurrentCUDAStream()),
+                 "moe_gate_up");
+    return parts;
+  }
   auto h = at::empty({N * k, inter}, x.options());
   if (N == 0) return h;
   const int step = ds4::moe_max_tokens((int)fmt, (int)k, (int)dim, (int)inter);
@@ -438,10 +469,20 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
   check_cuda(h, "h");
   check_cuda(w2, "w2");
   check_weight(w2, fmt, "w2");
-  TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && topk >= 1 && h.size(0) % topk == 0,
-              "ds4.moe_down: h must be bf16 [N*topk, inter]");
   TORCH_CHECK(w2.dim() == 2 || w2.dim() == 3, "ds4.moe_down: w2 shape");
-  const int64_t N = h.size(0) / topk, inter = h.size(1), dim = w2.size(-2);
+  const bool splitk = ds4::kernel_splitk((int)kernel);  // h: the split-K gate+up's partial rows, fp32 [rows, dim]
+  if (splitk) {
+    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.size(1) == w2.size(-2) && h.is_contiguous() &&
+                    h.size(0) == ds4::moe_splitk_rows(one_token_moe(fmt, topk, w2.size(-2), logical_in(w2, fmt))) &&
+                    !route_logits.has_value() && !act_quant,
+                "ds4.moe_down: kernel splitk takes the partial rows of moe_gate_up's kernel splitk, fp32 "
+                "[moe_splitk_rows, dim], without routing in the kernel or act_quant");
+  } else {
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && topk >= 1 && h.size(0) % topk == 0,
+                "ds4.moe_down: h must be bf16 [N*topk, inter]");
+  }
+  const int64_t N = splitk ? 1 : h.size(0) / topk, inter = splitk ? logical_in(w2, fmt) : h.size(1),
+                dim = w2.size(-2);
   TORCH_CHECK(logical_in(w2, fmt) == inter, "ds4.moe_down: w2 in_features != inter");
   ds4::MoEArgs a;
   if (ids.has_value()) {
@@ -501,6 +542,14 @@ at::Tensor moe_down(const at::Tensor& h, const std::optional<at::Tensor>& ids, i
   c10::cuda::CUDAGuard guard(h.device());
   auto out = at::empty({N, dim}, h.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (N == 0) return out;
+  if (splitk) {
+    ds4::MoEArgs c = a;
+    c.ids = ids.has_value() ? static_cast<const int64_t*>(ids->data_ptr()) : nullptr;
+    check_launch(ds4::launch_moe_down(c, h.data_ptr(), add.has_value() ? add->data_ptr() : nullptr, out.data_ptr(),
+                                      out_f32, at::cuda::getCurrentCUDAStream(), nfold == 6 ? &fold : nullptr),
+                 "moe_down");
+    return out;
+  }
   const int step = ds4::moe_max_tokens((int)fmt, (int)topk, (int)dim, (int)inter);
   TORCH_CHECK(step >= 1, "ds4.moe_down: shape too large for the shared-memory tiles");
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
@@ -922,7 +971,7 @@ TORCH_LIBRARY(ds4, m) {
   m.def("moe_gate_up(Tensor x, Tensor(a!)? ids, Tensor(b!)? route_w, Tensor w1, Tensor? s1, Tensor w3, Tensor? s3, "
         "Tensor? ptrs, int fmt, int expert_offset, int n_local, float limit, int kernel=0, Tensor? route_logits=None, "
         "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0, "
-        "bool act_quant=False) -> Tensor");
+        "bool act_quant=False, Tensor? w2=None, Tensor? s2=None) -> Tensor");
   m.def("moe_down(Tensor h, Tensor? ids, int topk, Tensor w2, Tensor? s2, Tensor? ptrs, int fmt, "
         "int expert_offset, int n_local, Tensor? add, bool out_f32, int kernel=0, Tensor? route_logits=None, "
         "Tensor? route_bias=None, Tensor? tid2eid=None, Tensor? token_ids=None, float route_scale=1.0, "
@@ -930,6 +979,7 @@ TORCH_LIBRARY(ds4, m) {
         "Tensor(c!)? fold_out=None, Tensor(d!)? fold_part=None, bool act_quant=False) -> Tensor");
   m.def("moe_route_ok(int fmt, int topk, int dim, int inter, int n_experts) -> bool", &moe_route_ok_host);
   m.def("moe_act_quant_ok(int fmt, int topk, int dim, int inter, bool gate_up) -> bool", &moe_act_quant_ok_host);
+  m.def("moe_splitk_rows(int fmt, int topk, int dim, int inter) -> int", &moe_splitk_rows_host);
   m.def("bulk_stage_site(str site) -> bool", &bulk_stage_site_host);
   m.def("router(Tensor x, Tensor gate, Tensor? bias, Tensor? tid2eid, Tensor? token_ids, int topk, "
         "float route_scale, Tensor? logits=None, Tensor(a!)? comb=None, int iters=0, float hc_eps=0.0) "

@@ -22,7 +22,12 @@ int moe_max_tokens(int fmt, int topk, int dim, int inter);
 // DS4_MMA=k2048 the FP8 rule before wq_b moved (read at every launch, for the ablation). An explicit MMA
 // request that does not apply returns cudaErrorInvalidValue. DP4A (launch_moe_gate_up only: moe_dp4a.cu, the routed
 // experts' one-token gate+up on the integer pipe, FMT_FP4's stored layout) likewise, where moe_dp4a_ok says no.
-enum Kernel : int { KERNEL_AUTO = 0, KERNEL_FMA = 1, KERNEL_MMA = 2, KERNEL_DP4A = 3 };
+// SPLITK (launch_moe_gate_up / launch_moe_down, the routed experts' one-token pair in fp4t: moe_splitk.cu) likewise,
+// where moe_splitk_rows says no; its gate+up writes partial sums of the output, not h (below). SPLITK_K: the same with
+// w2 and its scales in the chunk-major fp4k layout (ds4.quant.chunk_fp4_splitk; an experiment).
+enum Kernel : int { KERNEL_AUTO = 0, KERNEL_FMA = 1, KERNEL_MMA = 2, KERNEL_DP4A = 3, KERNEL_SPLITK = 4,
+                    KERNEL_SPLITK_K = 5 };
+inline bool kernel_splitk(int k) { return k == KERNEL_SPLITK || k == KERNEL_SPLITK_K; }
 bool mma_auto(int fmt, int K, int O);
 // Widest run of 16-B chunks per lane and row the tensor-core kernels read (DS4_MMA_W: 1, 2, 4).
 int mma_max_width();
@@ -168,6 +173,18 @@ cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x /*bf16 [n_tok, di
 // gate+up launch). fold (hc_fold_ok(1, ...); bf16 out): the epilogue also forms the hc fold's streams and partials.
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st, const HcFold* fold = nullptr, bool aq = false);
+// Kernel SPLITK (moe_splitk.cu): the routed experts' one-token gate+up and down as a split-K pair. With
+// kernel_splitk(a.kernel), launch_moe_gate_up's h is parts, fp32 [moe_splitk_rows(a), dim]: each row one block's
+// partial sums of the routed output (its pairs' h times the matching columns of w2; a's W2 / S2 / w2_estride /
+// s2_estride / s2_ld set as a down's), and launch_moe_down's h is those rows: it sums them in a fixed order and runs
+// the down's epilogue (add, out_f32, fold), the outputs the separate kernels' to fp32 rounding. moe_splitk_rows: the
+// partial rows for these shapes (the launch's grid: the gate+up's resident wave), or -1 where the pair does not apply
+// (fmt FMT_FP4T, one token, ids given: no routing in the kernel, no bf16 pointers, dim % 64 == 0, inter % 32 == 0,
+// topk <= 32; no numerics=qat staging).
+int moe_splitk_rows(const MoEArgs& a);
+cudaError_t launch_moe_splitk(const MoEArgs& a, const void* x, float* parts, cudaStream_t st);
+cudaError_t launch_moe_splitk_reduce(const MoEArgs& a, const float* parts, const void* add, void* out, bool out_f32,
+                                     cudaStream_t st, const HcFold* fold);
 
 // The whole one-token MoE FFN in one launch (moe_ffn.cu): r the routed experts (FMT_FP4T, ids and rw given,
 // one token), s the shared expert (FP8, one expert, its w1 / w3 / w2 set like launch_moe_gate_up's and

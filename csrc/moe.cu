@@ -293,6 +293,8 @@ static cudaError_t gate_up_nt(const MoEArgs& a, const void* x, void* h, cudaStre
 
 cudaError_t launch_moe_gate_up(const MoEArgs& a, const void* x, void* h, cudaStream_t st, bool aq) {
   if (a.kernel == KERNEL_DP4A) return aq ? cudaErrorInvalidValue : launch_moe_gate_up_dp4a(a, x, h, st);
+  if (kernel_splitk(a.kernel))  // h: the split-K pair's partial rows
+    return aq ? cudaErrorInvalidValue : launch_moe_splitk(a, x, static_cast<float*>(h), st);
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && (!moe_route_ok(a) || !a.ids_out || !a.rw_out))) return cudaErrorInvalidValue;
   if (aq && !moe_act_quant_ok(a, true)) return cudaErrorInvalidValue;
@@ -335,6 +337,9 @@ static cudaError_t down_nt(const MoEArgs& a, const void* h, const void* add, voi
 cudaError_t launch_moe_down(const MoEArgs& a, const void* h, const void* add, void* out, bool out_f32,
                             cudaStream_t st, const HcFold* fold, bool aq) {
   if (a.kernel == KERNEL_DP4A) return cudaErrorInvalidValue;  // a gate+up kernel only
+  if (kernel_splitk(a.kernel))  // h: the gate+up's partial rows
+    return aq ? cudaErrorInvalidValue
+              : launch_moe_splitk_reduce(a, static_cast<const float*>(h), add, out, out_f32, st, fold);
   const int mma = moe_use_mma(a);
   if (mma < 0 || (a.route_logits && !moe_route_ok(a)) || (aq && !moe_act_quant_ok(a, false)))
     return cudaErrorInvalidValue;

@@ -90,15 +90,21 @@ __device__ __forceinline__ void routed_pair_tiles(const MoEArgs& a, unsigned m, 
   }
 }
 
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // A block's one-token gate+up over np (w1, w3) tile pairs (local tiles 2 pl and 2 pl + 1, first rows row0[2 pl]) on
 // stream st, its first rounds already requested: x staged for FMT, the stream run, then
 // out(pl, row) = swiglu(gate, up) * weight(pl) for the rows < inter. Every thread of the block calls it. AQ: x staged
 // FP8-simulated (stage_mma_rows' AQ). bulk_bar (not AQ): x already requested by a bulk copy completing on it
-// (bulk_stage.cuh; thread 0 waits, then each thread converts its vectors).
-template <int FMT, bool AQ = false, typename Stream, typename WeightFn, typename OutFn>
+// (bulk_stage.cuh; thread 0 waits, then each thread converts its vectors). after_run: called by every thread right
+// after its warp's share of the stream, before the epilogue's barrier (the split-K kernel's first down loads).
+template <int FMT, bool AQ = false, typename Stream, typename WeightFn, typename OutFn, typename AfterRun = NoHook>
 __device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x, int dim, __nv_bfloat16* xs,
                                               float* part, int np, const int* row0, int inter, float limit,
-                                              WeightFn weight, OutFn out, uint64_t* bulk_bar = nullptr) {
+                                              WeightFn weight, OutFn out, uint64_t* bulk_bar = nullptr,
+                                              AfterRun after_run = AfterRun{}) {
   if (!AQ && bulk_bar != nullptr) {
     stage_mma_bulk_landed<FMT>(bulk_bar, xs, dim / 8);
   } else {
@@ -107,6 +113,7 @@ __device__ __forceinline__ void gate_up_pairs(Stream& st, const __nv_bfloat16* x
   mma_part_zero(part, 2 * np);
   __syncthreads();
   st.run(part);
+  after_run();
   __syncthreads();
   for (int i = threadIdx.x; i < np * 16; i += blockDim.x) {
     const int pl = i >> 4, row = row0[2 * pl] + (i & 15);

@@ -177,6 +177,10 @@ template <int U, int W, bool FOLD> __host__ __device__ constexpr int down_min_bl
 //   2 (twice): after the staging the block stages h again by L2 loads (.cg: the lines are not in L1 either) and the
 //     probe's mark 2 is taken again before it, so the probe's "stage" is the second staging and its "wait" the
 //     wait plus the first.
+// Answer (session 84, H100, experiments/session84.md): not a cold start. The second staging, code and pages warm and
+// h's lines in L2, took as long as a first (2.55 us in the step, 2.67 alone); prewarm cut the staging after the wait
+// to 2.54 us but made the step slower (116.2-117.0 against 113.8-114.3 us per layer). What h's loads wait behind is
+// the weight rounds the block requested before them (session 79's reading).
 #ifndef DS4_DOWN_STAGE_PROBE
 #define DS4_DOWN_STAGE_PROBE 0
 #endif

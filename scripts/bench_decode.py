@@ -87,7 +87,9 @@ leaves the step; opt-in), arfnp (DS4_AR_FOLD_PDL=0: that fold kernel launched wi
 (DS4_AR_FOLD_SPREAD=0: its blocks sized by their buffers alone, so several share an SM), ffn (DS4_MOE_FFN=1:
 one GPU, the routed and shared experts, gate+up and down, in one launch; opt-in), ffn2 (DS4_MOE_FFN=2: the same
 with the shared expert's gate+up a side-stream launch beside the router), ffnreg (DS4_FFN_SH_DOWN=reg: that
-launch's shared-expert down on the register stream), xshared / xrouter /
+launch's shared-expert down on the register stream), splitk (DS4_MOE_SPLITK=1: the routed experts' gate+up and down
+as a split-K pair, each gate+up block also multiplying its h by w2's matching columns, a reduction launch after;
+opt-in, measured slower in session 84; csrc/moe_splitk.cu), xshared / xrouter /
 xrouted / xattn / xcombine (diagnostics, wrong outputs: no shared-expert / router / routed-expert / attention-core /
 attention-combine kernels, to time what each costs the step; xcombine: a launch of the combine's grid that only
 writes zeros in its place, with noride only), noidxskip (DS4_INDEXER_SKIP=0: the indexer's scores kernel also
@@ -243,7 +245,7 @@ PLAIN_TOKENS = frozenset({
     "nopack", "notile", "tile", "notile8", "tile8", "shnotile8", "ffn", "ffn2", "ffnreg", "nopdl", "fma", "mma8",
     "k2048", "w1", "w2", "w4", "smem", "d8", "d4", "d2", "noovl", "nocovl", "noaovl", "rtr1", "shlate", "noqf",
     "kroute", "nohcr", "hcq", "pj", "nopfsh", "late", "pja", "early", "noctrig", "nohtrig", "rtrig", "nohcf", "noride",
-    "rideattn", "xcombine", "noidxskip",
+    "rideattn", "xcombine", "noidxskip", "splitk",
     "noidxm", "hwin", "noqskip", "arf", "arfnp", "arfpack", "sprio", "pf", "bf16", "ll", "symm", "xar", "xshared",
     "xrouter", "xrouted", "xattn"})
 NUMBERED_TOKENS = ("cap", "defer", "deferh", "rw", "shw", "rd", "lrd", "dn", "shd", "pre", "dpre")
@@ -431,6 +433,7 @@ def run_variant(model, name, prompt, new_tokens, bw, world):
     # DS4_MOE_FFN, whose one launch reads fp8 rows, so that is set before configure)
     _set_or_unset("DS4_SHARED_TILE", "0" if "shnotile8" in toks else None)
     os.environ["DS4_MOE_FFN"] = "2" if "ffn2" in toks else ("1" if "ffn" in toks else "0")
+    os.environ["DS4_MOE_SPLITK"] = "1" if "splitk" in toks else "0"
     if "nopack" in toks:
         stored_fp4_layout(model)
     # qat: numerics=qat (the official reference's FP8 activation simulation before every FP8 / FP4 GEMM, the FP8 KV

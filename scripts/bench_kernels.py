@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4 import kernels  # noqa: E402
 from ds4.ops.base import QWeight  # noqa: E402
-from ds4.quant import pack_fp4_mma, tile_fp4_mma, tile_fp8_mma  # noqa: E402
+from ds4.quant import chunk_fp4_splitk, pack_fp4_mma, tile_fp4_mma, tile_fp8_mma  # noqa: E402
 from ds4.tasks.common import source_commit  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -270,11 +270,26 @@ def main() -> int:
     for kern, tag in variants():
         moe_rows("fp4t", t1, t3, t2, kern, tag)
     if args.moe_bound:
-        # The bound of a split-K fused routed MoE (not built): each gate+up block would also multiply its own slice of
-        # h by the matching columns of w2 and the partial sums be reduced after, so no block stages h after a launch
-        # boundary (session 82: 3.3-4.0 us of the down's block life in the step). The gate+up alone at 1.5x the
-        # inter streams the pair's weight bytes (w1 + w3 at V4's inter, and w2) in one launch: against the pair's
-        # row above it bounds what that fusion could gain, before its reduction's cost.
+        # The split-K pair (csrc/moe_splitk.cu, DS4_MOE_SPLITK's launches): each gate+up block also multiplies its own
+        # slice of h by the matching columns of w2, and a second launch sums the partial rows, so no block stages h
+        # after a launch boundary (session 82: 3.3-4.0 us of the down's block life in the step).
+        def splitk(ids):
+            parts = kernels.moe_splitk_up(x, ids, rw, t1, s1, t3, s3, t2, s2, "fp4t", 0, E, 10.0)
+            return kernels.moe_splitk_down(parts, ids, t2, s2, "fp4t", 0, E, None, True)
+        record("moe fp4 routed top-6 split-K (2 launches)", b_gu + b_dn - 2 * h_bytes,
+               [(lambda ids=ids: splitk(ids)) for ids in idsets], target_us=25.0)
+        # the same with w2 in the chunk-major fp4k layout (each block's columns of w2 one run; an experiment)
+        k2, ks2 = chunk_fp4_splitk(t2, s2)
+
+        def splitk_k(ids):
+            parts = kernels.moe_splitk_up(x, ids, rw, t1, s1, t3, s3, k2, ks2, "fp4t", 0, E, 10.0, w2_layout="fp4k")
+            return kernels.moe_splitk_down(parts, ids, t2, s2, "fp4t", 0, E, None, True)
+        record("moe fp4 routed top-6 split-K, w2 fp4k (2 launches)", b_gu + b_dn - 2 * h_bytes,
+               [(lambda ids=ids: splitk_k(ids)) for ids in idsets], target_us=25.0)
+        del k2, ks2
+        # Its bound: the gate+up alone at 1.5x the inter streams the pair's weight bytes (w1 + w3 at V4's inter, and
+        # w2) in one launch; against the pair's rows above it bounds what the fusion could gain, before its
+        # reduction's cost.
         wide = 3 * inter // 2
         u1, v1 = rand_fp4((E,), wide, dim, g)
         u3, v3 = rand_fp4((E,), wide, dim, g)

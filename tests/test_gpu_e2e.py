@@ -66,6 +66,9 @@ def _options():
                      pytest.param(combos[-1], {"DS4_MOE_FFN": "1"}, id="all-fused,DS4_MOE_FFN=1"),
                      pytest.param(combos[-1], {"DS4_MOE_FFN": "1", "DS4_HC_FOLD": "1", "DS4_MMA": "all"},
                                   id="all-fused,DS4_MOE_FFN=1,HC_FOLD=1,MMA=all"),
+                     # the routed experts' split-K pair (opt-in), with the hc fold on every site
+                     pytest.param(combos[-1], {"DS4_MOE_SPLITK": "1", "DS4_HC_FOLD": "1", "DS4_MMA": "all"},
+                                  id="all-fused,DS4_MOE_SPLITK=1,HC_FOLD=1,MMA=all"),
                      # the routed gate+up on the integer pipe (w1 / w3 stored, w2 fp4t)
                      pytest.param({**combos[-1], "moe": "fp4_dp4a"}, {}, id="all-fused,moe=fp4_dp4a")]
 

@@ -96,8 +96,8 @@ def test_cuda_impls_construct_without_extension():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("folder,archs,expected", [
-    ("", ("80",), {"gemv.cu", "moe.cu", "moe_mma.cu", "moe_dp4a.cu", "moe_ffn.cu", "router.cu", "argmax.cu",
-                   "prefetch.cu", "allreduce.cu", "capture.cu", "dequant.cu"}),  # GEMV / MoE ext.
+    ("", ("80",), {"gemv.cu", "moe.cu", "moe_mma.cu", "moe_dp4a.cu", "moe_splitk.cu", "moe_ffn.cu", "router.cu",
+                   "argmax.cu", "prefetch.cu", "allreduce.cu", "capture.cu", "dequant.cu"}),  # GEMV / MoE ext.
     ("attn", ("80", "90"), {"hc.cu", "sparse_attn.cu", "indexer.cu", "decode_glue.cu", "topk.cu"}),  # ds4_attn
 ])
 def test_csrc_compiles(folder, archs, expected, tmp_path):

@@ -227,6 +227,36 @@ def test_fp4t_tiling_is_the_kernels_fragment_order():
         tile_fp4_mma(torch.zeros(24, 64 * TILE_W, dtype=torch.int8))
 
 
+def test_fp4k_is_the_split_k_down_phase_order():
+    """fp4k (ds4.quant.chunk_fp4_splitk, csrc/moe_splitk.cu's chunk-major w2): the 16 bytes the down phase's lane
+    (g, t) loads for chunk c, group q, row half h at ((c G + q) 2 + h) 512 + (4 g + t) 16 are the row-major layout's
+    row 16 (4 q + t) + 8 h + g, bytes 16 c ..; the scale word lane (g, u < 2) loads at (c G + q) 64 + (8 u + g) 4 holds
+    byte 2 h + j = the scale of row 16 (4 q + 2 u + j) + 8 h + g, chunk c."""
+    from ds4.quant import TILE_W, chunk_fp4_splitk, fp4k_ok, tile_fp4_mma
+    g = torch.Generator().manual_seed(11)
+    E, O, rb = 2, 128, 2 * 64 * TILE_W  # 2 groups of 4 tiles, 8 chunks per row
+    w = torch.randint(-128, 128, (E, O, rb), generator=g, dtype=torch.int8)
+    s = torch.randint(0, 255, (E, O, rb // 16), generator=g, dtype=torch.uint8)
+    wk, sk = chunk_fp4_splitk(tile_fp4_mma(w), s)
+    assert wk.shape == w.shape and sk.shape == s.shape and wk.dtype == w.dtype and sk.dtype == s.dtype
+    G, flat, sflat = O // 64, wk.view(E, -1), sk.view(E, -1)
+    for e in range(E):
+        for c in range(rb // 16):
+            for q in range(G):
+                for h in range(2):
+                    for lane in range(32):
+                        gg, tt = lane >> 2, lane & 3
+                        got = flat[e, ((c * G + q) * 2 + h) * 512 + lane * 16:][:16]
+                        exact(got, w[e, 16 * (4 * q + tt) + 8 * h + gg, 16 * c:16 * c + 16])
+                        if tt < 2:
+                            for j in range(2):
+                                assert sflat[e, (c * G + q) * 64 + (8 * tt + gg) * 4 + 2 * h + j] == \
+                                    s[e, 16 * (4 * q + 2 * tt + j) + 8 * h + gg, c]
+    assert fp4k_ok(64, 64 * TILE_W) and not fp4k_ok(48, 64 * TILE_W)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        chunk_fp4_splitk(torch.zeros(48, 64 * TILE_W, dtype=torch.int8), torch.zeros(48, 8, dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("chunk_bytes", [1, 3 * 16 * 128, 1 << 26])
 def test_fp4t_relayout_in_place_by_chunks(chunk_bytes):
     """tile / untile with out=w (moe=fp4_topk's prepare at load) convert a chunk of whole tiles at a time: the

@@ -28,12 +28,12 @@ from ds4.kernels.ops import (AR_CHUNK, AR_FOLD_ROWS, AR_MAX_WORLD, ARGMAX_MAX_RO
                              dequant, dequant_ok, dp4a_ok, fork_programmatic, gemv, gemv_deferred, gemv_deferred_ok,
                              gemv_fold, gemv_max_tokens, gemv_rmsnorm, gemv_rmsnorm_ok, hc_fold_ok, join_programmatic,
                              l2_prefetch, moe_act_quant_ok, moe_down, moe_ffn, moe_ffn_ok, moe_gate_up, moe_route_ok,
-                             router)  # (typed wrappers)
+                             moe_splitk_down, moe_splitk_rows, moe_splitk_up, router)  # (typed wrappers)
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
-SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "moe_mma.cu", "moe_dp4a.cu", "moe_ffn.cu", "router.cu",
-           "argmax.cu", "prefetch.cu", "allreduce.cu", "capture.cu", "dequant.cu", "act_quant.cu")
+SOURCES = ("ds4_bindings.cpp", "gemv.cu", "moe.cu", "moe_mma.cu", "moe_dp4a.cu", "moe_splitk.cu", "moe_ffn.cu",
+           "router.cu", "argmax.cu", "prefetch.cu", "allreduce.cu", "capture.cu", "dequant.cu", "act_quant.cu")
 EXT_NAME = "ds4_ext"
 DEFAULT_ARCHS = "8.0;9.0"
 

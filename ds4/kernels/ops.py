@@ -24,6 +24,8 @@ DENSE = ("bf16", "fp8", "fp8t", "fp4")  # the dense GEMVs' formats (the MoE kern
 # otherwise; "fma" / "mma" force one (an "mma" request it cannot serve raises). "dp4a" (moe_gate_up only): the
 # routed experts' one-token gate+up on the integer pipe (csrc/moe_dp4a.cu; moe=fp4_dp4a), checked by dp4a_ok here.
 KERNEL = {"auto": 0, "fma": 1, "mma": 2, "dp4a": 3}
+# the split-K pair's launches (moe_splitk_up / moe_splitk_down; csrc/moe_splitk.cu), its w2 in fp4t or in fp4k
+KERNEL_SPLITK = {"fp4t": 4, "fp4k": 5}
 DP4A_MAX_DIM = 4096  # csrc/moe_dp4a.cu: up to 4 chunks of 16 bytes per lane and row
 
 
@@ -250,6 +252,45 @@ def moe_down(h: Tensor, ids: Tensor | None, topk: int, w2: Tensor, s2: Tensor | 
     fa = fold.args() if fold is not None else (None,) * 6
     return _ops().moe_down(h, ids, topk, w2, s2, ptrs, f, expert_offset, n_local, add, out_f32, k,
                            r.logits, r.bias, r.tid2eid, r.token_ids, float(r.route_scale), *fa, bool(act_quant))
+
+
+def moe_splitk_rows(fmt: str, topk: int, dim: int, inter: int) -> int:
+    """The split-K pair's partial rows at this shape on the current device (its gate+up launch's grid: one resident
+    wave), or -1 where it does not take it (csrc/moe_splitk.cu: fp4t, dim % 64 == 0, inter % 32 == 0, topk <= 32)."""
+    return int(_ops().moe_splitk_rows(FMT[fmt], topk, dim, inter)) if fmt in FMT else -1
+
+
+def moe_splitk_up(x: Tensor, ids: Tensor, route_w: Tensor, w1: Tensor, s1: Tensor, w3: Tensor, s3: Tensor,
+                  w2: Tensor, s2: Tensor, fmt: str, expert_offset: int = 0, n_local: int | None = None,
+                  limit: float = 10.0, w2_layout: str = "fp4t") -> Tensor:
+    """The split-K pair's first launch (csrc/moe_splitk.cu; one token of routed experts, ids and route weights given):
+    parts fp32 [moe_splitk_rows(...), dim], each row one block's partial sums of the routed output — the h of its
+    (w1, w3) tile pairs (moe_gate_up's values, route weight applied) times the matching columns of w2.
+    moe_splitk_down(parts, ...) finishes it: together moe_down(moe_gate_up(...)) to fp32 rounding. w2_layout "fp4k":
+    w2 and s2 as ds4.quant.chunk_fp4_splitk lays them out from fp4t (an experiment: each block's w2 one run)."""
+    if n_local is None:
+        n_local = w1.shape[0] if w1.dim() == 3 else 1
+    if w2_layout not in KERNEL_SPLITK:
+        raise ValueError(f"moe_splitk_up: w2_layout must be one of {sorted(KERNEL_SPLITK)}, got {w2_layout!r}")
+    _tiled_check(fmt, w1, w3, w2)
+    return _ops().moe_gate_up(x, ids, route_w, w1, s1, w3, s3, None, _fmt(fmt), expert_offset, n_local, limit,
+                              KERNEL_SPLITK[w2_layout], None, None, None, None, 1.0, False, w2, s2)
+
+
+def moe_splitk_down(parts: Tensor, ids: Tensor, w2: Tensor, s2: Tensor, fmt: str, expert_offset: int = 0,
+                    n_local: int | None = None, add: Tensor | None = None, out_f32: bool = True, fold=None) -> Tensor:
+    """The split-K pair's second launch: y [1, dim] = the sum of moe_splitk_up's partial rows (in a fixed order) with
+    moe_down's epilogue (add, out_f32 and fold as there)."""
+    if n_local is None:
+        n_local = w2.shape[0] if w2.dim() == 3 else 1
+    _tiled_check(fmt, w2)
+    topk = ids.shape[1]
+    if fold is not None and (out_f32 or fold.out.shape[-1] != w2.shape[-2] or not hc_fold_ok(
+            "moe_down", fmt, w2.shape[-2], w2.shape[-1] * 2, topk, fold.out.shape[-2])):
+        raise ValueError("moe_splitk_down: no fold at this shape / format (bf16 out, hc_fold_ok)")
+    fa = fold.args() if fold is not None else (None,) * 6
+    return _ops().moe_down(parts, ids, topk, w2, s2, None, _fmt(fmt), expert_offset, n_local, add, out_f32,
+                           KERNEL_SPLITK["fp4t"], None, None, None, None, 1.0, *fa, False)
 
 
 def moe_ffn(x: Tensor, ids: Tensor, route_w: Tensor, w1, w3, w2, shared_w1, shared_w3, shared_w2,

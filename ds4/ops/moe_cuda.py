@@ -36,6 +36,13 @@ moe=fp4_topk
           126.7 us per layer; experiments/decode_session20_h200.md).
           DS4_MOE_FFN=2: the same, except that the shared expert's gate+up stays a launch of its own (in a captured
           step on the side stream, beside the router: ffn_shared_up) and the one launch takes its h row.
+  splitk: DS4_MOE_SPLITK=1 (opt-in, read per call): a one-token call with both routed matrices in fp4t runs the
+          routed gate+up and down as a split-K pair (kernels.moe_splitk_up / moe_splitk_down, csrc/moe_splitk.cu):
+          each gate+up block multiplies its own pairs' h by the matching columns of w2 into a partial row of the
+          output, and a second launch sums the rows in a fixed order and runs the down's epilogue (shared expert's
+          output, hc fold). The same block output to fp32 summation order. Not with qat, in-kernel routing or
+          moe=fp4_dp4a; other calls keep the launches above. Measured slower (H100, 1 GPU: 121.4 against 114.0 us
+          per layer; experiments/session84.md).
   prefetch: with DS4_L2_PREFETCH naming site "d" (opt-in: measured slower, ds4.ops.prefetch), a captured
           decode step brings the chosen experts' w2 (and scales) into L2 on a side stream while gate+up
           streams w1 / w3.
@@ -390,9 +397,40 @@ class Fp4TopkMoE:
         """The kernel choice of the routed gate+up launch (kernels.moe_gate_up's `kernel`)."""
         return "auto"
 
+    def _splitk_ok(self, x: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool, route) -> bool:
+        """Whether the routed launches take the split-K pair (splitk): DS4_MOE_SPLITK=1, one token on the GPU, plain
+        numerics, the router's tail in its own kernel, both matrices in fp4t at shapes kernels.moe_splitk_rows
+        takes; the gate+up kernel the class's default (not moe=fp4_dp4a's)."""
+        return (os.environ.get("DS4_MOE_SPLITK") == "1" and x.is_cuda and x.shape[0] == 1 and not act_quant
+                and route is None and mw.w1.fmt == "fp4t" and mw.w2.fmt == "fp4t" and mw.w1.weight.dim() == 3
+                and self._gate_up_kernel(x, "fp4t", False, None) == "auto"
+                and kernels.moe_splitk_rows("fp4t", ids.shape[1], x.shape[-1], mw.w1.weight.shape[-2]) > 0)
+
+    def _splitk_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, shared: SharedUp | None,
+                         fold: HcFold | None, partial: bool) -> Tensor:
+        """_routed_launches' output by the split-K pair (kernels.moe_splitk_up / moe_splitk_down): the shared
+        expert's branch joins between its two launches, where it joins the separate down."""
+        dim, inter, k = x.shape[-1], mw.w1.weight.shape[-2], ids.shape[1]
+        parts = kernels.moe_splitk_up(_bf16(x), ids, weights.float().contiguous(), mw.w1.weight, mw.w1.scale,
+                                      mw.w3.weight, mw.w3.scale, mw.w2.weight, mw.w2.scale, "fp4t", mw.expert_offset,
+                                      mw.w1.weight.shape[0], mw.swiglu_limit)
+        add = None
+        if shared is not None:
+            shared.branch.join("moe")  # the reduction below is the next launch
+            add = shared.out
+        if partial or not (add is not None and _down_folds(fold, x, "fp4t", dim, inter, k)):
+            fold = None
+        y = kernels.moe_splitk_down(parts, ids, mw.w2.weight, mw.w2.scale, "fp4t", mw.expert_offset,
+                                    mw.w2.weight.shape[0], add, add is None or partial, fold)
+        if fold is not None:
+            fold.fused = True
+        return y
+
     def _routed_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool,
                          shared: SharedUp | None = None, route: kernels.InKernelRoute | None = None,
                          fold: HcFold | None = None, partial: bool = False) -> Tensor:
+        if self._splitk_ok(x, ids, mw, act_quant, route):
+            return self._splitk_launches(x, weights, ids, mw, shared, fold, partial)
         fmt, fmt2 = mw.w1.fmt, mw.w2.fmt  # (the gate+up's and the down's: moe=fp4_dp4a lays them out apart)
         k = ids.shape[1]
         aqx = act_quant and _stages(x.shape[0], x, fmt, k, x.shape[-1], mw.w1.weight.shape[-2], True)

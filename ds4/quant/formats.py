@@ -307,6 +307,34 @@ def untile_fp4_mma(w: Tensor, out: Tensor | None = None, chunk_bytes: int = 1 <<
     return _relay_tiles(w, out, (nr, TILE_W, 2, 8, 4, 16), (3, 4, 1, 5, 2, 6), chunk_bytes)
 
 
+# The split-K pair's chunk-major w2 (fp4k; csrc/moe_splitk.cu's kernel SPLITK_K, an experiment): a split-K gate+up block
+# multiplies one 32-value chunk c of inter by all rows of w2, and in fp4t that chunk's 16-byte pieces sit 64 bytes
+# apart (three other blocks' chunks between them). fp4k puts them where the down phase's lane (g, t) reads them: the
+# piece of (chunk c, group q of 4 row tiles, row half h, lane 4 g + t) — tile 4 q + t's row g + 8 h — at
+# ((c G + q) 2 + h) 512 + (4 g + t) 16 (G = rows / 64): every warp load reads 512 contiguous bytes and a chunk is one
+# run. Its E8M0 scales likewise: the byte of (tile 4 q + 2 u + j, row g + 8 h, chunk c) at
+# (c G + q) 64 + (8 u + g) 4 + 2 h + j (u, j < 2), so lane (g, u) of a group loads its four as one word.
+# The pair alone took 38.2 us with it against 43.9 from fp4t (H100, experiments/session84.md); no load-time option
+# lays w2 out this way (the other readers of w2 take fp4t).
+def fp4k_ok(rows: int, row_bytes: int) -> bool:
+    """Whether an fp4t [rows, row_bytes] matrix can be laid out as fp4k (whole groups of 4 row tiles)."""
+    return fp4t_ok(rows, row_bytes) and rows % 64 == 0
+
+
+def chunk_fp4_splitk(w: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """fp4t bytes [..., O, I/2] and their scales [..., O, I/32] -> fp4k (new tensors of the same shapes and dtypes)."""
+    *lead, rows, rb = w.shape
+    if not fp4k_ok(rows, rb) or tuple(s.shape) != (*lead, rows, rb // 16):
+        raise ValueError(f"fp4k: rows {rows} must be a multiple of 64 and row bytes {rb} of {64 * TILE_W}, scales "
+                         f"[..., rows, row bytes / 16]; got {tuple(w.shape)}, {tuple(s.shape)}")
+    G, R = rows // 64, rb // (64 * TILE_W)
+    # fp4t: q, t, round, w, h, g, lane column tn, byte (chunk c = round 4 W + tn W + w) -> c (round, tn, w), q, h, g, t
+    wk = w.reshape(-1, G, 4, R, TILE_W, 2, 8, 4, 16).permute(0, 3, 7, 4, 1, 5, 6, 2, 8).reshape(w.shape)
+    # rows (q, u, j, h, g), chunk c -> c, q, u, g, h, j
+    sk = s.reshape(-1, G, 2, 2, 2, 8, rb // 16).permute(0, 6, 1, 2, 5, 4, 3).reshape(s.shape)
+    return wk.contiguous(), sk.contiguous()
+
+
 # The fp8t layout (linear=gemv_cuda's default for the dense FP8 projections and moe=fp4_topk's for the shared
 # expert where the shapes allow; DS4_FP8_TILE=0 keeps fp8): the stored E4M3 bytes placed by the same permutation as
 # fp4t, and the 32 bits of each 4-byte word then permuted (_FP8_MMA_SRC). MmaStream reads 16-byte chunks whatever
