@@ -14,6 +14,11 @@
 //   chain      one thread's dependent loads (a pointer chase through h's lines): the mean latency of one L2 hit
 //   allin      written, each thread's 6 loads all in flight before any store
 //   nc / cg    written, the loads as ld.global.nc / ld.global.cg
+//   beside     written and read while a kernel on another stream streams 1 GB from HBM on every SM (2 blocks of 512
+//              threads each, beside the reader's): session 84's reading, that the library's down stages h slowly
+//              because the other SMs' weight streams load L2 and HBM while it does (experiments/session84.md)
+//   beside/2   the same with the stream on half of the SMs' worth of blocks (a lighter load)
+// Session 84 (H100): 0.81 us written, 4.68 beside (the stream 3124 GB/s alone), 0.90 beside/2 (3110 GB/s alone).
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 scripts/probe_h_read.cu -o /tmp/probe_h && /tmp/probe_h
 #include <cuda_runtime.h>
@@ -70,6 +75,11 @@ __global__ void chase(const uint32_t* h, int n, uint64_t* out) {
   for (int k = 0; k < n; ++k) i = h[i];
   out[0] = gtimer() - t0;
   out[1] = i;
+}
+__global__ void spin(uint64_t ns) {  // one thread: returns ns nanoseconds after it starts
+  const uint64_t t0 = gtimer();
+  while (gtimer() - t0 < ns) {
+  }
 }
 __global__ void chain_init(uint32_t* h, int lines) {  // line l (32 words) -> line (l * 37 + 11) % lines
   for (int l = threadIdx.x; l < lines; l += blockDim.x) h[l * 32] = ((l * 37 + 11) % lines) * 32;
@@ -144,6 +154,42 @@ int main() {
       BLOCKS);
   run("cg", [&](uint32_t r) { writer<<<384, 256>>>(h, VEC, r); reader<4, 2><<<BLOCKS, THREADS>>>(h, 1, out); },
       BLOCKS);
+  // beside a stream on another stream: it starts first; the reader's stream waits 20 us (a spin) so that it runs
+  // inside the stream, which takes about 300 us for 1 GB
+  const long huge_bytes = 1L << 30;
+  uint4* huge;
+  CK(cudaMalloc(&huge, huge_bytes));
+  CK(cudaMemset(huge, 1, huge_bytes));
+  cudaStream_t s1, s2;
+  CK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  for (int div : {1, 2}) {
+    run(div == 1 ? "beside" : "beside/2", [&](uint32_t r) {
+      streamer<<<2 * p.multiProcessorCount / div, 512, 0, s1>>>(huge, huge_bytes / 16, sink);
+      spin<<<1, 1, 0, s2>>>(20000);
+      writer<<<384, 256, 0, s2>>>(h, VEC, r);
+      reader<4><<<BLOCKS, THREADS, 0, s2>>>(h, 1, out);
+    }, BLOCKS);
+  }
+  {  // the stream's own rate, alone
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int div : {1, 2}) {
+      std::vector<double> gbs;
+      for (int r = 0; r < 5; ++r) {
+        CK(cudaEventRecord(e0));
+        streamer<<<2 * p.multiProcessorCount / div, 512>>>(huge, huge_bytes / 16, sink);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        gbs.push_back(huge_bytes / (ms * 1e6));
+      }
+      std::printf("stream    %d blocks of 512 threads: %.0f GB/s alone (median of 5)\n",
+                  2 * p.multiProcessorCount / div, median(gbs));
+    }
+  }
   // the chase: h's 192 lines, 192 dependent loads, right after they were written (the first pass) and again
   const int lines = VEC * 16 / 128, n = lines;
   std::vector<double> first, again;
