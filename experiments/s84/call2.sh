@@ -17,7 +17,8 @@ nvidia-smi -L; date -u
 python3 scripts/build_ext.py -q > "$L/build.log" 2>&1; rc=$?; echo "build rc=$rc at +$(el)s"
 [ $rc -ne 0 ] && { grep -E "error" "$L/build.log" | head -20; tail -20 "$L/build.log"; exit 1; }
 export DS4_NO_JIT=1
-timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe_splitk_gpu.py > "$L/splitk_tests.log" 2>&1
+timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe_splitk_gpu.py \
+  > "$L/splitk_tests.log" 2>&1
 echo "splitk tests rc=$? at +$(el)s: $(tail -1 "$L/splitk_tests.log")"
 grep -E "^FAILED|^ERROR|Error:" "$L/splitk_tests.log" | head -12; snap
 for i in 1 2; do
