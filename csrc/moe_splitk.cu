@@ -5,8 +5,8 @@
 //         matching columns of w2 over all `dim` rows: its fp32 partial sums of the whole output row, parts[block];
 //   down: one 16-row tile per block sums the partial rows in a fixed order (deterministic) and runs the routed
 //         down's epilogue (the shared expert's output added, bf16 or fp32 out, the hc fold).
-// Why: in the separate pair the down's blocks stage h only after a launch boundary, behind the weight rounds they
-// requested first (3.3-4.0 us of the down block's life in the step on an H100, sessions 78-84), and the down streams
+// Why: in the separate pair the down's blocks stage h only after a launch boundary, behind the memory system's queue
+// of weight rounds (3.3-4.0 us of the down block's life in the step on an H100, sessions 78-84), and the down streams
 // its 25 MB as a launch of its own with its own ramp and tail. Here w2 streams in the gate+up's launch right after
 // each block's w1 / w3, and no block waits for another before it: the only boundary left is the reduction's, whose
 // reads come from L2 (experiments/session83.md: a PDL pair that reduces 3-6 MB of partials costs about what an
@@ -19,8 +19,8 @@
 // g + 8 at the item's chunk, and B (the item's 32 values of h, staged as mma_stage_vec stages activations) sits in
 // lanes g == t only, so C column n (< 4) is tile 4 q + n's partial for rows g / g + 8: one MMA group covers four
 // row tiles of one chunk, every lane's 16 bytes used, and each C value goes to one output row. In the fp4t layout a
-// chunk's 16-byte piece of a row shares its 32-byte sector with the neighbouring chunk's (another block's), which
-// reads it at about the same time: L2 serves the second read.
+// chunk's 16-byte piece of a row shares its 32-byte sector with the neighbouring chunk's (another block's): written
+// in the hope that L2 would serve the second read, which the measurement below did not bear out.
 // The sums differ from the separate pair's in fp32 order only (per chunk and tile here, per round and warp there):
 // the outputs agree to fp32 rounding, not bit for bit.
 // Measured slower (H100, experiments/session84.md): alone (bench_kernels.py --moe-bound) 43.4-44.0 us against the
