@@ -140,8 +140,9 @@ def main() -> int:
                     help="the dense GEMV rows on one weight set, no rotation: where it fits, the weight stays in L2 "
                          "between calls (what a GEMV gains from an L2 prefetch; ds4.ops.prefetch)")
     ap.add_argument("--moe-bound", action="store_true",
-                    help="only the routed MoE rows (the library's defaults) and the bound of a split-K fused pair: "
-                         "the gate+up alone at 1.5x V4's inter, whose w1 + w3 are the pair's weight bytes")
+                    help="only the routed MoE rows (the library's defaults), the split-K pair's (csrc/moe_splitk.cu; "
+                         "w2 in fp4t and in the chunk-major fp4k) and its bound: the gate+up alone at 1.5x V4's "
+                         "inter, whose w1 + w3 are the pair's weight bytes")
     ap.add_argument("--mma", default="w2d8",
                     help="[mma wNdM] rows: comma-separated DS4_MMA_W (N) / DS4_MMA_DEPTH (M) pairs, e.g. w2d8,w2d4; "
                          "M = 0: the shared-memory stream (DS4_MMA_LOAD=smem)")

@@ -2,8 +2,9 @@
 moe=fp4_topk's DS4_MOE_SPLITK=1) against the separate gate+up and down launches (the same block output up to fp32
 summation order) and an fp32 reference: V4-Flash's shapes and shapes whose blocks take an odd number of pairs (a
 32-value chunk of inter shared by two blocks, a block's pairs crossing experts), repeated, boundary, non-local and no
-local expert ids, the down's epilogues (no add, bf16 and fp32 adds, bf16 / fp32 out, the hc fold), graph replays, and
-the MoE op taking it where asked (marker gpu; skipped without CUDA)."""
+local expert ids, w2 in fp4t and in the chunk-major fp4k (ds4.quant.chunk_fp4_splitk: the same bits), the down's
+epilogues (no add, bf16 and fp32 adds, bf16 / fp32 out, the hc fold), graph replays, and the MoE op taking it where
+asked (marker gpu; skipped without CUDA)."""
 from __future__ import annotations
 
 import pytest
