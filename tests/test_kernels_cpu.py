@@ -94,6 +94,20 @@ def test_cuda_impls_construct_without_extension():
     assert Bf16CacheMoE().name == "bf16_cache"
 
 
+def test_splitk_refusals_name_their_reason():
+    """DS4_MOE_SPLITK=1 on a one-token call the split-K pair cannot take: the reason the separate launches run, said
+    (ds4.ops.moe_cuda.splitk_refusal; each case returns before the shape check, which needs the extension)."""
+    from types import SimpleNamespace
+
+    from ds4.ops.moe_cuda import splitk_refusal
+    q = lambda fmt: SimpleNamespace(fmt=fmt, weight=torch.zeros(2, 32, 64, dtype=torch.uint8))  # noqa: E731
+    mw = SimpleNamespace(w1=q("fp4t"), w2=q("fp4t"))
+    assert "qat" in splitk_refusal(True, None, mw, "auto", 6, 4096)
+    assert "DS4_ROUTE_IN_MOE" in splitk_refusal(False, object(), mw, "auto", 6, 4096)
+    assert "fp4p / fp4p" in splitk_refusal(False, None, SimpleNamespace(w1=q("fp4p"), w2=q("fp4p")), "auto", 6, 4096)
+    assert "dp4a" in splitk_refusal(False, None, mw, "dp4a", 6, 4096)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("folder,archs,expected", [
     ("", ("80",), {"gemv.cu", "moe.cu", "moe_mma.cu", "moe_dp4a.cu", "moe_splitk.cu", "moe_ffn.cu", "router.cu",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.library import register_fake
 
+from ds4.kernels.ops import KERNEL_SPLITK
+
 
 @register_fake("ds4::gemv")
 def _gemv(x, w, scale, fmt, groups=1, kernel=0, out_f32=False, act_quant=False):
@@ -22,14 +24,11 @@ def _gemv_rmsnorm(x, w, scale, fmt, norm_weight, eps, skip_pos=None, skip_ratio=
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
 
 
-KERNEL_SPLITK = (4, 5)  # (ds4.kernels.ops: the split-K pair's kernels)
-
-
 @register_fake("ds4::moe_gate_up")
 def _gate_up(x, ids, route_w, w1, s1, w3, s3, ptrs, fmt, expert_offset, n_local, limit, kernel=0, route_logits=None,
              route_bias=None, tid2eid=None, token_ids=None, route_scale=1.0, act_quant=False, w2=None, s2=None):
     k = 1 if ids is None else ids.shape[1]
-    if kernel in KERNEL_SPLITK:  # the split-K pair's partial rows (their count: the device's resident wave)
+    if kernel in KERNEL_SPLITK.values():  # the split-K pair's partial rows (their count: the device's resident wave)
         rows = torch.ops.ds4.moe_splitk_rows(fmt, k, x.shape[1], w1.shape[-2])
         return x.new_empty((rows, x.shape[1]), dtype=torch.float32)
     return x.new_empty((x.shape[0] * k, w1.shape[-2]), dtype=torch.bfloat16)
@@ -44,7 +43,7 @@ def _gemv_fold(x, w, scale, fmt, res, post, comb, fn, out, part, act_quant=False
 def _down(h, ids, topk, w2, s2, ptrs, fmt, expert_offset, n_local, add, out_f32, kernel=0, route_logits=None,
           route_bias=None, tid2eid=None, token_ids=None, route_scale=1.0, fold_res=None, fold_post=None,
           fold_comb=None, fold_fn=None, fold_out=None, fold_part=None, act_quant=False):
-    n = 1 if kernel in KERNEL_SPLITK else h.shape[0] // topk  # (splitk: h holds the partial rows of one token)
+    n = 1 if kernel in KERNEL_SPLITK.values() else h.shape[0] // topk  # (splitk: h holds the partial rows of one token)
     return h.new_empty((n, w2.shape[-2]), dtype=torch.float32 if out_f32 else torch.bfloat16)
 
 

@@ -41,7 +41,8 @@ moe=fp4_topk
           each gate+up block multiplies its own pairs' h by the matching columns of w2 into a partial row of the
           output, and a second launch sums the rows in a fixed order and runs the down's epilogue (shared expert's
           output, hc fold). The same block output to fp32 summation order. Not with qat, in-kernel routing or
-          moe=fp4_dp4a; other calls keep the launches above. Measured slower (H100, 1 GPU: 121.4 against 114.0 us
+          moe=fp4_dp4a: such a one-token call keeps the launches above and warns why (splitk_refusal); prompts keep
+          them too. Measured slower (H100, 1 GPU: 121.4 against 114.0 us
           per layer; experiments/session84.md).
   prefetch: with DS4_L2_PREFETCH naming site "d" (opt-in: measured slower, ds4.ops.prefetch), a captured
           decode step brings the chosen experts' w2 (and scales) into L2 on a side stream while gate+up
@@ -81,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -243,6 +245,21 @@ def add_shared(y: Tensor, up: SharedUp) -> Tensor:
     return torch.add(y, up.out, out=torch.empty_like(up.out))
 
 
+def splitk_refusal(act_quant: bool, route, mw: MoEWeights, gate_up_kernel: str, topk: int, dim: int) -> str | None:
+    """Why a one-token routed call asking for the split-K pair (DS4_MOE_SPLITK=1) cannot take it, or None."""
+    if act_quant:
+        return "numerics=qat (the pair has no FP8 activation staging)"
+    if route is not None:
+        return "the router's tail runs inside the MoE kernels (DS4_ROUTE_IN_MOE=1)"
+    if mw.w1.fmt != "fp4t" or mw.w2.fmt != "fp4t" or mw.w1.weight.dim() != 3:
+        return f"the routed experts are laid out {mw.w1.fmt} / {mw.w2.fmt}, not stacked fp4t"
+    if gate_up_kernel != "auto":
+        return f"the gate+up kernel is {gate_up_kernel!r} (moe=fp4_dp4a)"
+    if kernels.moe_splitk_rows("fp4t", topk, dim, mw.w1.weight.shape[-2]) <= 0:
+        return "shapes kernels.moe_splitk_rows does not take"
+    return None
+
+
 class Fp4TopkMoE:
     name = "fp4_topk"
     tiles = True  # prepare may lay the experts out as fp4t
@@ -398,13 +415,16 @@ class Fp4TopkMoE:
         return "auto"
 
     def _splitk_ok(self, x: Tensor, ids: Tensor, mw: MoEWeights, act_quant: bool, route) -> bool:
-        """Whether the routed launches take the split-K pair (splitk): DS4_MOE_SPLITK=1, one token on the GPU, plain
-        numerics, the router's tail in its own kernel, both matrices in fp4t at shapes kernels.moe_splitk_rows
-        takes; the gate+up kernel the class's default (not moe=fp4_dp4a's)."""
-        return (os.environ.get("DS4_MOE_SPLITK") == "1" and x.is_cuda and x.shape[0] == 1 and not act_quant
-                and route is None and mw.w1.fmt == "fp4t" and mw.w2.fmt == "fp4t" and mw.w1.weight.dim() == 3
-                and self._gate_up_kernel(x, "fp4t", False, None) == "auto"
-                and kernels.moe_splitk_rows("fp4t", ids.shape[1], x.shape[-1], mw.w1.weight.shape[-2]) > 0)
+        """Whether the routed launches take the split-K pair (splitk): DS4_MOE_SPLITK=1 and a one-token call on the
+        GPU that splitk_refusal finds nothing against. A one-token call it refuses runs the separate launches and
+        says why (a warning, once per reason); prompts (several tokens) take the separate launches by design."""
+        if os.environ.get("DS4_MOE_SPLITK") != "1" or not x.is_cuda or x.shape[0] != 1:
+            return False
+        why = splitk_refusal(act_quant, route, mw, self._gate_up_kernel(x, "fp4t", False, None), ids.shape[1],
+                             x.shape[-1])
+        if why is not None:
+            warnings.warn(f"DS4_MOE_SPLITK=1: the separate gate+up and down launches run: {why}", stacklevel=2)
+        return why is None
 
     def _splitk_launches(self, x: Tensor, weights: Tensor, ids: Tensor, mw: MoEWeights, shared: SharedUp | None,
                          fold: HcFold | None, partial: bool) -> Tensor:
