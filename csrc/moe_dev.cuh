@@ -74,19 +74,29 @@ __device__ __forceinline__ int nth_bit(unsigned m, int n) {
   return __ffs(m) - 1;  // -1 when m has <= n bits
 }
 
+// A block's routed (w1, w3) tile tables in shared memory, and its token's slots (moe_slots' s_ids / s_rw): the
+// one-token gate+up launches (moe_gate_up_mma_kernel, moe_ffn_kernel, moe_splitk_kernel) each declare one.
+struct PairTables {
+  const uint8_t* tw[MMA_STREAM_MAX_TILES];  // a tile's weight rows
+  const uint8_t* ts[MMA_STREAM_MAX_TILES];  // its scales
+  int row0[MMA_STREAM_MAX_TILES];           // its first row of `inter`
+  int slot[MMA_STREAM_MAX_TILES / 2];       // a pair's slot
+  int ids[32];
+  float rw[32];
+};
+
 // The tiles of routed (w1, w3) pairs [p0, p0 + np) (pair p = u * RT + rt: local slot u, the u-th set bit of m,
-// row tile rt of `inter`): local tiles 2 pl (w1) and 2 pl + 1 (w3) into s_tw / s_ts / s_row0, the pair's slot
-// into s_slot. Threads < 2 np write; the caller synchronises.
+// row tile rt of `inter`): local tiles 2 pl (w1) and 2 pl + 1 (w3) into t.tw / t.ts / t.row0, the pair's slot
+// into t.slot; t.ids as moe_slots left them. Threads < 2 np write; the caller synchronises.
 template <int FMT>
-__device__ __forceinline__ void routed_pair_tiles(const MoEArgs& a, unsigned m, const int* s_ids, int p0, int np,
-                                                  int RT, const uint8_t** s_tw, const uint8_t** s_ts, int* s_row0,
-                                                  int* s_slot) {
+__device__ __forceinline__ void routed_pair_tiles(const MoEArgs& a, unsigned m, int p0, int np, int RT,
+                                                  PairTables& t) {
   if (threadIdx.x < 2 * np) {
     const int pl = threadIdx.x >> 1, which = threadIdx.x & 1, u = (p0 + pl) / RT;
     const int slot = nth_bit(m, u);
-    expert_base<FMT>(a, s_ids[slot] - a.expert_offset, which, s_tw[threadIdx.x], s_ts[threadIdx.x]);
-    s_row0[threadIdx.x] = (p0 + pl - u * RT) * 16;
-    if (which == 0) s_slot[pl] = slot;
+    expert_base<FMT>(a, t.ids[slot] - a.expert_offset, which, t.tw[threadIdx.x], t.ts[threadIdx.x]);
+    t.row0[threadIdx.x] = (p0 + pl - u * RT) * 16;
+    if (which == 0) t.slot[pl] = slot;
   }
 }
 

@@ -101,11 +101,7 @@ moe_ffn_kernel(const MoEArgs r, const MoEArgs s, const __nv_bfloat16* __restrict
   extern __shared__ float4 smem4[];
   uint8_t* base = reinterpret_cast<uint8_t*>(smem4);
   uint8_t* sbuf = base + ffn_region_bytes(r, s, p.tpb);
-  __shared__ const uint8_t* s_tw[MMA_STREAM_MAX_TILES];
-  __shared__ const uint8_t* s_ts[MMA_STREAM_MAX_TILES];
-  __shared__ int s_row0[MMA_STREAM_MAX_TILES], s_slot[MMA_STREAM_MAX_TILES / 2];
-  __shared__ int s_ids[32];
-  __shared__ float s_rw[32];
+  __shared__ PairTables t;
   const int lane = threadIdx.x & 31;
   float* part1 = reinterpret_cast<float*>(base);
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part1 + mma_part_floats(MMA_STREAM_MAX_TILES));
@@ -116,39 +112,39 @@ moe_ffn_kernel(const MoEArgs r, const MoEArgs s, const __nv_bfloat16* __restrict
     const int RT = (s.inter + 15) / 16, p0 = blockIdx.x * p.sh_ppb, np = max(0, min(p.sh_ppb, RT - p0));
     if (threadIdx.x < 2 * np) {
       const int pl = threadIdx.x >> 1, which = threadIdx.x & 1;
-      expert_base<FMT_FP8>(s, 0, which, s_tw[threadIdx.x], s_ts[threadIdx.x]);
-      s_row0[threadIdx.x] = (p0 + pl) * 16;
+      expert_base<FMT_FP8>(s, 0, which, t.tw[threadIdx.x], t.ts[threadIdx.x]);
+      t.row0[threadIdx.x] = (p0 + pl) * 16;
     }
     __syncthreads();
-    auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], s.inter}; };
+    auto tile = [=](int tl, int) { return MmaTile{t.tw[tl], t.ts[tl], xs, t.row0[tl], s.inter}; };
     auto st = mma_stream<FMT_FP8, FFN_SU, FFN_SW>(tile, xs, 2 * np, 1, s.dim / mma_round_vals<FMT_FP8, FFN_SW>(),
                                                   row_bytes<FMT_FP8>(s.dim), s.s13_ld, nullptr);
     st.prefetch();     // weights: before the PDL wait
     ds4_pdl::begin();  // x and the expert ids come from the previous kernels
     ffn_mark(p.probe, 0);
-    moe_slots(r, part1, s_ids, s_rw, false);
+    moe_slots(r, part1, t.ids, t.rw, false);
     if (np > 0)
-      gate_up_pairs<FMT_FP8>(st, x, s.dim, xs, part1, np, s_row0, s.inter, s.limit, [](int) { return 1.f; },
+      gate_up_pairs<FMT_FP8>(st, x, s.dim, xs, part1, np, t.row0, s.inter, s.limit, [](int) { return 1.f; },
                              [&](int, int row) -> __nv_bfloat16& { return h_sh[row]; });
   } else {  // the routed experts: pairs p = u * RT + rt (local slot u, row tile rt), as moe_gate_up_mma_kernel
     ds4_pdl::begin();
     ffn_mark(p.probe, 0);
-    moe_slots(r, part1, s_ids, s_rw, false);
-    const unsigned m = moe_local_slots(r, s_ids);
+    moe_slots(r, part1, t.ids, t.rw, false);
+    const unsigned m = moe_local_slots(r, t.ids);
     const int RT = (r.inter + 15) / 16, total = __popc(m) * RT, nb = gridDim.x - p.sh_blocks;
     const int ppb = (total + nb - 1) / nb, p0 = (blockIdx.x - p.sh_blocks) * ppb;
     const int np = max(0, min(ppb, total - p0));
-    routed_pair_tiles<FMT_FP4T>(r, m, s_ids, p0, np, RT, s_tw, s_ts, s_row0, s_slot);
+    routed_pair_tiles<FMT_FP4T>(r, m, p0, np, RT, t);
     __syncthreads();
     if (np > 0) {
-      auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], r.inter}; };
+      auto tile = [=](int tl, int) { return MmaTile{t.tw[tl], t.ts[tl], xs, t.row0[tl], r.inter}; };
       auto st = mma_stream<FMT_FP4T, FFN_RU, FP4T_W>(tile, xs, 2 * np, 1, r.dim / mma_round_vals<FMT_FP4T, FP4T_W>(),
                                                      row_bytes<FMT_FP4T>(r.dim), r.s13_ld, nullptr);
       st.prefetch();
-      gate_up_pairs<FMT_FP4T>(st, x, r.dim, xs, part1, np, s_row0, r.inter, r.limit,
-                              [&](int pl) { return s_rw[s_slot[pl]]; },
+      gate_up_pairs<FMT_FP4T>(st, x, r.dim, xs, part1, np, t.row0, r.inter, r.limit,
+                              [&](int pl) { return t.rw[t.slot[pl]]; },
                               [&](int pl, int row) -> __nv_bfloat16& {
-                                return hbuf[(long)s_slot[pl] * r.inter + row];
+                                return hbuf[(long)t.slot[pl] * r.inter + row];
                               });
     }
   }
@@ -157,11 +153,11 @@ moe_ffn_kernel(const MoEArgs r, const MoEArgs s, const __nv_bfloat16* __restrict
   __shared__ const uint8_t* s_w2[32];
   __shared__ const uint8_t* s_s2[32];
   __shared__ int s_dslot[32];
-  const unsigned m = moe_local_slots(r, s_ids);
+  const unsigned m = moe_local_slots(r, t.ids);
   const int nU = __popc(m);
   if (threadIdx.x < 32 && ((m >> lane) & 1u)) {
     const int u = __popc(m & ((1u << lane) - 1u));
-    expert_base<FMT_FP4T>(r, s_ids[lane] - r.expert_offset, 2, s_w2[u], s_s2[u]);
+    expert_base<FMT_FP4T>(r, t.ids[lane] - r.expert_offset, 2, s_w2[u], s_s2[u]);
     s_dslot[u] = lane;
   }
   __syncthreads();  // also: phase 1 no longer reads the first region, which phase 2 reuses

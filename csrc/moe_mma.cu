@@ -95,13 +95,9 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(MMA_STREAM_MAX_TILES));
-  __shared__ const uint8_t* s_tw[MMA_STREAM_MAX_TILES];
-  __shared__ const uint8_t* s_ts[MMA_STREAM_MAX_TILES];
-  __shared__ int s_row0[MMA_STREAM_MAX_TILES], s_slot[MMA_STREAM_MAX_TILES / 2];
-  __shared__ int s_ids[32];
-  __shared__ float s_rw[32];
-  moe_slots(a, part, s_ids, s_rw, true);  // part is free until mma_part_zero below
-  const unsigned m = moe_local_slots(a, s_ids);
+  __shared__ PairTables t;
+  moe_slots(a, part, t.ids, t.rw, true);  // part is free until mma_part_zero below
+  const unsigned m = moe_local_slots(a, t.ids);
   const int RT = (a.inter + 15) / 16, total = __popc(m) * RT;
   const int ppb = (total + gridDim.x - 1) / gridDim.x;
   const int p0 = blockIdx.x * ppb, np = min(ppb, total - p0);
@@ -110,9 +106,9 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
     moe_probe_exit(a, 0, false);
     return;
   }
-  routed_pair_tiles<FMT>(a, m, s_ids, p0, np, RT, s_tw, s_ts, s_row0, s_slot);
+  routed_pair_tiles<FMT>(a, m, p0, np, RT, t);
   __syncthreads();
-  auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], a.inter}; };
+  auto tile = [=](int tl, int) { return MmaTile{t.tw[tl], t.ts[tl], xs, t.row0[tl], a.inter}; };
   auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),
                                   a.s13_ld, reinterpret_cast<uint8_t*>(xs + a.dim));
   __shared__ uint64_t s_bar;
@@ -130,8 +126,8 @@ moe_gate_up_mma_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, __n
     ds4_pdl::begin();
     issue_x();
   }
-  gate_up_pairs<FMT, AQ>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
-                     [&](int pl, int row) -> __nv_bfloat16& { return h[(long)s_slot[pl] * a.inter + row]; },
+  gate_up_pairs<FMT, AQ>(st, x, a.dim, xs, part, np, t.row0, a.inter, a.limit, [&](int pl) { return t.rw[t.slot[pl]]; },
+                     [&](int pl, int row) -> __nv_bfloat16& { return h[(long)t.slot[pl] * a.inter + row]; },
                      bulk_x ? &s_bar : nullptr);
   moe_mark(a, 5);
   moe_probe_exit(a, 0, true);
@@ -362,8 +358,8 @@ static cudaError_t gate_up_mma_go(const MoEArgs& a, const void* x, void* h, cuda
   const int floor_grid = (pairs + MMA_STREAM_MAX_TILES / 2 - 1) / (MMA_STREAM_MAX_TILES / 2);
   if (grid < floor_grid) grid = floor_grid;
   if ((e = launch_spacer_before('u', st)) != cudaSuccess) return e;
-  return ds4_pdl::launch(kern, dim3(grid), dim3(MMA_STREAM_THREADS), smem, st, a, reinterpret_cast<const __nv_bfloat16*>(x),
-                         reinterpret_cast<__nv_bfloat16*>(h),
+  return ds4_pdl::launch(kern, dim3(grid), dim3(MMA_STREAM_THREADS), smem, st, a,
+                         reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<__nv_bfloat16*>(h),
                          !AQ && bulk_stage_site('u') && bulk_piece_ok(x, 2L * a.dim) ? 1 : 0);
 }
 

@@ -136,19 +136,15 @@ moe_splitk_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, float* _
   extern __shared__ float4 smem4[];
   float* part = reinterpret_cast<float*>(smem4);
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(part + mma_part_floats(MMA_STREAM_MAX_TILES));
-  __shared__ const uint8_t* s_tw[MMA_STREAM_MAX_TILES];
-  __shared__ const uint8_t* s_ts[MMA_STREAM_MAX_TILES];
-  __shared__ int s_row0[MMA_STREAM_MAX_TILES], s_slot[MMA_STREAM_MAX_TILES / 2];
-  __shared__ int s_ids[32];
-  __shared__ float s_rw[32];
+  __shared__ PairTables t;
   __shared__ __align__(16) __nv_bfloat16 s_h[MMA_STREAM_MAX_TILES / 2 * 16];  // h of the block's pairs
   __shared__ uint4 s_hb[SPLITK_MAX_ITEMS * 4];                                 // the items' chunks of h, staged
   __shared__ const uint8_t* s_iw[SPLITK_MAX_ITEMS];
   __shared__ const uint8_t* s_is[SPLITK_MAX_ITEMS];
   __shared__ int s_ipair[SPLITK_MAX_ITEMS], s_nitems;  // an item's first value of inter as a pair index (p0 units)
   float* dst = parts + (long)blockIdx.x * a.dim;
-  moe_slots(a, part, s_ids, s_rw, true);
-  const unsigned m = moe_local_slots(a, s_ids);
+  moe_slots(a, part, t.ids, t.rw, true);
+  const unsigned m = moe_local_slots(a, t.ids);
   const int RT = a.inter / 16, total = __popc(m) * RT;
   const int ppb = (total + gridDim.x - 1) / gridDim.x;
   const int p0 = blockIdx.x * ppb, np = min(ppb, total - p0);
@@ -156,7 +152,7 @@ moe_splitk_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, float* _
     for (int i = threadIdx.x; i < a.dim; i += blockDim.x) dst[i] = 0.f;
     return;
   }
-  routed_pair_tiles<FMT>(a, m, s_ids, p0, np, RT, s_tw, s_ts, s_row0, s_slot);
+  routed_pair_tiles<FMT>(a, m, p0, np, RT, t);
   if (threadIdx.x == 0) {  // the items: the distinct (expert, 32-value chunk) of pairs p0 .. p0 + np - 1, in order
     int n = 0, last = -1;
     for (int pl = 0; pl < np; ++pl) {
@@ -165,7 +161,7 @@ moe_splitk_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, float* _
       last = key;
       const int slot = nth_bit(m, u);
       const uint8_t *w2, *s2;
-      expert_base<FMT>(a, s_ids[slot] - a.expert_offset, 2, w2, s2);
+      expert_base<FMT>(a, t.ids[slot] - a.expert_offset, 2, w2, s2);
       if (KMAJOR) {  // chunk c's runs: dim / 64 groups of 1024 bytes of w2 and of 64 scale bytes
         s_iw[n] = w2 + (long)c * (a.dim / 64) * 1024;
         s_is[n] = s2 + (long)c * (a.dim / 64) * 64;
@@ -181,14 +177,14 @@ moe_splitk_kernel(const MoEArgs a, const __nv_bfloat16* __restrict__ x, float* _
     s_nitems = n;
   }
   __syncthreads();
-  auto tile = [=](int tl, int) { return MmaTile{s_tw[tl], s_ts[tl], xs, s_row0[tl], a.inter}; };
+  auto tile = [=](int tl, int) { return MmaTile{t.tw[tl], t.ts[tl], xs, t.row0[tl], a.inter}; };
   auto st = mma_stream<FMT, U, W>(tile, xs, 2 * np, 1, a.dim / mma_round_vals<FMT, W>(), row_bytes<FMT>(a.dim),
                                   a.s13_ld, reinterpret_cast<uint8_t*>(xs + a.dim));
   st.prefetch();
   // the down phase's first loads right after the warp's gate+up rounds (w2 does not depend on h); set up only there,
   // so that nothing of it stays live across the gate+up stream
   SplitkDown<KMAJOR> dn;
-  gate_up_pairs<FMT>(st, x, a.dim, xs, part, np, s_row0, a.inter, a.limit, [&](int pl) { return s_rw[s_slot[pl]]; },
+  gate_up_pairs<FMT>(st, x, a.dim, xs, part, np, t.row0, a.inter, a.limit, [&](int pl) { return t.rw[t.slot[pl]]; },
                      [&](int pl, int row) -> __nv_bfloat16& { return s_h[pl * 16 + (row & 15)]; }, nullptr, [&] {
                        dn.init(a, s_iw, s_is, s_nitems);
                        dn.prefetch();
