@@ -5,6 +5,8 @@
 # (bench_kernels.py: the dense GEMV rows, then the routed MoE rows); then the decode slope, one process per build,
 # alternating A B A B, as time allows. Logs: one tarball in $OUT.
 # Not run in session 85 (no machine could be started). The flag is not in the tree: apply the diff first.
+# Known bug (found in session 87, call 1): `timeout` cannot run the shell function `hint`, so every row of the
+# hinted build exits 127 and measures nothing. The fixed script is experiments/s87/call2.sh; use that one.
 # Usage (carry build/site): git apply experiments/s85/stream_l2_256b.diff;
 #   OUT=$OUT [BUDGET=seconds, default 560] bash experiments/s85/call3.sh
 set -u
