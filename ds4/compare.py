@@ -80,16 +80,23 @@ def _naming(r: dict, baseline: str) -> set[str]:
     return {o.split("=", 1)[0] for o in (r.get("overrides") or []) if baseline in o}
 
 
+# A baseline whose TPOT p90 exceeds its median by more than this gets a note: its steps spread, and every speedup
+# against it moves with them. The torch reference path (seed_phase1) dispatches one Python call per op, so its pace is
+# the host's: on the lent H100s of session 88 its median ran 67-115 ms and its p90 up to 1.64x that from run to run,
+# where ds4_best's median stayed at 1.309-1.338 ms (experiments/seed_phases_h100_s88.md).
+SPREAD_NOTE = 1.10
+
+
 def add_speedup(recs: list[dict], baseline: str) -> list[str]:
     """figures['speedup'] = the baseline's TPOT / this job's TPOT. A job's baseline is the finished job of the same
     sweep folder whose overrides name `baseline` (e.g. experiment=seed_phase1) on every key where a job of that
     folder names it (`--baseline dequant` over moe x linear: moe=dequant and linear=dequant) and are otherwise the
     job's own, so the same machine, session and other settings (e.g. model.n_layers). Returns a note for each
-    finished job that has none."""
+    finished job that has none, and one for each baseline whose TPOT p90 is over SPREAD_NOTE x its median."""
     axes: dict[Path, set[str]] = {}  # folder -> the keys whose values name the baseline there
     for b in recs:
         axes.setdefault(Path(b["_path"]).parent, set()).update(_naming(b, baseline))
-    notes = []
+    notes, spread_noted = [], set()
     for r in recs:
         if _tpot(r) is None:
             continue
@@ -105,11 +112,25 @@ def add_speedup(recs: list[dict], baseline: str) -> list[str]:
                          "(no speedup)")
             continue
         r["figures"]["speedup"] = _tpot(found) / _tpot(r)
+        spread = _spread(found)
+        if spread is not None and spread > SPREAD_NOTE and id(found) not in spread_noted:
+            spread_noted.add(id(found))
+            notes.append(f"{found['_label']} (a baseline): TPOT p90 {found['figures']['tpot_ms_p90']:.3f} ms is "
+                         f"{spread:.2f}x its median: its steps spread, and the speedups against it move with them")
     return notes
 
 
+def _spread(r: dict) -> float | None:
+    """A finished job's TPOT p90 / median, or None where its p90 was not recorded."""
+    p90 = (r.get("figures") or {}).get("tpot_ms_p90")
+    ok = isinstance(p90, (int, float)) and not isinstance(p90, bool) and math.isfinite(p90)
+    return p90 / _tpot(r) if ok and _tpot(r) is not None else None
+
+
 def _rows(recs: list[dict], speedup: bool = False) -> tuple[list[str], list[list[str]]]:
-    cols = COLUMNS + ([("speedup", "speedup", "{:.2f}x")] if speedup else [])
+    # with a speedup the TPOT's p90 beside it: how far the steps (of the baseline above all) spread
+    extra = [("TPOT p90 ms", "tpot_ms_p90", "{:.3f}"), ("speedup", "speedup", "{:.2f}x")]
+    cols = COLUMNS + (extra if speedup else [])
     head = ["job", "status", "task"] + [c[0] for c in cols]
     rows = []
     for r in recs:

@@ -137,10 +137,13 @@ def test_compare_reads_records(tmp_path):
     assert compare.main([str(tmp_path / "missing")]) == 2
 
 
-def _job(root: Path, path: str, overrides: list[str], tpot: float | None, status: str = "ok", **extra):
+def _job(root: Path, path: str, overrides: list[str], tpot: float | None, status: str = "ok", p90: float | None = None,
+         **extra):
     d = root / path
     d.mkdir(parents=True)
     fig = {} if tpot is None else {"tpot_ms": tpot, "decode_tok_s": 1000.0 / tpot}
+    if p90 is not None:
+        fig["tpot_ms_p90"] = p90
     (d / "metrics.json").write_text(json.dumps({"task": "bench", "status": status, "overrides": overrides,
                                                 "figures": fig, "error": None if status == "ok" else "x", **extra}))
 
@@ -167,6 +170,23 @@ def test_compare_speedup_against_the_same_sweeps_baseline(tmp_path):
     head = md.splitlines()[2]
     assert "max\\|dlogit\\|" in head and head.count(" | ") + 2 == md.splitlines()[3].count("|")  # one cell each
     assert "commit: abc, not recorded" in md and "started 2026-12-05T01:00:00" in md and "failed: x" in md
+
+
+def test_compare_notes_a_baseline_whose_steps_spread(tmp_path):
+    """A baseline whose TPOT p90 is over SPREAD_NOTE x its median gets one note (however many jobs it serves), and the
+    speedup table shows every job's p90; a steady baseline, or one without a recorded p90, gets none."""
+    e = lambda x: f"experiment={x}"
+    for sweep, p90 in (("noisy", 88.4), ("steady", 76.0), ("unrecorded", None)):
+        _job(tmp_path / sweep, "s/0", [e("seed_phase1")], 75.5, p90=p90)
+        _job(tmp_path / sweep, "s/1", [e("ds4_best")], 1.338)
+        _job(tmp_path / sweep, "s/2", [e("ds4_cuda_graph")], 1.974)
+    recs = compare.load(tmp_path / "noisy")
+    notes = compare.add_speedup(recs, "seed_phase1")
+    assert len(notes) == 1 and "experiment=seed_phase1" in notes[0] and "1.17x its median" in notes[0]
+    md = compare.markdown(recs, speedup=True, notes=notes)
+    assert "TPOT p90 ms" in md.splitlines()[2] and "| 88.400 |" in md and "1.17x its median" in md
+    for sweep in ("steady", "unrecorded"):
+        assert compare.add_speedup(compare.load(tmp_path / sweep), "seed_phase1") == []
 
 
 def test_compare_baseline_names_the_name_on_every_axis(tmp_path):
